@@ -1,0 +1,43 @@
+# meshtorch_find_libtorch(): defines the target meshtorch::torch.
+#
+# CPU build (default): links only torch_cpu and c10 from the LibTorch prefix MESHTORCH_LIBTORCH
+# (scripts/setup unpacks one from the pinned torch wheel; an official CPU LibTorch works too).
+# The wheel's CUDA libraries are not needed, and its TorchConfig would go looking for them.
+# CUDA build (MESHTORCH_CUDA=ON): uses the prefix's full TorchConfig (find_package(Torch)).
+function(meshtorch_find_libtorch)
+  if(TARGET meshtorch::torch)
+    return()
+  endif()
+  set(default_prefix "$ENV{MESHTORCH_LIBTORCH}")
+  if(NOT default_prefix AND EXISTS "${PROJECT_SOURCE_DIR}/.deps/libtorch")
+    set(default_prefix "${PROJECT_SOURCE_DIR}/.deps/libtorch")
+  endif()
+  set(MESHTORCH_LIBTORCH "${default_prefix}" CACHE PATH "LibTorch prefix (include/, lib/, share/cmake)")
+
+  if(MESHTORCH_CUDA)
+    find_package(Torch REQUIRED HINTS "${MESHTORCH_LIBTORCH}/share/cmake/Torch")
+    add_library(meshtorch::torch INTERFACE IMPORTED GLOBAL)
+    target_link_libraries(meshtorch::torch INTERFACE ${TORCH_LIBRARIES})
+    target_compile_definitions(meshtorch::torch INTERFACE MESHTORCH_WITH_CUDA=1)
+    return()
+  endif()
+
+  if(NOT EXISTS "${MESHTORCH_LIBTORCH}/include/torch/csrc/api/include/torch/torch.h")
+    message(FATAL_ERROR
+      "meshtorch: no LibTorch at MESHTORCH_LIBTORCH='${MESHTORCH_LIBTORCH}' "
+      "(include/torch/csrc/api/include/torch/torch.h is missing). Run scripts/setup, or pass "
+      "-DMESHTORCH_LIBTORCH=/path/to/libtorch.")
+  endif()
+  foreach(lib torch_cpu c10)
+    find_library(MESHTORCH_${lib}_LIBRARY ${lib} PATHS "${MESHTORCH_LIBTORCH}/lib" NO_DEFAULT_PATH REQUIRED)
+  endforeach()
+  find_package(Threads REQUIRED)
+  add_library(meshtorch::torch INTERFACE IMPORTED GLOBAL)
+  target_include_directories(meshtorch::torch SYSTEM INTERFACE
+    "${MESHTORCH_LIBTORCH}/include" "${MESHTORCH_LIBTORCH}/include/torch/csrc/api/include")
+  # The c10d headers guard Gloo and the distributed API with these macros; the wheel is built with both.
+  target_compile_definitions(meshtorch::torch INTERFACE USE_DISTRIBUTED USE_C10D_GLOO)
+  target_link_libraries(meshtorch::torch INTERFACE
+    "${MESHTORCH_torch_cpu_LIBRARY}" "${MESHTORCH_c10_LIBRARY}" Threads::Threads)
+  target_link_options(meshtorch::torch INTERFACE "-Wl,-rpath,${MESHTORCH_LIBTORCH}/lib")
+endfunction()

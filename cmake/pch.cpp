@@ -1,0 +1,1 @@
+// Precompiled-header carrier: see meshtorchBuildHelpers.cmake.
