@@ -1,0 +1,9 @@
+#pragma once
+// The compile-time layout core: axes, meshes, placements and redistribution rules. No LibTorch,
+// no fmt (its formatters are in format.hpp).
+#include <meshtorch/layout/axis.hpp>
+#include <meshtorch/layout/extent.hpp>
+#include <meshtorch/layout/mesh.hpp>
+#include <meshtorch/layout/mesh_shape.hpp>
+#include <meshtorch/layout/placement.hpp>
+#include <meshtorch/layout/redistribution.hpp>

@@ -1,0 +1,2 @@
+#include <meshtorch/layout/redistribution.hpp>
+constexpr auto collective = meshtorch::collective_for<meshtorch::Replicate, meshtorch::Partial>;

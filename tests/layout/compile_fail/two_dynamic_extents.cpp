@@ -1,0 +1,2 @@
+#include <meshtorch/layout/mesh.hpp>
+meshtorch::Mesh<meshtorch::DP<meshtorch::dynamic>, meshtorch::TP<meshtorch::dynamic>> mesh;
