@@ -1,0 +1,192 @@
+#include <catch2/catch.hpp>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string meshrun = MESHRUN_PATH;
+const std::string rank_program = RANK_PROGRAM_PATH;
+
+struct Run {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+  double seconds = 0;
+};
+
+Run run(const std::string& command) {
+  auto started = std::chrono::steady_clock::now();
+  Run result;
+  FILE* pipe = ::popen(("(" + command + ") 2>&1").c_str(), "r");
+  REQUIRE(pipe);
+  char buffer[4096];
+  while (std::size_t n = std::fread(buffer, 1, sizeof buffer, pipe)) result.output.append(buffer, n);
+  int status = ::pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  UNSCOPED_INFO("command: " << command << "\nexit code " << result.exit_code << " after " << result.seconds
+                            << " s, output:\n" << result.output);
+  return result;
+}
+
+// A fresh folder per test, so that tests may run in parallel.
+fs::path scratch_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("meshrun-test-" + std::to_string(::getpid()) + "-" + name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+// Distinct per test process, away from 29500 where real jobs listen.
+int free_port_guess() { return 30000 + static_cast<int>(::getpid() % 2000) * 2; }
+
+}  // namespace
+
+TEST_CASE("every rank sees its rank, world size, local rank and master in the environment") {
+  auto dir = scratch_dir("env");
+  auto result = run("env -u OMP_NUM_THREADS " + meshrun + " --nproc-per-node 3 --master-port 4321 -- " +
+                    rank_program + " env " + dir.string());
+  REQUIRE(result.exit_code == 0);
+  for (int rank = 0; rank < 3; ++rank) {
+    auto expected = std::to_string(rank) + " 3 " + std::to_string(rank) + " 3 127.0.0.1 4321 torchrun 0 0 1 error-file\n";
+    CHECK(read_text(dir / ("rank" + std::to_string(rank) + ".txt")) == expected);
+  }
+  CHECK_THAT(result.output, Catch::Contains("OMP_NUM_THREADS is not set"));
+  CHECK_THAT(result.output, Catch::Contains("all 3 ranks finished successfully"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a rank exiting with code 3 stops the sleeping ranks and meshrun exits 3 naming it") {
+  auto result = run(meshrun + " --nproc-per-node 3 -- " + rank_program + " exit-on-rank 1 3");
+  CHECK(result.exit_code == 3);
+  CHECK(result.seconds < 5);
+  CHECK_THAT(result.output, Catch::Contains("rank 1 (node 0, local rank 1, attempt 0) failed first: it exited with code 3"));
+}
+
+TEST_CASE("a rank killed by SIGKILL stops the others and meshrun exits 128 + 9") {
+  auto result = run(meshrun + " --nproc-per-node 2 -- " + rank_program + " kill-on-rank 0");
+  CHECK(result.exit_code == 137);
+  CHECK(result.seconds < 5);
+  CHECK_THAT(result.output, Catch::Contains("rank 0 (node 0, local rank 0, attempt 0) failed first: it was killed by SIGKILL"));
+}
+
+TEST_CASE("a rank that ignores SIGTERM is killed after the grace period") {
+  auto result = run(meshrun + " --nproc-per-node 2 --termination-grace 1 -- sh -c "
+                    "'if [ $RANK = 1 ]; then sleep 0.2; exit 4; fi; trap \"\" TERM; sleep 30'");
+  CHECK(result.exit_code == 4);
+  CHECK(result.seconds > 1);
+  CHECK(result.seconds < 5);
+}
+
+TEST_CASE("with --max-restarts 1 a failure restarts the whole group once") {
+  auto result = run(meshrun + " --nproc-per-node 2 --max-restarts 1 --prefix-output -- " + rank_program +
+                    " fail-first-attempt 2");
+  CHECK(result.exit_code == 0);
+  CHECK_THAT(result.output, Catch::Contains("[rank0]:attempt 0 rank 0"));
+  CHECK_THAT(result.output, Catch::Contains("[rank0]:attempt 1 rank 0"));
+  CHECK_THAT(result.output, Catch::Contains("[rank1]:attempt 1 rank 1"));
+  CHECK_THAT(result.output, Catch::Contains("restarting all ranks (restart 1 of 1)"));
+  CHECK_THAT(result.output, Catch::Contains("finished successfully"));
+}
+
+TEST_CASE("without restarts left the first failure is final") {
+  auto result = run(meshrun + " --nproc-per-node 2 -- " + rank_program + " fail-first-attempt 2");
+  CHECK(result.exit_code == 2);
+  CHECK_THAT(result.output, !Catch::Contains("attempt 1"));
+}
+
+TEST_CASE("with --log-dir meshrun writes each rank's stdout and stderr to its own files") {
+  auto dir = scratch_dir("logs");
+  auto result = run(meshrun + " --nproc-per-node 2 --log-dir " + dir.string() +
+                    " -- sh -c 'echo out $RANK; echo err $RANK >&2'");
+  REQUIRE(result.exit_code == 0);
+  for (int rank = 0; rank < 2; ++rank) {
+    auto rank_dir = dir / "0" / std::to_string(rank);
+    CHECK(read_text(rank_dir / "stdout.log") == "out " + std::to_string(rank) + "\n");
+    CHECK(read_text(rank_dir / "stderr.log") == "err " + std::to_string(rank) + "\n");
+  }
+  CHECK_THAT(result.output, !Catch::Contains("out 0"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("an uncaught exception writes the error file and meshrun prints its message") {
+  auto dir = scratch_dir("error-file");
+  auto result = run(meshrun + " --nproc-per-node 2 --log-dir " + dir.string() + " -- " + rank_program +
+                    " throw-on-rank 1 'disk on fire'");
+  CHECK(result.exit_code == 1);
+  auto error_file = dir / "0" / "1" / "error.json";
+  REQUIRE(fs::exists(error_file));
+  auto json = nlohmann::json::parse(read_text(error_file));
+  CHECK(json["message"]["message"] == "std::runtime_error: disk on fire");
+  CHECK(json["message"]["extraInfo"]["timestamp"].is_string());
+  CHECK_THAT(result.output, Catch::Contains("error file " + error_file.string() + ": std::runtime_error: disk on fire"));
+  CHECK_THAT(result.output, Catch::Contains("its stderr: " + (dir / "0" / "1" / "stderr.log").string()));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("two meshruns with --nnodes 2 on loopback give global ranks 0 to 3") {
+  auto dir = scratch_dir("two-nodes");
+  auto node = [&](int node_rank) {
+    return meshrun + " --nnodes 2 --node-rank " + std::to_string(node_rank) +
+           " --nproc-per-node 2 --master-addr 127.0.0.1 --rdzv-timeout 10 --master-port " +
+           std::to_string(free_port_guess()) + " -- " + rank_program + " env " + dir.string();
+  };
+  auto result = run(node(1) + " & " + node(0) + "; first=$?; wait $!; second=$?; exit $((first + second))");
+  REQUIRE(result.exit_code == 0);
+  for (int rank = 0; rank < 4; ++rank) {
+    auto expected = std::to_string(rank) + " 4 " + std::to_string(rank % 2) + " 2 127.0.0.1 " +
+                    std::to_string(free_port_guess()) + " torchrun " + std::to_string(rank / 2);
+    CHECK_THAT(read_text(dir / ("rank" + std::to_string(rank) + ".txt")), Catch::StartsWith(expected));
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a failing rank on one node stops the ranks of the other node") {
+  auto node = [&](int node_rank) {
+    return meshrun + " --nnodes 2 --node-rank " + std::to_string(node_rank) +
+           " --nproc-per-node 2 --master-addr 127.0.0.1 --rdzv-timeout 10 --master-port " +
+           std::to_string(free_port_guess() + 1000) + " -- " + rank_program + " exit-on-rank 3 5";
+  };
+  auto result = run(node(1) + " & " + node(0) + "; first=$?; wait $!; second=$?; echo codes $first $second");
+  CHECK_THAT(result.output, Catch::Contains("codes 5 5"));
+  CHECK(result.seconds < 5);
+  CHECK_THAT(result.output, Catch::Contains("rank 3 (node 1, local rank 1, attempt 0) failed first"));
+}
+
+TEST_CASE("SIGTERM sent to meshrun reaches the ranks and meshrun exits 128 + 15") {
+  auto result = run(meshrun + " --nproc-per-node 2 -- sleep 30 & sleep 0.5; kill -TERM $!; wait $!");
+  CHECK(result.exit_code == 143);
+  CHECK(result.seconds < 5);
+  CHECK_THAT(result.output, Catch::Contains("received SIGTERM"));
+}
+
+TEST_CASE("a program that cannot be started fails with exit code 127 and says why") {
+  auto result = run(meshrun + " --nproc-per-node 1 -- /nonexistent/program");
+  CHECK(result.exit_code == 127);
+  CHECK_THAT(result.output, Catch::Contains("could not be started: '/nonexistent/program': No such file or directory"));
+}
+
+TEST_CASE("contradictory flags are refused before anything starts") {
+  CHECK(run(meshrun + " --nproc-per-node 2 --nnodes 2 --node-rank 2 --master-addr h -- true").exit_code != 0);
+  CHECK(run(meshrun + " --nproc-per-node 2 --nnodes 2 -- true").exit_code != 0);
+  CHECK(run(meshrun + " --nproc-per-node 2 --redirects 3 -- true").exit_code != 0);
+  CHECK(run(meshrun + " --nproc-per-node 2").exit_code != 0);
+}
