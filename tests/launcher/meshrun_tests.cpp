@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +19,20 @@ namespace {
 
 const std::string meshrun = MESHRUN_PATH;
 const std::string rank_program = RANK_PROGRAM_PATH;
+
+// meshrun keeps a failed run's temporary folder for inspection: give this test process its own
+// TMPDIR, removed at exit, so that the failure tests leave nothing behind.
+struct PrivateTmpdir {
+  fs::path path = fs::temp_directory_path() / ("meshrun-tests-" + std::to_string(::getpid()));
+  PrivateTmpdir() {
+    fs::create_directories(path);
+    ::setenv("TMPDIR", path.c_str(), 1);
+  }
+  ~PrivateTmpdir() {
+    std::error_code ignored;
+    fs::remove_all(path, ignored);
+  }
+} private_tmpdir;
 
 struct Run {
   int exit_code = -1;
