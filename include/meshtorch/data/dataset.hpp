@@ -1,0 +1,160 @@
+#pragma once
+// Causal-LM datasets: documents are tokenised once, concatenated and cut into blocks of
+// seq_length tokens, dropping the remainder (the guide's group_texts). Sources: `builtin`, a
+// plain-text file (documents separated by blank lines), a JSONL file (a "text" field, or
+// alpaca-style instruction/input/output), or a pre-tokenised llm.c .bin file (uint16 tokens).
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "meshtorch/data/builtin_corpus.hpp"
+#include "meshtorch/data/tokenizer.hpp"
+#include "meshtorch/error.hpp"
+
+namespace meshtorch::data {
+
+// The same wording as the alpaca data set's own "text" field.
+inline std::string format_alpaca(const std::string& instruction, const std::string& input, const std::string& output) {
+  if (input.empty())
+    return "Below is an instruction that describes a task. Write a response that appropriately completes the "
+           "request.\n\n### Instruction:\n" + instruction + "\n\n### Response:\n" + output;
+  return "Below is an instruction that describes a task, paired with an input that provides further context. Write "
+         "a response that appropriately completes the request.\n\n### Instruction:\n" + instruction +
+         "\n\n### Input:\n" + input + "\n\n### Response:\n" + output;
+}
+
+inline std::vector<std::string> read_text_documents(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) throw DataError(path.string() + ": cannot open");
+  std::vector<std::string> documents;
+  std::string line, current;
+  while (std::getline(in, line)) {
+    if (line.empty()) {
+      if (!current.empty()) documents.push_back(std::move(current));
+      current.clear();
+    } else {
+      if (!current.empty()) current += '\n';
+      current += line;
+    }
+  }
+  if (!current.empty()) documents.push_back(std::move(current));
+  return documents;
+}
+
+inline std::vector<std::string> read_jsonl_documents(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) throw DataError(path.string() + ": cannot open");
+  std::vector<std::string> documents;
+  std::string line;
+  for (std::size_t number = 1; std::getline(in, line); ++number) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path.string() + ":" + std::to_string(number);
+    nlohmann::json record;
+    try {
+      record = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      throw DataError(where + ": not valid JSON (" + e.what() + ")");
+    }
+    auto string_field = [&](const char* name) -> std::string {
+      auto it = record.find(name);
+      if (it == record.end() || it->is_null()) return {};
+      if (!it->is_string()) throw DataError(where + ": field '" + name + "' must be a string");
+      return it->get<std::string>();
+    };
+    if (!record.is_object()) throw DataError(where + ": each line must be a JSON object");
+    if (record.contains("text")) {
+      documents.push_back(string_field("text"));
+    } else if (record.contains("instruction") && record.contains("output")) {
+      documents.push_back(format_alpaca(string_field("instruction"), string_field("input"), string_field("output")));
+    } else {
+      throw DataError(where + ": needs a 'text' field or 'instruction' and 'output' fields");
+    }
+  }
+  return documents;
+}
+
+// llm.c's token file: a 256 x int32 header (magic 20240520, version 1, token count), then uint16 tokens.
+inline std::vector<std::int32_t> read_llmc_tokens(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DataError(path.string() + ": cannot open");
+  std::int32_t header[256] = {};
+  in.read(reinterpret_cast<char*>(header), sizeof header);
+  if (!in || header[0] != 20240520)
+    throw DataError(path.string() + ": not an llm.c token file (magic number " + std::to_string(header[0]) +
+                    ", expected 20240520)");
+  if (header[1] != 1) throw DataError(path.string() + ": unsupported llm.c token file version " + std::to_string(header[1]));
+  const auto count = static_cast<std::size_t>(header[2]);
+  std::vector<std::uint16_t> raw(count);
+  in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(count * sizeof(std::uint16_t)));
+  if (!in) throw DataError(path.string() + ": header says " + std::to_string(count) + " tokens but the file is shorter");
+  return {raw.begin(), raw.end()};
+}
+
+class TokenBlocks {
+ public:
+  TokenBlocks(const std::vector<std::int32_t>& tokens, std::int64_t seq_length, std::string source)
+      : seq_length_(seq_length), source_(std::move(source)) {
+    if (seq_length <= 0) throw ConfigError("-s/--seq-length must be positive");
+    const auto count = static_cast<std::int64_t>(tokens.size()) / seq_length;
+    if (count == 0)
+      throw DataError(source_ + ": " + std::to_string(tokens.size()) + " tokens do not fill one block of " +
+                      std::to_string(seq_length));
+    blocks_ = torch::from_blob(const_cast<std::int32_t*>(tokens.data()), {count, seq_length}, torch::kInt).clone();
+  }
+
+  std::int64_t size() const { return blocks_.size(0); }
+  std::int64_t seq_length() const { return seq_length_; }
+  const std::string& source() const { return source_; }
+
+  // Rows `indices` as int64 token ids [indices.size(), seq_length].
+  torch::Tensor gather(const std::vector<std::int64_t>& indices) const {
+    auto index = torch::from_blob(const_cast<std::int64_t*>(indices.data()), {static_cast<std::int64_t>(indices.size())},
+                                  torch::kLong);
+    return blocks_.index_select(0, index).to(torch::kLong);
+  }
+
+  // Checks every token against the model's vocabulary once, not per batch.
+  void check_vocab(std::int64_t vocab_size) const {
+    const auto max_id = blocks_.max().item<std::int64_t>();
+    const auto min_id = blocks_.min().item<std::int64_t>();
+    if (min_id < 0 || max_id >= vocab_size)
+      throw DataError(source_ + ": token id " + std::to_string(min_id < 0 ? min_id : max_id) +
+                      " lies outside the model's vocab_size " + std::to_string(vocab_size));
+  }
+
+ private:
+  torch::Tensor blocks_;
+  std::int64_t seq_length_;
+  std::string source_;
+};
+
+// `-d builtin` or a path; the file's extension chooses the format.
+inline TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length) {
+  ByteTokenizer tokenizer;
+  std::vector<std::int32_t> tokens;
+  std::vector<std::string> documents;
+  if (name == "builtin") {
+    documents = builtin_corpus();
+  } else {
+    const std::filesystem::path path(name);
+    if (!std::filesystem::exists(path))
+      throw DataError("-d/--dataset-name '" + name + "' is neither 'builtin' nor an existing file");
+    const auto ext = path.extension().string();
+    if (ext == ".jsonl" || ext == ".json")
+      documents = read_jsonl_documents(path);
+    else if (ext == ".bin")
+      tokens = read_llmc_tokens(path);
+    else
+      documents = read_text_documents(path);
+  }
+  for (const auto& doc : documents) tokenizer.encode_document(doc, tokens);
+  return TokenBlocks(tokens, seq_length, name);
+}
+
+}  // namespace meshtorch::data

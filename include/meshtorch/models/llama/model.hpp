@@ -1,0 +1,175 @@
+#pragma once
+// Llama for causal LM, with HF's module tree so that named_parameters() are HF's names
+// ("model.layers.0.self_attn.q_proj.weight", ...). The model knows nothing of parallelism:
+// attention derives its local head count from the projection's width, so a tensor-parallel
+// plan can shard q/k/v/o from outside without touching this file.
+#include <optional>
+#include <torch/torch.h>
+
+#include "meshtorch/models/llama/config.hpp"
+#include "meshtorch/models/llama/layers.hpp"
+
+namespace meshtorch::llama {
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  AttentionImpl(const Config& c, const torch::TensorOptions& options) : head_dim_(c.resolved_head_dim()) {
+    q_proj = register_module("q_proj", Linear(c.hidden_size, c.q_size(), options));
+    k_proj = register_module("k_proj", Linear(c.hidden_size, c.kv_size(), options));
+    v_proj = register_module("v_proj", Linear(c.hidden_size, c.kv_size(), options));
+    o_proj = register_module("o_proj", Linear(c.q_size(), c.hidden_size, options));
+  }
+
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    const auto batch = x.size(0), seq = x.size(1);
+    auto q = q_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
+    auto k = k_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
+    auto v = v_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
+    q = Rotary::apply(q, cos, sin);
+    k = Rotary::apply(k, cos, sin);
+    const bool grouped = q.size(1) != k.size(1);
+    auto out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                                /*scale=*/std::nullopt, /*enable_gqa=*/grouped);
+    return o_proj(out.transpose(1, 2).reshape({batch, seq, -1}));
+  }
+
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+
+ private:
+  std::int64_t head_dim_;
+};
+TORCH_MODULE(Attention);
+
+class MlpImpl : public torch::nn::Module {
+ public:
+  MlpImpl(const Config& c, const torch::TensorOptions& options) {
+    gate_proj = register_module("gate_proj", Linear(c.hidden_size, c.intermediate_size, options));
+    up_proj = register_module("up_proj", Linear(c.hidden_size, c.intermediate_size, options));
+    down_proj = register_module("down_proj", Linear(c.intermediate_size, c.hidden_size, options));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return down_proj(torch::silu(gate_proj(x)) * up_proj(x)); }
+
+  Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+class DecoderLayerImpl : public torch::nn::Module {
+ public:
+  DecoderLayerImpl(const Config& c, const torch::TensorOptions& options) {
+    self_attn = register_module("self_attn", Attention(c, options));
+    mlp = register_module("mlp", Mlp(c, options));
+    input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, options));
+    post_attention_layernorm =
+        register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, options));
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    auto h = x + self_attn(input_layernorm(x), cos, sin);
+    return h + mlp(post_attention_layernorm(h));
+  }
+
+  Attention self_attn{nullptr};
+  Mlp mlp{nullptr};
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+};
+TORCH_MODULE(DecoderLayer);
+
+class LlamaModelImpl : public torch::nn::Module {
+ public:
+  LlamaModelImpl(const Config& c, const torch::TensorOptions& options) : rotary(c) {
+    embed_tokens = register_module("embed_tokens", Embedding(c.vocab_size, c.hidden_size, options));
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      decoder_layers.push_back(DecoderLayer(c, options));
+      layers->push_back(decoder_layers.back());
+    }
+    norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, options));
+  }
+
+  // Hidden states after the final norm. position_ids are explicit when the sequence is
+  // sharded (sequence parallel); by default they are 0..S-1 for every row.
+  torch::Tensor forward(const torch::Tensor& input_ids, const std::optional<torch::Tensor>& position_ids = {}) {
+    auto h = embed_tokens(input_ids);
+    auto positions = position_ids ? *position_ids
+                                  : torch::arange(input_ids.size(1), input_ids.options().dtype(torch::kLong)).unsqueeze(0);
+    auto [cos, sin] = rotary.tables(positions, h.scalar_type());
+    for (auto& layer : decoder_layers) h = layer(h, cos, sin);
+    return norm(h);
+  }
+
+  Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  std::vector<DecoderLayer> decoder_layers;  // typed view of `layers`
+  RMSNorm norm{nullptr};
+  Rotary rotary;
+};
+TORCH_MODULE(LlamaModel);
+
+class LlamaForCausalLMImpl : public torch::nn::Module {
+ public:
+  // options.device(torch::kMeta) builds the shapes without memory; see materialize().
+  explicit LlamaForCausalLMImpl(const Config& c, const torch::TensorOptions& options = {})
+      : config(c) {
+    validate(c);
+    model = register_module("model", LlamaModel(c, options));
+    if (!c.tie_word_embeddings) lm_head = register_module("lm_head", Linear(c.hidden_size, c.vocab_size, options));
+  }
+
+  torch::Tensor output_weight() const { return lm_head ? lm_head->weight : model->embed_tokens->weight; }
+
+  // Logits [B, S, vocab] in the parameters' dtype.
+  torch::Tensor forward(const torch::Tensor& input_ids, const std::optional<torch::Tensor>& position_ids = {}) {
+    return at::linear(model(input_ids, position_ids), output_weight());
+  }
+
+  // Mean next-token cross entropy, as HF's ForCausalLMLoss: logits in fp32, labels shifted left
+  // by one with the last position ignored (so no copy of the logits is made).
+  static torch::Tensor causal_lm_loss(const torch::Tensor& logits, const torch::Tensor& labels) {
+    auto shifted = torch::cat({labels.narrow(1, 1, labels.size(1) - 1),
+                               torch::full({labels.size(0), 1}, -100, labels.options())}, 1);
+    return torch::nn::functional::cross_entropy(
+        logits.to(torch::kFloat).view({-1, logits.size(-1)}), shifted.view({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100));
+  }
+
+  torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
+    return causal_lm_loss(forward(input_ids), labels);
+  }
+
+  const Config config;
+  LlamaModel model{nullptr};
+  Linear lm_head{nullptr};
+};
+TORCH_MODULE(LlamaForCausalLM);
+
+// Every weight-holding leaf of the model, in named_modules() order.
+inline std::vector<std::pair<std::string, WeightModule*>> weight_modules(torch::nn::Module& root) {
+  std::vector<std::pair<std::string, WeightModule*>> leaves;
+  for (auto& item : root.named_modules()) {
+    if (auto* leaf = dynamic_cast<WeightModule*>(item.value().get())) leaves.emplace_back(item.key(), leaf);
+  }
+  return leaves;
+}
+
+// HF's _init_weights: linear and embedding weights ~ N(0, initializer_range), norms to one.
+// Uses the default generator, so a seed fixes the result.
+inline void init_weights(LlamaForCausalLM& lm) {
+  torch::NoGradGuard no_grad;
+  const double std = lm->config.initializer_range;
+  for (auto& [name, leaf] : weight_modules(*lm)) {
+    if (dynamic_cast<RMSNormImpl*>(leaf))
+      leaf->weight.fill_(1.0);
+    else
+      leaf->weight.normal_(0.0, std);
+  }
+}
+
+// Gives every parameter still on the meta device real storage with `options`, then
+// initialises the model (the guide's to_empty + reset_parameters).
+inline void materialize(LlamaForCausalLM& lm, const torch::TensorOptions& options) {
+  for (auto& [name, leaf] : weight_modules(*lm)) {
+    if (leaf->weight.is_meta()) leaf->materialize(options);
+  }
+  init_weights(lm);
+}
+
+}  // namespace meshtorch::llama

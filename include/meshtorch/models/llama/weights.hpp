@@ -1,0 +1,85 @@
+#pragma once
+// Llama weights in HF's safetensors layout: one model.safetensors, or shards listed in
+// model.safetensors.index.json. Names are HF's (the module tree mirrors LlamaForCausalLM), so a
+// folder saved here loads in transformers' from_pretrained and the other way round.
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "meshtorch/io/safetensors.hpp"
+#include "meshtorch/models/llama/config_json.hpp"
+#include "meshtorch/models/llama/model.hpp"
+
+namespace meshtorch::llama {
+
+inline std::string dtype_name(torch::ScalarType type) {
+  return type == torch::kBFloat16 ? "bfloat16" : type == torch::kHalf ? "float16" : "float32";
+}
+
+// Writes config.json and model.safetensors into `dir` (each file atomically).
+inline void save_pretrained(LlamaForCausalLM& lm, const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  io::NamedTensors tensors;
+  for (const auto& item : lm->named_parameters()) tensors.emplace_back(item.key(), item.value());
+  const auto dtype = tensors.empty() ? torch::kFloat : tensors.front().second.scalar_type();
+  io::write_file_atomically(dir / "config.json", config_to_json(lm->config, dtype_name(dtype)).dump(2) + "\n");
+  io::save_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
+}
+
+inline bool has_pretrained_weights(const std::filesystem::path& dir) {
+  return std::filesystem::exists(dir / "model.safetensors") ||
+         std::filesystem::exists(dir / "model.safetensors.index.json");
+}
+
+// Copies HF weights from `dir` into the model's (already materialised) parameters, converting
+// dtype and device. Every parameter must be found with its shape; extra tensors are an error
+// except the rotary inv_freq buffers some exports carry.
+inline void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem::path& dir) {
+  std::vector<std::filesystem::path> files;
+  if (std::filesystem::exists(dir / "model.safetensors")) {
+    files.push_back(dir / "model.safetensors");
+  } else {
+    const auto index_path = dir / "model.safetensors.index.json";
+    std::ifstream in(index_path);
+    if (!in) throw DataError(dir.string() + ": no model.safetensors or model.safetensors.index.json");
+    nlohmann::json index;
+    try {
+      index = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::parse_error& e) {
+      throw DataError(index_path.string() + ": not valid JSON (" + e.what() + ")");
+    }
+    if (!index.contains("weight_map") || !index["weight_map"].is_object())
+      throw DataError(index_path.string() + ": field 'weight_map' is missing");
+    std::set<std::string> shards;
+    for (const auto& [name, shard] : index["weight_map"].items()) shards.insert(shard.get<std::string>());
+    for (const auto& shard : shards) files.push_back(dir / shard);
+  }
+  auto params = lm->named_parameters();
+  std::set<std::string> loaded;
+  torch::NoGradGuard no_grad;
+  for (const auto& file : files) {
+    auto contents = io::load_safetensors(file);
+    for (auto& [name, tensor] : contents.tensors) {
+      auto* target = params.find(name);
+      if (!target) {
+        if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
+        if (name == "lm_head.weight" && lm->config.tie_word_embeddings) continue;
+        throw DataError(file.string() + ": tensor '" + name + "' is not a parameter of this Llama config");
+      }
+      if (tensor.sizes() != target->sizes())
+        throw DataError(file.string() + ": tensor '" + name + "' has shape " + c10::str(tensor.sizes()) +
+                        ", config.json implies " + c10::str(target->sizes()));
+      target->copy_(tensor);
+      loaded.insert(name);
+    }
+  }
+  for (const auto& item : params)
+    if (!loaded.count(item.key()))
+      throw DataError(dir.string() + ": weights lack parameter '" + item.key() + "'");
+}
+
+}  // namespace meshtorch::llama

@@ -1,0 +1,146 @@
+#pragma once
+// Checkpoint and resume, as the guide's chapter 1 does it, made crash-safe.
+//
+// <exp>/ckpt-<step>/ holds config.json + model.safetensors (an HF folder), optimizer.safetensors
+// (AdamW state and RNG states) and state.json (epoch, global_step, epoch_step, running_loss and
+// the flags that fix the data order). <exp>/checkpoint is a symlink to the newest complete one:
+// a save writes a new folder, fsyncs it, then swaps the link with rename(2), so a crash at any
+// point leaves the previous checkpoint loadable.
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "meshtorch/error.hpp"
+#include "meshtorch/io/atomic_file.hpp"
+#include "meshtorch/io/safetensors.hpp"
+#include "meshtorch/models/llama/weights.hpp"
+#include "meshtorch/train/adamw.hpp"
+
+namespace meshtorch::train {
+
+struct TrainState {
+  std::int64_t epoch = 0;
+  std::int64_t global_step = 0;
+  std::int64_t epoch_step = 0;    // optimizer steps done in this epoch
+  double running_loss = 0;        // sum of step losses since the last log line
+  std::int64_t running_steps = 0; // steps in running_loss
+};
+
+// Flags a resumed run must share with the run that saved, or its data order would differ.
+struct RunIdentity {
+  std::uint64_t seed = 0;
+  std::int64_t seq_length = 0;
+  std::int64_t global_batch = 0;
+  std::string dataset;
+  std::string model;
+};
+
+inline nlohmann::ordered_json to_json(const TrainState& s, const RunIdentity& id) {
+  return {{"epoch", s.epoch},
+          {"global_step", s.global_step},
+          {"epoch_step", s.epoch_step},
+          {"running_loss", s.running_loss},
+          {"running_steps", s.running_steps},
+          {"run", {{"seed", id.seed},
+                   {"seq_length", id.seq_length},
+                   {"global_batch", id.global_batch},
+                   {"dataset", id.dataset},
+                   {"model", id.model}}}};
+}
+
+inline std::filesystem::path latest_checkpoint(const std::filesystem::path& exp_dir) {
+  return exp_dir / "checkpoint";
+}
+
+inline void save_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model,
+                            const AdamW& optimizer, const TrainState& state, const RunIdentity& identity) {
+  namespace fs = std::filesystem;
+  char name[32];
+  std::snprintf(name, sizeof name, "ckpt-%08lld", static_cast<long long>(state.global_step));
+  const fs::path final_dir = exp_dir / name;
+  const fs::path partial_dir = exp_dir / (std::string(name) + ".partial");
+  fs::remove_all(partial_dir);
+  fs::create_directories(partial_dir);
+
+  llama::save_pretrained(model, partial_dir);
+  auto optimizer_state = optimizer.state();
+  optimizer_state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  io::save_safetensors(partial_dir / "optimizer.safetensors", optimizer_state);
+  io::write_file_atomically(partial_dir / "state.json", to_json(state, identity).dump(2) + "\n");
+  io::fsync_path(partial_dir);
+
+  fs::remove_all(final_dir);
+  fs::rename(partial_dir, final_dir);
+  io::fsync_path(exp_dir);
+
+  const fs::path link = latest_checkpoint(exp_dir);
+  const fs::path temporary_link = exp_dir / "checkpoint.tmp";
+  fs::remove(temporary_link);
+  fs::create_directory_symlink(name, temporary_link);
+  fs::rename(temporary_link, link);
+  io::fsync_path(exp_dir);
+
+  // Older checkpoints are no longer referenced.
+  for (const auto& entry : fs::directory_iterator(exp_dir)) {
+    const auto file = entry.path().filename().string();
+    if (file.rfind("ckpt-", 0) == 0 && file != name) fs::remove_all(entry.path());
+  }
+}
+
+// Restores model, optimizer and RNG from <exp>/checkpoint if it exists, and returns the state.
+inline std::optional<TrainState> load_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model,
+                                                 AdamW& optimizer, const RunIdentity& identity) {
+  const auto dir = latest_checkpoint(exp_dir);
+  if (!std::filesystem::exists(dir / "state.json")) return std::nullopt;
+  const auto state_path = (dir / "state.json").string();
+  std::ifstream in(dir / "state.json");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw DataError(state_path + ": not valid JSON (" + e.what() + ")");
+  }
+  auto field = [&](const nlohmann::json& object, const char* key) -> const nlohmann::json& {
+    if (!object.contains(key)) throw DataError(state_path + ": field '" + key + "' is missing");
+    return object[key];
+  };
+  TrainState state;
+  state.epoch = field(j, "epoch").get<std::int64_t>();
+  state.global_step = field(j, "global_step").get<std::int64_t>();
+  state.epoch_step = field(j, "epoch_step").get<std::int64_t>();
+  state.running_loss = field(j, "running_loss").get<double>();
+  state.running_steps = field(j, "running_steps").get<std::int64_t>();
+  const auto& run = field(j, "run");
+  auto same = [&](const char* key, const auto& ours) {
+    using T = std::decay_t<decltype(ours)>;
+    const auto saved = field(run, key).template get<T>();
+    if (saved != ours) {
+      std::ostringstream message;
+      message << state_path << ": the checkpoint was written with " << key << " = " << saved << ", this run has "
+              << ours << "; resume with the same flags or use a new -e/--experiment-name";
+      throw ConfigError(message.str());
+    }
+  };
+  same("seed", identity.seed);
+  same("seq_length", identity.seq_length);
+  same("global_batch", identity.global_batch);
+  same("dataset", identity.dataset);
+  same("model", identity.model);
+
+  llama::load_pretrained_weights(model, dir);
+  const auto optimizer_file = dir / "optimizer.safetensors";
+  auto contents = io::load_safetensors(optimizer_file);
+  optimizer.load_state(contents, optimizer_file.string());
+  const auto* rng = contents.find("rng.cpu");
+  if (!rng) throw DataError(optimizer_file.string() + ": 'rng.cpu' is missing");
+  auto generator = at::detail::getDefaultCPUGenerator();
+  generator.set_state(*rng);
+  return state;
+}
+
+}  // namespace meshtorch::train

@@ -1,0 +1,60 @@
+#pragma once
+// Memory figures for the metrics: allocator statistics on CUDA (as torch.cuda.memory_stats),
+// the process's peak resident set on CPU. Peaks are reset after each log line, as in the guide.
+#include <fstream>
+#include <map>
+#include <string>
+
+#include <torch/torch.h>
+#if defined(MESHTORCH_WITH_CUDA)
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace meshtorch::train {
+
+inline double kib_field_from_proc_status(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  double value = 0;
+  std::string unit;
+  while (status >> key) {
+    if (key == field + ":") {
+      status >> value >> unit;
+      return value;
+    }
+    status.ignore(1 << 12, '\n');
+  }
+  return 0;
+}
+
+// GiB figures under the guide's names.
+inline std::map<std::string, double> memory_figures(const torch::Device& device) {
+  constexpr double gib = 1024.0 * 1024.0 * 1024.0;
+  std::map<std::string, double> figures;
+#if defined(MESHTORCH_WITH_CUDA)
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+    const auto all = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    figures["curr_alloc_gb"] = stats.allocated_bytes[all].current / gib;
+    figures["peak_alloc_gb"] = stats.allocated_bytes[all].peak / gib;
+    figures["curr_resv_gb"] = stats.reserved_bytes[all].current / gib;
+    figures["peak_resv_gb"] = stats.reserved_bytes[all].peak / gib;
+  }
+#else
+  (void)device;
+#endif
+  figures["peak_rss_gb"] = kib_field_from_proc_status("VmHWM") * 1024.0 / gib;
+  figures["curr_rss_gb"] = kib_field_from_proc_status("VmRSS") * 1024.0 / gib;
+  return figures;
+}
+
+inline void reset_peak_memory(const torch::Device& device) {
+#if defined(MESHTORCH_WITH_CUDA)
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+#else
+  (void)device;
+#endif
+  std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to the current RSS
+}
+
+}  // namespace meshtorch::train

@@ -1,0 +1,51 @@
+#pragma once
+// Wall-clock timers per training phase (data, forward, backward, update). On a GPU the device
+// is synchronised at each phase boundary, as the guide's timers do, so a phase's time is its
+// own and not that of kernels queued before it.
+#include <chrono>
+#include <map>
+#include <string>
+
+#include <torch/torch.h>
+
+namespace meshtorch::train {
+
+class PhaseTimers {
+ public:
+  explicit PhaseTimers(torch::Device device) : device_(device) {}
+
+  class Scope {
+   public:
+    Scope(PhaseTimers& timers, std::string phase) : timers_(timers), phase_(std::move(phase)) {
+      timers_.synchronize();
+      start_ = std::chrono::steady_clock::now();
+    }
+    ~Scope() {
+      timers_.synchronize();
+      timers_.totals_[phase_] += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    PhaseTimers& timers_;
+    std::string phase_;
+    std::chrono::steady_clock::time_point start_;
+  };
+
+  Scope time(std::string phase) { return Scope(*this, std::move(phase)); }
+
+  // Seconds per phase since the last reset.
+  const std::map<std::string, double>& totals() const { return totals_; }
+  void reset() { totals_.clear(); }
+
+ private:
+  void synchronize() const {
+    if (device_.is_cuda()) torch::cuda::synchronize(device_.index() < 0 ? -1 : device_.index());
+  }
+
+  torch::Device device_;
+  std::map<std::string, double> totals_;
+};
+
+}  // namespace meshtorch::train
