@@ -116,7 +116,6 @@ inline nlohmann::json config_to_json(const Config& c, std::string_view torch_dty
       {"num_hidden_layers", c.num_hidden_layers},
       {"num_attention_heads", c.num_attention_heads},
       {"num_key_value_heads", c.num_key_value_heads},
-      {"head_dim", c.resolved_head_dim()},
       {"vocab_size", c.vocab_size},
       {"rms_norm_eps", c.rms_norm_eps},
       {"rope_theta", c.rope_theta},
@@ -132,6 +131,7 @@ inline nlohmann::json config_to_json(const Config& c, std::string_view torch_dty
       {"torch_dtype", std::string(torch_dtype)},
       {"use_cache", true},
   };
+  if (c.head_dim != 0) j["head_dim"] = c.head_dim;  // absent means hidden_size / heads, as in HF
   if (c.rope_scaling.kind == RopeScalingKind::llama3) {
     j["rope_scaling"] = {{"rope_type", "llama3"},
                          {"factor", c.rope_scaling.factor},

@@ -1,0 +1,313 @@
+// The Llama model, its config and its weight files.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <meshtorch/meshtorch.hpp>
+
+namespace mt = meshtorch;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path fresh_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("meshtorch-test-" + name + "-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+void write(const fs::path& path, const std::string& text) { std::ofstream(path) << text; }
+
+mt::llama::Config small_gqa_config() {
+  auto c = mt::llama::presets::llama_tiny;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.vocab_size = 40;
+  return c;
+}
+
+// A from-scratch forward pass written independently of model.hpp: explicit angles in double,
+// the rotation as a 2x2 per frequency pair (in HF's half-split layout), repeated kv heads and
+// an explicit causal mask instead of SDPA.
+torch::Tensor reference_logits(mt::llama::LlamaForCausalLM& lm, const torch::Tensor& ids) {
+  const auto& c = lm->config;
+  const auto params = lm->named_parameters();
+  auto p = [&](const std::string& name) { return params[name].to(torch::kDouble); };
+  const auto S = ids.size(1), D = c.resolved_head_dim(), H = c.num_attention_heads, KV = c.num_key_value_heads;
+  auto rms = [&](const torch::Tensor& x, const torch::Tensor& w) {
+    return x / torch::sqrt(x.pow(2).mean(-1, true) + c.rms_norm_eps) * w;
+  };
+  auto angles = torch::empty({S, D / 2}, torch::kDouble);
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t i = 0; i < D / 2; ++i)
+      angles[s][i] = static_cast<double>(s) / std::pow(c.rope_theta, 2.0 * i / D);
+  auto rotate = [&](const torch::Tensor& x) {  // x: [B, h, S, D]
+    auto a = x.narrow(-1, 0, D / 2), b = x.narrow(-1, D / 2, D / 2);
+    auto cos = angles.cos(), sin = angles.sin();
+    return torch::cat({a * cos - b * sin, b * cos + a * sin}, -1);
+  };
+  auto h = p("model.embed_tokens.weight").index_select(0, ids.flatten()).view({ids.size(0), S, -1});
+  auto mask = torch::full({S, S}, -INFINITY, torch::kDouble).triu(1);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const auto prefix = "model.layers." + std::to_string(l) + ".";
+    auto x = rms(h, p(prefix + "input_layernorm.weight"));
+    auto q = torch::matmul(x, p(prefix + "self_attn.q_proj.weight").t()).view({ids.size(0), S, H, D}).transpose(1, 2);
+    auto k = torch::matmul(x, p(prefix + "self_attn.k_proj.weight").t()).view({ids.size(0), S, KV, D}).transpose(1, 2);
+    auto v = torch::matmul(x, p(prefix + "self_attn.v_proj.weight").t()).view({ids.size(0), S, KV, D}).transpose(1, 2);
+    q = rotate(q);
+    k = rotate(k).repeat_interleave(H / KV, 1);
+    v = v.repeat_interleave(H / KV, 1);
+    auto scores = torch::matmul(q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(D)) + mask;
+    auto attn = torch::matmul(torch::softmax(scores, -1), v).transpose(1, 2).reshape({ids.size(0), S, H * D});
+    h = h + torch::matmul(attn, p(prefix + "self_attn.o_proj.weight").t());
+    x = rms(h, p(prefix + "post_attention_layernorm.weight"));
+    auto gate = torch::matmul(x, p(prefix + "mlp.gate_proj.weight").t());
+    auto up = torch::matmul(x, p(prefix + "mlp.up_proj.weight").t());
+    h = h + torch::matmul(gate * torch::sigmoid(gate) * up, p(prefix + "mlp.down_proj.weight").t());
+  }
+  h = rms(h, p("model.norm.weight"));
+  const auto head = c.tie_word_embeddings ? p("model.embed_tokens.weight") : p("lm_head.weight");
+  return torch::matmul(h, head.t());
+}
+
+}  // namespace
+
+TEST_CASE("model parameters carry HF Llama names and shapes", "[model]") {
+  const auto c = small_gqa_config();
+  mt::llama::LlamaForCausalLM lm(c);
+  const auto params = lm->named_parameters();
+  CHECK(params.size() == 1 + c.num_hidden_layers * 9 + 1 + 1);
+  CHECK(params["model.embed_tokens.weight"].sizes() == torch::IntArrayRef{40, 32});
+  CHECK(params["model.layers.1.self_attn.q_proj.weight"].sizes() == torch::IntArrayRef{32, 32});
+  CHECK(params["model.layers.1.self_attn.k_proj.weight"].sizes() == torch::IntArrayRef{16, 32});
+  CHECK(params["model.layers.0.mlp.down_proj.weight"].sizes() == torch::IntArrayRef{32, 48});
+  CHECK(params["model.layers.0.post_attention_layernorm.weight"].sizes() == torch::IntArrayRef{32});
+  CHECK(params["lm_head.weight"].sizes() == torch::IntArrayRef{40, 32});
+  std::int64_t total = 0;
+  for (const auto& p : lm->parameters()) total += p.numel();
+  CHECK(total == c.num_parameters());
+
+  auto tied = c;
+  tied.tie_word_embeddings = true;
+  mt::llama::LlamaForCausalLM tied_lm(tied);
+  CHECK(tied_lm->named_parameters().find("lm_head.weight") == nullptr);
+}
+
+TEST_CASE("logits match an independent reference forward pass", "[model]") {
+  torch::manual_seed(0);
+  for (bool tied : {false, true}) {
+    auto c = small_gqa_config();
+    c.tie_word_embeddings = tied;
+    mt::llama::LlamaForCausalLM lm(c);
+    mt::llama::init_weights(lm);
+    // Non-trivial norm weights so that the norms are really tested.
+    torch::NoGradGuard no_grad;
+    for (auto& [name, leaf] : mt::llama::weight_modules(*lm))
+      if (name.find("norm") != std::string::npos) leaf->weight.uniform_(0.5, 1.5);
+    const auto ids = torch::randint(0, c.vocab_size, {2, 7}, torch::kLong);
+    const auto ours = lm->forward(ids).to(torch::kDouble);
+    const auto theirs = reference_logits(lm, ids);
+    INFO("tied=" << tied << " max difference " << (ours - theirs).abs().max().item<double>());
+    CHECK(torch::allclose(ours, theirs, 1e-5, 1e-5));
+  }
+}
+
+TEST_CASE("loss of a zero output layer is ln(vocab_size)", "[model]") {
+  auto c = small_gqa_config();
+  mt::llama::LlamaForCausalLM lm(c);
+  mt::llama::init_weights(lm);
+  torch::NoGradGuard no_grad;
+  lm->lm_head->weight.zero_();
+  const auto ids = torch::randint(0, c.vocab_size, {3, 9}, torch::kLong);
+  CHECK(lm->loss(ids, ids).item<double>() == Approx(std::log(40.0)).epsilon(1e-6));
+}
+
+TEST_CASE("loss is next-token cross entropy over all but the last position", "[model]") {
+  torch::manual_seed(1);
+  const auto logits = torch::randn({2, 5, 11});
+  const auto labels = torch::randint(0, 11, {2, 5}, torch::kLong);
+  double expected = 0;
+  for (int b = 0; b < 2; ++b)
+    for (int s = 0; s < 4; ++s)
+      expected -= torch::log_softmax(logits[b][s], 0)[labels[b][s + 1].item<int64_t>()].item<double>();
+  expected /= 8;
+  CHECK(mt::llama::LlamaForCausalLMImpl::causal_lm_loss(logits, labels).item<double>() ==
+        Approx(expected).epsilon(1e-6));
+}
+
+TEST_CASE("llama3 rope scaling keeps high frequencies and divides low ones by the factor", "[model]") {
+  const mt::llama::Rotary rotary(mt::llama::presets::llama_3_1_8b);
+  auto scaled = rotary.inverse_frequencies(torch::kCPU);
+  auto plain_config = mt::llama::presets::llama_3_1_8b;
+  plain_config.rope_scaling = {};
+  auto plain = mt::llama::Rotary(plain_config).inverse_frequencies(torch::kCPU);
+  REQUIRE(scaled.size(0) == 64);
+  CHECK(scaled[0].item<float>() == plain[0].item<float>());            // wavelength 2*pi: untouched
+  CHECK(scaled[63].item<float>() == Approx(plain[63].item<float>() / 8));  // longest wavelength: / factor
+  const auto between = scaled.gt(plain / 8).logical_and(scaled.lt(plain));
+  CHECK(between.any().item<bool>());  // a smooth band in the middle
+}
+
+TEST_CASE("a model built on the meta device holds no memory until materialised", "[model]") {
+  const auto c = mt::llama::presets::llama_3_1_8b;
+  mt::llama::LlamaForCausalLM big(c, torch::TensorOptions().device(torch::kMeta));
+  for (const auto& p : big->parameters()) CHECK(p.is_meta());
+
+  auto small = small_gqa_config();
+  mt::llama::LlamaForCausalLM lm(small, torch::TensorOptions().device(torch::kMeta));
+  mt::llama::materialize(lm, torch::TensorOptions().device(torch::kCPU));
+  for (const auto& item : lm->named_parameters()) {
+    INFO(item.key());
+    CHECK(item.value().device().is_cpu());
+    CHECK(item.value().requires_grad());
+  }
+  CHECK(lm->model->norm->weight.eq(1).all().item<bool>());
+  const auto std = lm->model->embed_tokens->weight.std().item<double>();
+  CHECK(std == Approx(0.02).epsilon(0.1));
+  // The forward pass uses the new storage.
+  const auto ids = torch::randint(0, small.vocab_size, {1, 4}, torch::kLong);
+  lm->loss(ids, ids).backward();
+  CHECK(lm->model->embed_tokens->weight.grad().defined());
+}
+
+TEST_CASE("config.json parses HF fields and round-trips", "[config]") {
+  const auto dir = fresh_dir("config");
+  write(dir / "config.json", R"({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "max_position_embeddings": 131072, "tie_word_embeddings": false, "initializer_range": 0.02,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16"})");
+  auto parsed = mt::llama::load_config(dir / "config.json");
+  auto expected = mt::llama::presets::llama_3_1_8b;
+  expected.head_dim = 0;  // the file leaves it implicit
+  CHECK(parsed == expected);
+  CHECK(mt::llama::resolve_model(dir.string()) == expected);
+  CHECK(mt::llama::config_from_json(mt::llama::config_to_json(mt::llama::presets::llama_3_2_1b)) ==
+        mt::llama::presets::llama_3_2_1b);
+  CHECK(mt::llama::resolve_model("llama-3.1-405b").num_hidden_layers == 126);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("bad config.json files name the field at fault", "[config]") {
+  const auto dir = fresh_dir("badconfig");
+  const auto path = dir / "config.json";
+  auto error_for = [&](const std::string& text) -> std::string {
+    write(path, text);
+    try {
+      mt::llama::load_config(path);
+    } catch (const mt::ConfigError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  const std::string base = R"("hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 300)";
+  CHECK_THAT(error_for("{" + base + "}"), Catch::Contains("'num_attention_heads' is missing"));
+  CHECK_THAT(error_for("{" + base + R"(, "num_attention_heads": "8"})"),
+             Catch::Contains("'num_attention_heads' must be an integer"));
+  CHECK_THAT(error_for("{" + base + R"(, "num_attention_heads": 6})"),
+             Catch::Contains("hidden_size must be divisible by num_attention_heads"));
+  CHECK_THAT(error_for("{" + base + R"(, "num_attention_heads": 8, "num_key_value_heads": 3})"),
+             Catch::Contains("multiple of num_key_value_heads"));
+  CHECK_THAT(error_for("{" + base + R"(, "num_attention_heads": 8, "rope_scaling": {"rope_type": "yarn"}})"),
+             Catch::Contains("rope_scaling.rope_type"));
+  CHECK_THAT(error_for("{" + base + R"(, "num_attention_heads": 8, "model_type": "gpt2"})"),
+             Catch::Contains("model_type"));
+  CHECK_THAT(error_for("{" + base + R"(, "num_attention_heads": 8, "hidden_size": -64})"),
+             Catch::Contains("hidden_size must be positive"));
+  CHECK_THAT(error_for(R"({"hidden_size": 64,)"), Catch::Contains("not valid JSON"));
+  CHECK_THAT(error_for("{" + base + R"(, "num_attention_heads": 8})"), Catch::Contains("no error"));
+  CHECK_THROWS_WITH(mt::llama::resolve_model("no-such-model"), Catch::Contains("neither a preset"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("safetensors round-trips tensors of every dtype", "[io]") {
+  const auto dir = fresh_dir("st");
+  mt::io::NamedTensors tensors{{"a", torch::randn({3, 4})},
+                               {"b", torch::randn({5}).to(torch::kBFloat16)},
+                               {"c", torch::arange(7, torch::kLong)},
+                               {"d", torch::tensor({true, false})},
+                               {"empty", torch::empty({0, 3})}};
+  mt::io::save_safetensors(dir / "x.safetensors", tensors, {{"format", "pt"}});
+  const auto loaded = mt::io::load_safetensors(dir / "x.safetensors");
+  CHECK(loaded.metadata.at("format") == "pt");
+  REQUIRE(loaded.tensors.size() == tensors.size());
+  for (const auto& [name, t] : tensors) {
+    INFO(name);
+    const auto* back = loaded.find(name);
+    REQUIRE(back);
+    CHECK(back->scalar_type() == t.scalar_type());
+    CHECK(torch::equal(*back, t));
+  }
+  // No temporary files are left behind.
+  CHECK(std::distance(fs::directory_iterator(dir), fs::directory_iterator()) == 1);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("malformed safetensors files give an error naming the file and tensor", "[io]") {
+  const auto dir = fresh_dir("badst");
+  const auto path = dir / "bad.safetensors";
+  auto with_header = [&](const std::string& header, std::size_t data_bytes) {
+    std::ofstream out(path, std::ios::binary);
+    const std::uint64_t n = header.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << header << std::string(data_bytes, '\0');
+  };
+  auto error = [&]() -> std::string {
+    try {
+      mt::io::load_safetensors(path);
+    } catch (const mt::DataError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  write(path, "abc");
+  CHECK_THAT(error(), Catch::Contains("too short"));
+  with_header(R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 4);
+  CHECK_THAT(error(), Catch::Contains("'w'") && Catch::Contains("outside the data section"));
+  with_header(R"({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", 8);
+  CHECK_THAT(error(), Catch::Contains("do not match shape and dtype"));
+  with_header(R"({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}})", 8);
+  CHECK_THAT(error(), Catch::Contains("unsupported dtype 'Q4'"));
+  with_header(R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                  "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12);
+  CHECK_THAT(error(), Catch::Contains("overlap"));
+  with_header("{not json", 0);
+  CHECK_THAT(error(), Catch::Contains("not valid JSON"));
+  {
+    std::ofstream out(path, std::ios::binary);
+    const std::uint64_t n = 1ull << 40;
+    out.write(reinterpret_cast<const char*>(&n), 8);
+  }
+  CHECK_THAT(error(), Catch::Contains("exceeds the file"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a saved model folder loads back into a fresh model with equal weights", "[io]") {
+  const auto dir = fresh_dir("pretrained");
+  torch::manual_seed(3);
+  mt::llama::LlamaForCausalLM saved(small_gqa_config());
+  mt::llama::init_weights(saved);
+  mt::llama::save_pretrained(saved, dir);
+  CHECK(mt::llama::load_config(dir / "config.json") == saved->config);
+
+  mt::llama::LlamaForCausalLM loaded(mt::llama::resolve_model(dir.string()));
+  mt::llama::load_pretrained_weights(loaded, dir);
+  const auto a = saved->named_parameters(), b = loaded->named_parameters();
+  for (const auto& item : a) CHECK(torch::equal(item.value(), b[item.key()]));
+
+  auto other = small_gqa_config();
+  other.intermediate_size = 64;
+  mt::llama::LlamaForCausalLM mismatched(other);
+  CHECK_THROWS_WITH(mt::llama::load_pretrained_weights(mismatched, dir),
+                    Catch::Contains("mlp") && Catch::Contains("has shape"));
+  fs::remove_all(dir);
+}

@@ -1,0 +1,239 @@
+// The training loop's parts: data, sampler, loader, optimizer, schedule, checkpoints.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <numbers>
+#include <set>
+
+#include <meshtorch/meshtorch.hpp>
+
+namespace mt = meshtorch;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path fresh_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("meshtorch-test-" + name + "-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::string error_of(const auto& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+}  // namespace
+
+TEST_CASE("a global batch holds the same samples whatever the data-parallel split", "[sampler]") {
+  const std::int64_t samples = 101;
+  auto rows_of_step = [&](std::int64_t batch, std::int64_t dp, std::int64_t accum, std::int64_t step) {
+    std::multiset<std::int64_t> rows;
+    for (std::int64_t rank = 0; rank < dp; ++rank) {
+      mt::data::DpInvariantSampler sampler({samples, batch, dp, rank, accum, /*seed=*/7});
+      const auto perm = sampler.permutation(/*epoch=*/2);
+      for (std::int64_t m = 0; m < accum; ++m)
+        for (auto i : sampler.indices(perm, step, m)) rows.insert(i);
+    }
+    return rows;
+  };
+  for (std::int64_t step : {0, 5, 11}) {
+    const auto single = rows_of_step(8, 1, 1, step);
+    CHECK(single.size() == 8);
+    CHECK(rows_of_step(2, 4, 1, step) == single);
+    CHECK(rows_of_step(4, 2, 1, step) == single);
+    CHECK(rows_of_step(2, 2, 2, step) == single);
+    CHECK(rows_of_step(1, 1, 8, step) == single);
+  }
+  mt::data::DpInvariantSampler sampler({samples, 8, 1, 0, 1, 7});
+  CHECK(sampler.steps_per_epoch() == 12);  // drop-last
+}
+
+TEST_CASE("each epoch is a seeded permutation without repeats", "[sampler]") {
+  mt::data::DpInvariantSampler a({50, 5, 1, 0, 1, 1}), b({50, 5, 1, 0, 1, 2});
+  const auto p0 = a.permutation(0), p1 = a.permutation(1);
+  CHECK(std::set<std::int64_t>(p0.begin(), p0.end()).size() == 50);
+  CHECK(p0 == a.permutation(0));
+  CHECK(p0 != p1);
+  CHECK(p0 != b.permutation(0));
+  // Ranks of one step never share a row.
+  std::set<std::int64_t> seen;
+  for (std::int64_t rank = 0; rank < 5; ++rank) {
+    mt::data::DpInvariantSampler r({50, 2, 5, rank, 1, 1});
+    for (auto i : r.indices(r.permutation(0), 3, 0)) CHECK(seen.insert(i).second);
+  }
+}
+
+TEST_CASE("sampler options that cannot work are refused with the flag's name", "[sampler]") {
+  CHECK_THAT(error_of([] { mt::data::DpInvariantSampler({10, 8, 2, 0, 1, 0}); }), Catch::Contains("-b/--batch-size"));
+  CHECK_THAT(error_of([] { mt::data::DpInvariantSampler({10, 0, 1, 0, 1, 0}); }), Catch::Contains("-b/--batch-size"));
+  CHECK_THAT(error_of([] { mt::data::DpInvariantSampler({10, 1, 2, 2, 1, 0}); }), Catch::Contains("rank 2"));
+}
+
+TEST_CASE("documents are packed into full blocks and the remainder dropped", "[data]") {
+  const auto dir = fresh_dir("data");
+  std::ofstream(dir / "a.txt") << "hello\nworld\n\nsecond doc\n";
+  auto blocks = mt::data::load_dataset((dir / "a.txt").string(), 4);
+  // <bos> hello\nworld <eos> <bos> second doc <eos> = 2 + 11 + 2 + 10 = 25 tokens -> 6 blocks of 4
+  CHECK(blocks.size() == 6);
+  const auto first = blocks.gather({0, 1});
+  CHECK(first[0][0].item<int64_t>() == mt::data::ByteTokenizer::bos_id);
+  CHECK(first[0][1].item<int64_t>() == 'h');
+  CHECK(first[1][0].item<int64_t>() == 'l');
+
+  std::ofstream(dir / "b.jsonl") << R"({"text": "abc"})" << "\n"
+                                 << R"({"instruction": "add", "input": "", "output": "4"})" << "\n";
+  auto jsonl = mt::data::load_dataset((dir / "b.jsonl").string(), 2);
+  const auto alpaca = mt::data::format_alpaca("add", "", "4");
+  CHECK(jsonl.size() == static_cast<std::int64_t>((5 + alpaca.size() + 2) / 2));
+
+  std::ofstream(dir / "bad.jsonl") << R"({"text": "ok"})" << "\n" << R"({"txt": "no"})" << "\n";
+  CHECK_THAT(error_of([&] { mt::data::load_dataset((dir / "bad.jsonl").string(), 2); }),
+             Catch::Contains("bad.jsonl:2") && Catch::Contains("'text'"));
+  std::ofstream(dir / "broken.jsonl") << "{\"text\": \n";
+  CHECK_THAT(error_of([&] { mt::data::load_dataset((dir / "broken.jsonl").string(), 2); }),
+             Catch::Contains("broken.jsonl:1") && Catch::Contains("not valid JSON"));
+  std::ofstream(dir / "x.bin") << "not tokens";
+  CHECK_THAT(error_of([&] { mt::data::load_dataset((dir / "x.bin").string(), 2); }), Catch::Contains("magic number"));
+  CHECK_THAT(error_of([&] { mt::data::load_dataset((dir / "missing.txt").string(), 2); }),
+             Catch::Contains("neither 'builtin' nor an existing file"));
+  CHECK_THAT(error_of([&] { mt::data::load_dataset((dir / "a.txt").string(), 100); }),
+             Catch::Contains("do not fill one block"));
+  CHECK_THAT(error_of([&] { blocks.check_vocab(200); }), Catch::Contains("outside the model's vocab_size 200"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("the built-in corpus is deterministic and byte-tokenisable", "[data]") {
+  const auto a = mt::data::builtin_corpus(20000), b = mt::data::builtin_corpus(20000);
+  CHECK(a == b);
+  std::size_t bytes = 0;
+  for (const auto& doc : a) bytes += doc.size();
+  CHECK(bytes >= 19000);
+  CHECK(a[0].find("  ") == std::string::npos);
+}
+
+TEST_CASE("the prefetching loader yields the sampler's rows in order and rethrows errors", "[data]") {
+  std::vector<std::int32_t> tokens(40 * 3);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(i / 3);  // row r = r,r,r
+  const mt::data::TokenBlocks blocks(tokens, 3, "test");
+  const mt::data::DpInvariantSampler sampler({40, 2, 2, 1, 2, 5});
+  mt::data::PrefetchingLoader loader(blocks, sampler, /*epoch=*/1, /*first_step=*/3, /*pin_memory=*/false);
+  const auto perm = sampler.permutation(1);
+  std::int64_t count = 0;
+  for (std::int64_t step = 3; step < sampler.steps_per_epoch(); ++step)
+    for (std::int64_t micro = 0; micro < 2; ++micro) {
+      auto batch = loader.next();
+      REQUIRE(batch);
+      CHECK(batch->step == step);
+      CHECK(batch->micro == micro);
+      const auto expected = sampler.indices(perm, step, micro);
+      for (std::size_t i = 0; i < expected.size(); ++i) CHECK(batch->input_ids[i][0].item<int64_t>() == expected[i]);
+      ++count;
+    }
+  CHECK(count == (sampler.steps_per_epoch() - 3) * 2);
+  CHECK_FALSE(loader.next());
+}
+
+TEST_CASE("fused AdamW matches LibTorch's reference AdamW", "[optim]") {
+  torch::manual_seed(0);
+  auto w1 = torch::randn({6, 5}, torch::requires_grad());
+  auto w2 = w1.detach().clone().requires_grad_(true);
+  mt::train::AdamW ours({{"w", w1}}, {.lr = 1e-2});
+  torch::optim::AdamW reference({w2}, torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  for (int step = 0; step < 5; ++step) {
+    const auto target = torch::randn({6, 5});
+    (w1 - target).pow(2).sum().backward();
+    (w2 - target).pow(2).sum().backward();
+    ours.step();
+    ours.zero_grad();
+    reference.step();
+    reference.zero_grad();
+    CHECK_FALSE(w1.grad().defined());
+  }
+  INFO("max difference " << (w1 - w2).abs().max().item<double>());
+  CHECK(torch::allclose(w1, w2, 1e-6, 1e-6));
+}
+
+TEST_CASE("the cosine schedule follows CosineAnnealingLR(T_max=1000, eta_min=lr/100)", "[optim]") {
+  const mt::train::CosineSchedule schedule(1e-3);
+  CHECK(schedule.lr_at(0) == Approx(1e-3));
+  CHECK(schedule.lr_at(500) == Approx((1e-3 + 1e-5) / 2));
+  CHECK(schedule.lr_at(1000) == Approx(1e-5));
+  CHECK(schedule.lr_at(250) == Approx(1e-5 + (1e-3 - 1e-5) * (1 + std::cos(std::numbers::pi / 4)) / 2));
+}
+
+TEST_CASE("a checkpoint restores weights, optimizer state, RNG and train state", "[checkpoint]") {
+  const auto dir = fresh_dir("ckpt");
+  auto config = mt::llama::presets::llama_tiny;
+  config.num_hidden_layers = 1;
+  torch::manual_seed(11);
+  mt::llama::LlamaForCausalLM model(config);
+  mt::llama::init_weights(model);
+  mt::train::AdamW optimizer(mt::train::named_trainable_parameters(*model), {});
+  const auto ids = torch::randint(0, 256, {2, 8}, torch::kLong);
+  model->loss(ids, ids).backward();
+  optimizer.step();
+  const mt::train::TrainState state{.epoch = 1, .global_step = 20, .epoch_step = 3, .running_loss = 2.5, .running_steps = 1};
+  const mt::train::RunIdentity identity{.seed = 4, .seq_length = 8, .global_batch = 2, .dataset = "builtin", .model = "m"};
+  mt::train::save_checkpoint(dir, model, optimizer, state, identity);
+  const auto rng_after_save = torch::rand({3});
+
+  torch::manual_seed(99);
+  mt::llama::LlamaForCausalLM restored(config);
+  mt::llama::init_weights(restored);
+  mt::train::AdamW restored_optimizer(mt::train::named_trainable_parameters(*restored), {});
+  const auto loaded = mt::train::load_checkpoint(dir, restored, restored_optimizer, identity);
+  REQUIRE(loaded);
+  CHECK(loaded->global_step == 20);
+  CHECK(loaded->epoch == 1);
+  CHECK(loaded->epoch_step == 3);
+  CHECK(loaded->running_loss == 2.5);
+  CHECK(torch::equal(torch::rand({3}), rng_after_save));
+  const auto a = model->named_parameters(), b = restored->named_parameters();
+  for (const auto& item : a) CHECK(torch::equal(item.value(), b[item.key()]));
+  const auto sa = optimizer.state(), sb = restored_optimizer.state();
+  for (std::size_t i = 0; i < sa.size(); ++i) CHECK(torch::equal(sa[i].second, sb[i].second));
+
+  // A second save replaces the first; the link always points to a complete folder.
+  mt::train::save_checkpoint(dir, model, optimizer, {.global_step = 40}, identity);
+  CHECK(fs::read_symlink(dir / "checkpoint") == "ckpt-00000040");
+  CHECK_FALSE(fs::exists(dir / "ckpt-00000020"));
+
+  auto other = identity;
+  other.seed = 5;
+  CHECK_THAT(error_of([&] { mt::train::load_checkpoint(dir, restored, restored_optimizer, other); }),
+             Catch::Contains("seed = 4") && Catch::Contains("this run has 5"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a save that dies half-way leaves the previous checkpoint loadable", "[checkpoint]") {
+  const auto dir = fresh_dir("ckpt-crash");
+  auto config = mt::llama::presets::llama_tiny;
+  config.num_hidden_layers = 1;
+  mt::llama::LlamaForCausalLM model(config);
+  mt::llama::init_weights(model);
+  mt::train::AdamW optimizer(mt::train::named_trainable_parameters(*model), {});
+  const mt::train::RunIdentity identity{.seed = 0, .seq_length = 8, .global_batch = 2, .dataset = "d", .model = "m"};
+  mt::train::save_checkpoint(dir, model, optimizer, {.global_step = 10}, identity);
+
+  // A crash after the new folder's files were partly written: the folder stays ".partial"
+  // and the link still names step 10.
+  fs::create_directories(dir / "ckpt-00000020.partial");
+  std::ofstream(dir / "ckpt-00000020.partial" / "model.safetensors") << "truncat";
+  // A crash while a file was being written leaves only its temporary name.
+  std::ofstream(dir / "ckpt-00000010" / "state.json.tmp.12345") << "{";
+
+  mt::llama::LlamaForCausalLM restored(config);
+  mt::train::AdamW restored_optimizer(mt::train::named_trainable_parameters(*restored), {});
+  const auto loaded = mt::train::load_checkpoint(dir, restored, restored_optimizer, identity);
+  REQUIRE(loaded);
+  CHECK(loaded->global_step == 10);
+  fs::remove_all(dir);
+}

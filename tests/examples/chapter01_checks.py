@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""End-to-end checks of examples/01-single-gpu, run by CTest.
+
+usage: chapter01_checks.py BINARY {loss-falls|resume|bad-input}
+"""
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+KEYS = ["global_step", "lr", "running_loss", "epoch", "epoch_progress", "num_batches_remaining",
+        "tokens_per_s", "time/total", "time/data", "time/forward", "time/backward", "time/update",
+        "peak_rss_gb"]
+
+
+def run(binary, *args, expect_ok=True):
+    proc = subprocess.run([binary, "--threads", "1", "--dtype", "float32", *args],
+                          capture_output=True, text=True, timeout=600)
+    if expect_ok and proc.returncode != 0:
+        sys.exit(f"{binary} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def metrics(save_dir, name):
+    lines = (pathlib.Path(save_dir) / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def loss_falls(binary):
+    with tempfile.TemporaryDirectory() as tmp:
+        run(binary, "-m", "llama-tiny", "-d", "builtin", "-e", "falls", "--save-dir", tmp,
+            "--max-steps", "60", "--log-freq", "10", "--ckpt-freq", "1000")
+        records = metrics(tmp, "falls")
+        assert [r["global_step"] for r in records] == [10, 20, 30, 40, 50, 60], records
+        for key in KEYS:
+            assert all(key in r for r in records), f"metrics.jsonl lacks '{key}'"
+        first, last = records[0]["running_loss"], records[-1]["running_loss"]
+        print(f"running_loss {first:.4f} at step 10 -> {last:.4f} at step 60")
+        assert last <= 0.7 * first, f"loss fell only from {first} to {last}"
+
+
+def resume(binary):
+    common = ["-m", "llama-tiny", "-d", "builtin", "--log-freq", "10", "--ckpt-freq", "20", "-b", "4", "-s", "128"]
+    with tempfile.TemporaryDirectory() as tmp:
+        run(binary, *common, "-e", "straight", "--save-dir", tmp, "--max-steps", "40")
+        run(binary, *common, "-e", "stopped", "--save-dir", tmp, "--max-steps", "20")
+        second = run(binary, *common, "-e", "stopped", "--save-dir", tmp, "--max-steps", "40")
+        assert "resumed from" in second.stdout and "global_step 20" in second.stdout, second.stdout
+        straight, resumed = metrics(tmp, "straight"), metrics(tmp, "stopped")
+        assert [r["global_step"] for r in resumed] == [10, 20, 30, 40], resumed
+        for a, b in zip(straight, resumed):
+            print(f"step {a['global_step']}: straight {a['running_loss']:.9f} resumed {b['running_loss']:.9f}")
+            assert abs(a["running_loss"] - b["running_loss"]) <= 1e-6, (a, b)
+            assert a["lr"] == b["lr"], (a, b)
+        # The saved folder is a complete HF checkpoint.
+        ckpt = pathlib.Path(tmp) / "stopped" / "checkpoint"
+        for name in ["config.json", "model.safetensors", "optimizer.safetensors", "state.json"]:
+            assert (ckpt / name).exists(), name
+        state = json.loads((ckpt / "state.json").read_text())
+        assert state["global_step"] == 40, state
+        # Resuming with flags that change the data order is refused, naming the flag.
+        bad = run(binary, *common[:-4], "-b", "2", "-s", "128", "-e", "stopped", "--save-dir", tmp,
+                  "--max-steps", "60", expect_ok=False)
+        assert bad.returncode != 0 and "global_batch" in bad.stderr, bad.stderr
+
+
+def bad_input(binary):
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = [
+            (["-m", "no-such-model"], "neither a preset"),
+            (["-d", f"{tmp}/missing.txt"], "neither 'builtin' nor an existing file"),
+            (["-b", "100000"], "do not fill one global batch"),
+        ]
+        config_dir = pathlib.Path(tmp) / "model"
+        config_dir.mkdir()
+        (config_dir / "config.json").write_text('{"hidden_size": 64, "num_hidden_layers": 2}')
+        cases.append((["-m", str(config_dir)], "'intermediate_size' is missing"))
+        for args, message in cases:
+            proc = run(binary, *args, "--max-steps", "1", expect_ok=False)
+            assert proc.returncode != 0, args
+            assert message in proc.stderr, f"{args}: expected '{message}' in:\n{proc.stderr}"
+            print(f"{' '.join(args)} -> {proc.stderr.strip().splitlines()[-1]}")
+
+
+if __name__ == "__main__":
+    {"loss-falls": loss_falls, "resume": resume, "bad-input": bad_input}[sys.argv[2]](sys.argv[1])
+    print("ok")
