@@ -1,0 +1,269 @@
+"""bench/run's body: chapter 1 of the guide, our binary against the Python reference, run in
+turns (A/B/A/B...) so that a change in the machine's load hits both sides alike, then medians and
+ratios per pair. Run it through bench/run, which prepares the Python environment first.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "bench" / "reference"
+sys.path.insert(0, str(REFERENCE))
+from metrics_summary import read_jsonl, summarize  # noqa: E402
+
+# Per size: the config folder both sides read, batch x sequence, steps, and steps left out as
+# warm-up. The step counts keep bench/run under 20 minutes on 2 cores; llama-100m's first step
+# alone takes seconds (first touch of ~1.2 GB of weights, optimizer state and activations).
+SIZES = {
+    "llama-tiny": dict(config=REFERENCE / "configs" / "llama-tiny", batch=8, seq=256, steps=25, warmup=5),
+    "llama-100m": dict(config=REFERENCE / "configs" / "llama-100m", batch=2, seq=256, steps=6, warmup=2),
+}
+QUICK = {"llama-tiny": dict(steps=8, warmup=3), "llama-100m": dict(steps=3, warmup=1)}
+IMPL_NAMES = {"ours": "meshtorch", "hf-eager": "HF eager", "hf-compile": "HF compile"}
+PHASES = ["data", "forward", "backward", "update"]
+
+
+def log(msg):
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(prog="bench/run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="llama-tiny,llama-100m", help="comma-separated: " + ", ".join(SIZES))
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    p.add_argument("--reps", type=int, default=3, help="runs of each side per pair, taken in turns")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--compile-sizes", default="llama-tiny",
+                   help="sizes at which the torch.compile variant of the reference runs too ('' for none); "
+                        "its first run compiles for about a minute per size")
+    p.add_argument("--bin", default=str(ROOT / "build" / "bin" / "01-single-gpu"), help="our chapter-1 binary")
+    p.add_argument("--reference-only", action="store_true", help="run only the Python side")
+    p.add_argument("--quick", action="store_true", help="one run per side and few steps: checks the wiring, not a measurement")
+    p.add_argument("--no-compile-time", action="store_true", help="skip the compile-time benchmark")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    p.add_argument("--timeout", type=int, default=900, help="seconds allowed per run")
+    return p.parse_args()
+
+
+def machine_description():
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fp:
+            for line in fp:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    except (ValueError, OSError):
+        mem_gib = float("nan")
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "commit": commit,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "loadavg_start": os.getloadavg()[0]}
+
+
+def run_one(impl, size, threads, rep, args, corpus, runs_dir):
+    spec = SIZES[size]
+    name = f"{size}-t{threads}-{impl}-r{rep}"
+    run_dir = runs_dir / name
+    if run_dir.exists():
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # a leftover experiment would be resumed
+    common = ["-m", str(spec["config"]), "-d", str(corpus), "-b", str(spec["batch"]), "-s", str(spec["seq"]),
+              "--max-steps", str(spec["steps"]), "--log-freq", "1", "--lr", "3e-4", "--seed", "0",
+              "--dtype", args.dtype, "--threads", str(threads), "-e", name, "--save-dir", str(runs_dir)]
+    if impl == "ours":
+        cmd = [args.bin, *common, "--device", "cpu", "--ckpt-freq", "1000000"]
+    else:
+        cmd = [sys.executable, str(REFERENCE / "train_llm_ch1.py"), *common, "--warmup-steps", str(spec["warmup"])]
+        if impl == "hf-compile":
+            cmd.append("--compile")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(runs_dir / f"{name}.log", "w") as out:
+        try:
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=args.timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - start
+    metrics = run_dir / "metrics.jsonl"
+    if rc != 0 or not metrics.exists():
+        tail = (runs_dir / f"{name}.log").read_text(errors="replace").splitlines()[-8:]
+        log(f"{name}: failed (exit {rc}); last lines of {runs_dir / (name + '.log')}:")
+        for line in tail:
+            log("    " + line)
+        return None
+    summary = summarize(read_jsonl(metrics), spec["warmup"])
+    summary["wall_s"] = wall
+    log(f"{name}: {summary['tokens_per_s']:.0f} tokens/s, {summary['time/total']:.1f} ms/step, "
+        f"peak RSS {summary['peak_rss_gb']:.2f} GB, {wall:.1f} s")
+    return summary
+
+
+def median_of(runs, key):
+    values = [r[key] for r in runs if key in r]
+    return statistics.median(values) if values else None
+
+
+def fmt(value, digits=1):
+    if value is None:
+        return "—"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}" if a is not None and b else "—"
+
+
+def tables(results, args, sizes, threads_list, impls):
+    """Markdown: a summary table, then one table per size with the phases."""
+    lines = []
+    lines.append(f"Chapter 1, single process, {args.dtype}, CPU. Medians over {args.reps} run(s) per side, each the "
+                 "median over its steps after warm-up; ratios are ours / theirs (tokens/s: above 1 means we are "
+                 "faster; ms and memory: below 1 means we use less).")
+    lines.append("")
+    header = "| model | threads | meshtorch tokens/s | HF eager tokens/s | ours / HF eager |"
+    rule = "| --- | ---: | ---: | ---: | ---: |"
+    if "hf-compile" in impls:
+        header += " HF compile tokens/s | ours / HF compile |"
+        rule += " ---: | ---: |"
+    header += " meshtorch peak RSS GB | HF eager peak RSS GB | ours / HF eager |"
+    rule += " ---: | ---: | ---: |"
+    lines += [header, rule]
+    for size in sizes:
+        for t in threads_list:
+            r = {impl: results.get((size, t, impl), []) for impl in impls}
+            ours = median_of(r.get("ours", []), "tokens_per_s")
+            eager = median_of(r["hf-eager"], "tokens_per_s")
+            row = f"| {size} | {t} | {fmt(ours)} | {fmt(eager)} | {ratio(ours, eager)} |"
+            if "hf-compile" in impls:
+                comp = median_of(r["hf-compile"], "tokens_per_s")
+                row += f" {fmt(comp)} | {ratio(ours, comp)} |"
+            mo = median_of(r.get("ours", []), "peak_rss_gb")
+            me = median_of(r["hf-eager"], "peak_rss_gb")
+            row += f" {fmt(mo, 2)} | {fmt(me, 2)} | {ratio(mo, me)} |"
+            lines.append(row)
+    for size in sizes:
+        spec = SIZES[size]
+        lines.append("")
+        lines.append(f"### {size}: batch {spec['batch']} x sequence {spec['seq']}, {spec['steps']} steps "
+                     f"of which {spec['warmup']} warm-up")
+        lines.append("")
+        lines.append("| threads | run | tokens/s (min–max) | ms/step | data | forward | backward | update | "
+                     "peak RSS GB | process s |")
+        lines.append("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for t in threads_list:
+            for impl in impls:
+                runs = results.get((size, t, impl), [])
+                if not runs:
+                    lines.append(f"| {t} | {IMPL_NAMES[impl]} | not run |  |  |  |  |  |  |  |")
+                    continue
+                tps = [r["tokens_per_s"] for r in runs]
+                cells = [f"{fmt(median_of(runs, 'tokens_per_s'))} ({fmt(min(tps))}–{fmt(max(tps))})",
+                         fmt(median_of(runs, "time/total"))]
+                cells += [fmt(median_of(runs, f"time/{p}"), 2) for p in PHASES]
+                cells += [fmt(median_of(runs, "peak_rss_gb"), 2), fmt(median_of(runs, "wall_s"))]
+                lines.append(f"| {t} | {IMPL_NAMES[impl]} | " + " | ".join(cells) + " |")
+            ours = results.get((size, t, "ours"), [])
+            for ref in [i for i in impls if i != "ours"]:
+                theirs = results.get((size, t, ref), [])
+                if not ours or not theirs:
+                    continue
+                cells = [ratio(median_of(ours, k), median_of(theirs, k))
+                         for k in ["tokens_per_s", "time/total", *[f"time/{p}" for p in PHASES], "peak_rss_gb", "wall_s"]]
+                lines.append(f"| {t} | ours / {IMPL_NAMES[ref]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    args = parse_args()
+    sizes = [s for s in args.sizes.split(",") if s]
+    for s in sizes:
+        if s not in SIZES:
+            sys.exit(f"bench/run: unknown size {s!r}; known: {', '.join(SIZES)}")
+    threads_list = [int(t) for t in args.threads.split(",") if t]
+    compile_sizes = {s for s in args.compile_sizes.split(",") if s}
+    if args.quick:
+        args.reps = 1
+        for s, q in QUICK.items():
+            SIZES[s].update(q)
+
+    out = Path(args.out)
+    runs_dir = out / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    corpus = out / "corpus.txt"
+    if not corpus.exists():
+        subprocess.run([sys.executable, str(REFERENCE / "make_corpus.py"), str(corpus), "--mb", "4"], check=True)
+
+    with_ours = not args.reference_only
+    if with_ours and not os.access(args.bin, os.X_OK):
+        log(f"our binary {args.bin} is not built yet: build it with scripts/setup (see README.md). "
+            "Measuring the Python reference alone; the ratio columns stay empty.")
+        with_ours = False
+
+    machine = machine_description()
+    log(f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg_start']:.2f} at start")
+    started = time.perf_counter()
+    results = {}
+    impls_all = (["ours"] if with_ours else []) + ["hf-eager"] + (["hf-compile"] if compile_sizes & set(sizes) else [])
+    for size in sizes:
+        impls = (["ours"] if with_ours else []) + ["hf-eager"] + (["hf-compile"] if size in compile_sizes else [])
+        for t in threads_list:
+            for rep in range(1, args.reps + 1):
+                for impl in impls:
+                    summary = run_one(impl, size, t, rep, args, corpus, runs_dir)
+                    if summary is not None:
+                        results.setdefault((size, t, impl), []).append(summary)
+    machine["loadavg_end"] = os.getloadavg()[0]
+    machine["bench_minutes"] = round((time.perf_counter() - started) / 60, 1)
+
+    text = [f"## Chapter 1 throughput ({machine['date']}, commit {machine['commit']})", "",
+            f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB; load average "
+            f"{machine['loadavg_start']:.2f} at start, {machine['loadavg_end']:.2f} at end; "
+            f"{machine['bench_minutes']} minutes.", ""]
+    if not with_ours:
+        text += ["Our binary was not run (not built, or --reference-only): the meshtorch columns are empty.", ""]
+    if args.quick:
+        text += ["**--quick: one short run per side; this checks the wiring and measures nothing.**", ""]
+    text.append(tables(results, args, sizes, threads_list, impls_all))
+    report = "\n".join(text)
+    (out / "chapter1.md").write_text(report)
+    (out / "chapter1.json").write_text(json.dumps(
+        {"machine": machine, "args": vars(args),
+         "sizes": {s: {k: str(v) for k, v in SIZES[s].items()} for s in sizes},
+         "runs": [{"size": s, "threads": t, "impl": i, **r} for (s, t, i), rs in results.items() for r in rs]},
+        indent=1))
+    print(report)
+    log(f"tables written to {out / 'chapter1.md'} (raw figures in {out / 'chapter1.json'})")
+
+    if not args.no_compile_time:
+        reps = "1" if args.quick else "2"
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_time.py"), "--reps", reps,
+                               "--out", str(out / "compile-time.md")], cwd=ROOT)
+        if proc.returncode != 0:
+            log("the compile-time benchmark failed (see above)")
+
+    expected = sum(1 for s in sizes for t in threads_list for _ in range(args.reps)
+                   for i in (["ours"] if with_ours else []) + ["hf-eager"] + (["hf-compile"] if s in compile_sizes else []))
+    done = sum(len(v) for v in results.values())
+    if done < expected:
+        log(f"{expected - done} of {expected} runs failed")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
