@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs meshtorch from BUILD_DIR into a temporary prefix, then configures, builds and runs a
+# consumer project against the installed package config.
+set -euo pipefail
+build_dir="$1" libtorch="$2" source_dir="$(cd "$(dirname "$0")" && pwd)"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+cmake --install "$build_dir" --prefix "$work/prefix" >/dev/null
+cmake -S "$source_dir/consumer" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$work/prefix" -DMESHTORCH_LIBTORCH="$libtorch" \
+  -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" >/dev/null
+cmake --build "$work/build" >/dev/null
+"$work/build/consumer"
