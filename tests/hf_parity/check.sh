@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# HF parity: train a model for 2 steps with our chapter-1 binary, save a checkpoint, compute our
+# loss on a fixed batch from that checkpoint, and check that transformers' LlamaForCausalLM,
+# loaded from the same folder with from_pretrained, gives the same loss within 1e-5 (fp32).
+# Exit 77 (CTest: skipped) when the bench environment (bench/setup-python) is not installed.
+#
+#   check.sh VENV_PYTHON TRAIN_BINARY EVAL_LOSS_BINARY HF_LOSS_PY MODEL
+set -euo pipefail
+python="$1" train="$2" eval_loss="$3" hf_loss="$4" model="$5"
+
+if [[ ! -x "$python" ]]; then
+  echo "skipped: no bench environment at $python (install it with bench/setup-python)"
+  exit 77
+fi
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+"$train" -m "$model" -d builtin -e hfp --save-dir "$tmp" --max-steps 2 --ckpt-freq 2 --log-freq 1 \
+  --dtype float32 --device cpu >"$tmp/train.log" 2>&1 || { cat "$tmp/train.log"; exit 1; }
+ckpt="$tmp/hfp/checkpoint"
+[[ -f "$ckpt/config.json" && -f "$ckpt/model.safetensors" ]] || {
+  echo "no config.json + model.safetensors in $ckpt after 2 steps with --ckpt-freq 2"; ls -lR "$tmp"; exit 1; }
+"$eval_loss" "$ckpt" "$tmp/ours.json"
+"$python" "$hf_loss" "$ckpt" "$tmp/ours.json" --tol 1e-5
