@@ -49,6 +49,7 @@ def parse_args():
     p.add_argument("--quick", action="store_true", help="one run per side and few steps: checks the wiring, not a measurement")
     p.add_argument("--no-compile-time", action="store_true", help="skip the compile-time benchmark")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    p.add_argument("--update-docs", action="store_true", help="write the tables into docs/performance.md")
     p.add_argument("--timeout", type=int, default=900, help="seconds allowed per run")
     return p.parse_args()
 
@@ -70,6 +71,28 @@ def machine_description():
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "commit": commit,
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "loadavg_start": os.getloadavg()[0]}
+
+
+def train_flops_per_token(config_dir, seq):
+    """Forward + backward FLOPs per token: 6 x the parameters that take part in a matmul (the
+    embedding lookup does not; the LM head does, tied or not) + 12 x layers x seq x q_size for
+    attention scores and values, counted without the causal half, as PaLM's MFU does."""
+    c = json.loads((Path(config_dir) / "config.json").read_text())
+    h, layers = c["hidden_size"], c["num_hidden_layers"]
+    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
+    q = c["num_attention_heads"] * head_dim
+    kv = c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * c["intermediate_size"]
+    return 6 * (layers * per_layer + h * c["vocab_size"]) + 12 * layers * seq * q
+
+
+def gemm_peaks(threads_list):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gemm_peak.py"), "--threads",
+                           ",".join(map(str, threads_list))], capture_output=True, text=True)
+    if proc.returncode != 0:
+        log("gemm_peak.py failed: " + proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "")
+        return {}
+    return {int(k): v for k, v in json.loads(proc.stdout)["float32"].items()}
 
 
 def run_one(impl, size, threads, rep, args, corpus, runs_dir):
@@ -129,9 +152,14 @@ def ratio(a, b):
     return f"{a / b:.2f}" if a is not None and b else "—"
 
 
-def tables(results, args, sizes, threads_list, impls):
+def tables(results, args, sizes, threads_list, impls, peaks):
     """Markdown: a summary table, then one table per size with the phases."""
     lines = []
+    if peaks:
+        lines.append("fp32 GEMM peak measured in this run (2048^3 matmul, best of 2 s): " +
+                     ", ".join(f"{fmt(peaks[t])} GFLOP/s with {t} thread{'s' if t > 1 else ''}" for t in sorted(peaks)) +
+                     ". '% of peak' = tokens/s x training FLOPs per token / that peak.")
+        lines.append("")
     lines.append(f"Chapter 1, single process, {args.dtype}, CPU. Medians over {args.reps} run(s) per side, each the "
                  "median over its steps after warm-up; ratios are ours / theirs (tokens/s: above 1 means we are "
                  "faster; ms and memory: below 1 means we use less).")
@@ -141,6 +169,8 @@ def tables(results, args, sizes, threads_list, impls):
     if "hf-compile" in impls:
         header += " HF compile tokens/s | ours / HF compile |"
         rule += " ---: | ---: |"
+    header += " meshtorch % of peak | HF eager % of peak |"
+    rule += " ---: | ---: |"
     header += " meshtorch peak RSS GB | HF eager peak RSS GB | ours / HF eager |"
     rule += " ---: | ---: | ---: |"
     lines += [header, rule]
@@ -153,6 +183,9 @@ def tables(results, args, sizes, threads_list, impls):
             if "hf-compile" in impls:
                 comp = median_of(r["hf-compile"], "tokens_per_s")
                 row += f" {fmt(comp)} | {ratio(ours, comp)} |"
+            flops = train_flops_per_token(SIZES[size]["config"], SIZES[size]["seq"])
+            pct = lambda tps: f"{100 * tps * flops / 1e9 / peaks[t]:.0f}%" if tps and peaks.get(t) else "—"
+            row += f" {pct(ours)} | {pct(eager)} |"
             mo = median_of(r.get("ours", []), "peak_rss_gb")
             me = median_of(r["hf-eager"], "peak_rss_gb")
             row += f" {fmt(mo, 2)} | {fmt(me, 2)} | {ratio(mo, me)} |"
@@ -189,6 +222,21 @@ def tables(results, args, sizes, threads_list, impls):
     return "\n".join(lines) + "\n"
 
 
+def update_docs(sections):
+    """Replaces the text between <!-- bench/run:NAME --> and <!-- /bench/run:NAME --> markers."""
+    page = ROOT / "docs" / "performance.md"
+    text = page.read_text()
+    for name, body in sections.items():
+        begin, end = f"<!-- bench/run:{name} -->", f"<!-- /bench/run:{name} -->"
+        a, b = text.find(begin), text.find(end)
+        if a < 0 or b < a:
+            log(f"docs/performance.md has no {begin} ... {end} section; left as it is")
+            continue
+        text = text[: a + len(begin)] + "\n" + body.strip() + "\n" + text[b:]
+    page.write_text(text)
+    log("tables written into docs/performance.md")
+
+
 def main():
     args = parse_args()
     sizes = [s for s in args.sizes.split(",") if s]
@@ -218,6 +266,8 @@ def main():
     machine = machine_description()
     log(f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg_start']:.2f} at start")
     started = time.perf_counter()
+    peaks = gemm_peaks(threads_list)
+    machine["gemm_peak_gflops_fp32"] = peaks
     results = {}
     impls_all = (["ours"] if with_ours else []) + ["hf-eager"] + (["hf-compile"] if compile_sizes & set(sizes) else [])
     for size in sizes:
@@ -239,7 +289,7 @@ def main():
         text += ["Our binary was not run (not built, or --reference-only): the meshtorch columns are empty.", ""]
     if args.quick:
         text += ["**--quick: one short run per side; this checks the wiring and measures nothing.**", ""]
-    text.append(tables(results, args, sizes, threads_list, impls_all))
+    text.append(tables(results, args, sizes, threads_list, impls_all, peaks))
     report = "\n".join(text)
     (out / "chapter1.md").write_text(report)
     (out / "chapter1.json").write_text(json.dumps(
@@ -250,12 +300,29 @@ def main():
     print(report)
     log(f"tables written to {out / 'chapter1.md'} (raw figures in {out / 'chapter1.json'})")
 
+    compile_report = None
     if not args.no_compile_time:
         reps = "1" if args.quick else "2"
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_time.py"), "--reps", reps,
                                "--out", str(out / "compile-time.md")], cwd=ROOT)
         if proc.returncode != 0:
             log("the compile-time benchmark failed (see above)")
+        elif (out / "compile-time.md").exists():
+            compile_report = (out / "compile-time.md").read_text().split("\n", 1)[1]  # without its heading
+
+    if args.update_docs:
+        import torch
+        peaks = ", ".join(f"{fmt(v)} GFLOP/s with {t} thread{'s' if t > 1 else ''}"
+                          for t, v in sorted(machine["gemm_peak_gflops_fp32"].items()))
+        sections = {
+            "machine": f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB "
+                       f"(measured {machine['date']}, commit {machine['commit']}, torch {torch.__version__}). "
+                       f"fp32 GEMM peak: {peaks or 'not measured'}.",
+            "chapter1": report.split("\n", 2)[2],  # without the heading line
+        }
+        if compile_report:
+            sections["compile-time"] = compile_report
+        update_docs(sections)
 
     expected = sum(1 for s in sizes for t in threads_list for _ in range(args.reps)
                    for i in (["ours"] if with_ours else []) + ["hf-eager"] + (["hf-compile"] if s in compile_sizes else []))
