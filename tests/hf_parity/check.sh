@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # HF parity: train a model for 2 steps with our chapter-1 binary, save a checkpoint, compute our
-# loss on a fixed batch from that checkpoint, and check that transformers' LlamaForCausalLM,
-# loaded from the same folder with from_pretrained, gives the same loss within 1e-5 (fp32).
+# loss on a fixed batch from that checkpoint (meshtorch-eval-loss), and check that transformers'
+# LlamaForCausalLM, loaded from the same folder with from_pretrained, gives the same loss within
+# 1e-5 (fp32), and the same per-position losses when the JSON carries them. The batch is 4 x 128:
+# at 2 x 32 a config whose llama3 rope scaling is ignored still passes on the mean.
 # Exit 77 (CTest: skipped) when the bench environment (bench/setup-python) is not installed.
 #
 #   check.sh VENV_PYTHON TRAIN_BINARY EVAL_LOSS_BINARY HF_LOSS_PY MODEL
@@ -21,5 +23,5 @@ export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 ckpt="$tmp/hfp/checkpoint"
 [[ -f "$ckpt/config.json" && -f "$ckpt/model.safetensors" ]] || {
   echo "no config.json + model.safetensors in $ckpt after 2 steps with --ckpt-freq 2"; ls -lR "$tmp"; exit 1; }
-"$eval_loss" "$ckpt" "$tmp/ours.json"
+"$eval_loss" "$ckpt" "$tmp/ours.json" -b 4 -s 128
 "$python" "$hf_loss" "$ckpt" "$tmp/ours.json" --tol 1e-5
