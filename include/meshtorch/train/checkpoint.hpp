@@ -57,23 +57,19 @@ inline std::filesystem::path latest_checkpoint(const std::filesystem::path& exp_
   return exp_dir / "checkpoint";
 }
 
-inline void save_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model,
-                            const AdamW& optimizer, const TrainState& state, const RunIdentity& identity) {
-  namespace fs = std::filesystem;
+inline std::string checkpoint_name(std::int64_t global_step) {
   char name[32];
-  std::snprintf(name, sizeof name, "ckpt-%08lld", static_cast<long long>(state.global_step));
+  std::snprintf(name, sizeof name, "ckpt-%08lld", static_cast<long long>(global_step));
+  return name;
+}
+
+// Moves a complete <exp>/<name>.partial to <exp>/<name>, points <exp>/checkpoint at it and
+// removes older checkpoints. The folder's contents must already be fsynced.
+inline void publish_checkpoint(const std::filesystem::path& exp_dir, const std::string& name) {
+  namespace fs = std::filesystem;
   const fs::path final_dir = exp_dir / name;
-  const fs::path partial_dir = exp_dir / (std::string(name) + ".partial");
-  fs::remove_all(partial_dir);
-  fs::create_directories(partial_dir);
-
-  llama::save_pretrained(model, partial_dir);
-  auto optimizer_state = optimizer.state();
-  optimizer_state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
-  io::save_safetensors(partial_dir / "optimizer.safetensors", optimizer_state);
-  io::write_file_atomically(partial_dir / "state.json", to_json(state, identity).dump(2) + "\n");
+  const fs::path partial_dir = exp_dir / (name + ".partial");
   io::fsync_path(partial_dir);
-
   fs::remove_all(final_dir);
   fs::rename(partial_dir, final_dir);
   io::fsync_path(exp_dir);
@@ -92,11 +88,23 @@ inline void save_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaFo
   }
 }
 
-// Restores model, optimizer and RNG from <exp>/checkpoint if it exists, and returns the state.
-inline std::optional<TrainState> load_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model,
-                                                 AdamW& optimizer, const RunIdentity& identity) {
-  const auto dir = latest_checkpoint(exp_dir);
-  if (!std::filesystem::exists(dir / "state.json")) return std::nullopt;
+inline void save_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model,
+                            const AdamW& optimizer, const TrainState& state, const RunIdentity& identity) {
+  const std::string name = checkpoint_name(state.global_step);
+  const auto partial_dir = exp_dir / (name + ".partial");
+  std::filesystem::remove_all(partial_dir);
+  std::filesystem::create_directories(partial_dir);
+
+  llama::save_pretrained(model, partial_dir);
+  auto optimizer_state = optimizer.state();
+  optimizer_state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  io::save_safetensors(partial_dir / "optimizer.safetensors", optimizer_state);
+  io::write_file_atomically(partial_dir / "state.json", to_json(state, identity).dump(2) + "\n");
+  publish_checkpoint(exp_dir, name);
+}
+
+// Reads <dir>/state.json, refusing a checkpoint whose data-order flags differ from this run's.
+inline TrainState read_train_state(const std::filesystem::path& dir, const RunIdentity& identity) {
   const auto state_path = (dir / "state.json").string();
   std::ifstream in(dir / "state.json");
   nlohmann::json j;
@@ -131,15 +139,27 @@ inline std::optional<TrainState> load_checkpoint(const std::filesystem::path& ex
   same("global_batch", identity.global_batch);
   same("dataset", identity.dataset);
   same("model", identity.model);
+  return state;
+}
 
+inline void restore_cpu_rng(const io::SafetensorsFile& contents, const std::filesystem::path& file) {
+  const auto* rng = contents.find("rng.cpu");
+  if (!rng) throw DataError(file.string() + ": 'rng.cpu' is missing");
+  auto generator = at::detail::getDefaultCPUGenerator();
+  generator.set_state(*rng);
+}
+
+// Restores model, optimizer and RNG from <exp>/checkpoint if it exists, and returns the state.
+inline std::optional<TrainState> load_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model,
+                                                 AdamW& optimizer, const RunIdentity& identity) {
+  const auto dir = latest_checkpoint(exp_dir);
+  if (!std::filesystem::exists(dir / "state.json")) return std::nullopt;
+  const TrainState state = read_train_state(dir, identity);
   llama::load_pretrained_weights(model, dir);
   const auto optimizer_file = dir / "optimizer.safetensors";
   auto contents = io::load_safetensors(optimizer_file);
   optimizer.load_state(contents, optimizer_file.string());
-  const auto* rng = contents.find("rng.cpu");
-  if (!rng) throw DataError(optimizer_file.string() + ": 'rng.cpu' is missing");
-  auto generator = at::detail::getDefaultCPUGenerator();
-  generator.set_state(*rng);
+  restore_cpu_rng(contents, optimizer_file);
   return state;
 }
 

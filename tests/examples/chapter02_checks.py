@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""End-to-end checks of examples/02-distributed-data-parallel (and the chapter-3 launch paths),
+run by CTest on CPU with Gloo, fp32, one thread per rank.
+
+usage: chapter02_checks.py MESHRUN CHAPTER1 CHAPTER2 {ddp-parity|grad-accum-parity|zero-parity|resume|two-nodes}
+"""
+import json
+import os
+import pathlib
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+from array import array
+
+COMMON = ["-m", "llama-tiny", "-d", "builtin", "-s", "64", "--threads", "1", "--dtype", "float32",
+          "--log-freq", "5", "--seed", "3"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def free_port():
+    """A port p with p and p + 1 free (meshrun's node rendezvous uses the master port + 1)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    sys.exit("no free port pair")
+
+
+def run(cmd, expect_ok=True):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
+    if expect_ok and proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def single(tools, *args):
+    return run([tools["chapter1"], *COMMON, *args])
+
+
+def ddp(tools, nproc, *args, expect_ok=True):
+    return run([tools["meshrun"], "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "--",
+                tools["chapter2"], *COMMON, *args], expect_ok=expect_ok)
+
+
+def metrics(exp_dir):
+    return [json.loads(line) for line in (pathlib.Path(exp_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_safetensors(path):
+    """name -> (shape, list of floats); float32 only, enough for the fp32 runs here."""
+    data = pathlib.Path(path).read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + size])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        raw = data[8 + size + begin:8 + size + end]
+        values = array("f", raw) if info["dtype"] == "F32" else array("B", raw)
+        out[name] = (info["shape"], values)
+    return out
+
+
+def compare_losses(a, b, rtol):
+    assert [r["global_step"] for r in a] == [r["global_step"] for r in b], (a, b)
+    worst = 0.0
+    for x, y in zip(a, b):
+        rel = abs(x["running_loss"] - y["running_loss"]) / abs(x["running_loss"])
+        print(f"step {x['global_step']}: {x['running_loss']:.9f} vs {y['running_loss']:.9f} (rel {rel:.2e})")
+        worst = max(worst, rel)
+    assert worst <= rtol, f"losses differ by {worst:.3e} relative, more than {rtol}"
+    return worst
+
+
+def compare_params(file_a, file_b, tol):
+    """max |a - b| / max(1, max |a|) over all tensors of two model.safetensors files."""
+    a, b = read_safetensors(file_a), read_safetensors(file_b)
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    worst, where = 0.0, None
+    for name in a:
+        (shape_a, va), (shape_b, vb) = a[name], b[name]
+        assert shape_a == shape_b, (name, shape_a, shape_b)
+        scale = max(1.0, max(abs(v) for v in va))
+        diff = max(abs(x - y) for x, y in zip(va, vb)) / scale
+        if diff > worst:
+            worst, where = diff, name
+    print(f"parameters: largest difference {worst:.3e} (in {where}) over {len(a)} tensors")
+    assert worst <= tol, f"parameters differ by {worst:.3e} in {where}, more than {tol}"
+    return worst
+
+
+def model_file(exp_dir):
+    return pathlib.Path(exp_dir) / "checkpoint" / "model.safetensors"
+
+
+def parity(tools, single_batch, ddp_args, steps):
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["--save-dir", tmp, "--max-steps", str(steps), "--ckpt-freq", str(steps)]
+        single(tools, "-b", str(single_batch), "-e", "one", *flags)
+        ddp(tools, 2, *ddp_args, "-e", "two", *flags)
+        compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/two"), 1e-4)
+        compare_params(model_file(f"{tmp}/one"), model_file(f"{tmp}/two"), 1e-4)
+
+
+def ddp_parity(tools):
+    parity(tools, 4, ["-b", "2"], 30)
+
+
+def grad_accum_parity(tools):
+    parity(tools, 8, ["-b", "2", "--grad-accum", "2"], 30)
+
+
+def zero_parity(tools):
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["-b", "2", "--save-dir", tmp, "--max-steps", "20", "--ckpt-freq", "20"]
+        ddp(tools, 2, *flags, "-e", "zero", "--zero")
+        ddp(tools, 2, *flags, "-e", "plain", "--no-zero")
+        compare_losses(metrics(f"{tmp}/plain"), metrics(f"{tmp}/zero"), 1e-6)
+        compare_params(model_file(f"{tmp}/plain"), model_file(f"{tmp}/zero"), 1e-5)
+        # Optimizer state: the replicated run holds all of it on every rank, each ZeRO rank ~1/2.
+        def state_elements(path):
+            return sum(len(values) for name, (shape, values) in read_safetensors(path).items()
+                       if name.endswith(".exp_avg") or name.endswith(".exp_avg_sq"))
+        full = state_elements(pathlib.Path(tmp) / "plain" / "checkpoint" / "optimizer.safetensors")
+        shards = [state_elements(pathlib.Path(tmp) / "zero" / "checkpoint" / f"optimizer-rank{r}-of2.safetensors")
+                  for r in range(2)]
+        print(f"optimizer state elements: replicated {full} per rank, ZeRO shards {shards}")
+        assert sum(shards) == full, (shards, full)
+        for shard in shards:
+            assert abs(shard / full - 0.5) <= 0.05, f"shard {shard} of {full} is not ~1/2"
+
+
+def resume(tools):
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["-b", "2", "--save-dir", tmp, "--ckpt-freq", "10"]
+        ddp(tools, 2, *flags, "-e", "straight", "--max-steps", "30")
+        ddp(tools, 2, *flags, "-e", "stopped", "--max-steps", "20")
+        second = ddp(tools, 2, *flags, "-e", "stopped", "--max-steps", "30")
+        assert "resumed from" in second.stdout and "global_step 20" in second.stdout, second.stdout
+        straight, resumed = metrics(f"{tmp}/straight"), metrics(f"{tmp}/stopped")
+        assert [r["global_step"] for r in resumed] == [5, 10, 15, 20, 25, 30], resumed
+        for a, b in zip(straight, resumed):
+            print(f"step {a['global_step']}: straight {a['running_loss']:.9f} resumed {b['running_loss']:.9f}")
+            assert abs(a["running_loss"] - b["running_loss"]) <= 1e-6, (a, b)
+        compare_params(model_file(f"{tmp}/straight"), model_file(f"{tmp}/stopped"), 1e-6)
+        # A ZeRO checkpoint resumes on the same number of ranks only, and says so.
+        bad = ddp(tools, 1, "-b", "4", "--save-dir", tmp, "--ckpt-freq", "10", "-e", "stopped", "--max-steps", "40",
+                  expect_ok=False)
+        assert bad.returncode != 0 and "same number of ranks" in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+
+
+def two_nodes(tools):
+    """Two meshruns on loopback, as two nodes of one job, against one meshrun with two ranks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["-b", "2", "--save-dir", tmp, "--max-steps", "20", "--ckpt-freq", "20"]
+        ddp(tools, 2, *flags, "-e", "one-node")
+        port = free_port()
+        nodes = [subprocess.Popen([tools["meshrun"], "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node",
+                                   "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-timeout",
+                                   "60", "--", tools["chapter2"], *COMMON, *flags, "-e", "two-nodes"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+                 for rank in range(2)]
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+        for rank, (node, output) in enumerate(zip(nodes, outputs)):
+            assert node.returncode == 0, f"node {rank} failed ({node.returncode}):\n{output}"
+        assert "rank 1 of 2" in outputs[1], outputs[1]
+        compare_losses(metrics(f"{tmp}/one-node"), metrics(f"{tmp}/two-nodes"), 1e-6)
+        compare_params(model_file(f"{tmp}/one-node"), model_file(f"{tmp}/two-nodes"), 1e-6)
+
+
+if __name__ == "__main__":
+    tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter2": sys.argv[3]}
+    {"ddp-parity": ddp_parity, "grad-accum-parity": grad_accum_parity, "zero-parity": zero_parity,
+     "resume": resume, "two-nodes": two_nodes}[sys.argv[4]](tools)
+    print("ok")
