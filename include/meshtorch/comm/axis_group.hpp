@@ -1,0 +1,69 @@
+#pragma once
+// AxisGroup: this rank's process group along one mesh axis (or the whole world), with the global
+// ranks it holds and the timeout its collectives use. Copies are cheap and share the backend.
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <meshtorch/comm/backend.hpp>
+
+namespace meshtorch::comm {
+
+class AxisGroup {
+ public:
+  AxisGroup() = default;
+  AxisGroup(std::string axis_name, std::vector<int> ranks, int global_rank,
+            c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout,
+            Device device)
+      : axis_name_(std::move(axis_name)),
+        ranks_(std::move(ranks)),
+        global_rank_(global_rank),
+        backend_(std::move(backend)),
+        timeout_(timeout),
+        device_(device) {
+    for (std::size_t i = 0; i < ranks_.size(); ++i)
+      if (ranks_[i] == global_rank_) rank_ = static_cast<int>(i);
+  }
+
+  // "TP", "DP", ... or "world".
+  const std::string& axis_name() const { return axis_name_; }
+  // Position in the group, which is this rank's coordinate on the axis.
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(ranks_.size()); }
+  // Global ranks of the group, ordered by coordinate.
+  const std::vector<int>& ranks() const { return ranks_; }
+  int global_rank() const { return global_rank_; }
+  int global_rank_of(int group_rank) const { return ranks_.at(group_rank); }
+  const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  Device device() const { return device_; }
+
+  // The same group with another timeout for the collectives issued through the copy.
+  AxisGroup with_timeout(std::chrono::milliseconds timeout) const {
+    AxisGroup copy = *this;
+    copy.timeout_ = timeout;
+    return copy;
+  }
+
+  // "TP group [2, 3] on rank 3": how errors name the group.
+  std::string describe() const {
+    std::string out = axis_name_ + " group [";
+    for (std::size_t i = 0; i < ranks_.size(); ++i)
+      out += (i ? ", " : "") + std::to_string(ranks_[i]);
+    return out + "] on rank " + std::to_string(global_rank_);
+  }
+
+ private:
+  std::string axis_name_;
+  std::vector<int> ranks_;
+  int global_rank_ = 0;
+  int rank_ = 0;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  std::chrono::milliseconds timeout_{600'000};
+  Device device_ = Device::cpu;
+};
+
+}  // namespace meshtorch::comm

@@ -1,0 +1,69 @@
+#pragma once
+// Creating one c10d backend: Gloo for CPU tensors, NCCL for CUDA tensors. The NCCL path compiles
+// only in a CUDA build (MESHTORCH_WITH_CUDA, set by -DMESHTORCH_CUDA=ON).
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#if defined(MESHTORCH_WITH_CUDA)
+// c10d's headers hide ProcessGroupNCCL unless this is defined; TorchConfig does not define it.
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL
+#endif
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <meshtorch/error.hpp>
+
+namespace meshtorch::comm {
+
+enum class Device { cpu, cuda };
+
+inline std::string to_string(Device device) { return device == Device::cpu ? "cpu" : "cuda"; }
+
+// The network endpoint Gloo binds to. One job on one node talks over loopback; across nodes,
+// GLOO_SOCKET_IFNAME picks the interface as it does in PyTorch, else the host name's address.
+inline std::shared_ptr<::gloo::transport::Device> make_gloo_device(bool single_node) {
+  if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME"); interface && *interface)
+    return c10d::ProcessGroupGloo::createDeviceForInterface(interface);
+  if (single_node) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+struct BackendRequest {
+  Device device = Device::cpu;
+  c10::intrusive_ptr<c10d::Store> store;  // already prefixed for this group
+  int rank = 0;                           // in the group
+  int size = 1;
+  std::chrono::milliseconds timeout{600'000};
+  std::shared_ptr<::gloo::transport::Device> gloo_device;  // shared by all Gloo groups
+};
+
+inline c10::intrusive_ptr<c10d::Backend> make_backend(const BackendRequest& request) {
+  if (request.device == Device::cpu) {
+    auto options = c10d::ProcessGroupGloo::Options::create(request.timeout);
+    options->devices.push_back(request.gloo_device);
+    // One thread per group: every rank is a process with one compute thread (OMP_NUM_THREADS=1
+    // in tests), and meshes create several groups.
+    options->threads = 1;
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(request.store, request.rank, request.size,
+                                                       options);
+  }
+#if defined(MESHTORCH_WITH_CUDA)
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = request.timeout;
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(request.store, request.rank, request.size,
+                                                     options);
+#else
+  throw ConfigError(
+      "device cuda asked of a meshtorch built without CUDA; configure with -DMESHTORCH_CUDA=ON, "
+      "or init the mesh with comm::Device::cpu");
+#endif
+}
+
+}  // namespace meshtorch::comm

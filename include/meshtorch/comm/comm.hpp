@@ -1,0 +1,13 @@
+#pragma once
+// The run-time communication layer: launch environment, mesh init, collectives,
+// redistribution and differentiable collectives.
+#include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/comm/backend.hpp>
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/comm/device_mesh.hpp>
+#include <meshtorch/comm/differentiable.hpp>
+#include <meshtorch/comm/env.hpp>
+#include <meshtorch/comm/fingerprint.hpp>
+#include <meshtorch/comm/redistribute.hpp>
+#include <meshtorch/comm/rendezvous.hpp>
+#include <meshtorch/comm/work.hpp>

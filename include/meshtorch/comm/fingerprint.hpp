@@ -1,0 +1,81 @@
+#pragma once
+// Ranks compare a fingerprint (mesh type, device, the caller's plan/flags string) through the
+// store before creating any process group. A rank started with another binary or other flags
+// would otherwise join collectives of the wrong shape and hang; here every rank gets an error
+// naming both values instead.
+//
+// Rank 0 reads every rank's value and publishes a verdict; the others wait for the verdict. So
+// the whole exchange is O(world size) store operations and every rank learns of any mismatch.
+#include <chrono>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <meshtorch/error.hpp>
+
+namespace meshtorch::comm {
+
+namespace detail {
+
+inline std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), text.end()}; }
+inline std::string from_bytes(const std::vector<uint8_t>& bytes) {
+  return {bytes.begin(), bytes.end()};
+}
+
+inline std::string fingerprint_key(int rank) {
+  return "meshtorch/fingerprint/" + std::to_string(rank);
+}
+
+}  // namespace detail
+
+inline void check_fingerprints(c10d::Store& store, int rank, int world_size,
+                               const std::string& fingerprint, std::chrono::milliseconds timeout) {
+  const std::string verdict_key = "meshtorch/fingerprint/verdict";
+  const std::string readers_key = "meshtorch/fingerprint/readers";
+  const std::string read_key = "meshtorch/fingerprint/read";
+  store.setTimeout(timeout);
+  store.set(detail::fingerprint_key(rank), detail::to_bytes(fingerprint));
+  std::string verdict;
+  if (rank == 0) {
+    for (int other = 1; other < world_size && verdict.empty(); ++other) {
+      try {
+        const std::string theirs = detail::from_bytes(store.get(detail::fingerprint_key(other)));
+        if (theirs != fingerprint)
+          verdict = "rank " + std::to_string(other) + " was started with '" + theirs +
+                    "' but rank 0 with '" + fingerprint +
+                    "'; start every rank with the same program, mesh and flags";
+      } catch (const std::exception&) {
+        verdict = "rank " + std::to_string(other) + " did not report its fingerprint within " +
+                  std::to_string(timeout.count()) + " ms; check that it started and did not fail";
+      }
+    }
+    store.set(verdict_key, detail::to_bytes(verdict.empty() ? "ok" : verdict));
+    // Rank 0 serves the store: it stays until every rank has read the verdict, else a rank that
+    // fails right after init (or this one, now) would close the store under ranks still reading.
+    bool all_read = true;
+    try {
+      if (world_size > 1) store.wait({read_key}, timeout);
+    } catch (const std::exception&) {
+      all_read = false;
+    }
+    if (!verdict.empty()) throw CommError("mesh init on rank 0: " + verdict);
+    if (!all_read)
+      throw CommError("mesh init on rank 0: not every rank read the fingerprint verdict within " +
+                      std::to_string(timeout.count()) + " ms; check that no rank failed");
+    return;
+  }
+  try {
+    verdict = detail::from_bytes(store.get(verdict_key));
+  } catch (const std::exception& e) {
+    throw CommError("mesh init on rank " + std::to_string(rank) +
+                    ": rank 0 gave no fingerprint verdict within " +
+                    std::to_string(timeout.count()) + " ms: " + e.what());
+  }
+  if (store.add(readers_key, 1) == world_size - 1) store.set(read_key, detail::to_bytes("1"));
+  if (verdict != "ok")
+    throw CommError("mesh init on rank " + std::to_string(rank) + ": " + verdict);
+}
+
+}  // namespace meshtorch::comm

@@ -1,0 +1,35 @@
+#pragma once
+// TCPStore rendezvous: rank 0 serves the store at MASTER_ADDR:MASTER_PORT, every rank connects,
+// and nobody waits longer than the timeout for a rank that never comes.
+#include <chrono>
+#include <exception>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <meshtorch/comm/env.hpp>
+#include <meshtorch/error.hpp>
+
+namespace meshtorch::comm {
+
+inline c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env,
+                                                   std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(env.master_port);
+  options.isServer = env.rank == 0;
+  options.numWorkers = static_cast<std::size_t>(env.world_size);
+  // Rank 0 returns only once every rank has connected, or throws after the timeout.
+  options.waitWorkers = true;
+  options.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+  } catch (const std::exception& e) {
+    throw CommError("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
+                    ": rendezvous at " + env.master_addr + ":" + std::to_string(env.master_port) +
+                    " failed within " + std::to_string(timeout.count()) +
+                    " ms (is every rank started, and MASTER_ADDR/MASTER_PORT the same on all?): " +
+                    e.what());
+  }
+}
+
+}  // namespace meshtorch::comm

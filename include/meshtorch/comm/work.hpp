@@ -1,0 +1,83 @@
+#pragma once
+// Work<Result>: a collective in flight. wait() blocks up to the group's timeout, finishes the
+// result (divides an average, concatenates gathered pieces) and returns it; a failure or timeout
+// becomes a CommError naming the collective, the group and the rank.
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/error.hpp>
+
+namespace meshtorch::comm {
+
+namespace detail {
+
+inline CommError collective_error(std::string_view collective, const AxisGroup& group,
+                                  std::string_view why) {
+  return CommError(std::string(collective) + " over the " + group.describe() + " failed: " +
+                   std::string(why));
+}
+
+// Issues a c10d call, turning its synchronous errors into CommErrors.
+template <class Issue>
+c10::intrusive_ptr<c10d::Work> issue(std::string_view collective, const AxisGroup& group,
+                                     Issue&& call) {
+  try {
+    return std::forward<Issue>(call)();
+  } catch (const std::exception& e) {
+    throw collective_error(collective, group, e.what());
+  }
+}
+
+}  // namespace detail
+
+template <class Result>
+class Work {
+ public:
+  Work(c10::intrusive_ptr<c10d::Work> work, std::function<Result()> finish,
+       std::string collective, AxisGroup group)
+      : work_(std::move(work)),
+        finish_(std::move(finish)),
+        collective_(std::move(collective)),
+        group_(std::move(group)) {}
+
+  // A result that needed no communication (a group of one rank).
+  static Work ready(Result result) {
+    Work work(nullptr, nullptr, "", AxisGroup{});
+    work.result_ = std::move(result);
+    return work;
+  }
+
+  bool is_completed() const { return result_.has_value() || !work_ || work_->isCompleted(); }
+
+  Result wait() {
+    if (result_) return *result_;
+    if (work_) {
+      try {
+        // c10d's wait throws once the timeout passes without completion.
+        work_->wait(group_.timeout());
+      } catch (const std::exception& e) {
+        throw detail::collective_error(
+            collective_, group_,
+            std::string(e.what()) + " (timeout " + std::to_string(group_.timeout().count()) + " ms)");
+      }
+    }
+    result_ = finish_();
+    return *result_;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::function<Result()> finish_;
+  std::string collective_;
+  AxisGroup group_;
+  std::optional<Result> result_;
+};
+
+}  // namespace meshtorch::comm

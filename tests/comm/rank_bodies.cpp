@@ -1,0 +1,371 @@
+// What each rank runs in the multi-process tests (hidden test cases, started by drivers.cpp or
+// by any launcher that sets the torchrun variables), and single-process checks.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <iostream>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <meshtorch/comm/comm.hpp>
+#include <meshtorch/layout/layout.hpp>
+
+using namespace meshtorch;
+using namespace meshtorch::comm;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr auto f64 = torch::kFloat64;
+
+std::string show(const torch::Tensor& t) {
+  std::ostringstream out;
+  out << t;
+  return out.str();
+}
+
+// Checks exact equality and prints both tensors when they differ.
+void expect_equal(const torch::Tensor& actual, const torch::Tensor& expected, const std::string& what) {
+  INFO(what << "\nactual:\n" << show(actual) << "\nexpected:\n" << show(expected));
+  REQUIRE(actual.sizes() == expected.sizes());
+  CHECK(torch::equal(actual.to(f64), expected.to(f64)));
+}
+
+InitOptions test_options(std::chrono::milliseconds timeout = 30s) {
+  InitOptions options;
+  options.timeout = timeout;
+  return options;
+}
+
+torch::Tensor ranks_tensor(const std::vector<int>& ranks) {
+  std::vector<double> values(ranks.begin(), ranks.end());
+  return torch::tensor(values, f64);
+}
+
+// Every collective over one group, against values computed from the group's membership.
+void check_collectives(const AxisGroup& group) {
+  const int n = group.size(), me = group.rank(), rank = group.global_rank();
+  const std::string where = group.describe();
+  INFO(where);
+  std::vector<int> plus_one(group.ranks());
+  for (int& r : plus_one) ++r;
+  const double sum_plus_one = std::accumulate(plus_one.begin(), plus_one.end(), 0.0);
+
+  // The group really holds the ranks it claims, in coordinate order.
+  expect_equal(all_gather(group, torch::full({1}, rank, f64)), ranks_tensor(group.ranks()),
+               "membership");
+
+  expect_equal(all_reduce(group, torch::full({2, 3}, rank + 1.0, f64)),
+               torch::full({2, 3}, sum_plus_one, f64), "all_reduce sum");
+  expect_equal(all_reduce(group, torch::full({2}, rank + 1.0, f64), ReduceOp::avg),
+               torch::full({2}, sum_plus_one / n, f64), "all_reduce avg");
+  expect_equal(all_reduce(group, torch::full({2}, rank, f64), ReduceOp::max),
+               torch::full({2}, group.ranks().back(), f64), "all_reduce max");
+  expect_equal(all_reduce(group, torch::full({2}, rank, f64), ReduceOp::min),
+               torch::full({2}, group.ranks().front(), f64), "all_reduce min");
+  torch::Tensor transposed = torch::full({3, 2}, rank + 1.0, f64).t();
+  all_reduce(group, transposed);
+  expect_equal(transposed, torch::full({2, 3}, sum_plus_one, f64),
+               "all_reduce in place on a non-contiguous tensor");
+
+  std::vector<torch::Tensor> rows, columns;
+  for (int r : group.ranks()) {
+    rows.push_back(torch::full({1, 2}, r, f64));
+    columns.push_back(torch::full({2, 1}, r, f64));
+  }
+  expect_equal(all_gather(group, torch::full({1, 2}, rank, f64), 0), torch::cat(rows, 0),
+               "all_gather dim 0");
+  expect_equal(all_gather(group, torch::full({2, 1}, rank, f64), -1), torch::cat(columns, 1),
+               "all_gather dim -1");
+
+  const torch::Tensor base = torch::arange(n * 2 * 3, f64).view({n * 2, 3});
+  expect_equal(reduce_scatter(group, base * (rank + 1), 0),
+               base.chunk(n, 0)[me] * sum_plus_one, "reduce_scatter sum dim 0");
+  expect_equal(reduce_scatter(group, base.t() * (rank + 1), 1, ReduceOp::avg),
+               base.t().chunk(n, 1)[me] * (sum_plus_one / n), "reduce_scatter avg dim 1");
+
+  expect_equal(broadcast(group, torch::full({3}, rank, f64), n - 1),
+               torch::full({3}, group.ranks().back(), f64), "broadcast from the last group rank");
+
+  // Rank r holds [100 r + j]; piece j (columns 2j, 2j+1) goes to group rank j.
+  const torch::Tensor mine = torch::arange(2 * n, f64).repeat({2, 1}) + 100.0 * rank;
+  std::vector<torch::Tensor> received;
+  for (int r : group.ranks())
+    received.push_back((torch::arange(2 * n, f64).repeat({2, 1}) + 100.0 * r).chunk(n, 1)[me]);
+  expect_equal(all_to_all(group, mine, 1, 0), torch::cat(received, 0), "all_to_all");
+
+  barrier(group);
+
+  // Two collectives in flight at once, waited for in reverse order.
+  auto reduced = all_reduce_async(group, torch::full({4}, 1.0, f64));
+  auto gathered = all_gather_async(group, torch::full({1}, rank, f64));
+  expect_equal(gathered.wait(), ranks_tensor(group.ranks()), "all_gather_async");
+  expect_equal(reduced.wait(), torch::full({4}, static_cast<double>(n), f64), "all_reduce_async");
+  CHECK(reduced.is_completed());
+
+  auto coalesced = all_reduce_coalesced(
+      group, {torch::full({2, 2}, rank + 1.0, f64), torch::full({3}, 2.0 * (rank + 1), f64)});
+  expect_equal(coalesced[0], torch::full({2, 2}, sum_plus_one, f64), "all_reduce_coalesced [0]");
+  expect_equal(coalesced[1], torch::full({3}, 2 * sum_plus_one, f64), "all_reduce_coalesced [1]");
+
+  auto gathered_many =
+      all_gather_coalesced(group, {torch::full({1, 2}, rank, f64), torch::full({1}, -rank, f64)});
+  expect_equal(gathered_many[0], torch::cat(rows, 0), "all_gather_coalesced [0]");
+  expect_equal(gathered_many[1], -ranks_tensor(group.ranks()), "all_gather_coalesced [1]");
+
+  auto scattered_many = reduce_scatter_coalesced(
+      group, {base * (rank + 1), torch::arange(2 * n, f64) * (rank + 1)});
+  expect_equal(scattered_many[0], base.chunk(n, 0)[me] * sum_plus_one, "reduce_scatter_coalesced [0]");
+  expect_equal(scattered_many[1], torch::arange(2 * n, f64).chunk(n, 0)[me] * sum_plus_one,
+               "reduce_scatter_coalesced [1]");
+
+  auto broadcast_many =
+      broadcast_coalesced(group, {torch::full({2}, rank, f64), torch::full({1, 3}, rank, f64)}, 0);
+  expect_equal(broadcast_many[1], torch::full({1, 3}, group.ranks().front(), f64),
+               "broadcast_coalesced");
+}
+
+// Every placement pair, checked against slicing the full tensor.
+void check_redistribute(const AxisGroup& group) {
+  const int n = group.size(), me = group.rank();
+  const double scale = group.size() * (group.size() + 1) / 2.0;  // sum of (coordinate + 1)
+  INFO(group.describe());
+  const torch::Tensor full = torch::arange(n * 2 * n * 3, f64).view({n * 2, n * 3});
+  const torch::Tensor row_shard = full.chunk(n, 0)[me], column_shard = full.chunk(n, 1)[me];
+  const torch::Tensor addend = full * (me + 1);
+
+  expect_equal(redistribute<Replicate, Shard<0>>(full, group), row_shard, "Replicate -> Shard<0>");
+  expect_equal(redistribute<Replicate, Shard<-1>>(full, group), column_shard,
+               "Replicate -> Shard<-1>");
+  expect_equal(redistribute<Shard<0>, Replicate>(row_shard, group), full, "Shard<0> -> Replicate");
+  expect_equal(redistribute<Shard<1>, Replicate>(column_shard, group), full, "Shard<1> -> Replicate");
+  expect_equal(redistribute<Shard<0>, Shard<1>>(row_shard, group), column_shard,
+               "Shard<0> -> Shard<1>");
+  expect_equal(redistribute<Shard<1>, Shard<0>>(column_shard, group), row_shard,
+               "Shard<1> -> Shard<0>");
+  expect_equal(redistribute<Shard<-1>, Shard<1>>(column_shard, group), column_shard,
+               "Shard<-1> -> Shard<1> moves nothing");
+  expect_equal(redistribute<Partial, Replicate>(addend, group), full * scale, "Partial -> Replicate");
+  expect_equal(redistribute<Partial, Shard<1>>(addend, group), column_shard * scale,
+               "Partial -> Shard<1>");
+  expect_equal(redistribute<Partial, Partial>(addend, group), addend, "Partial -> Partial");
+  expect_equal(redistribute<Replicate, Replicate>(full, group), full, "Replicate -> Replicate");
+}
+
+template <MeshType M>
+void check_mesh(const DeviceMesh<M>& mesh) {
+  INFO(mesh.shape().to_string() << " on rank " << mesh.rank());
+  for (std::size_t axis_index = 0; axis_index < M::ndim; ++axis_index) {
+    const AxisGroup& group = mesh.group(axis_index);
+    CHECK(group.ranks() == mesh.shape().slice_ranks(axis_index, mesh.rank()));
+    CHECK(group.rank() == mesh.coords()[axis_index]);
+    check_collectives(group);
+    check_redistribute(group);
+  }
+  check_collectives(mesh.world());
+}
+
+}  // namespace
+
+TEST_CASE("rank body: collectives on Mesh<DP<dynamic>, TP<2>>", "[.rank_collectives_dp_tp]") {
+  auto mesh = init<Mesh<DP<dynamic>, TP<2>>>(test_options());
+  const int world = mesh.world_size();
+  CHECK(mesh.size<DP>() == world / 2);
+  CHECK(mesh.size<TP>() == 2);
+  CHECK(mesh.coord<TP>() == mesh.rank() % 2);
+  CHECK(mesh.coord<DP>() == mesh.rank() / 2);
+  CHECK(mesh.group<TP>().ranks() == std::vector<int>{mesh.rank() / 2 * 2, mesh.rank() / 2 * 2 + 1});
+  check_mesh(mesh);
+  // The axis-key forms reach the same groups.
+  expect_equal(all_reduce(mesh, axis<TP>, torch::ones({2}, f64)), torch::full({2}, 2.0, f64),
+               "all_reduce(mesh, axis<TP>, ...)");
+  expect_equal(redistribute<Shard<0>, Replicate>(torch::full({1}, mesh.coord<DP>(), f64), mesh, axis<DP>),
+               torch::arange(mesh.size<DP>(), f64), "redistribute(..., mesh, axis<DP>)");
+  barrier(mesh.world());
+}
+
+TEST_CASE("rank body: collectives on Mesh<DP<2>, FSDP<dynamic>, TP<1>>", "[.rank_collectives_3d]") {
+  auto mesh = init<Mesh<DP<2>, FSDP<dynamic>, TP<1>>>(test_options());
+  CHECK(mesh.size<FSDP>() == mesh.world_size() / 2);
+  CHECK(mesh.group<TP>().size() == 1);
+  check_mesh(mesh);
+  barrier(mesh.world());
+}
+
+TEST_CASE("rank body: differentiable collectives over TP", "[.rank_differentiable]") {
+  auto mesh = init<Mesh<DP<dynamic>, TP<2>>>(test_options());
+  const AxisGroup& tp = mesh.group<TP>();
+  const int n = tp.size(), r = tp.rank();
+  const double s = n * (n + 1) / 2.0;  // sum over the group of (coordinate + 1)
+  auto leaf = [](torch::Tensor t) { return t.set_requires_grad(true); };
+  // Plain blocks, not SECTIONs: Catch reruns a test case per section, which would init the mesh
+  // again.
+
+  {
+    INFO("f: identity forward, all-reduce backward");
+    auto x = leaf(torch::full({2, 3}, r + 1.0, f64));
+    auto y = copy_to_parallel_region(x, tp);
+    expect_equal(y, x.detach(), "f forward");
+    (y * torch::full({2, 3}, 10.0 * (r + 1), f64)).sum().backward();
+    expect_equal(x.grad(), torch::full({2, 3}, 10 * s, f64), "f backward");
+  }
+  {
+    INFO("g: all-reduce forward, identity backward");
+    auto x = leaf(torch::full({2, 3}, r + 1.0, f64));
+    auto y = reduce_from_parallel_region(x, tp);
+    expect_equal(y, torch::full({2, 3}, s, f64), "g forward");
+    (y * torch::full({2, 3}, 10.0 * (r + 1), f64)).sum().backward();
+    expect_equal(x.grad(), torch::full({2, 3}, 10.0 * (r + 1), f64), "g backward");
+  }
+  {
+    INFO("scatter: local chunk forward, all-gather backward");
+    auto x = leaf(torch::arange(2 * 2 * n, f64).view({2, 2 * n}));
+    auto y = scatter_to_parallel_region(x, tp, -1);
+    expect_equal(y, x.detach().chunk(n, 1)[r], "scatter forward");
+    (y * (r + 1.0)).sum().backward();
+    std::vector<torch::Tensor> blocks;
+    for (int c = 0; c < n; ++c) blocks.push_back(torch::full({2, 2}, c + 1.0, f64));
+    expect_equal(x.grad(), torch::cat(blocks, 1), "scatter backward");
+  }
+  {
+    INFO("gather: all-gather forward, local chunk backward");
+    auto x = leaf(torch::full({2, 2}, static_cast<double>(r), f64));
+    auto y = gather_from_parallel_region(x, tp, -1);
+    std::vector<torch::Tensor> blocks;
+    for (int c = 0; c < n; ++c) blocks.push_back(torch::full({2, 2}, static_cast<double>(c), f64));
+    expect_equal(y, torch::cat(blocks, 1), "gather forward");
+    const auto w = torch::arange(2 * 2 * n, f64).view({2, 2 * n}) * (r + 1);
+    (y * w).sum().backward();
+    expect_equal(x.grad(), w.chunk(n, 1)[r], "gather backward");
+  }
+  {
+    INFO("sequence gather: all-gather forward, reduce-scatter backward");
+    auto x = leaf(torch::full({2, 3}, static_cast<double>(r), f64));
+    auto y = gather_from_sequence_parallel_region(x, tp, 0);
+    std::vector<torch::Tensor> blocks;
+    for (int c = 0; c < n; ++c) blocks.push_back(torch::full({2, 3}, static_cast<double>(c), f64));
+    expect_equal(y, torch::cat(blocks, 0), "sequence gather forward");
+    const auto pattern = torch::arange(2 * n * 3, f64).view({2 * n, 3});
+    (y * pattern * (r + 1)).sum().backward();
+    expect_equal(x.grad(), pattern.chunk(n, 0)[r] * s, "sequence gather backward");
+  }
+  {
+    INFO("sequence reduce-scatter: reduce-scatter forward, all-gather backward");
+    const auto pattern = torch::arange(2 * n * 3, f64).view({2 * n, 3});
+    auto x = leaf(pattern * (r + 1));
+    auto y = reduce_scatter_to_sequence_parallel_region(x, tp, 0);
+    expect_equal(y, pattern.chunk(n, 0)[r] * s, "sequence reduce-scatter forward");
+    (y * (r + 1.0)).sum().backward();
+    std::vector<torch::Tensor> blocks;
+    for (int c = 0; c < n; ++c) blocks.push_back(torch::full({2, 3}, c + 1.0, f64));
+    expect_equal(x.grad(), torch::cat(blocks, 0), "sequence reduce-scatter backward");
+  }
+  {
+    INFO("a column- then row-parallel pair equals the unsharded product");
+    // y = relu(x A) B with A split by columns and B by rows: f before, g after, as in Megatron.
+    torch::manual_seed(0);  // the same full weights on every rank
+    const auto x_full = torch::randn({3, 4}, f64), a_full = torch::randn({4, 2 * n}, f64),
+               b_full = torch::randn({2 * n, 5}, f64);
+    auto x = leaf(x_full.clone());
+    auto a = leaf(a_full.chunk(n, 1)[r].clone()), b = leaf(b_full.chunk(n, 0)[r].clone());
+    auto y = reduce_from_parallel_region(torch::relu(copy_to_parallel_region(x, tp).matmul(a)).matmul(b), tp);
+    y.pow(2).sum().backward();
+
+    auto xr = leaf(x_full.clone()), ar = leaf(a_full.clone()), br = leaf(b_full.clone());
+    auto yr = torch::relu(xr.matmul(ar)).matmul(br);
+    yr.pow(2).sum().backward();
+    INFO("forward\n" << show(y) << "\nreference\n" << show(yr));
+    CHECK(torch::allclose(y, yr));
+    CHECK(torch::allclose(x.grad(), xr.grad()));
+    CHECK(torch::allclose(a.grad(), ar.grad().chunk(n, 1)[r]));
+    CHECK(torch::allclose(b.grad(), br.grad().chunk(n, 0)[r]));
+  }
+  barrier(mesh.world());
+}
+
+TEST_CASE("rank body: rank 1 starts with another mesh type", "[.rank_mesh_mismatch]") {
+  const int rank = launch_env().rank;
+  try {
+    if (rank == 1)
+      init<Mesh<DP<dynamic>>>(test_options());
+    else
+      init<Mesh<DP<dynamic>, TP<2>>>(test_options());
+    FAIL("init succeeded although rank 1 runs another mesh");
+  } catch (const CommError& e) {
+    std::cout << "rank " << rank << " caught: " << e.what() << "\n";
+    const std::string message = e.what();
+    CHECK_THAT(message, Catch::Contains("rank 1 was started with 'Mesh<DP<dynamic>> on cpu'") &&
+                            Catch::Contains("rank 0 with 'Mesh<DP<dynamic>, TP<2>> on cpu'"));
+  }
+}
+
+TEST_CASE("rank body: the last rank starts with other flags", "[.rank_flags_mismatch]") {
+  const auto env = launch_env();
+  auto options = test_options();
+  options.fingerprint = env.rank == env.world_size - 1 ? "--tp 4" : "--tp 2";
+  try {
+    init<Mesh<DP<dynamic>>>(options);
+    FAIL("init succeeded although the last rank has other flags");
+  } catch (const CommError& e) {
+    std::cout << "rank " << env.rank << " caught: " << e.what() << "\n";
+    CHECK_THAT(std::string(e.what()),
+               Catch::Contains("'Mesh<DP<dynamic>> on cpu | --tp 4'") &&
+                   Catch::Contains("'Mesh<DP<dynamic>> on cpu | --tp 2'"));
+  }
+}
+
+TEST_CASE("rank body: a world size that does not fit the mesh", "[.rank_world_mismatch]") {
+  using TooWide = Mesh<DP<dynamic>, TP<3>>;
+  CHECK_THROWS_WITH(init<TooWide>(test_options()),
+                    Catch::Contains("is not a multiple of 3") &&
+                        Catch::Contains("Mesh<DP<dynamic>, TP<3>>"));
+}
+
+TEST_CASE("rank body: a collective a peer never joins times out", "[.rank_timeout]") {
+  // The group's own timeout also bounds how long its destructor waits for the stuck collective.
+  auto mesh = init<Mesh<DP<dynamic>>>(test_options(4s));
+  if (mesh.rank() == 0) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto dp = mesh.group<DP>().with_timeout(1s);
+    CHECK_THROWS_WITH(all_reduce(dp, torch::ones({2})),
+                      Catch::Contains("all_reduce over the DP group [0, 1] on rank 0 failed"));
+    CHECK(std::chrono::steady_clock::now() - start < 3s);
+  } else {
+    std::this_thread::sleep_for(2s);
+  }
+}
+
+TEST_CASE("a one-rank mesh needs no peers and its collectives return their input", "[comm][single]") {
+  LaunchEnv env;
+  env.master_port = 0;  // 0: the store picks a free port; nobody else needs to find it
+  auto options = test_options(10s);
+  options.env = env;
+  auto mesh = init<Mesh<DP<dynamic>, TP<1>>>(options);
+  CHECK(mesh.size<DP>() == 1);
+  CHECK(mesh.fingerprint() == "Mesh<DP<dynamic>, TP<1>> on cpu");
+  const auto t = torch::arange(4, f64);
+  expect_equal(all_reduce(mesh.group<DP>(), t.clone(), ReduceOp::avg), t, "all_reduce");
+  expect_equal(all_gather(mesh.group<TP>(), t), t, "all_gather");
+  expect_equal(reduce_scatter(mesh.group<TP>(), t), t, "reduce_scatter");
+  expect_equal(all_to_all(mesh.group<TP>(), t.view({2, 2}), 0, 1), t.view({2, 2}), "all_to_all");
+  expect_equal(redistribute<Partial, Shard<0>>(t, mesh, axis<DP>), t, "Partial -> Shard<0>");
+  CHECK_THROWS_WITH(all_gather(mesh.group<DP>(), t, 3),
+                    Catch::Contains("all_gather over the DP group [0] on rank 0 failed: dim 3 is "
+                                    "out of range"));
+}
+
+TEST_CASE("a cuda mesh in a CPU build is a ConfigError naming the fix", "[comm][single]") {
+#if !defined(MESHTORCH_WITH_CUDA)
+  LaunchEnv env;
+  env.master_port = 0;
+  auto options = test_options(10s);
+  options.env = env;
+  options.device = Device::cuda;
+  CHECK_THROWS_WITH(init<Mesh<TP<1>>>(options), Catch::Contains("-DMESHTORCH_CUDA=ON"));
+#endif
+}
