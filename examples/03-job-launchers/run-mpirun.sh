@@ -7,7 +7,7 @@ hosts_file=${1:?usage: run-mpirun.sh HOSTS_FILE NPROC_PER_NODE [TRAIN FLAGS...]}
 nproc=${2:?usage: run-mpirun.sh HOSTS_FILE NPROC_PER_NODE [TRAIN FLAGS...]}
 shift 2
 nnodes=$(grep -cv '^[[:space:]]*\(#\|$\)' "$hosts_file")
-master=$(grep -v '^[[:space:]]*\(#\|$\)' "$hosts_file" | head -n 1 | awk '{print $1}')
+master=$(awk '!/^[[:space:]]*(#|$)/ { print $1; exit }' "$hosts_file")
 export MASTER_ADDR=$master MASTER_PORT=${MASTER_PORT:-29500} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec mpirun -np $((nnodes * nproc)) --hostfile "$hosts_file" -bind-to none -map-by slot \
   -x MASTER_ADDR -x MASTER_PORT -x OMP_NUM_THREADS -x PATH -x LD_LIBRARY_PATH \
