@@ -6,7 +6,7 @@
 #include "meshtorch/error.hpp"
 #include "meshtorch/layout/layout.hpp"
 
-#include "meshtorch/comm/env.hpp"
+#include "meshtorch/comm/comm.hpp"
 #include "meshtorch/comm/error_file.hpp"
 
 #include "meshtorch/io/atomic_file.hpp"
@@ -33,3 +33,5 @@
 #include "meshtorch/train/memory.hpp"
 #include "meshtorch/train/metrics.hpp"
 #include "meshtorch/train/timers.hpp"
+
+#include "meshtorch/parallel/parallel.hpp"

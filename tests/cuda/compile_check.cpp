@@ -3,7 +3,10 @@
 
 namespace mt = meshtorch;
 
-// Never called; taking the addresses forces the CUDA branches to be compiled.
+// Mesh init with NCCL groups (backend.hpp's NCCL branch).
+template mt::comm::DeviceMesh<mt::Mesh<mt::DP<mt::dynamic>, mt::TP<2>>> mt::comm::init(mt::comm::InitOptions);
+
+// Never called; referencing them forces the CUDA branches to be compiled.
 [[maybe_unused]] void cuda_code_paths() {
   const torch::Device gpu(torch::kCUDA, 0);
   (void)mt::train::memory_figures(gpu);
