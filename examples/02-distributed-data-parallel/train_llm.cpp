@@ -111,9 +111,7 @@ int train(const Chapter2Args& args) {
 
     mt::train::PhaseTimers timers(device);
     // The whole job's tokens: world x batch x grad-accum x seq.
-    const std::int64_t tokens_per_step = sampler.global_batch() * args.seq_length;
-    auto last_log = std::chrono::steady_clock::now();
-    mt::train::reset_peak_memory(device);
+    mt::train::LogWindow window(device, /*tokens_per_step=*/sampler.global_batch() * args.seq_length);
 
     for (; state.epoch < args.num_epochs; ++state.epoch, state.epoch_step = 0) {
       mt::data::PrefetchingLoader loader(blocks, sampler, state.epoch, state.epoch_step, device.is_cuda());
@@ -159,35 +157,18 @@ int train(const Chapter2Args& args) {
         progress.update(state.epoch_step, "loss=" + std::to_string(global_loss));
 
         if (state.global_step % args.log_freq == 0) {
-          const auto now = std::chrono::steady_clock::now();
-          const double seconds = std::chrono::duration<double>(now - last_log).count();
-          const double steps = static_cast<double>(state.running_steps);
-          nlohmann::ordered_json record{
-              {"global_step", state.global_step},
-              {"lr", schedule.lr_at(state.global_step)},
-              {"running_loss", state.running_loss / steps},
-              {"epoch", state.epoch},
-              {"epoch_progress", static_cast<double>(state.epoch_step) / sampler.steps_per_epoch()},
-              {"num_batches_remaining", sampler.steps_per_epoch() - state.epoch_step},
-              {"tokens_per_s", tokens_per_step * steps / seconds},
-              {"time/total", 1000 * seconds / steps}};
-          for (const auto& [phase, total] : timers.totals()) record["time/" + phase] = 1000 * total / steps;
-          for (const auto& [key, value] : mt::train::memory_figures(device)) record[key] = value;
+          const auto record = window.record(state, sampler.steps_per_epoch(), schedule.lr_at(state.global_step), timers);
           if (mesh.rank() == 0) {
             log.info(mt::train::format_metrics(record));
             metrics.append(record);
           }
-          state.running_loss = 0;
-          state.running_steps = 0;
-          timers.reset();
-          mt::train::reset_peak_memory(device);
-          last_log = std::chrono::steady_clock::now();
+          window.close(state, timers);
         }
         if (!args.experiment_name.empty() && state.global_step % args.ckpt_freq == 0) {
           const auto save_start = std::chrono::steady_clock::now();
           mt::parallel::save_checkpoint(exp_dir, model, optimizer, state, identity, world);
           log.info("saved checkpoint at global_step " + std::to_string(state.global_step));
-          last_log += std::chrono::steady_clock::now() - save_start;  // saving is not training time
+          window.exclude(std::chrono::steady_clock::now() - save_start);  // saving is not training
         }
       }
     }

@@ -20,16 +20,9 @@
 #include "meshtorch/io/safetensors.hpp"
 #include "meshtorch/models/llama/weights.hpp"
 #include "meshtorch/train/adamw.hpp"
+#include "meshtorch/train/state.hpp"
 
 namespace meshtorch::train {
-
-struct TrainState {
-  std::int64_t epoch = 0;
-  std::int64_t global_step = 0;
-  std::int64_t epoch_step = 0;    // optimizer steps done in this epoch
-  double running_loss = 0;        // sum of step losses since the last log line
-  std::int64_t running_steps = 0; // steps in running_loss
-};
 
 // Flags a resumed run must share with the run that saved, or its data order would differ.
 struct RunIdentity {

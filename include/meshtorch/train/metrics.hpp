@@ -1,13 +1,18 @@
 #pragma once
 // Metrics lines under the guide's keys, appended as one JSON object per log step to
 // <save-dir>/<experiment>/metrics.jsonl (rank 0 only), so runs on any mesh can be compared.
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
+#include <torch/torch.h>
 
 #include "meshtorch/error.hpp"
+#include "meshtorch/train/memory.hpp"
+#include "meshtorch/train/state.hpp"
+#include "meshtorch/train/timers.hpp"
 
 namespace meshtorch::train {
 
@@ -44,5 +49,54 @@ inline std::string format_metrics(const nlohmann::ordered_json& record) {
   }
   return line;
 }
+
+// The figures of one log line, over the steps since the previous line: the log window. It owns
+// the window's clock, and closing a window resets what the next one measures (running loss,
+// phase timers, peak memory).
+class LogWindow {
+ public:
+  LogWindow(torch::Device device, std::int64_t tokens_per_step) : device_(device), tokens_per_step_(tokens_per_step) {
+    restart();
+  }
+
+  // Time spent on something other than training (a checkpoint save) is left out of tokens_per_s.
+  void exclude(std::chrono::steady_clock::duration pause) { start_ += pause; }
+
+  // The guide's keys; times are milliseconds per step, memory in GiB.
+  nlohmann::ordered_json record(const TrainState& state, std::int64_t steps_per_epoch, double lr,
+                                const PhaseTimers& timers) const {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const double steps = static_cast<double>(state.running_steps);
+    nlohmann::ordered_json record{
+        {"global_step", state.global_step},
+        {"lr", lr},
+        {"running_loss", state.running_loss / steps},
+        {"epoch", state.epoch},
+        {"epoch_progress", static_cast<double>(state.epoch_step) / static_cast<double>(steps_per_epoch)},
+        {"num_batches_remaining", steps_per_epoch - state.epoch_step},
+        {"tokens_per_s", static_cast<double>(tokens_per_step_) * steps / seconds},
+        {"time/total", 1000 * seconds / steps}};
+    for (const auto& [phase, total] : timers.totals()) record["time/" + phase] = 1000 * total / steps;
+    for (const auto& [key, value] : memory_figures(device_)) record[key] = value;
+    return record;
+  }
+
+  void close(TrainState& state, PhaseTimers& timers) {
+    state.running_loss = 0;
+    state.running_steps = 0;
+    timers.reset();
+    restart();
+  }
+
+ private:
+  void restart() {
+    reset_peak_memory(device_);
+    start_ = std::chrono::steady_clock::now();
+  }
+
+  torch::Device device_;
+  std::int64_t tokens_per_step_;
+  std::chrono::steady_clock::time_point start_;
+};
 
 }  // namespace meshtorch::train

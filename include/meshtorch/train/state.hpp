@@ -1,0 +1,15 @@
+#pragma once
+// Where a training run stands: what a checkpoint saves and a metrics line reports.
+#include <cstdint>
+
+namespace meshtorch::train {
+
+struct TrainState {
+  std::int64_t epoch = 0;
+  std::int64_t global_step = 0;
+  std::int64_t epoch_step = 0;     // optimizer steps done in this epoch
+  double running_loss = 0;         // sum of step losses since the last log line
+  std::int64_t running_steps = 0;  // steps in running_loss
+};
+
+}  // namespace meshtorch::train
