@@ -9,17 +9,13 @@
 
 #include <meshtorch/meshtorch.hpp>
 
+#include "test_support.hpp"
+
 namespace mt = meshtorch;
 namespace fs = std::filesystem;
+using meshtorch::testing::fresh_dir;
 
 namespace {
-
-fs::path fresh_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("meshtorch-test-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
 
 std::string error_of(const auto& body) {
   try {

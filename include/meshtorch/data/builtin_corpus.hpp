@@ -40,6 +40,11 @@ inline constexpr std::array<std::string_view, 8> places{
     "by the sea", "in the morning", "near the bridge", "after the rain",
     "under the stars", "at the market", "on the hill", "before dinner"};
 
+template <class... Parts>
+void append(std::string& text, const Parts&... parts) {
+  (text.append(parts), ...);
+}
+
 }  // namespace builtin_detail
 
 // Documents of a few sentences each; about `approx_bytes` bytes in all.
@@ -52,48 +57,33 @@ inline std::vector<std::string> builtin_corpus(std::size_t approx_bytes = 2'000'
     std::string doc;
     const auto sentences = 3 + rng.below(5);
     for (std::uint64_t s = 0; s < sentences; ++s) {
+      const auto noun = rng.pick(nouns);
       switch (rng.below(4)) {
         case 0: {
-          doc += "the ";
-          doc += rng.pick(adjectives);
-          doc += ' ';
-          doc += rng.pick(nouns);
-          doc += ' ';
-          doc += rng.pick(verbs);
-          doc += " the ";
-          doc += rng.pick(adjectives);
-          doc += ' ';
-          doc += rng.pick(nouns);
-          doc += ' ';
-          doc += rng.pick(places);
-          doc += ". ";
+          // One draw per statement: the order of a call's arguments is unspecified.
+          const auto adjective = rng.pick(adjectives);
+          const auto verb = rng.pick(verbs);
+          const auto object_adjective = rng.pick(adjectives);
+          const auto object = rng.pick(nouns);
+          const auto place = rng.pick(places);
+          append(doc, "the ", adjective, " ", noun, " ", verb, " the ", object_adjective, " ", object, " ", place, ". ");
           break;
         }
         case 1: {
           const auto a = rng.below(100), b = rng.below(100);
-          doc += std::to_string(a) + " plus " + std::to_string(b) + " is " + std::to_string(a + b) + ". ";
+          append(doc, std::to_string(a), " plus ", std::to_string(b), " is ", std::to_string(a + b), ". ");
           break;
         }
         case 2: {
           const auto start = rng.below(50), step = 1 + rng.below(4);
-          doc += "count by " + std::to_string(step) + ":";
-          for (std::uint64_t i = 0; i < 6; ++i) doc += ' ' + std::to_string(start + i * step);
-          doc += ". ";
+          append(doc, "count by ", std::to_string(step), ":");
+          for (std::uint64_t i = 0; i < 6; ++i) append(doc, " ", std::to_string(start + i * step));
+          append(doc, ". ");
           break;
         }
-        default: {
-          const auto noun = rng.pick(nouns);
-          doc += "a ";
-          doc += noun;
-          doc += " is a ";
-          doc += noun;
-          doc += ", and two ";
-          doc += noun;
-          doc += "s are two ";
-          doc += noun;
-          doc += "s. ";
+        default:
+          append(doc, "a ", noun, " is a ", noun, ", and two ", noun, "s are two ", noun, "s. ");
           break;
-        }
       }
     }
     doc.pop_back();
