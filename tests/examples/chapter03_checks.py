@@ -166,11 +166,15 @@ def mpirun(meshrun, chapter2):
 
 
 def torchrun(meshrun, chapter2):
-    if not shutil.which("torchrun"):
-        print("torchrun is not installed: skipped")
+    # PyTorch's own torchrun: on the PATH, or the one in the benchmarks' environment.
+    bench_bin = HERE.parent.parent / "bench" / ".venv" / "bin"
+    found = shutil.which("torchrun") or shutil.which("torchrun", path=str(bench_bin))
+    if not found:
+        print("torchrun is not installed (nor bench/setup-python run): skipped")
         sys.exit(77)
     with tempfile.TemporaryDirectory() as tmp:
         root, env = setup(tmp, meshrun, chapter2)
+        env["PATH"] = str(pathlib.Path(found).parent) + os.pathsep + env["PATH"]
         run([SCRIPTS / "run-torchrun.sh", "1", "2", f"127.0.0.1:{free_port()}", *TRAIN, "-e", "tr", "--save-dir",
              root / "runs"], env, root)
         check_metrics(root / "runs" / "tr")
