@@ -1,6 +1,11 @@
-"""bench/run's body: chapter 1 of the guide, our binary against the Python reference, run in
-turns (A/B/A/B...) so that a change in the machine's load hits both sides alike, then medians and
-ratios per pair. Run it through bench/run, which prepares the Python environment first.
+"""bench/run's body, in sections (--only picks some):
+- ch1: chapter 1 of the guide, our 01-single-gpu against the Python reference on transformers;
+- ddp: chapter 2, 2 ranks x 1 thread on the CPU over Gloo: our 02-distributed-data-parallel under
+  meshrun against PyTorch's DistributedDataParallel under torchrun, ZeroRedundancyOptimizer off
+  and on, plus one rank of each stack (chapter 1 at the same per-rank batch) for the scaling;
+- compile-time: the cost of including meshtorch.
+Each pair runs in turns (A/B/A/B...) so that a change in the machine's load hits both sides alike,
+then medians and ratios per pair. Run it through bench/run, which prepares the Python environment.
 """
 
 import argparse
@@ -8,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -27,7 +33,22 @@ SIZES = {
     "llama-100m": dict(config=REFERENCE / "configs" / "llama-100m", batch=2, seq=256, steps=5, warmup=2),
 }
 QUICK = {"llama-tiny": dict(steps=8, warmup=3), "llama-100m": dict(steps=3, warmup=1)}
-IMPL_NAMES = {"ours": "meshtorch", "hf-eager": "HF eager", "hf-compile": "HF compile"}
+# The DDP section: per-rank batch x sequence as above (so one rank of it is chapter 1's run), fewer
+# steps at llama-tiny, where a step is short and its spread small.
+DDP_SIZES = {
+    "llama-tiny": dict(config=REFERENCE / "configs" / "llama-tiny", batch=8, seq=256, steps=20, warmup=5),
+    "llama-100m": dict(config=REFERENCE / "configs" / "llama-100m", batch=2, seq=256, steps=5, warmup=2),
+}
+# Repetitions and ZeroRedundancyOptimizer settings per size: llama-100m's runs take half a minute
+# each, so one repetition without ZeRO keeps the section near 6 minutes on 2 cores.
+DDP_DEFAULTS = {"llama-tiny": (3, ["off", "on"]), "llama-100m": (1, ["off"])}
+DDP_QUICK = {"llama-tiny": dict(steps=8, warmup=3), "llama-100m": dict(steps=3, warmup=1)}
+DDP_RANKS = 2
+SECTIONS = ["ch1", "ddp", "compile-time"]
+IMPL_NAMES = {"ours": "meshtorch", "hf-eager": "HF eager", "hf-compile": "HF compile",
+              "ours-1": "meshtorch 1 rank", "hf-1": "PyTorch 1 rank",
+              "ours-ddp": "meshtorch DDP", "torch-ddp": "PyTorch DDP",
+              "ours-ddp-zero": "meshtorch DDP + ZeRO", "torch-ddp-zero": "PyTorch DDP + ZeRO"}
 PHASES = ["data", "forward", "backward", "update"]
 
 
@@ -37,6 +58,8 @@ def log(msg):
 
 def parse_args():
     p = argparse.ArgumentParser(prog="bench/run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help="comma-separated sections to run: " + ", ".join(SECTIONS) + " (default: all)")
     p.add_argument("--sizes", default="llama-tiny,llama-100m", help="comma-separated: " + ", ".join(SIZES))
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     p.add_argument("--reps", type=int, default=3, help="runs of each side per pair, taken in turns")
@@ -46,6 +69,20 @@ def parse_args():
                         "its first run compiles for about a minute per size")
     p.add_argument("--bin", default=str(ROOT / "build" / "bin" / "01-single-gpu"), help="our chapter-1 binary")
     p.add_argument("--reference-only", action="store_true", help="run only the Python side")
+    p.add_argument("--ddp-sizes", default=None,
+                   help="sizes of the DDP section (default llama-tiny,llama-100m; llama-tiny with --quick)")
+    p.add_argument("--ddp-reps", type=int, default=None,
+                   help="repetitions of the DDP section at every size (default: 3 at llama-tiny, 1 at llama-100m)")
+    p.add_argument("--ddp-zero", default=None,
+                   help="ZeroRedundancyOptimizer in the DDP section: off, on or off,on at every size "
+                        "(default: off,on at llama-tiny, off at llama-100m)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP gradient bucket size, both sides")
+    p.add_argument("--ddp-bin", default=str(ROOT / "build" / "bin" / "02-distributed-data-parallel"),
+                   help="our chapter-2 binary")
+    p.add_argument("--meshrun", default=str(ROOT / "build" / "bin" / "meshrun"), help="our launcher")
+    p.add_argument("--no-rank-sessions", action="store_true",
+                   help="run our ranks in meshrun's session instead of one session per rank as torchrun does "
+                        "(under other load, autogroup scheduling then gives our 2 ranks one CPU share, torchrun's two)")
     p.add_argument("--quick", action="store_true", help="one run per side and few steps: checks the wiring, not a measurement")
     p.add_argument("--no-compile-time", action="store_true", help="skip the compile-time benchmark")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
@@ -101,24 +138,59 @@ def gemm_peaks(threads_list):
     return {int(k): v for k, v in json.loads(proc.stdout)["float32"].items()}
 
 
-def run_one(impl, size, threads, rep, args, corpus, runs_dir):
-    spec = SIZES[size]
-    name = f"{size}-t{threads}-{impl}-r{rep}"
-    run_dir = runs_dir / name
-    if run_dir.exists():
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # a leftover experiment would be resumed
+def free_port():
+    """A port nothing listens on now, for meshrun's rendezvous (a test or another run on the
+    machine may hold the default 29500); meshrun also uses the next one."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port < 65535:
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    pass
+
+
+def command(impl, spec, threads, name, args, corpus, runs_dir):
+    """The command line of one run: impl is a key of IMPL_NAMES."""
     common = ["-m", str(spec["config"]), "-d", str(corpus), "-b", str(spec["batch"]), "-s", str(spec["seq"]),
               "--max-steps", str(spec["steps"]), "--log-freq", "1", "--lr", "3e-4", "--seed", "0",
               "--dtype", args.dtype, "--threads", str(threads), "-e", name, "--save-dir", str(runs_dir)]
-    if impl == "ours":
-        cmd = [args.bin, *common, "--device", "cpu", "--ckpt-freq", "1000000"]
-    else:
-        cmd = [sys.executable, str(REFERENCE / "train_llm_ch1.py"), *common, "--warmup-steps", str(spec["warmup"])]
-        if impl == "hf-compile":
-            cmd.append("--compile")
+    ours_flags = ["--device", "cpu", "--ckpt-freq", "1000000"]
+    reference = ["--warmup-steps", str(spec["warmup"])]
+    if impl in ("ours", "ours-1"):
+        return [args.bin, *common, *ours_flags]
+    if impl in ("hf-eager", "hf-compile", "hf-1"):
+        return [sys.executable, str(REFERENCE / "train_llm_ch1.py"), *common, *reference] + (
+            ["--compile"] if impl == "hf-compile" else [])
+    zero = impl.endswith("-zero")
+    if impl.startswith("ours-ddp"):
+        # Each rank in a session of its own, as torchrun does (see bench/rank_session.py).
+        session = [] if args.no_rank_sessions else [sys.executable, str(ROOT / "bench" / "rank_session.py")]
+        return [args.meshrun, "--nproc-per-node", str(DDP_RANKS), "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port()), "--", *session, args.ddp_bin, *common, *ours_flags,
+                "--zero" if zero else "--no-zero", "--bucket-cap-mb", str(args.bucket_cap_mb)]
+    if impl.startswith("torch-ddp"):
+        torchrun = Path(sys.executable).parent / "torchrun"
+        launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+        return [*launcher, "--standalone", "--nproc-per-node", str(DDP_RANKS), str(REFERENCE / "train_llm_ch2.py"),
+                *common, *reference, "--bucket-cap-mb", str(args.bucket_cap_mb)] + (["--zero"] if zero else [])
+    raise ValueError(impl)
+
+
+def run_one(impl, spec, threads, name, args, corpus, runs_dir):
+    """Runs one side once; returns the summary of its metrics.jsonl (rank 0's), or None."""
+    run_dir = runs_dir / name
+    if run_dir.exists():
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # a leftover experiment would be resumed
+    cmd = command(impl, spec, threads, name, args, corpus, runs_dir)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     run_dir.mkdir(parents=True, exist_ok=True)
+    loadavg = os.getloadavg()[0]  # before the run: what else the machine was doing
     start = time.perf_counter()
     with open(runs_dir / f"{name}.log", "w") as out:
         try:
@@ -136,6 +208,7 @@ def run_one(impl, size, threads, rep, args, corpus, runs_dir):
         return None
     summary = summarize(read_jsonl(metrics), spec["warmup"])
     summary["wall_s"] = wall
+    summary["loadavg"] = loadavg
     log(f"{name}: {summary['tokens_per_s']:.0f} tokens/s, {summary['time/total']:.1f} ms/step, "
         f"peak RSS {summary['peak_rss_gb']:.2f} GB, {wall:.1f} s")
     return summary
@@ -251,57 +324,45 @@ def update_docs(sections):
     log("tables written into docs/performance.md")
 
 
-def main():
-    args = parse_args()
+def chapter1(args, corpus, runs_dir, out, machine):
+    """The chapter-1 section; returns (report, docs sections, runs expected, runs done)."""
     sizes = [s for s in args.sizes.split(",") if s]
-    for s in sizes:
-        if s not in SIZES:
-            sys.exit(f"bench/run: unknown size {s!r}; known: {', '.join(SIZES)}")
     threads_list = [int(t) for t in args.threads.split(",") if t]
     compile_sizes = {s for s in args.compile_sizes.split(",") if s}
     if args.quick:
-        args.reps = 1
         for s, q in QUICK.items():
             SIZES[s].update(q)
-
-    out = Path(args.out)
-    runs_dir = out / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    corpus = out / "corpus.txt"
-    if not corpus.exists():
-        subprocess.run([sys.executable, str(REFERENCE / "make_corpus.py"), str(corpus), "--mb", "4"], check=True)
-
     with_ours = not args.reference_only
     if with_ours and not os.access(args.bin, os.X_OK):
         log(f"our binary {args.bin} is not built yet: build it with scripts/setup (see README.md). "
             "Measuring the Python reference alone; the ratio columns stay empty.")
         with_ours = False
 
-    machine = machine_description()
-    log(f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg_start']:.2f} at start")
     started = time.perf_counter()
+    loadavg_start = os.getloadavg()[0]
     peaks = gemm_peaks(threads_list)
-    machine["gemm_peak_gflops_fp32"] = peaks
     results = {}
     impls_all = (["ours"] if with_ours else []) + ["hf-eager"] + (["hf-compile"] if compile_sizes & set(sizes) else [])
+    expected = 0
     for size in sizes:
         impls = (["ours"] if with_ours else []) + ["hf-eager"] + (["hf-compile"] if size in compile_sizes else [])
         for t in threads_list:
             for rep in range(1, args.reps + 1):
                 for impl in impls:
-                    summary = run_one(impl, size, t, rep, args, corpus, runs_dir)
+                    expected += 1
+                    summary = run_one(impl, SIZES[size], t, f"{size}-t{t}-{impl}-r{rep}", args, corpus, runs_dir)
                     if summary is not None:
                         results.setdefault((size, t, impl), []).append(summary)
-    machine["loadavg_end"] = os.getloadavg()[0]
+    loadavg_end = os.getloadavg()[0]
     # A best-of measurement can only be lowered by other load: take the better of start and end.
     for t, v in gemm_peaks(threads_list).items():
         peaks[t] = max(v, peaks.get(t, 0.0))
-    machine["bench_minutes"] = round((time.perf_counter() - started) / 60, 1)
+    machine["gemm_peak_gflops_fp32"] = peaks
+    minutes = round((time.perf_counter() - started) / 60, 1)
 
     text = [f"## Chapter 1 throughput ({machine['date']}, commit {machine['commit']})", "",
             f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB; load average "
-            f"{machine['loadavg_start']:.2f} at start, {machine['loadavg_end']:.2f} at end; "
-            f"{machine['bench_minutes']} minutes.", ""]
+            f"{loadavg_start:.2f} at start, {loadavg_end:.2f} at end; {minutes} minutes.", ""]
     if not with_ours:
         text += ["Our binary was not run (not built, or --reference-only): the meshtorch columns are empty.", ""]
     if args.quick:
@@ -310,40 +371,201 @@ def main():
     report = "\n".join(text)
     (out / "chapter1.md").write_text(report)
     (out / "chapter1.json").write_text(json.dumps(
-        {"machine": machine, "args": vars(args),
+        {"machine": {**machine, "loadavg_start": loadavg_start, "loadavg_end": loadavg_end, "bench_minutes": minutes},
+         "args": vars(args),
          "sizes": {s: {k: str(v) for k, v in SIZES[s].items()} for s in sizes},
          "runs": [{"size": s, "threads": t, "impl": i, **r} for (s, t, i), rs in results.items() for r in rs]},
         indent=1))
     print(report)
     log(f"tables written to {out / 'chapter1.md'} (raw figures in {out / 'chapter1.json'})")
 
-    compile_report = None
-    if not args.no_compile_time:
+    import torch
+    peak_text = ", ".join(f"{fmt(v)} GFLOP/s with {t} thread{'s' if t > 1 else ''}" for t, v in sorted(peaks.items()))
+    sections = {
+        "machine": f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB "
+                   f"(measured {machine['date']}, commit {machine['commit']}, torch {torch.__version__}). "
+                   f"fp32 GEMM peak: {peak_text or 'not measured'}.",
+        "chapter1": report.split("\n", 2)[2],  # without the heading line
+    }
+    return report, sections, expected, sum(len(v) for v in results.values())
+
+
+def ddp_plan(args):
+    """{size: (repetitions, [zero settings])} of the DDP section."""
+    sizes = [s for s in (args.ddp_sizes or ("llama-tiny" if args.quick else "llama-tiny,llama-100m")).split(",") if s]
+    plan = {}
+    for size in sizes:
+        if size not in DDP_SIZES:
+            sys.exit(f"bench/run: unknown DDP size {size!r}; known: {', '.join(DDP_SIZES)}")
+        reps, zero = DDP_DEFAULTS[size]
+        if args.quick:
+            reps = 1
+        if args.ddp_reps:
+            reps = args.ddp_reps
+        if args.ddp_zero:
+            zero = [z for z in args.ddp_zero.split(",") if z]
+            if not set(zero) <= {"off", "on"}:
+                sys.exit(f"bench/run: --ddp-zero takes off, on or off,on, not {args.ddp_zero!r}")
+        plan[size] = (reps, zero)
+    return plan
+
+
+def paired(a, b, key):
+    """Median over the repetitions both dicts (rep -> summary) hold of a[rep][key] / b[rep][key]."""
+    values = [a[r][key] / b[r][key] for r in a if r in b and a[r].get(key) and b[r].get(key)]
+    return statistics.median(values) if values else None
+
+
+def ddp_tables(results, plan):
+    """Markdown: the scaling and side-by-side summary, then one table per size with the phases."""
+    lines = ["2 ranks x 1 thread on the CPU, Gloo over loopback, fp32. \"1 rank\" is chapter 1 at the same per-rank "
+             "batch with 1 thread (our 01-single-gpu; the guide's chapter-1 script on HF transformers), so 2 ranks "
+             "process twice its tokens per step. tokens/s counts the global batch (ranks x batch x sequence). "
+             "Figures are medians over repetitions of each run's median step after warm-up; every ratio is the "
+             "median over repetitions of the ratio within a repetition. Scaling 2/1 = tokens/s with 2 ranks over "
+             "tokens/s with 1 rank of the same stack (2.00 would be perfect on 2 cores); ours / PyTorch above 1 "
+             "means we are faster.", "",
+             "| model | ZeRO | meshtorch 1 rank | meshtorch 2 ranks | meshtorch scaling 2/1 | PyTorch 1 rank "
+             "| PyTorch DDP 2 ranks | PyTorch scaling 2/1 | ours / PyTorch, 2 ranks | ours / PyTorch, 1 rank |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    r2 = lambda v: f"{v:.2f}" if v is not None else "—"
+    med = lambda runs, key="tokens_per_s": median_of(list(runs.values()), key)
+    for size, (reps, zeros) in plan.items():
+        get = lambda impl: results.get((size, impl), {})
+        for z in zeros:
+            suffix = "-zero" if z == "on" else ""
+            o1, h1, o2, t2 = get("ours-1"), get("hf-1"), get("ours-ddp" + suffix), get("torch-ddp" + suffix)
+            lines.append(f"| {size} | {z} | {fmt(med(o1))} | {fmt(med(o2))} | {r2(paired(o2, o1, 'tokens_per_s'))} "
+                         f"| {fmt(med(h1))} | {fmt(med(t2))} | {r2(paired(t2, h1, 'tokens_per_s'))} "
+                         f"| {r2(paired(o2, t2, 'tokens_per_s'))} | {r2(paired(o1, h1, 'tokens_per_s'))} |")
+    keys = ["tokens_per_s", "time/total", *[f"time/{p}" for p in PHASES], "peak_rss_gb", "wall_s"]
+    for size, (reps, zeros) in plan.items():
+        spec = DDP_SIZES[size]
+        impls = ["ours-1", "hf-1"] + [i + ("-zero" if z == "on" else "") for z in zeros for i in ("ours-ddp", "torch-ddp")]
+        lines += ["", f"### DDP, {size}: per-rank batch {spec['batch']} x sequence {spec['seq']}, {spec['steps']} steps "
+                      f"of which {spec['warmup']} warm-up, {reps} repetition(s)", "",
+                  "| run | tokens/s (min–max) | ms/step | data | forward | backward | update | rank 0 peak RSS GB "
+                  "| process s | load avg (min–max) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for impl in impls:
+            runs = results.get((size, impl), {})
+            if not runs:
+                lines.append(f"| {IMPL_NAMES[impl]} | not run |  |  |  |  |  |  |  |  |")
+                continue
+            tps = [r["tokens_per_s"] for r in runs.values()]
+            load = [r["loadavg"] for r in runs.values()]
+            cells = [f"{fmt(med(runs))} ({fmt(min(tps))}–{fmt(max(tps))})", fmt(med(runs, "time/total"))]
+            cells += [fmt(med(runs, f"time/{p}"), 2) for p in PHASES]
+            cells += [fmt(med(runs, "peak_rss_gb"), 2), fmt(med(runs, "wall_s")), f"{min(load):.2f}–{max(load):.2f}"]
+            lines.append(f"| {IMPL_NAMES[impl]} | " + " | ".join(cells) + " |")
+        pairs = [("ours-1", "hf-1")] + [("ours-ddp" + s, "torch-ddp" + s) for s in ["-zero" if z == "on" else "" for z in zeros]]
+        pairs += [("ours-ddp" + s, "ours-1") for s in ["-zero" if z == "on" else "" for z in zeros]]
+        pairs += [("torch-ddp" + s, "hf-1") for s in ["-zero" if z == "on" else "" for z in zeros]]
+        for a, b in pairs:
+            ra, rb = results.get((size, a), {}), results.get((size, b), {})
+            if ra and rb:
+                cells = [r2(paired(ra, rb, k)) for k in keys]
+                lines.append(f"| {IMPL_NAMES[a]} / {IMPL_NAMES[b]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def ddp_section(args, corpus, runs_dir, out, machine):
+    """The DDP section; returns (report, docs sections, runs expected, runs done)."""
+    plan = ddp_plan(args)
+    if args.quick:
+        for s, q in DDP_QUICK.items():
+            DDP_SIZES[s].update(q)
+    with_ours = not args.reference_only
+    for path in (args.bin, args.ddp_bin, args.meshrun):
+        if with_ours and not os.access(path, os.X_OK):
+            log(f"{path} is not built yet: build it with scripts/setup (see README.md). "
+                "Measuring the Python side alone; the ratio columns stay empty.")
+            with_ours = False
+    started = time.perf_counter()
+    loadavg_start = os.getloadavg()[0]
+    results, expected = {}, 0
+    for size, (reps, zeros) in plan.items():
+        spec = DDP_SIZES[size]
+        pairs = [("ours-1", "hf-1")] + [(f"ours-ddp{s}", f"torch-ddp{s}") for s in ["-zero" if z == "on" else "" for z in zeros]]
+        for rep in range(1, reps + 1):
+            for pair in pairs:
+                # Ours first in odd repetitions, theirs first in even ones: a trend in the load
+                # during a pair then favours neither side over the repetitions.
+                for impl in (pair if rep % 2 else pair[::-1]):
+                    if impl.startswith("ours") and not with_ours:
+                        continue
+                    expected += 1
+                    summary = run_one(impl, spec, 1, f"ddp-{size}-{impl}-r{rep}", args, corpus, runs_dir)
+                    if summary is not None:
+                        results.setdefault((size, impl), {})[rep] = summary
+    loadavg_end = os.getloadavg()[0]
+    minutes = round((time.perf_counter() - started) / 60, 1)
+    loads = [r["loadavg"] for runs in results.values() for r in runs.values()]
+    text = [f"## Chapter 2 DDP throughput ({machine['date']}, commit {machine['commit']})", "",
+            f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB; load average "
+            f"{loadavg_start:.2f} at start, {loadavg_end:.2f} at end"
+            + (f", {min(loads):.2f}–{max(loads):.2f} at the starts of the runs" if loads else "")
+            + f"; {minutes} minutes.", ""]
+    if not with_ours:
+        text += ["Our binaries were not run (not built, or --reference-only): the meshtorch columns are empty.", ""]
+    if args.quick:
+        text += ["**--quick: one short run per side; this checks the wiring and measures nothing.**", ""]
+    text.append(ddp_tables(results, plan))
+    report = "\n".join(text)
+    (out / "ddp.md").write_text(report)
+    (out / "ddp.json").write_text(json.dumps(
+        {"machine": {**machine, "loadavg_start": loadavg_start, "loadavg_end": loadavg_end, "bench_minutes": minutes},
+         "args": vars(args),
+         "plan": {s: {"reps": r, "zero": z, **{k: str(v) for k, v in DDP_SIZES[s].items()}} for s, (r, z) in plan.items()},
+         "runs": [{"size": s, "impl": i, "rep": rep, **r} for (s, i), runs in results.items() for rep, r in runs.items()]},
+        indent=1))
+    print(report)
+    log(f"tables written to {out / 'ddp.md'} (raw figures in {out / 'ddp.json'})")
+    return report, {"ddp": report.split("\n", 2)[2]}, expected, sum(len(v) for v in results.values())
+
+
+def main():
+    args = parse_args()
+    sections = [s for s in args.only.split(",") if s]
+    for s in sections:
+        if s not in SECTIONS:
+            sys.exit(f"bench/run: unknown section {s!r} in --only; known: {', '.join(SECTIONS)}")
+    for s in [s for s in args.sizes.split(",") if s]:
+        if s not in SIZES:
+            sys.exit(f"bench/run: unknown size {s!r}; known: {', '.join(SIZES)}")
+    if args.quick:
+        args.reps = 1
+
+    out = Path(args.out)
+    runs_dir = out / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    corpus = out / "corpus.txt"
+    if not corpus.exists():
+        subprocess.run([sys.executable, str(REFERENCE / "make_corpus.py"), str(corpus), "--mb", "4"], check=True)
+
+    machine = machine_description()
+    log(f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg_start']:.2f} at start; "
+        f"sections: {', '.join(sections)}")
+    docs, expected, done = {}, 0, 0
+    for name, section in (("ch1", chapter1), ("ddp", ddp_section)):
+        if name in sections:
+            _, section_docs, e, d = section(args, corpus, runs_dir, out, machine)
+            docs.update(section_docs)
+            expected += e
+            done += d
+
+    if "compile-time" in sections and not args.no_compile_time:
         reps = "1" if args.quick else "2"
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_time.py"), "--reps", reps,
                                "--out", str(out / "compile-time.md")], cwd=ROOT)
         if proc.returncode != 0:
             log("the compile-time benchmark failed (see above)")
         elif (out / "compile-time.md").exists():
-            compile_report = (out / "compile-time.md").read_text().split("\n", 1)[1]  # without its heading
+            docs["compile-time"] = (out / "compile-time.md").read_text().split("\n", 1)[1]  # without its heading
 
     if args.update_docs:
-        import torch
-        peaks = ", ".join(f"{fmt(v)} GFLOP/s with {t} thread{'s' if t > 1 else ''}"
-                          for t, v in sorted(machine["gemm_peak_gflops_fp32"].items()))
-        sections = {
-            "machine": f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB "
-                       f"(measured {machine['date']}, commit {machine['commit']}, torch {torch.__version__}). "
-                       f"fp32 GEMM peak: {peaks or 'not measured'}.",
-            "chapter1": report.split("\n", 2)[2],  # without the heading line
-        }
-        if compile_report:
-            sections["compile-time"] = compile_report
-        update_docs(sections)
+        update_docs(docs)
 
-    expected = sum(1 for s in sizes for t in threads_list for _ in range(args.reps)
-                   for i in (["ours"] if with_ours else []) + ["hf-eager"] + (["hf-compile"] if s in compile_sizes else []))
-    done = sum(len(v) for v in results.values())
     if done < expected:
         log(f"{expected - done} of {expected} runs failed")
         sys.exit(1)
