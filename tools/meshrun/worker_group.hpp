@@ -106,7 +106,8 @@ class WorkerGroup {
 
   void signal_all(int signo) {
     for (auto& w : workers_)
-      if (w.running) ::kill(-w.pid, signo);
+      // Until the child's setsid() has run, its group does not exist yet: signal the child itself.
+      if (w.running && ::kill(-w.pid, signo) != 0 && errno == ESRCH) ::kill(w.pid, signo);
   }
 
   // Reaps exited ranks; returns a Failure for each that exited non-zero or by a signal.
@@ -255,7 +256,9 @@ class WorkerGroup {
     pid_t pid = ::fork();
     if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
     if (pid == 0) {
-      ::setpgid(0, 0);
+      // Its own session (and so process group), as torchrun gives each rank: the scheduler's
+      // autogroups then weigh ranks like torchrun's, and a signal to -pid reaches the whole rank.
+      ::setsid();
 #if defined(__linux__)
       // If meshrun itself is SIGKILLed, its ranks must not live on holding the GPUs and ports.
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -269,7 +272,6 @@ class WorkerGroup {
       (void)!::write(exec_status[1], &error, sizeof error);
       ::_exit(127);
     }
-    ::setpgid(pid, pid);  // also here, so that a signal sent right away finds the group
     ::close(exec_status[1]);
     for (int stream : {1, 2})
       if (child_fd[stream] >= 0) ::close(child_fd[stream]);
