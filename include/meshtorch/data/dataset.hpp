@@ -3,6 +3,7 @@
 // seq_length tokens, dropping the remainder (the guide's group_texts). Sources: `builtin`, a
 // plain-text file (documents separated by blank lines), a JSONL file (a "text" field, or
 // alpaca-style instruction/input/output), or a pre-tokenised llm.c .bin file (uint16 tokens).
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -112,11 +113,19 @@ class TokenBlocks {
   std::int64_t seq_length() const { return seq_length_; }
   const std::string& source() const { return source_; }
 
-  // Rows `indices` as int64 token ids [indices.size(), seq_length].
+  // Rows `indices` as int64 token ids [indices.size(), seq_length]. A plain loop rather than
+  // index_select: the loader calls this from its own thread, and an ATen op there would start
+  // a second team of intra-op threads competing with the training step's.
   torch::Tensor gather(const std::vector<std::int64_t>& indices) const {
-    auto index = torch::from_blob(const_cast<std::int64_t*>(indices.data()), {static_cast<std::int64_t>(indices.size())},
-                                  torch::kLong);
-    return blocks_.index_select(0, index).to(torch::kLong);
+    auto rows = torch::empty({static_cast<std::int64_t>(indices.size()), seq_length_}, torch::kLong);
+    auto* out = rows.data_ptr<std::int64_t>();
+    const auto* tokens = blocks_.data_ptr<std::int32_t>();
+    for (const auto row : indices) {
+      if (row < 0 || row >= size())
+        throw DataError(source_ + ": block " + std::to_string(row) + " requested of " + std::to_string(size()));
+      out = std::copy_n(tokens + row * seq_length_, seq_length_, out);
+    }
+    return rows;
   }
 
   // Checks every token against the model's vocabulary once, not per batch.
