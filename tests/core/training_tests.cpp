@@ -103,6 +103,7 @@ TEST_CASE("documents are packed into full blocks and the remainder dropped", "[d
   CHECK_THAT(error_of([&] { mt::data::load_dataset((dir / "a.txt").string(), 100); }),
              Catch::Contains("do not fill one block"));
   CHECK_THAT(error_of([&] { blocks.check_vocab(200); }), Catch::Contains("outside the model's vocab_size 200"));
+  CHECK_THAT(error_of([&] { blocks.gather({6}); }), Catch::Contains("block 6 requested of 6"));
   fs::remove_all(dir);
 }
 
