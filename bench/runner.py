@@ -80,9 +80,6 @@ def parse_args():
     p.add_argument("--ddp-bin", default=str(ROOT / "build" / "bin" / "02-distributed-data-parallel"),
                    help="our chapter-2 binary")
     p.add_argument("--meshrun", default=str(ROOT / "build" / "bin" / "meshrun"), help="our launcher")
-    p.add_argument("--no-rank-sessions", action="store_true",
-                   help="run our ranks in meshrun's session instead of one session per rank as torchrun does "
-                        "(under other load, autogroup scheduling then gives our 2 ranks one CPU share, torchrun's two)")
     p.add_argument("--quick", action="store_true", help="one run per side and few steps: checks the wiring, not a measurement")
     p.add_argument("--no-compile-time", action="store_true", help="skip the compile-time benchmark")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
@@ -168,10 +165,8 @@ def command(impl, spec, threads, name, args, corpus, runs_dir):
             ["--compile"] if impl == "hf-compile" else [])
     zero = impl.endswith("-zero")
     if impl.startswith("ours-ddp"):
-        # Each rank in a session of its own, as torchrun does (see bench/rank_session.py).
-        session = [] if args.no_rank_sessions else [sys.executable, str(ROOT / "bench" / "rank_session.py")]
         return [args.meshrun, "--nproc-per-node", str(DDP_RANKS), "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port()), "--", *session, args.ddp_bin, *common, *ours_flags,
+                "--master-port", str(free_port()), "--", args.ddp_bin, *common, *ours_flags,
                 "--zero" if zero else "--no-zero", "--bucket-cap-mb", str(args.bucket_cap_mb)]
     if impl.startswith("torch-ddp"):
         torchrun = Path(sys.executable).parent / "torchrun"
