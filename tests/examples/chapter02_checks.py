@@ -7,31 +7,17 @@ usage: chapter02_checks.py MESHRUN CHAPTER1 CHAPTER2 {ddp-parity|grad-accum-pari
 import json
 import os
 import pathlib
-import socket
 import struct
 import subprocess
 import sys
 import tempfile
 from array import array
 
+from ports import free_port
+
 COMMON = ["-m", "llama-tiny", "-d", "builtin", "-s", "64", "--threads", "1", "--dtype", "float32",
           "--log-freq", "5", "--seed", "3"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
-
-
-def free_port():
-    """A port p with p and p + 1 free (meshrun's node rendezvous uses the master port + 1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    sys.exit("no free port pair")
 
 
 def run(cmd, expect_ok=True):

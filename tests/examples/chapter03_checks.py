@@ -13,12 +13,13 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import time
+
+from ports import free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
 SCRIPTS = HERE.parent.parent / "examples" / "03-job-launchers"
@@ -63,20 +64,6 @@ cat "$FAKE_ROOT"/mpi-rank*.log
 exit $status
 """,
 }
-
-
-def free_port():
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    sys.exit("no free port pair")
 
 
 def setup(tmp, meshrun, chapter2):
