@@ -22,8 +22,7 @@ int train(const mt::train::TrainArgs& args) {
   const auto config = mt::llama::resolve_model(args.model_name);
   mt::llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype));
   mt::llama::materialize(model, torch::TensorOptions().device(device).dtype(dtype));
-  if (std::filesystem::is_directory(args.model_name) && mt::llama::has_pretrained_weights(args.model_name))
-    mt::llama::load_pretrained_weights(model, args.model_name);
+  mt::llama::load_pretrained_weights_if_present(model, args.model_name);
   log.info("model " + args.model_name + ": " + std::to_string(config.num_parameters()) + " parameters, " +
            mt::llama::dtype_name(dtype) + " on " + device.str());
 

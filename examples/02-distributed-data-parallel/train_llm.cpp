@@ -63,8 +63,7 @@ int train(const Chapter2Args& args) {
   const auto config = mt::llama::resolve_model(args.model_name);
   mt::llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype));
   mt::llama::materialize(model, torch::TensorOptions().device(device).dtype(dtype));
-  if (std::filesystem::is_directory(args.model_name) && mt::llama::has_pretrained_weights(args.model_name))
-    mt::llama::load_pretrained_weights(model, args.model_name);
+  mt::llama::load_pretrained_weights_if_present(model, args.model_name);
   mt::DistributedDataParallel ddp(model, dp, {.bucket_cap_mb = args.bucket_cap_mb});
   log.info("model " + args.model_name + ": " + std::to_string(config.num_parameters()) + " parameters, " +
            mt::llama::dtype_name(dtype) + ", " + std::to_string(ddp.buckets().size()) + " gradient buckets");

@@ -296,9 +296,15 @@ TEST_CASE("a saved model folder loads back into a fresh model with equal weights
   CHECK(mt::llama::load_config(dir / "config.json") == saved->config);
 
   mt::llama::LlamaForCausalLM loaded(mt::llama::resolve_model(dir.string()));
-  mt::llama::load_pretrained_weights(loaded, dir);
+  CHECK(mt::llama::load_pretrained_weights_if_present(loaded, dir));
   const auto a = saved->named_parameters(), b = loaded->named_parameters();
   for (const auto& item : a) CHECK(torch::equal(item.value(), b[item.key()]));
+  // A preset name or a folder with only a config.json leaves the initialisation alone.
+  CHECK_FALSE(mt::llama::load_pretrained_weights_if_present(loaded, "llama-tiny"));
+  const auto config_only = fresh_dir("config-only");
+  mt::io::write_file_atomically(config_only / "config.json", mt::llama::config_to_json(saved->config).dump());
+  CHECK_FALSE(mt::llama::load_pretrained_weights_if_present(loaded, config_only));
+  fs::remove_all(config_only);
 
   auto other = small_gqa_config();
   other.intermediate_size = 64;

@@ -82,4 +82,12 @@ inline void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem:
       throw DataError(dir.string() + ": weights lack parameter '" + item.key() + "'");
 }
 
+// `-m` names a preset or a folder: a folder's weights, if it holds any, replace the
+// initialisation. Returns whether weights were loaded.
+inline bool load_pretrained_weights_if_present(LlamaForCausalLM& lm, const std::filesystem::path& model_name_or_dir) {
+  if (!std::filesystem::is_directory(model_name_or_dir) || !has_pretrained_weights(model_name_or_dir)) return false;
+  load_pretrained_weights(lm, model_name_or_dir);
+  return true;
+}
+
 }  // namespace meshtorch::llama
