@@ -6,6 +6,7 @@
 #include <numbers>
 #include <torch/torch.h>
 
+#include "meshtorch/models/forward_hooks.hpp"
 #include "meshtorch/models/llama/config.hpp"
 
 namespace meshtorch::llama {
@@ -13,6 +14,8 @@ namespace meshtorch::llama {
 class WeightModule : public torch::nn::Module {
  public:
   torch::Tensor weight;
+  // Run around forward; empty unless a parallel plan set them.
+  ForwardHooks hooks;
 
   // Gives the weight fresh, uninitialised storage with `options` (e.g. meta -> cuda/bf16);
   // the caller initialises it. Keeps the parameter's name and requires_grad.
@@ -43,7 +46,9 @@ class LinearImpl : public WeightModule {
   LinearImpl(std::int64_t in_features, std::int64_t out_features, const torch::TensorOptions& options) {
     create_weight({out_features, in_features}, options);
   }
-  torch::Tensor forward(const torch::Tensor& x) { return at::linear(x, weight); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return hooks.around(x, [&](const torch::Tensor& in) { return at::linear(in, weight); });
+  }
 };
 TORCH_MODULE(Linear);
 
@@ -52,7 +57,9 @@ class EmbeddingImpl : public WeightModule {
   EmbeddingImpl(std::int64_t num_embeddings, std::int64_t dim, const torch::TensorOptions& options) {
     create_weight({num_embeddings, dim}, options);
   }
-  torch::Tensor forward(const torch::Tensor& ids) { return at::embedding(weight, ids); }
+  torch::Tensor forward(const torch::Tensor& ids) {
+    return hooks.around(ids, [&](const torch::Tensor& in) { return at::embedding(weight, in); });
+  }
 };
 TORCH_MODULE(Embedding);
 
@@ -63,15 +70,19 @@ class RMSNormImpl : public WeightModule {
     create_weight({dim}, options);
   }
   torch::Tensor forward(const torch::Tensor& x) {
+    return hooks.around(x, [&](const torch::Tensor& in) { return normalize(in); });
+  }
+  double eps() const { return eps_; }
+
+ private:
+  torch::Tensor normalize(const torch::Tensor& x) const {
     if (x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat)
       return at::rms_norm(x, {weight.size(0)}, weight, eps_);  // same math, one fused kernel
     auto h = x.to(torch::kFloat);
     h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
     return weight * h.to(x.scalar_type());
   }
-  double eps() const { return eps_; }
 
- private:
   double eps_;
 };
 TORCH_MODULE(RMSNorm);

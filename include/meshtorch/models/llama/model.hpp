@@ -21,6 +21,14 @@ class AttentionImpl : public torch::nn::Module {
   }
 
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    return hooks.around(x, [&](const torch::Tensor& in) { return attend(in, cos, sin); });
+  }
+
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  ForwardHooks hooks;
+
+ private:
+  torch::Tensor attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
     const auto batch = x.size(0), seq = x.size(1);
     auto q = q_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
     auto k = k_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
@@ -33,9 +41,6 @@ class AttentionImpl : public torch::nn::Module {
     return o_proj(out.transpose(1, 2).reshape({batch, seq, -1}));
   }
 
-  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-
- private:
   std::int64_t head_dim_;
 };
 TORCH_MODULE(Attention);
@@ -47,9 +52,12 @@ class MlpImpl : public torch::nn::Module {
     up_proj = register_module("up_proj", Linear(c.hidden_size, c.intermediate_size, options));
     down_proj = register_module("down_proj", Linear(c.intermediate_size, c.hidden_size, options));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return down_proj(torch::silu(gate_proj(x)) * up_proj(x)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return hooks.around(x, [&](const torch::Tensor& in) { return down_proj(torch::silu(gate_proj(in)) * up_proj(in)); });
+  }
 
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  ForwardHooks hooks;
 };
 TORCH_MODULE(Mlp);
 
@@ -63,13 +71,16 @@ class DecoderLayerImpl : public torch::nn::Module {
         register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, options));
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-    auto h = x + self_attn(input_layernorm(x), cos, sin);
-    return h + mlp(post_attention_layernorm(h));
+    return hooks.around(x, [&](const torch::Tensor& in) {
+      auto h = in + self_attn(input_layernorm(in), cos, sin);
+      return h + mlp(post_attention_layernorm(h));
+    });
   }
 
   Attention self_attn{nullptr};
   Mlp mlp{nullptr};
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  ForwardHooks hooks;
 };
 TORCH_MODULE(DecoderLayer);
 
@@ -116,9 +127,14 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 
   torch::Tensor output_weight() const { return lm_head ? lm_head->weight : model->embed_tokens->weight; }
 
-  // Logits [B, S, vocab] in the parameters' dtype.
+  // Logits [B, S, vocab] in the parameters' dtype. `hooks` run around the whole forward (input:
+  // the token ids); `head_hooks` around the output projection (input: the final hidden states),
+  // which is lm_head or, with tied embeddings, the embedding matrix.
   torch::Tensor forward(const torch::Tensor& input_ids, const std::optional<torch::Tensor>& position_ids = {}) {
-    return at::linear(model(input_ids, position_ids), output_weight());
+    return hooks.around(input_ids, [&](const torch::Tensor& ids) {
+      return head_hooks.around(model(ids, position_ids),
+                               [&](const torch::Tensor& h) { return at::linear(h, output_weight()); });
+    });
   }
 
   // Mean next-token cross entropy, as HF's ForCausalLMLoss: logits in fp32, labels shifted left
@@ -138,6 +154,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   const Config config;
   LlamaModel model{nullptr};
   Linear lm_head{nullptr};
+  ForwardHooks hooks, head_hooks;
 };
 TORCH_MODULE(LlamaForCausalLM);
 
