@@ -1,0 +1,303 @@
+#pragma once
+// meshtorch::llama::Plan<Mesh, Preset, Styles>: how a Llama model is split over a mesh, generated
+// from the mesh type and checked at compile time. No LibTorch here: parallel/tensor_parallel.hpp
+// applies a plan to a model.
+//
+//   Plan<Mesh<DP<dynamic>, TP<4>>>                            config known at run time: validate(config)
+//   Plan<Mesh<FSDP<dynamic>, TP<8>>, presets::llama_3_1_70b>  TP 8 must divide the model: checked now
+//
+// Styles gives one ParallelStyle per module role of a decoder block and of the model around it
+// (HF's module names). The decoder block's dataflow is checked here, each module's output
+// placement against the next one's input: a plan whose residual stream placements disagree does
+// not compile, and the message names the module.
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include <meshtorch/error.hpp>
+#include <meshtorch/layout/axis.hpp>
+#include <meshtorch/layout/mesh.hpp>
+#include <meshtorch/layout/parallel_style.hpp>
+#include <meshtorch/models/llama/config.hpp>
+
+namespace meshtorch::llama {
+
+// The guide's chapter-6 plan (torchtitan's): sequence-parallel norms, the residual stream sharded
+// along the sequence, attention and MLP inputs gathered once per block, the embedding sharded
+// over the vocabulary (RowwiseParallel, as torchtitan does: its partial sums reduce-scatter
+// straight into sequence shards), and loss parallel (logits stay sharded over the vocabulary).
+struct SequenceParallelStyles {
+  using embed_tokens = RowwiseParallel<Replicate, Shard<1>>;
+  using input_layernorm = SequenceParallel<1>;
+  using self_attn = PrepareModuleInput<Shard<1>, Replicate>;
+  using q_proj = ColwiseParallel<>;
+  using k_proj = ColwiseParallel<>;
+  using v_proj = ColwiseParallel<>;
+  using o_proj = RowwiseParallel<Shard<-1>, Shard<1>>;
+  using post_attention_layernorm = SequenceParallel<1>;
+  using mlp = PrepareModuleInput<Shard<1>, Replicate>;
+  using gate_proj = ColwiseParallel<>;
+  using up_proj = ColwiseParallel<>;
+  using down_proj = RowwiseParallel<Shard<-1>, Shard<1>>;
+  using norm = SequenceParallel<1>;
+  using lm_head = ColwiseParallel<Shard<1>, Shard<-1>>;
+};
+
+// Megatron-LM's tensor parallel without sequence parallel: replicated activations between blocks
+// (norms computed redundantly), one all-reduce after attention and one after the MLP.
+struct TensorParallelStyles {
+  using embed_tokens = RowwiseParallel<Replicate, Replicate>;
+  using input_layernorm = NoParallel;
+  using self_attn = PrepareModuleInput<Replicate, Replicate>;
+  using q_proj = ColwiseParallel<>;
+  using k_proj = ColwiseParallel<>;
+  using v_proj = ColwiseParallel<>;
+  using o_proj = RowwiseParallel<Shard<-1>, Replicate>;
+  using post_attention_layernorm = NoParallel;
+  using mlp = PrepareModuleInput<Replicate, Replicate>;
+  using gate_proj = ColwiseParallel<>;
+  using up_proj = ColwiseParallel<>;
+  using down_proj = RowwiseParallel<Shard<-1>, Replicate>;
+  using norm = NoParallel;
+  using lm_head = ColwiseParallel<Replicate, Replicate>;
+};
+
+// No tensor parallelism (a mesh without a TP axis).
+struct NoTensorParallelStyles {
+  using embed_tokens = NoParallel;
+  using input_layernorm = NoParallel;
+  using self_attn = NoParallel;
+  using q_proj = NoParallel;
+  using k_proj = NoParallel;
+  using v_proj = NoParallel;
+  using o_proj = NoParallel;
+  using post_attention_layernorm = NoParallel;
+  using mlp = NoParallel;
+  using gate_proj = NoParallel;
+  using up_proj = NoParallel;
+  using down_proj = NoParallel;
+  using norm = NoParallel;
+  using lm_head = NoParallel;
+};
+
+template <class S>
+concept LlamaStyles = requires {
+  requires ParallelStyle<typename S::embed_tokens>;
+  requires ParallelStyle<typename S::input_layernorm>;
+  requires ParallelStyle<typename S::self_attn>;
+  requires ParallelStyle<typename S::q_proj>;
+  requires ParallelStyle<typename S::k_proj>;
+  requires ParallelStyle<typename S::v_proj>;
+  requires ParallelStyle<typename S::o_proj>;
+  requires ParallelStyle<typename S::post_attention_layernorm>;
+  requires ParallelStyle<typename S::mlp>;
+  requires ParallelStyle<typename S::gate_proj>;
+  requires ParallelStyle<typename S::up_proj>;
+  requires ParallelStyle<typename S::down_proj>;
+  requires ParallelStyle<typename S::norm>;
+  requires ParallelStyle<typename S::lm_head>;
+};
+
+namespace detail {
+
+template <class A, class B>
+inline constexpr bool same_placement = std::is_same_v<A, B>;
+
+// What a module that is a container (self_attn, mlp) hands its children: the prepared input, or
+// its input unchanged.
+template <class Style>
+using handed_to_children = typename Style::output;
+
+// The decoder block's dataflow, checked in order:
+//   embed_tokens -> [input_layernorm -> self_attn(q,k,v -> o) -> +residual
+//                    -> post_attention_layernorm -> mlp(gate,up -> down) -> +residual] -> norm -> lm_head
+template <LlamaStyles S>
+consteval bool check_dataflow() {
+  using stream = typename S::embed_tokens::output;  // the residual stream between blocks
+  static_assert(same_placement<typename S::input_layernorm::input, stream>,
+                "Llama plan: input_layernorm's input placement differs from the residual stream's "
+                "(embed_tokens' output); use SequenceParallel<1> norms with a Shard<1> stream, NoParallel with "
+                "a Replicate one");
+  static_assert(same_placement<typename S::self_attn::input, typename S::input_layernorm::output>,
+                "Llama plan: self_attn's input placement differs from input_layernorm's output; give self_attn "
+                "PrepareModuleInput<(the norm's output), Replicate>");
+  using attention_in = handed_to_children<typename S::self_attn>;
+  static_assert(same_placement<typename S::q_proj::input, attention_in> &&
+                    same_placement<typename S::k_proj::input, attention_in> &&
+                    same_placement<typename S::v_proj::input, attention_in>,
+                "Llama plan: q_proj, k_proj and v_proj must accept what self_attn hands them (its "
+                "PrepareModuleInput's second placement)");
+  static_assert(same_placement<typename S::q_proj::output, typename S::k_proj::output> &&
+                    same_placement<typename S::q_proj::output, typename S::v_proj::output>,
+                "Llama plan: q_proj, k_proj and v_proj must return the same placement: attention pairs each "
+                "query head with its key and value heads on the same rank");
+  static_assert(same_placement<typename S::o_proj::input, typename S::q_proj::output>,
+                "Llama plan: o_proj's input placement differs from the attention heads' (q_proj's output); "
+                "ColwiseParallel q/k/v need RowwiseParallel<Shard<-1>, ...> o_proj");
+  static_assert(same_placement<typename S::o_proj::output, stream>,
+                "Llama plan: self_attn.o_proj's output placement differs from the residual stream's "
+                "(embed_tokens' output), so the residual add would mix layouts; with SequenceParallel norms use "
+                "RowwiseParallel<Shard<-1>, Shard<1>>, with NoParallel norms RowwiseParallel<Shard<-1>, Replicate>");
+  static_assert(same_placement<typename S::post_attention_layernorm::input, stream>,
+                "Llama plan: post_attention_layernorm's input placement differs from the residual stream's");
+  static_assert(same_placement<typename S::mlp::input, typename S::post_attention_layernorm::output>,
+                "Llama plan: mlp's input placement differs from post_attention_layernorm's output; give mlp "
+                "PrepareModuleInput<(the norm's output), Replicate>");
+  using mlp_in = handed_to_children<typename S::mlp>;
+  static_assert(same_placement<typename S::gate_proj::input, mlp_in> &&
+                    same_placement<typename S::up_proj::input, mlp_in>,
+                "Llama plan: gate_proj and up_proj must accept what mlp hands them");
+  static_assert(same_placement<typename S::gate_proj::output, typename S::up_proj::output>,
+                "Llama plan: gate_proj and up_proj must return the same placement (they are multiplied "
+                "element-wise)");
+  static_assert(same_placement<typename S::down_proj::input, typename S::gate_proj::output>,
+                "Llama plan: down_proj's input placement differs from gate_proj's output");
+  static_assert(same_placement<typename S::down_proj::output, stream>,
+                "Llama plan: mlp.down_proj's output placement differs from the residual stream's "
+                "(embed_tokens' output), so the residual add would mix layouts");
+  static_assert(same_placement<typename S::norm::input, stream>,
+                "Llama plan: the final norm's input placement differs from the residual stream's");
+  static_assert(same_placement<typename S::lm_head::input, typename S::norm::output>,
+                "Llama plan: lm_head's input placement differs from the final norm's output");
+  return true;
+}
+
+// Whether a module's weight is sharded over the vocabulary (the tied embedding/head case).
+template <class EmbeddingStyle>
+inline constexpr bool embedding_shards_vocab = RowwiseStyle<EmbeddingStyle>;
+template <class HeadStyle>
+inline constexpr bool head_shards_vocab = ColwiseStyle<HeadStyle>;
+
+template <LlamaStyles S>
+inline constexpr bool shards_anything =
+    !(std::is_same_v<typename S::q_proj, NoParallel> && std::is_same_v<typename S::gate_proj, NoParallel> &&
+      std::is_same_v<typename S::embed_tokens, NoParallel> && std::is_same_v<typename S::lm_head, NoParallel>);
+
+struct RunTimeConfig {};
+
+}  // namespace detail
+
+// The problem a TP size has with a model under a plan, or nothing: the field that TP must divide.
+template <LlamaStyles S>
+constexpr std::optional<std::string_view> first_tp_problem(const Config& c, std::int64_t tp) {
+  if (tp <= 1) return std::nullopt;
+  if (!std::is_same_v<typename S::q_proj, NoParallel> && c.num_attention_heads % tp != 0)
+    return "num_attention_heads is not divisible by the TP size";
+  if (!std::is_same_v<typename S::k_proj, NoParallel> && c.num_key_value_heads % tp != 0)
+    return "num_key_value_heads is not divisible by the TP size";
+  if (!std::is_same_v<typename S::gate_proj, NoParallel> && c.intermediate_size % tp != 0)
+    return "intermediate_size is not divisible by the TP size";
+  if ((detail::embedding_shards_vocab<typename S::embed_tokens> || detail::head_shards_vocab<typename S::lm_head>) &&
+      c.vocab_size % tp != 0)
+    return "vocab_size is not divisible by the TP size (pad the vocabulary to a multiple of it)";
+  if (ColwiseStyle<typename S::embed_tokens> && c.hidden_size % tp != 0)
+    return "hidden_size is not divisible by the TP size";
+  if (c.tie_word_embeddings &&
+      detail::embedding_shards_vocab<typename S::embed_tokens> != detail::head_shards_vocab<typename S::lm_head>)
+    return "tie_word_embeddings: embed_tokens and lm_head share one matrix, so both or neither must shard the "
+           "vocabulary (RowwiseParallel embedding with ColwiseParallel lm_head)";
+  return std::nullopt;
+}
+
+template <MeshType M, auto Preset = detail::RunTimeConfig{}, LlamaStyles Styles = SequenceParallelStyles>
+struct Plan {
+  using mesh_type = M;
+  static constexpr bool has_tp = M::template has<TP>;
+  using styles = std::conditional_t<has_tp, Styles, NoTensorParallelStyles>;
+  // A static_assert, not a member initialiser, so that naming the plan type runs the check.
+  static_assert(detail::check_dataflow<styles>());
+  // TP's static extent; meshtorch::dynamic when it comes from the world size, 1 without TP.
+  static constexpr std::size_t tp_extent = [] {
+    if constexpr (has_tp)
+      return M::template static_extent<TP>;
+    else
+      return std::size_t{1};
+  }();
+  static constexpr bool has_preset = !std::is_same_v<std::remove_cv_t<decltype(Preset)>, detail::RunTimeConfig>;
+  static constexpr bool sequence_parallel = SequenceParallelStyle<typename styles::norm>;
+  static constexpr bool loss_parallel =
+      ColwiseStyle<typename styles::lm_head> && std::is_same_v<typename styles::lm_head::output, Shard<-1>>;
+
+ private:
+  static constexpr bool check_preset() {
+    if constexpr (has_preset) {
+      static_assert(std::is_same_v<std::remove_cv_t<decltype(Preset)>, Config>,
+                    "Plan<Mesh, Preset>: Preset must be a constexpr meshtorch::llama::Config, e.g. "
+                    "meshtorch::llama::presets::llama_3_1_8b");
+      if constexpr (std::is_same_v<std::remove_cv_t<decltype(Preset)>, Config>) {
+        static_assert(!first_invalid_field(Preset), "Plan<Mesh, Preset>: the preset config is invalid");
+        if constexpr (has_tp && tp_extent != dynamic) {
+          constexpr std::int64_t n = static_cast<std::int64_t>(tp_extent);
+          static_assert(std::is_same_v<typename styles::q_proj, NoParallel> || Preset.num_attention_heads % n == 0,
+                        "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's num_attention_heads; "
+                        "choose a TP extent that divides it");
+          static_assert(std::is_same_v<typename styles::k_proj, NoParallel> || Preset.num_key_value_heads % n == 0,
+                        "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's num_key_value_heads; "
+                        "choose a TP extent that divides it (at most num_key_value_heads)");
+          static_assert(std::is_same_v<typename styles::gate_proj, NoParallel> || Preset.intermediate_size % n == 0,
+                        "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's intermediate_size");
+          static_assert(!(detail::embedding_shards_vocab<typename styles::embed_tokens> ||
+                          detail::head_shards_vocab<typename styles::lm_head>) ||
+                            Preset.vocab_size % n == 0,
+                        "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's vocab_size; pad the "
+                        "vocabulary to a multiple of it");
+          static_assert(!ColwiseStyle<typename styles::embed_tokens> || Preset.hidden_size % n == 0,
+                        "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's hidden_size");
+        }
+        static_assert(!Preset.tie_word_embeddings || detail::embedding_shards_vocab<typename styles::embed_tokens> ==
+                                                         detail::head_shards_vocab<typename styles::lm_head>,
+                      "Plan<Mesh, Preset>: tie_word_embeddings shares one matrix between embed_tokens and lm_head, "
+                      "so both or neither must shard the vocabulary");
+      }
+    }
+    return true;
+  }
+
+ public:
+  static_assert(check_preset());
+
+  // The run-time check of a config against this plan at a TP size (the resolved extent);
+  // throws ConfigError naming the field.
+  static void validate(const Config& config, std::int64_t tp_size, std::string_view source = "model config") {
+    meshtorch::llama::validate(config, source);
+    if (auto problem = first_tp_problem<styles>(config, tp_size))
+      throw ConfigError(std::string(source) + ": " + std::string(*problem) + " (" + std::to_string(tp_size) +
+                        ") of " + std::string(M::name));
+  }
+  // The sequence must split evenly over TP when the residual stream is sharded along it.
+  static void validate_sequence(std::int64_t seq_length, std::int64_t tp_size) {
+    if (sequence_parallel && tp_size > 1 && seq_length % tp_size != 0)
+      throw ConfigError("--seq-length " + std::to_string(seq_length) + " is not divisible by the TP size " +
+                        std::to_string(tp_size) + ": sequence parallel splits every sequence over the TP ranks");
+  }
+
+  // One line per style, for logs and for the fingerprint ranks compare at start-up.
+  static std::string describe() {
+    using S = styles;
+    std::string out = std::string(M::name) + ": ";
+    auto add = [&](std::string_view module, std::string_view style) {
+      out += std::string(module) + "=" + std::string(style) + " ";
+    };
+    add("embed_tokens", S::embed_tokens::name);
+    add("input_layernorm", S::input_layernorm::name);
+    add("self_attn", S::self_attn::name);
+    add("q_proj", S::q_proj::name);
+    add("k_proj", S::k_proj::name);
+    add("v_proj", S::v_proj::name);
+    add("o_proj", S::o_proj::name);
+    add("post_attention_layernorm", S::post_attention_layernorm::name);
+    add("mlp", S::mlp::name);
+    add("gate_proj", S::gate_proj::name);
+    add("up_proj", S::up_proj::name);
+    add("down_proj", S::down_proj::name);
+    add("norm", S::norm::name);
+    add("lm_head", S::lm_head::name);
+    out.pop_back();
+    return out;
+  }
+};
+
+}  // namespace meshtorch::llama

@@ -1,0 +1,55 @@
+// Llama plans generated from mesh types: what they choose, and the run-time checks of a config.
+#include <catch2/catch.hpp>
+
+#include <meshtorch/parallel/llama_plan.hpp>
+
+namespace mt = meshtorch;
+namespace llama = meshtorch::llama;
+
+using SpPlan = llama::Plan<mt::Mesh<mt::DP<mt::dynamic>, mt::TP<4>>, llama::presets::llama_tiny>;
+static_assert(SpPlan::has_tp && SpPlan::tp_extent == 4 && SpPlan::sequence_parallel && SpPlan::loss_parallel);
+
+// The real presets split over the TP extents they are trained with.
+using Plan8b = llama::Plan<mt::Mesh<mt::FSDP<mt::dynamic>, mt::TP<8>>, llama::presets::llama_3_1_8b>;
+using Plan405b = llama::Plan<mt::Mesh<mt::FSDP<8>, mt::TP<8>>, llama::presets::llama_3_1_405b>;
+static_assert(Plan8b::has_tp && Plan405b::tp_extent == 8);
+
+// Without a TP axis nothing is sharded inside layers.
+using DpPlan = llama::Plan<mt::Mesh<mt::DP<mt::dynamic>>>;
+static_assert(!DpPlan::has_tp && DpPlan::tp_extent == 1 && !DpPlan::sequence_parallel);
+static_assert(std::is_same_v<DpPlan::styles::q_proj, mt::NoParallel>);
+
+// Megatron's plan without sequence parallel checks too, and keeps logits whole.
+using MegatronPlan = llama::Plan<mt::Mesh<mt::TP<2>>, llama::presets::llama_tiny, llama::TensorParallelStyles>;
+static_assert(!MegatronPlan::sequence_parallel && !MegatronPlan::loss_parallel);
+
+// Style names and the collectives the styles imply.
+static_assert(mt::ColwiseParallel<mt::Shard<1>, mt::Shard<-1>>::name == "ColwiseParallel<Shard<1>, Shard<-1>>");
+static_assert(mt::ColwiseParallel<mt::Shard<1>>::enter == mt::Collective::all_gather);
+static_assert(mt::RowwiseParallel<mt::Shard<-1>, mt::Shard<1>>::leave == mt::Collective::reduce_scatter);
+static_assert(mt::RowwiseParallel<>::leave == mt::Collective::all_reduce);
+static_assert(mt::RowwiseParallel<mt::Replicate, mt::Replicate>::enter == mt::Collective::local_chunk);
+
+TEST_CASE("a plan describes every module's style for logs and fingerprints") {
+  const auto text = SpPlan::describe();
+  CHECK(text.rfind("Mesh<DP<dynamic>, TP<4>>: ", 0) == 0);
+  CHECK(text.find("o_proj=RowwiseParallel<Shard<-1>, Shard<1>>") != std::string::npos);
+  CHECK(text.find("lm_head=ColwiseParallel<Shard<1>, Shard<-1>>") != std::string::npos);
+  CHECK(text.find("input_layernorm=SequenceParallel<Shard<1>>") != std::string::npos);
+}
+
+TEST_CASE("a run-time config is checked against the plan at the resolved TP size") {
+  using Plan = llama::Plan<mt::Mesh<mt::DP<mt::dynamic>, mt::TP<2>>>;
+  auto config = llama::presets::llama_tiny;
+  CHECK_NOTHROW(Plan::validate(config, 2));
+  CHECK_THROWS_WITH(Plan::validate(config, 8, "tiny/config.json"),
+                    "tiny/config.json: num_key_value_heads is not divisible by the TP size (8) of Mesh<DP<dynamic>, TP<2>>");
+  config.intermediate_size = 385;
+  CHECK_THROWS_WITH(Plan::validate(config, 2), Catch::Contains("intermediate_size is not divisible"));
+  config = llama::presets::llama_tiny;
+  config.vocab_size = 263;
+  CHECK_THROWS_WITH(Plan::validate(config, 2), Catch::Contains("vocab_size is not divisible"));
+  CHECK_NOTHROW(Plan::validate(config, 1));
+  CHECK_THROWS_WITH(Plan::validate_sequence(63, 2), Catch::Contains("--seq-length 63 is not divisible by the TP size 2"));
+  CHECK_NOTHROW(Plan::validate_sequence(64, 2));
+}
