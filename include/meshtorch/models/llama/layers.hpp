@@ -35,6 +35,15 @@ class WeightModule : public torch::nn::Module {
     parameters_["weight"] = weight;
   }
 
+  // Replaces the weight by a tensor of any shape (a plan's shard of it), keeping the name and
+  // requires_grad.
+  void set_weight(const torch::Tensor& replacement) {
+    auto fresh = replacement.detach();
+    fresh.set_requires_grad(weight.requires_grad());
+    weight = fresh;
+    parameters_["weight"] = weight;
+  }
+
  protected:
   void create_weight(torch::IntArrayRef sizes, const torch::TensorOptions& options) {
     weight = register_parameter("weight", torch::empty(sizes, options.requires_grad(false)));

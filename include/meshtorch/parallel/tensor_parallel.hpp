@@ -1,0 +1,299 @@
+#pragma once
+// Tensor (and sequence) parallel for Llama: applies a llama::Plan's styles to a model from
+// outside, through the modules' forward hooks, as torch's parallelize_module does.
+//
+//   auto tp = meshtorch::parallelize<Plan>(model, mesh.group<TP>());   // shards weights in place
+//   auto loss = tp.loss(input_ids, labels);                            // vocab-parallel when the plan says so
+//
+// Each style shards its module's weight (this rank keeps its chunk) and wraps the module's
+// forward in differentiable collectives (comm/differentiable.hpp):
+//   ColwiseParallel  enter the parallel region: Replicate input -> f (identity, all-reduce of the
+//                    gradient); Shard<d> input -> all-gather along d (reduce-scatter backward).
+//                    Leave: Shard<-1> as it is, or all-gather to Replicate.
+//   RowwiseParallel  Replicate input -> this rank's chunk; the partial sums leave by all-reduce
+//                    (Replicate) or reduce-scatter along the sequence (Shard<1>).
+//   SequenceParallel the norm runs on its sequence shard; its weight's gradient is all-reduced.
+//   PrepareModuleInput enters the region once for a module whose children (q, k, v) share the
+//                    input, so those children do not enter it again.
+// The model builds its rotary tables from the token ids, which every TP rank holds whole, so
+// positions stay right while the residual stream is sharded along the sequence.
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/comm/differentiable.hpp>
+#include <meshtorch/error.hpp>
+#include <meshtorch/layout/parallel_style.hpp>
+#include <meshtorch/models/llama/model.hpp>
+#include <meshtorch/parallel/llama_plan.hpp>
+
+namespace meshtorch {
+
+namespace tp_detail {
+
+// How a shard of a weight was cut, so that it can be gathered back for saving.
+struct ShardedWeight {
+  llama::WeightModule* module = nullptr;
+  std::int64_t dim = 0;
+};
+
+template <Placement In>
+torch::Tensor enter_replicated_region(const torch::Tensor& x, const comm::AxisGroup& group) {
+  if constexpr (std::is_same_v<In, Replicate>)
+    return comm::copy_to_parallel_region(x, group);
+  else
+    return comm::gather_from_sequence_parallel_region(x, group, In::dim);
+}
+
+template <Placement Out>
+torch::Tensor leave_column_region(const torch::Tensor& x, const comm::AxisGroup& group) {
+  if constexpr (std::is_same_v<Out, Replicate>)
+    return comm::gather_from_parallel_region(x, group, -1);
+  else
+    return x;
+}
+
+template <Placement In>
+torch::Tensor enter_row_region(const torch::Tensor& x, const comm::AxisGroup& group) {
+  if constexpr (std::is_same_v<In, Replicate>)
+    return comm::scatter_to_parallel_region(x, group, -1);
+  else {
+    static_assert(std::is_same_v<In, Shard<-1>>,
+                  "RowwiseParallel on a linear takes Shard<-1> (a ColwiseParallel's output) or Replicate");
+    return x;
+  }
+}
+
+template <Placement Out>
+torch::Tensor leave_row_region(const torch::Tensor& partial, const comm::AxisGroup& group) {
+  if constexpr (std::is_same_v<Out, Replicate>)
+    return comm::reduce_from_parallel_region(partial, group);
+  else
+    return comm::reduce_scatter_to_sequence_parallel_region(partial, group, Out::dim);
+}
+
+inline torch::Tensor chunk_of(const torch::Tensor& full, const comm::AxisGroup& group, std::int64_t dim,
+                              const std::string& name) {
+  if (full.size(dim) % group.size() != 0)
+    throw ConfigError(name + ": dim " + std::to_string(dim) + " of size " + std::to_string(full.size(dim)) +
+                      " is not divisible by the TP size " + std::to_string(group.size()));
+  return full.chunk(group.size(), dim)[group.rank()].contiguous();
+}
+
+}  // namespace tp_detail
+
+template <class PlanT>
+class TensorParallel {
+  using S = typename PlanT::styles;
+
+ public:
+  TensorParallel(llama::LlamaForCausalLM& model, const comm::AxisGroup& group) : model_(model), group_(group) {
+    PlanT::validate(model->config, group.size());
+    if (PlanT::tp_extent != dynamic && static_cast<int>(PlanT::tp_extent) != group.size())
+      throw ConfigError("TensorParallel: the plan's TP extent is " + std::to_string(PlanT::tp_extent) +
+                        " but the group " + group.describe() + " has " + std::to_string(group.size()) + " ranks");
+    if (group.size() == 1) return;  // a TP axis of one rank: nothing to split
+    auto& lm = *model;
+    auto& inner = *lm.model;
+    apply<typename S::embed_tokens>("model.embed_tokens", *inner.embed_tokens, /*entered=*/false);
+    for (std::size_t i = 0; i < inner.decoder_layers.size(); ++i) {
+      auto& layer = *inner.decoder_layers[i];
+      const std::string prefix = "model.layers." + std::to_string(i) + ".";
+      apply<typename S::input_layernorm>(prefix + "input_layernorm", *layer.input_layernorm, false);
+      prepare<typename S::self_attn>(layer.self_attn->hooks);
+      constexpr bool attention_entered = PrepareModuleInputStyle<typename S::self_attn>;
+      auto& attn = *layer.self_attn;
+      apply<typename S::q_proj>(prefix + "self_attn.q_proj", *attn.q_proj, attention_entered);
+      apply<typename S::k_proj>(prefix + "self_attn.k_proj", *attn.k_proj, attention_entered);
+      apply<typename S::v_proj>(prefix + "self_attn.v_proj", *attn.v_proj, attention_entered);
+      apply<typename S::o_proj>(prefix + "self_attn.o_proj", *attn.o_proj, false);
+      apply<typename S::post_attention_layernorm>(prefix + "post_attention_layernorm",
+                                                  *layer.post_attention_layernorm, false);
+      prepare<typename S::mlp>(layer.mlp->hooks);
+      constexpr bool mlp_entered = PrepareModuleInputStyle<typename S::mlp>;
+      auto& mlp = *layer.mlp;
+      apply<typename S::gate_proj>(prefix + "mlp.gate_proj", *mlp.gate_proj, mlp_entered);
+      apply<typename S::up_proj>(prefix + "mlp.up_proj", *mlp.up_proj, mlp_entered);
+      apply<typename S::down_proj>(prefix + "mlp.down_proj", *mlp.down_proj, false);
+    }
+    apply<typename S::norm>("model.norm", *inner.norm, false);
+    apply_head();
+  }
+
+  const comm::AxisGroup& group() const { return group_; }
+
+  // Mean next-token cross entropy of the batch. With loss parallel the logits stay sharded over
+  // the vocabulary and the softmax is computed across the TP ranks (Megatron's vocab-parallel
+  // cross entropy), so no rank ever holds [batch, seq, vocab] logits.
+  torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
+    auto logits = model_->forward(input_ids);
+    if constexpr (PlanT::loss_parallel) {
+      if (group_.size() > 1) return vocab_parallel_cross_entropy(logits, labels, group_);
+    }
+    return llama::LlamaForCausalLMImpl::causal_lm_loss(logits, labels);
+  }
+
+  // The full (unsharded) value of every parameter under its HF name, gathered over TP; every rank
+  // of the group gets them. For saving a checkpoint that a single process or transformers loads.
+  std::vector<std::pair<std::string, torch::Tensor>> full_parameters() const {
+    std::vector<std::pair<std::string, torch::Tensor>> out;
+    torch::NoGradGuard no_grad;
+    for (auto& item : model_->named_parameters()) {
+      const auto it = sharded_.find(item.key());
+      out.emplace_back(item.key(), it == sharded_.end() ? item.value().detach()
+                                                        : comm::all_gather(group_, item.value().detach(), it->second.dim));
+    }
+    return out;
+  }
+
+  // This rank's piece of a full parameter value (for loading a full checkpoint into the shards).
+  torch::Tensor shard_of(const std::string& name, const torch::Tensor& full) const {
+    const auto it = sharded_.find(name);
+    return it == sharded_.end() ? full : tp_detail::chunk_of(full, group_, it->second.dim, name);
+  }
+
+  // Along which dim each sharded parameter was cut (absent: replicated).
+  std::optional<std::int64_t> shard_dim(const std::string& name) const {
+    const auto it = sharded_.find(name);
+    if (it == sharded_.end()) return std::nullopt;
+    return it->second.dim;
+  }
+
+  static torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, const torch::Tensor& labels,
+                                                    const comm::AxisGroup& group) {
+    const auto local_vocab = local_logits.size(-1);
+    const auto first = local_vocab * group.rank();
+    auto logits = local_logits.to(torch::kFloat).reshape({-1, local_vocab});
+    // Labels shifted left by one with the last position ignored, as causal_lm_loss does.
+    auto targets = torch::cat({labels.narrow(1, 1, labels.size(1) - 1),
+                               torch::full({labels.size(0), 1}, -100, labels.options())},
+                              1)
+                       .reshape({-1});
+    // A shift for a stable softmax; any value works, so it carries no gradient.
+    auto shift = comm::all_reduce(group, logits.detach().amax(-1), comm::ReduceOp::max);
+    auto shifted = logits - shift.unsqueeze(-1);
+    auto sum_exp = comm::reduce_from_parallel_region(shifted.exp().sum(-1), group);
+    const auto in_range = targets.ge(first).logical_and(targets.lt(first + local_vocab));
+    auto local_targets = (targets - first).clamp(0, local_vocab - 1);
+    auto picked = shifted.gather(1, local_targets.unsqueeze(1)).squeeze(1) * in_range.to(shifted.scalar_type());
+    auto target_logit = comm::reduce_from_parallel_region(picked, group);
+    const auto valid = targets.ne(-100).to(torch::kFloat);
+    return ((sum_exp.log() - target_logit) * valid).sum() / valid.sum();
+  }
+
+ private:
+  // Colwise / rowwise / sequence parallel / none on one leaf module.
+  template <class Style>
+  void apply(const std::string& name, llama::WeightModule& module, bool entered) {
+    if constexpr (ColwiseStyle<Style>) {
+      const bool is_embedding = dynamic_cast<llama::EmbeddingImpl*>(&module) != nullptr;
+      if (is_embedding)
+        throw ConfigError(name + ": ColwiseParallel on an embedding is not supported; shard the vocabulary with "
+                                 "RowwiseParallel<Replicate, ...> (as torchtitan does)");
+      shard(name, module, 0);
+      const auto group = group_;
+      if (!entered)
+        module.hooks.pre.push_back([group](const torch::Tensor& x) {
+          return tp_detail::enter_replicated_region<typename Style::input>(x, group);
+        });
+      if constexpr (!std::is_same_v<typename Style::output, Shard<-1>>)
+        module.hooks.post.push_back([group](const torch::Tensor&, const torch::Tensor& y) {
+          return tp_detail::leave_column_region<typename Style::output>(y, group);
+        });
+    } else if constexpr (RowwiseStyle<Style>) {
+      const auto group = group_;
+      if (auto* embedding = dynamic_cast<llama::EmbeddingImpl*>(&module)) {
+        if (!std::is_same_v<typename Style::input, Replicate>)
+          throw ConfigError(name + ": RowwiseParallel on an embedding takes the token ids whole: use "
+                                   "RowwiseParallel<Replicate, ...>");
+        shard(name, module, 0);
+        const std::int64_t rows = embedding->weight.size(0);
+        const std::int64_t first = rows * group.rank();
+        // Token ids outside this rank's rows look up row 0 and are zeroed after: the sum over
+        // the ranks (the reduction that leaves the region) holds every token's row once.
+        module.hooks.pre.push_back([first, rows](const torch::Tensor& ids) {
+          auto local = ids - first;
+          return local.masked_fill(local.lt(0).logical_or(local.ge(rows)), 0);
+        });
+        module.hooks.post.push_back([group, first, rows](const torch::Tensor& ids, const torch::Tensor& out) {
+          const auto outside = ids.lt(first).logical_or(ids.ge(first + rows)).unsqueeze(-1);
+          return tp_detail::leave_row_region<typename Style::output>(out.masked_fill(outside, 0), group);
+        });
+      } else {
+        shard(name, module, 1);
+        module.hooks.pre.push_back([group](const torch::Tensor& x) {
+          return tp_detail::enter_row_region<typename Style::input>(x, group);
+        });
+        module.hooks.post.push_back([group](const torch::Tensor&, const torch::Tensor& y) {
+          return tp_detail::leave_row_region<typename Style::output>(y, group);
+        });
+      }
+    } else if constexpr (SequenceParallelStyle<Style>) {
+      // Each rank's gradient covers its part of the sequence; the weight's is their sum.
+      const auto group = group_;
+      module.weight.register_hook([group](const torch::Tensor& grad) { return comm::all_reduce(group, grad.clone()); });
+    } else {
+      static_assert(std::is_same_v<Style, NoParallel>, "this style does not apply to a leaf module");
+    }
+  }
+
+  template <class Style>
+  void prepare(ForwardHooks& hooks) {
+    if constexpr (PrepareModuleInputStyle<Style>) {
+      static_assert(std::is_same_v<typename Style::output, Replicate>,
+                    "PrepareModuleInput on self_attn or mlp must hand its children Replicate");
+      const auto group = group_;
+      hooks.pre.push_back([group](const torch::Tensor& x) {
+        return tp_detail::enter_replicated_region<typename Style::input>(x, group);
+      });
+    } else {
+      static_assert(std::is_same_v<Style, NoParallel>,
+                    "self_attn and mlp take PrepareModuleInput<In, Replicate> or NoParallel");
+    }
+  }
+
+  // The output projection is lm_head, or the embedding matrix when tied; its hooks are the
+  // model's head_hooks either way.
+  void apply_head() {
+    using Style = typename S::lm_head;
+    auto& lm = *model_;
+    const auto group = group_;
+    if constexpr (ColwiseStyle<Style>) {
+      if (lm.lm_head) shard("lm_head", *lm.lm_head, 0);
+      lm.head_hooks.pre.push_back([group](const torch::Tensor& x) {
+        return tp_detail::enter_replicated_region<typename Style::input>(x, group);
+      });
+      if constexpr (!std::is_same_v<typename Style::output, Shard<-1>>)
+        lm.head_hooks.post.push_back([group](const torch::Tensor&, const torch::Tensor& y) {
+          return tp_detail::leave_column_region<typename Style::output>(y, group);
+        });
+    } else {
+      static_assert(std::is_same_v<Style, NoParallel>, "lm_head takes ColwiseParallel or NoParallel");
+    }
+  }
+
+  void shard(const std::string& name, llama::WeightModule& module, std::int64_t dim) {
+    torch::NoGradGuard no_grad;
+    module.set_weight(tp_detail::chunk_of(module.weight.detach(), group_, dim, name + ".weight"));
+    sharded_[name + ".weight"] = {&module, dim};
+  }
+
+  llama::LlamaForCausalLM model_;
+  comm::AxisGroup group_;
+  std::map<std::string, tp_detail::ShardedWeight> sharded_;
+};
+
+// Applies Plan's tensor-parallel styles to `model` over the TP group (weights sharded in place).
+template <class PlanT>
+TensorParallel<PlanT> parallelize(llama::LlamaForCausalLM& model, const comm::AxisGroup& tp_group) {
+  return TensorParallel<PlanT>(model, tp_group);
+}
+
+}  // namespace meshtorch
