@@ -1,0 +1,625 @@
+#pragma once
+// FullyShardedDataParallel: PyTorch FSDP2's fully_shard for the Llama modules, over one axis of
+// a mesh (the FSDP axis; the whole world for Mesh<FSDP<dynamic>>).
+//
+// Each call to fully_shard(module) makes a *unit* of the weights under `module` that no earlier
+// unit took: one per decoder layer, then the root (embedding, final norm, lm_head). Every rank
+// keeps only its rows of each weight (Shard<0>, the row count padded up to a multiple of the
+// group size), packed into one flat buffer per unit; those row blocks are the leaf tensors the
+// optimizer steps, so gradients and AdamW state are sharded too. Around a unit's forward:
+//
+//   pre-forward    all-gather the unit's flat shard buffer (one collective per unit) and copy
+//                  it out into the full weights the leaves compute with
+//   post-forward   free the full weights' memory (reshard_after_forward; never for the root,
+//                  whose weights backward needs at once), keeping the tensors themselves, which
+//                  autograd saved; and put an identity on the unit's output whose backward
+//                  all-gathers them again before the unit's backward runs
+//   post-backward  once autograd has every full weight's gradient: reduce-scatter them
+//                  (averaged over the group, in the reduce dtype) into the shards' .grad, and
+//                  free the full weights
+//
+// The full weights are outputs of one autograd node per unit (GatherUnitParameters) whose
+// inputs are the shards: autograd runs its backward exactly once all of the unit's gradients
+// are in, and accumulates what it returns into the shards' .grad, so gradient accumulation
+// over micro-batches needs nothing more. Freeing memory keeps the storage object and swaps its
+// allocation out (FSDP2's untyped_storage().resize_(0)), so the tensors autograd saved see the
+// re-gathered values in backward.
+//
+//   llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta));
+//   FullyShardedDataParallel fsdp(model, mesh.group<FSDP>(), {.device = device});
+//   for (auto& layer : model->model->decoder_layers) fsdp.fully_shard(layer);
+//   fsdp.fully_shard(model);                       // the root, last
+//   fsdp.init_weights();                           // only shards get memory
+//   train::AdamW optimizer(fsdp.named_parameters(), {.lr = lr});
+//   model->loss(ids, ids).backward();              // the hooks do the rest
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <c10/core/DeviceGuard.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/comm/work.hpp>
+#include <meshtorch/error.hpp>
+#include <meshtorch/io/safetensors.hpp>
+#include <meshtorch/models/llama/model.hpp>
+#include <meshtorch/models/llama/weights.hpp>
+
+namespace meshtorch {
+
+// FSDP2's MixedPrecisionPolicy: the shards (and the optimizer) stay in the dtype the model was
+// built with; the gathered weights are cast to param_dtype for forward and backward, and
+// gradients are reduce-scattered in reduce_dtype.
+struct MixedPrecision {
+  std::optional<torch::ScalarType> param_dtype;   // unset: the shards' dtype
+  std::optional<torch::ScalarType> reduce_dtype;  // unset: param_dtype
+};
+
+struct FsdpOptions {
+  // Free every layer's full weights after its forward and all-gather them again for its
+  // backward: less memory, one more all-gather per layer and step.
+  bool reshard_after_forward = true;
+  // Shards, gradients and optimizer state live in CPU memory and the optimizer steps there;
+  // each gather copies the shard to `device`, each reduce-scatter copies the result back.
+  bool cpu_offload = false;
+  MixedPrecision mixed_precision;
+  // Where forward and backward compute.
+  torch::Device device = torch::kCPU;
+};
+
+class FullyShardedDataParallel;
+
+namespace fsdp_detail {
+
+// Gives a storage's memory back while the storage object (and every tensor aliasing it) stays.
+inline void free_storage(const c10::Storage& storage) {
+  auto* impl = storage.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+  impl->set_nbytes(0);
+}
+
+// Gives a freed storage fresh memory from the allocator it was created with (on CUDA the
+// caching allocator, on the storage's device).
+inline void allocate_storage(const c10::Storage& storage, std::size_t nbytes) {
+  auto* impl = storage.unsafeGetStorageImpl();
+  const c10::DeviceGuard guard(impl->device());
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+  impl->set_nbytes(nbytes);
+}
+
+// A tensor on `storage` that is no autograd view of anything and has its own version counter:
+// writing through one alias does not invalidate what autograd saved of another. Built on the
+// storage directly, since Tensor::set_ would allocate a freed storage to fit the sizes.
+inline torch::Tensor alias(const c10::Storage& storage, torch::ScalarType dtype, std::int64_t offset,
+                           torch::IntArrayRef sizes) {
+  std::vector<std::int64_t> strides(sizes.size(), 1);
+  for (std::int64_t d = static_cast<std::int64_t>(sizes.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * sizes[d + 1];
+  const auto key = c10::computeDispatchKey(dtype, c10::kStrided, storage.device());
+  auto tensor = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(key),
+                                                         caffe2::TypeMeta::fromScalarType(dtype));
+  tensor.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
+  return tensor;
+}
+
+inline void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what, const comm::AxisGroup& group) {
+  comm::Work<std::monostate>(work, [] { return std::monostate{}; }, what, group).wait();
+}
+
+// The group's flat buffers concatenated in rank order: output has group.size() x input.numel().
+inline void all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
+                            const std::string& what) {
+  if (group.size() == 1) {
+    output.copy_(input);
+    return;
+  }
+  c10d::AllgatherOptions options;
+  options.timeout = group.timeout();
+  wait(comm::detail::issue(what, group, [&] { return group.backend()->_allgather_base(output, input, options); }),
+       what, group);
+}
+
+// The sum over the group of input's rank()-th block, divided by the group size.
+inline void reduce_scatter_mean_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
+                                     const std::string& what) {
+  if (group.size() == 1) {
+    output.copy_(input);
+    return;
+  }
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;  // Gloo has no AVG: divided below
+  options.timeout = group.timeout();
+  wait(comm::detail::issue(what, group,
+                           [&] { return group.backend()->_reduce_scatter_base(output, input, options); }),
+       what, group);
+  output.div_(group.size());
+}
+
+}  // namespace fsdp_detail
+
+// One fully_shard call's weights: their shards, the flat buffers and the hooks' work.
+class FsdpUnit {
+ public:
+  struct Parameter {
+    std::string name;  // HF name, e.g. "model.layers.0.mlp.up_proj.weight"
+    llama::WeightModule* leaf = nullptr;
+    std::vector<std::int64_t> full_shape;
+    std::int64_t rows = 0;           // full_shape[0]
+    std::int64_t row_numel = 1;      // elements per row
+    std::int64_t rows_per_rank = 0;  // padded: ceil(rows / group size)
+    std::int64_t first_row = 0;      // this rank's first row
+    std::int64_t local_rows = 0;     // this rank's real rows (the last ranks may have fewer, or none)
+    std::int64_t shard_offset = 0;   // elements into the flat shard buffer
+    std::int64_t full_offset = 0;    // elements into the full (unsharded) storage
+    torch::Tensor shard;             // leaf [local_rows, ...]: what the optimizer steps
+  };
+
+  FsdpUnit(std::string name, bool is_root, std::vector<std::pair<std::string, llama::WeightModule*>> leaves,
+           const comm::AxisGroup& group, const FsdpOptions& options)
+      : name_(std::move(name)), is_root_(is_root), group_(group), options_(options) {
+    const auto world = group_.size();
+    const auto rank = group_.rank();
+    shard_dtype_ = leaves.front().second->weight.scalar_type();
+    for (auto& [leaf_name, leaf] : leaves) {
+      const auto& w = leaf->weight;
+      if (w.scalar_type() != shard_dtype_)
+        throw ConfigError("fully_shard(" + describe() + "): '" + leaf_name + "' is " + c10::toString(w.scalar_type()) +
+                          " but '" + leaves.front().first + "' is " + c10::toString(shard_dtype_) +
+                          "; build the model in one dtype (mixed precision is FsdpOptions::mixed_precision)");
+      if (w.dim() == 0) throw ConfigError("fully_shard(" + describe() + "): '" + leaf_name + "' is a scalar");
+      Parameter p;
+      p.name = leaf_name;
+      p.leaf = leaf;
+      p.full_shape = w.sizes().vec();
+      p.rows = w.size(0);
+      p.row_numel = w.numel() / std::max<std::int64_t>(p.rows, 1);
+      p.rows_per_rank = (p.rows + world - 1) / world;
+      p.first_row = std::min(p.rows, rank * p.rows_per_rank);
+      p.local_rows = std::clamp<std::int64_t>(p.rows - rank * p.rows_per_rank, 0, p.rows_per_rank);
+      p.shard_offset = shard_numel_;
+      p.full_offset = full_numel_;
+      shard_numel_ += p.rows_per_rank * p.row_numel;
+      full_numel_ += w.numel();
+      params_.push_back(std::move(p));
+    }
+    const auto shard_device = options_.cpu_offload ? torch::Device(torch::kCPU) : options_.device;
+    // Padding rows stay zero: they are part of no shard view, so nothing ever writes them.
+    shard_flat_ = torch::zeros({shard_numel_}, torch::TensorOptions().device(shard_device).dtype(shard_dtype_));
+    if (options_.cpu_offload && options_.device.is_cuda()) shard_flat_ = shard_flat_.pin_memory();
+    torch::NoGradGuard no_grad;
+    for (auto& p : params_) {
+      auto local_shape = p.full_shape;
+      local_shape[0] = p.local_rows;
+      p.shard = shard_flat_.narrow(0, p.shard_offset, p.local_rows * p.row_numel).view(local_shape);
+      // A module that already has real weights (not built on the meta device) keeps its values.
+      if (!p.leaf->weight.is_meta()) p.shard.copy_(p.leaf->weight.narrow(0, p.first_row, p.local_rows));
+      p.shard.set_requires_grad(true);
+    }
+    // The full weights: one storage for the unit, freed until a forward needs it.
+    full_storage_ = torch::empty({full_numel_}, compute_options()).storage();
+    fsdp_detail::free_storage(full_storage_);
+    full_writer_ = fsdp_detail::alias(full_storage_, param_dtype(), 0, {full_numel_});
+    for (auto& p : params_) p.leaf->replace_weight(full_weight(p));
+  }
+
+  FsdpUnit(const FsdpUnit&) = delete;
+  FsdpUnit& operator=(const FsdpUnit&) = delete;
+
+  const std::string& name() const { return name_; }
+  bool is_root() const { return is_root_; }
+  std::vector<Parameter>& parameters() { return params_; }
+  const std::vector<Parameter>& parameters() const { return params_; }
+  // Elements of this rank's shard buffer (with padding) and of the full weights.
+  std::int64_t shard_numel() const { return shard_numel_; }
+  std::int64_t full_numel() const { return full_numel_; }
+  // Whether the full weights hold memory now.
+  bool is_unsharded() const { return full_storage_.nbytes() > 0; }
+  const c10::Storage& full_storage() const { return full_storage_; }
+  torch::ScalarType shard_dtype() const { return shard_dtype_; }
+  torch::ScalarType param_dtype() const { return options_.mixed_precision.param_dtype.value_or(shard_dtype_); }
+  torch::ScalarType reduce_dtype() const { return options_.mixed_precision.reduce_dtype.value_or(param_dtype()); }
+  bool reshards_after_forward() const { return options_.reshard_after_forward && !is_root_; }
+
+  // All-gathers the shards into the full weights, unless they already hold the current shards.
+  void unshard() {
+    torch::NoGradGuard no_grad;
+    const auto version = shard_flat_._version();
+    if (is_unsharded() && gathered_version_ == version) return;
+    if (!is_unsharded())
+      fsdp_detail::allocate_storage(full_storage_, static_cast<std::size_t>(full_numel_) * c10::elementSize(param_dtype()));
+    gather_full(full_writer_, param_dtype());
+    gathered_version_ = version;
+  }
+
+  void reshard() { fsdp_detail::free_storage(full_storage_); }
+
+  // Writes every full weight into `destination` (a flat tensor of full_numel() elements on the
+  // compute device): one all-gather of the flat shards cast to `dtype`, then a copy per weight.
+  void gather_full(torch::Tensor destination, torch::ScalarType dtype) const {
+    torch::NoGradGuard no_grad;
+    const auto world = group_.size();
+    auto input = shard_flat_.to(options_.device, dtype);
+    auto gathered = torch::empty({world * shard_numel_}, input.options());
+    fsdp_detail::all_gather_flat(group_, gathered, input, "FSDP all_gather of " + describe());
+    const auto blocks = gathered.view({world, shard_numel_});
+    for (const auto& p : params_) {
+      auto full = destination.narrow(0, p.full_offset, p.rows * p.row_numel).view({p.rows, p.row_numel});
+      for (int r = 0; r < world; ++r) {
+        const auto rows = std::clamp<std::int64_t>(p.rows - r * p.rows_per_rank, 0, p.rows_per_rank);
+        if (rows == 0) continue;
+        full.narrow(0, r * p.rows_per_rank, rows)
+            .copy_(blocks[r].narrow(0, p.shard_offset, rows * p.row_numel).view({rows, p.row_numel}));
+      }
+    }
+  }
+
+  // The pre-forward hook: gather, and hand the leaves full weights that are outputs of the
+  // unit's autograd node (so its backward sees all their gradients at once).
+  void pre_forward();
+  // The post-forward hook: free the full weights, and mark the output so that its gradient
+  // re-gathers them first.
+  torch::Tensor post_forward(const torch::Tensor& output);
+  // Called from the output's backward, before the unit's own backward.
+  void pre_backward() { unshard(); }
+  // Called once autograd has every full weight's gradient: their mean over the group, this
+  // rank's rows, one tensor per shard (in the shards' dtype and device).
+  std::vector<torch::Tensor> post_backward(const std::vector<torch::Tensor>& full_grads) {
+    torch::NoGradGuard no_grad;
+    const auto world = group_.size();
+    auto send = torch::zeros({world * shard_numel_},
+                             torch::TensorOptions().device(options_.device).dtype(reduce_dtype()));
+    const auto blocks = send.view({world, shard_numel_});
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const auto& p = params_[i];
+      if (!full_grads[i].defined()) continue;  // unused in this forward: a zero gradient
+      const auto grad = full_grads[i].reshape({p.rows, p.row_numel});
+      for (int r = 0; r < world; ++r) {
+        const auto rows = std::clamp<std::int64_t>(p.rows - r * p.rows_per_rank, 0, p.rows_per_rank);
+        if (rows == 0) continue;
+        blocks[r].narrow(0, p.shard_offset, rows * p.row_numel).view({rows, p.row_numel})
+            .copy_(grad.narrow(0, r * p.rows_per_rank, rows));
+      }
+    }
+    auto mine = torch::empty({shard_numel_}, send.options());
+    fsdp_detail::reduce_scatter_mean_flat(group_, mine, send, "FSDP reduce_scatter of " + describe());
+    reshard();
+    std::vector<torch::Tensor> shard_grads;
+    for (const auto& p : params_)
+      shard_grads.push_back(mine.narrow(0, p.shard_offset, p.local_rows * p.row_numel)
+                                .view(p.shard.sizes())
+                                .to(p.shard.device(), shard_dtype_));
+    return shard_grads;
+  }
+
+  std::string describe() const {
+    return (is_root_ ? std::string("the root") : "'" + name_ + "'") + " on rank " + std::to_string(group_.global_rank());
+  }
+
+ private:
+  torch::TensorOptions compute_options() const {
+    return torch::TensorOptions().device(options_.device).dtype(param_dtype());
+  }
+  torch::Tensor full_weight(const Parameter& p) const {
+    return fsdp_detail::alias(full_storage_, param_dtype(), p.full_offset, p.full_shape);
+  }
+
+  std::string name_;
+  bool is_root_;
+  comm::AxisGroup group_;
+  FsdpOptions options_;
+  torch::ScalarType shard_dtype_ = torch::kFloat;
+  std::vector<Parameter> params_;
+  std::int64_t shard_numel_ = 0, full_numel_ = 0;
+  torch::Tensor shard_flat_;
+  c10::Storage full_storage_;
+  torch::Tensor full_writer_;  // the gather writes through this alias, never through the leaves'
+  std::int64_t gathered_version_ = -1;
+};
+
+namespace fsdp_detail {
+
+struct UnitCapsule : torch::CustomClassHolder {
+  explicit UnitCapsule(FsdpUnit* u) : unit(u) {}
+  FsdpUnit* unit;
+};
+
+inline FsdpUnit* saved_unit(torch::autograd::AutogradContext* ctx) {
+  return static_cast<UnitCapsule*>(ctx->saved_data["unit"].toCapsule().get())->unit;
+}
+
+// shards -> the full weights (already gathered into the unit's storage); backward: the
+// reduce-scatter of their gradients.
+struct GatherUnitParameters : torch::autograd::Function<GatherUnitParameters> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList shards,
+                                                FsdpUnit* unit, std::vector<torch::Tensor> fulls) {
+    (void)shards;
+    ctx->saved_data["unit"] = c10::IValue::make_capsule(c10::make_intrusive<UnitCapsule>(unit));
+    ctx->set_materialize_grads(false);
+    return fulls;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto shard_grads = saved_unit(ctx)->post_backward(grads);
+    shard_grads.emplace_back();  // unit
+    shard_grads.emplace_back();  // fulls
+    return shard_grads;
+  }
+};
+
+// Identity on a unit's output; its backward re-gathers the unit's weights, and it runs before
+// any of the unit's own backward, which needs the output's gradient first.
+struct UnshardBeforeBackward : torch::autograd::Function<UnshardBeforeBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& output, FsdpUnit* unit) {
+    ctx->saved_data["unit"] = c10::IValue::make_capsule(c10::make_intrusive<UnitCapsule>(unit));
+    return output.view_as(output);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    saved_unit(ctx)->pre_backward();
+    return {grads[0], torch::Tensor()};
+  }
+};
+
+}  // namespace fsdp_detail
+
+inline void FsdpUnit::pre_forward() {
+  unshard();
+  std::vector<torch::Tensor> shards, fulls;
+  for (const auto& p : params_) {
+    shards.push_back(p.shard);
+    fulls.push_back(full_weight(p));
+  }
+  auto weights = fsdp_detail::GatherUnitParameters::apply(at::TensorList(shards), this, std::move(fulls));
+  for (std::size_t i = 0; i < params_.size(); ++i) params_[i].leaf->replace_weight(weights[i]);
+}
+
+inline torch::Tensor FsdpUnit::post_forward(const torch::Tensor& output) {
+  if (!reshards_after_forward()) return output;
+  reshard();
+  if (!torch::GradMode::is_enabled() || !output.requires_grad()) return output;
+  return fsdp_detail::UnshardBeforeBackward::apply(output, this);
+}
+
+// The model-level state: the units, in the order they were made (layers, then the root).
+class FullyShardedDataParallel {
+ public:
+  template <class Holder>
+  FullyShardedDataParallel(torch::nn::ModuleHolder<Holder>& root, const comm::AxisGroup& group, FsdpOptions options = {})
+      : root_(std::static_pointer_cast<torch::nn::Module>(root.ptr())), group_(group), options_(options) {
+    for (auto& [name, leaf] : llama::weight_modules(*root_)) all_leaves_.emplace_back(name + ".weight", leaf);
+    if (options_.cpu_offload && options_.device.is_cuda() && !torch::cuda::is_available())
+      throw ConfigError("FullyShardedDataParallel: cpu_offload with device " + options_.device.str() +
+                        ", but CUDA is not available");
+  }
+
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  // Makes a unit of the weights under `module` that no earlier unit holds, and hooks its
+  // forward. Shard the decoder layers first, then the root (the model passed to the
+  // constructor), which takes the rest.
+  template <class Impl>
+  FsdpUnit& fully_shard(torch::nn::ModuleHolder<Impl>& module) {
+    const bool is_root = module.ptr().get() == root_.get();
+    const std::string name = module_name(module.ptr().get());
+    if (root_sharded_)
+      throw ConfigError("fully_shard('" + name + "'): the root is already sharded; shard the layers first, then the "
+                        "root (rank " + std::to_string(group_.global_rank()) + ")");
+    if (name.empty() && !is_root)
+      throw ConfigError("fully_shard: the module is not part of the model this FullyShardedDataParallel was built "
+                        "for (rank " + std::to_string(group_.global_rank()) + ")");
+    std::set<const llama::WeightModule*> inside;
+    for (auto& [n, leaf] : llama::weight_modules(*module)) inside.insert(leaf);
+    std::vector<std::pair<std::string, llama::WeightModule*>> leaves;
+    for (auto& [n, leaf] : all_leaves_)
+      if (inside.count(leaf) && !claimed_.count(leaf)) leaves.emplace_back(n, leaf);
+    if (leaves.empty())
+      throw ConfigError("fully_shard(" + (is_root ? std::string("the root") : "'" + name + "'") +
+                        "): it holds no weight that an earlier fully_shard did not take (rank " +
+                        std::to_string(group_.global_rank()) + ")");
+    for (auto& [n, leaf] : leaves) claimed_.insert(leaf);
+    units_.push_back(std::make_unique<FsdpUnit>(is_root ? std::string("root") : name, is_root, std::move(leaves), group_,
+                                                options_));
+    FsdpUnit* unit = units_.back().get();
+    module->hooks.pre.push_back([this, unit](const torch::Tensor& input) {
+      check_root_sharded(*unit);
+      unit->pre_forward();
+      return input;
+    });
+    module->hooks.post.push_back(
+        [unit](const torch::Tensor&, const torch::Tensor& output) { return unit->post_forward(output); });
+    if (is_root) root_sharded_ = true;
+    return *unit;
+  }
+
+  // The shards, named as the full weights: what the optimizer steps.
+  std::vector<std::pair<std::string, torch::Tensor>> named_parameters() const {
+    std::vector<std::pair<std::string, torch::Tensor>> named;
+    for (const auto& [name, leaf] : all_leaves_)
+      if (const auto* p = find(name)) named.emplace_back(name, p->shard);
+    return named;
+  }
+
+  // Initialises the shards as llama::init_weights initialises a whole model from the same
+  // seed: every rank draws each full weight in turn (one at a time on the compute device, so
+  // only the biggest weight is ever whole) and keeps its rows.
+  void init_weights() {
+    check_root_sharded_for("init_weights");
+    torch::NoGradGuard no_grad;
+    const auto* lm = dynamic_cast<llama::LlamaForCausalLMImpl*>(root_.get());
+    const double std = lm ? lm->config.initializer_range : 0.02;
+    for (const auto& [name, leaf] : all_leaves_) {
+      auto& p = *find(name);
+      auto full = torch::empty(p.full_shape, torch::TensorOptions().device(options_.device).dtype(p.shard.scalar_type()));
+      if (dynamic_cast<llama::RMSNormImpl*>(leaf))
+        full.fill_(1.0);
+      else
+        full.normal_(0.0, std);
+      p.shard.copy_(full.narrow(0, p.first_row, p.local_rows));
+    }
+  }
+
+  // Copies this rank's rows of full (HF-named) weights into the shards: `tensors` must hold
+  // every weight with its full shape. `source` names the file in errors.
+  void load_full_state_dict(const io::NamedTensors& tensors, const std::string& source) {
+    torch::NoGradGuard no_grad;
+    std::set<std::string> loaded;
+    const auto* lm = dynamic_cast<llama::LlamaForCausalLMImpl*>(root_.get());
+    for (const auto& [name, tensor] : tensors) {
+      auto* p = find(name);
+      if (!p) {
+        if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
+        if (name == "lm_head.weight" && lm && lm->config.tie_word_embeddings) continue;
+        throw DataError(source + ": tensor '" + name + "' is not a weight of this model");
+      }
+      if (tensor.sizes().vec() != p->full_shape)
+        throw DataError(source + ": tensor '" + name + "' has shape " + c10::str(tensor.sizes()) + ", the model needs " +
+                        c10::str(c10::IntArrayRef(p->full_shape)));
+      p->shard.copy_(tensor.narrow(0, p->first_row, p->local_rows));
+      loaded.insert(name);
+    }
+    for (const auto& [name, leaf] : all_leaves_)
+      if (!loaded.count(name)) throw DataError(source + ": weight '" + name + "' is missing");
+  }
+
+  // Loads an HF folder's model.safetensors (or the shards its index lists) into the shards.
+  void load_pretrained_weights(const std::filesystem::path& dir) {
+    check_root_sharded_for("load_pretrained_weights");
+    io::NamedTensors all;
+    for (const auto& file : llama_weight_files(dir)) {
+      auto contents = io::load_safetensors(file);
+      for (auto& item : contents.tensors) all.push_back(std::move(item));
+    }
+    load_full_state_dict(all, dir.string());
+  }
+  bool load_pretrained_weights_if_present(const std::filesystem::path& model_name_or_dir) {
+    if (!std::filesystem::is_directory(model_name_or_dir) || !llama::has_pretrained_weights(model_name_or_dir)) return false;
+    load_pretrained_weights(model_name_or_dir);
+    return true;
+  }
+
+  // Every full weight, gathered (a collective: every rank of the group must call it) and
+  // copied to the CPU in the shards' dtype, in the model's parameter order.
+  io::NamedTensors full_state_dict() const {
+    check_root_sharded_for("full_state_dict");
+    std::map<std::string, torch::Tensor> by_name;
+    for (const auto& unit : units_) {
+      auto flat = torch::empty({unit->full_numel()},
+                               torch::TensorOptions().device(options_.device).dtype(unit->shard_dtype()));
+      unit->gather_full(flat, unit->shard_dtype());  // lossless, whatever the compute dtype
+      for (const auto& p : unit->parameters())
+        by_name[p.name] = flat.narrow(0, p.full_offset, p.rows * p.row_numel).view(p.full_shape).to(torch::kCPU).clone();
+    }
+    io::NamedTensors out;
+    for (const auto& [name, leaf] : all_leaves_) out.emplace_back(name, by_name.at(name));
+    return out;
+  }
+
+  // This rank's rows of every weight, named as the weights.
+  io::NamedTensors sharded_state_dict() const {
+    io::NamedTensors out;
+    for (const auto& [name, shard] : named_parameters()) out.emplace_back(name, shard.detach());
+    return out;
+  }
+  void load_sharded_state_dict(const io::SafetensorsFile& file, const std::string& source) {
+    torch::NoGradGuard no_grad;
+    for (auto& [name, shard] : named_parameters()) {
+      const auto* t = file.find(name);
+      if (!t) throw DataError(source + ": shard of '" + name + "' is missing");
+      if (t->sizes() != shard.sizes())
+        throw DataError(source + ": shard of '" + name + "' has shape " + c10::str(t->sizes()) + ", this rank holds " +
+                        c10::str(shard.sizes()) + " (was it saved with another number of ranks?)");
+      shard.copy_(*t);
+    }
+  }
+
+  const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
+  const comm::AxisGroup& group() const { return group_; }
+  const FsdpOptions& options() const { return options_; }
+  // Elements this rank holds in shards (with padding), and the model's weight elements.
+  std::int64_t local_numel() const {
+    std::int64_t n = 0;
+    for (const auto& u : units_) n += u->shard_numel();
+    return n;
+  }
+  std::int64_t full_numel() const {
+    std::int64_t n = 0;
+    for (const auto& u : units_) n += u->full_numel();
+    return n;
+  }
+  // The biggest unit's full weights: what one rank must hold at once, sharding or not.
+  std::int64_t largest_unit_numel() const {
+    std::int64_t n = 0;
+    for (const auto& u : units_) n = std::max(n, u->full_numel());
+    return n;
+  }
+
+ private:
+  const FsdpUnit::Parameter* find(const std::string& name) const {
+    for (const auto& unit : units_)
+      for (const auto& p : unit->parameters())
+        if (p.name == name) return &p;
+    return nullptr;
+  }
+  FsdpUnit::Parameter* find(const std::string& name) {
+    return const_cast<FsdpUnit::Parameter*>(std::as_const(*this).find(name));
+  }
+
+  std::string module_name(const torch::nn::Module* module) const {
+    for (const auto& item : root_->named_modules())
+      if (item.value().get() == module) return item.key();
+    return "";
+  }
+
+  void check_root_sharded(const FsdpUnit& unit) const {
+    if (!root_sharded_)
+      throw ConfigError("FullyShardedDataParallel: forward of " + unit.describe() +
+                        " before the root was sharded; call fully_shard(model) after the layers");
+  }
+  void check_root_sharded_for(const std::string& what) const {
+    if (!root_sharded_)
+      throw ConfigError("FullyShardedDataParallel::" + what + " on rank " + std::to_string(group_.global_rank()) +
+                        ": call fully_shard on the layers and then on the root (the model) first");
+  }
+
+  static std::vector<std::filesystem::path> llama_weight_files(const std::filesystem::path& dir) {
+    if (std::filesystem::exists(dir / "model.safetensors")) return {dir / "model.safetensors"};
+    const auto index_path = dir / "model.safetensors.index.json";
+    std::ifstream in(index_path);
+    if (!in) throw DataError(dir.string() + ": no model.safetensors or model.safetensors.index.json");
+    nlohmann::json index;
+    try {
+      index = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::parse_error& e) {
+      throw DataError(index_path.string() + ": not valid JSON (" + e.what() + ")");
+    }
+    if (!index.contains("weight_map") || !index["weight_map"].is_object())
+      throw DataError(index_path.string() + ": field 'weight_map' is missing");
+    std::set<std::string> shards;
+    for (const auto& [name, shard] : index["weight_map"].items()) shards.insert(shard.get<std::string>());
+    std::vector<std::filesystem::path> files;
+    for (const auto& shard : shards) files.push_back(dir / shard);
+    return files;
+  }
+
+  std::shared_ptr<torch::nn::Module> root_;
+  comm::AxisGroup group_;
+  FsdpOptions options_;
+  std::vector<std::pair<std::string, llama::WeightModule*>> all_leaves_;  // HF names, named_modules order
+  std::set<const llama::WeightModule*> claimed_;
+  std::vector<std::unique_ptr<FsdpUnit>> units_;
+  bool root_sharded_ = false;
+};
+
+}  // namespace meshtorch

@@ -1,0 +1,204 @@
+// FullyShardedDataParallel. Every test case is a rank body run on 2 ranks by launch.py (see
+// CMakeLists.txt): each rank runs it and must pass. The reference is one full model per rank
+// trained on the whole global batch; the sharded model sees its rank's half.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+
+#include <meshtorch/comm/comm.hpp>
+#include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/parallel.hpp>
+
+namespace mt = meshtorch;
+using FsdpMesh = mt::Mesh<mt::FSDP<mt::dynamic>>;
+
+namespace {
+
+// An odd vocabulary, so the embedding and lm_head rows do not divide by 2 and need padding.
+mt::llama::Config odd_tiny(bool tied = false) {
+  auto config = mt::llama::presets::llama_tiny;
+  config.vocab_size = 263;
+  config.num_hidden_layers = 2;
+  config.tie_word_embeddings = tied;
+  return config;
+}
+
+mt::llama::LlamaForCausalLM full_llama(const mt::llama::Config& config) {
+  mt::llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta).dtype(torch::kFloat));
+  mt::llama::materialize(model, torch::TensorOptions().dtype(torch::kFloat));
+  return model;
+}
+
+struct Sharded {
+  mt::llama::LlamaForCausalLM model;
+  std::unique_ptr<mt::FullyShardedDataParallel> fsdp;
+};
+
+Sharded sharded_llama(const mt::llama::Config& config, const mt::comm::AxisGroup& group, mt::FsdpOptions options) {
+  mt::llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta).dtype(torch::kFloat));
+  auto fsdp = std::make_unique<mt::FullyShardedDataParallel>(model, group, options);
+  for (auto& layer : model->model->decoder_layers) fsdp->fully_shard(layer);
+  fsdp->fully_shard(model);
+  fsdp->init_weights();
+  return {model, std::move(fsdp)};
+}
+
+// max |a - b| / max(1, max |a|) over all weights, and where.
+std::pair<double, std::string> largest_difference(mt::llama::LlamaForCausalLM& reference,
+                                                  const mt::io::NamedTensors& gathered) {
+  auto params = reference->named_parameters();
+  REQUIRE(gathered.size() == params.size());
+  double worst = 0;
+  std::string where;
+  for (const auto& [name, t] : gathered) {
+    const auto* r = params.find(name);
+    REQUIRE(r != nullptr);
+    REQUIRE(r->sizes() == t.sizes());
+    const double scale = std::max(1.0, r->abs().max().item<double>());
+    const double diff = (*r - t).abs().max().item<double>() / scale;
+    if (diff > worst) worst = diff, where = name;
+  }
+  return {worst, where};
+}
+
+// Trains a reference and a sharded model side by side for 4 steps on the same global batches
+// and checks every step's loss and the final parameters. The parameter tolerance is looser than
+// the loss one: Adam divides by sqrt(v), which magnifies rounding in the smallest gradients.
+void check_parity(mt::FsdpOptions options, int micro_batches, bool tied, double loss_rtol, double param_tol) {
+  auto mesh = mt::comm::init<FsdpMesh>();
+  const auto& group = mesh.group<mt::FSDP>();
+  const auto config = odd_tiny(tied);
+  torch::manual_seed(7);
+  auto reference = full_llama(config);
+  torch::manual_seed(7);
+  auto sharded = sharded_llama(config, group, options);
+  {
+    const auto [diff, where] = largest_difference(reference, sharded.fsdp->full_state_dict());
+    INFO("initial weights differ in " << where);
+    CHECK(diff == 0.0);  // the same draws, row for row
+  }
+  mt::train::AdamW reference_optimizer(mt::train::named_trainable_parameters(*reference), {.lr = 1e-3});
+  mt::train::AdamW optimizer(sharded.fsdp->named_parameters(), {.lr = 1e-3});
+
+  torch::manual_seed(100);  // the same data on every rank
+  double worst = 0;
+  for (int step = 0; step < 4; ++step) {
+    const auto ids = torch::randint(0, config.vocab_size, {4 * micro_batches, 32}, torch::kLong);
+    double reference_loss = 0, local_loss = 0;
+    for (int m = 0; m < micro_batches; ++m) {
+      const auto micro = ids.narrow(0, 4 * m, 4);
+      auto loss = reference->loss(micro, micro) / micro_batches;
+      loss.backward();
+      reference_loss += loss.item<double>();
+      const auto local = micro.chunk(group.size(), 0)[group.rank()];
+      auto sharded_loss = sharded.model->loss(local, local) / micro_batches;
+      sharded_loss.backward();
+      local_loss += sharded_loss.item<double>();
+    }
+    const double global_loss =
+        mt::comm::all_reduce(group, torch::tensor({local_loss}, torch::kDouble), mt::comm::ReduceOp::avg).item<double>();
+    const double rel = std::abs(global_loss - reference_loss) / reference_loss;
+    INFO("step " << step << ": reference " << reference_loss << ", sharded " << global_loss);
+    CHECK(rel <= loss_rtol);
+    worst = std::max(worst, rel);
+    for (auto* opt : {&reference_optimizer, &optimizer}) {
+      opt->step();
+      opt->zero_grad();
+    }
+  }
+  const auto [diff, where] = largest_difference(reference, sharded.fsdp->full_state_dict());
+  INFO("largest loss difference " << worst << "; largest parameter difference " << diff << " in " << where);
+  CHECK(diff <= param_tol);
+}
+
+}  // namespace
+
+TEST_CASE("fsdp losses and parameters equal one full model on the same global batch", "[.][parity]") {
+  check_parity({.reshard_after_forward = true}, 1, /*tied=*/false, 1e-5, 1e-4);
+}
+
+TEST_CASE("fsdp without resharding after forward equals one full model, tied embeddings too", "[.][parity_no_reshard]") {
+  check_parity({.reshard_after_forward = false}, 1, /*tied=*/true, 1e-5, 1e-4);
+}
+
+TEST_CASE("fsdp accumulates gradients over micro-batches as one full model does", "[.][grad_accum]") {
+  check_parity({.reshard_after_forward = true}, 2, /*tied=*/false, 1e-5, 1e-4);
+}
+
+TEST_CASE("fsdp with bf16 compute and fp32 reduction keeps fp32 shards and tracks the fp32 model",
+          "[.][mixed_precision]") {
+  check_parity({.reshard_after_forward = true,
+                .mixed_precision = {.param_dtype = torch::kBFloat16, .reduce_dtype = torch::kFloat}},
+               1, /*tied=*/false, 2e-2, 2e-2);
+}
+
+TEST_CASE("fsdp frees each layer's full weights after forward and every unit's after backward", "[.][freed]") {
+  auto mesh = mt::comm::init<FsdpMesh>();
+  const auto& group = mesh.group<mt::FSDP>();
+  const auto config = odd_tiny();
+  for (const bool reshard : {true, false}) {
+    INFO("reshard_after_forward = " << reshard);
+    torch::manual_seed(1);
+    auto sharded = sharded_llama(config, group, {.reshard_after_forward = reshard});
+    const auto& units = sharded.fsdp->units();
+    REQUIRE(units.size() == 3);  // two layers, then the root
+    CHECK(units[0]->name() == "model.layers.0");
+    CHECK(units[2]->is_root());
+
+    // Each rank holds its rows only: 263 vocabulary rows split 132 + 131.
+    auto named = sharded.fsdp->named_parameters();
+    const auto embedding = std::find_if(named.begin(), named.end(), [](auto& p) { return p.first == "model.embed_tokens.weight"; });
+    REQUIRE(embedding != named.end());
+    CHECK(embedding->second.size(0) == (group.rank() == 0 ? 132 : 131));
+    CHECK(embedding->second.is_leaf());
+    CHECK(sharded.fsdp->local_numel() < sharded.fsdp->full_numel() / 2 + 1000);
+    for (const auto& unit : units) CHECK(!unit->is_unsharded());  // nothing whole before forward
+
+    const auto ids = torch::randint(0, config.vocab_size, {2, 16}, torch::kLong);
+    auto loss = sharded.model->loss(ids, ids);
+    auto& up_proj = sharded.model->model->decoder_layers[0]->mlp->up_proj->weight;
+    CHECK(up_proj.sizes() == torch::IntArrayRef({config.intermediate_size, config.hidden_size}));
+    if (reshard) {
+      CHECK(units[0]->full_storage().nbytes() == 0);
+      CHECK(units[1]->full_storage().nbytes() == 0);
+      CHECK(up_proj.storage().nbytes() == 0);  // the tensor autograd saved, without memory
+    } else {
+      CHECK(units[0]->full_storage().nbytes() == static_cast<std::size_t>(units[0]->full_numel()) * 4);
+    }
+    CHECK(units[2]->is_unsharded());  // the root keeps its weights for backward
+    loss.backward();
+    for (const auto& unit : units) CHECK(!unit->is_unsharded());
+    for (const auto& [name, shard] : named) {
+      INFO(name);
+      REQUIRE(shard.grad().defined());
+      CHECK(shard.grad().sizes() == shard.sizes());
+    }
+  }
+}
+
+TEST_CASE("fsdp misuse is a clear error naming the module, tensor or rank", "[.][bad_input]") {
+  auto mesh = mt::comm::init<FsdpMesh>();
+  const auto& group = mesh.group<mt::FSDP>();
+  const auto config = odd_tiny();
+  mt::llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta).dtype(torch::kFloat));
+  mt::FullyShardedDataParallel fsdp(model, group);
+  fsdp.fully_shard(model->model->decoder_layers[0]);
+  CHECK_THROWS_WITH(fsdp.fully_shard(model->model->decoder_layers[0]),
+                    Catch::Contains("fully_shard('model.layers.0')") && Catch::Contains("no weight"));
+  CHECK_THROWS_WITH(fsdp.init_weights(), Catch::Contains("call fully_shard on the layers and then on the root") &&
+                                             Catch::Contains("rank " + std::to_string(group.global_rank())));
+  fsdp.fully_shard(model->model->decoder_layers[1]);
+  fsdp.fully_shard(model);
+  CHECK_THROWS_WITH(fsdp.fully_shard(model->model->norm), Catch::Contains("the root is already sharded"));
+
+  auto full = full_llama(config);
+  mt::io::NamedTensors tensors;
+  for (const auto& item : full->named_parameters()) tensors.emplace_back(item.key(), item.value());
+  fsdp.load_full_state_dict(tensors, "good.safetensors");
+  tensors[3].second = torch::zeros({5, 5});
+  CHECK_THROWS_WITH(fsdp.load_full_state_dict(tensors, "bad.safetensors"),
+                    Catch::Contains("bad.safetensors: tensor '" + tensors[3].first + "' has shape [5, 5]"));
+  tensors.erase(tensors.begin() + 3);
+  CHECK_THROWS_WITH(fsdp.load_full_state_dict(tensors, "short.safetensors"),
+                    Catch::Contains("short.safetensors: weight '") && Catch::Contains("' is missing"));
+}
