@@ -4,6 +4,7 @@
 // folder saved here loads in transformers' from_pretrained and the other way round.
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <string>
 
@@ -20,15 +21,24 @@ inline std::string dtype_name(torch::ScalarType type) {
   return type == torch::kBFloat16 ? "bfloat16" : type == torch::kHalf ? "float16" : "float32";
 }
 
-// Writes config.json and model.safetensors into `dir` (each file atomically).
-inline void save_pretrained(LlamaForCausalLM& lm, const std::filesystem::path& dir) {
+// Writes config.json and model.safetensors (the given full tensors, HF-named) into `dir`, each
+// file atomically. Sharded models gather their tensors first and call this.
+inline void save_pretrained(const Config& config, const io::NamedTensors& tensors, const std::filesystem::path& dir) {
   std::filesystem::create_directories(dir);
-  io::NamedTensors tensors;
-  for (const auto& item : lm->named_parameters()) tensors.emplace_back(item.key(), item.value());
   const auto dtype = tensors.empty() ? torch::kFloat : tensors.front().second.scalar_type();
-  io::write_file_atomically(dir / "config.json", config_to_json(lm->config, dtype_name(dtype)).dump(2) + "\n");
+  io::write_file_atomically(dir / "config.json", config_to_json(config, dtype_name(dtype)).dump(2) + "\n");
   io::save_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
 }
+
+inline void save_pretrained(LlamaForCausalLM& lm, const std::filesystem::path& dir) {
+  io::NamedTensors tensors;
+  for (const auto& item : lm->named_parameters()) tensors.emplace_back(item.key(), item.value());
+  save_pretrained(lm->config, tensors, dir);
+}
+
+// Maps a full tensor from a checkpoint to the part of it this rank holds (a sharded model's
+// piece); the identity for a whole model.
+using ShardOf = std::function<torch::Tensor(const std::string& name, const torch::Tensor& full)>;
 
 inline bool has_pretrained_weights(const std::filesystem::path& dir) {
   return std::filesystem::exists(dir / "model.safetensors") ||
@@ -38,7 +48,8 @@ inline bool has_pretrained_weights(const std::filesystem::path& dir) {
 // Copies HF weights from `dir` into the model's (already materialised) parameters, converting
 // dtype and device. Every parameter must be found with its shape; extra tensors are an error
 // except the rotary inv_freq buffers some exports carry.
-inline void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem::path& dir) {
+inline void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem::path& dir,
+                                    const ShardOf& shard_of = {}) {
   std::vector<std::filesystem::path> files;
   if (std::filesystem::exists(dir / "model.safetensors")) {
     files.push_back(dir / "model.safetensors");
@@ -70,10 +81,12 @@ inline void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem:
         if (name == "lm_head.weight" && lm->config.tie_word_embeddings) continue;
         throw DataError(file.string() + ": tensor '" + name + "' is not a parameter of this Llama config");
       }
-      if (tensor.sizes() != target->sizes())
+      const auto piece = shard_of ? shard_of(name, tensor) : tensor;
+      if (piece.sizes() != target->sizes())
         throw DataError(file.string() + ": tensor '" + name + "' has shape " + c10::str(tensor.sizes()) +
+                        (shard_of ? ", whose piece here has shape " + c10::str(piece.sizes()) : std::string()) +
                         ", config.json implies " + c10::str(target->sizes()));
-      target->copy_(tensor);
+      target->copy_(piece);
       loaded.insert(name);
     }
   }
