@@ -3,6 +3,10 @@
 - ddp: chapter 2, 2 ranks x 1 thread on the CPU over Gloo: our 02-distributed-data-parallel under
   meshrun against PyTorch's DistributedDataParallel under torchrun, ZeroRedundancyOptimizer off
   and on, plus one rank of each stack (chapter 1 at the same per-rank batch) for the scaling;
+- fsdp, tp, 2d: chapters 4, 6 and 7, 2 ranks x 1 thread on the CPU over Gloo: our
+  04-fully-sharded-data-parallel, 06-tensor-parallel and 07-2d-parallel under meshrun against the
+  guide's FSDP2, tensor-parallel and 2D scripts under torchrun (opt-in: --only fsdp,tp,2d);
+- ch1-bf16: chapter 1 in bfloat16 (opt-in: --only ch1-bf16);
 - compile-time: the cost of including meshtorch.
 Each pair runs in turns (A/B/A/B...) so that a change in the machine's load hits both sides alike,
 then medians and ratios per pair. Run it through bench/run, which prepares the Python environment.
@@ -44,7 +48,12 @@ DDP_SIZES = {
 DDP_DEFAULTS = {"llama-tiny": (3, ["off", "on"]), "llama-100m": (1, ["off"])}
 DDP_QUICK = {"llama-tiny": dict(steps=8, warmup=3), "llama-100m": dict(steps=3, warmup=1)}
 DDP_RANKS = 2
-SECTIONS = ["ch1", "ddp", "compile-time"]
+# A plain bench/run runs DEFAULT_SECTIONS (about 16 minutes on 2 idle cores); the others would take
+# it past 20 minutes (fsdp + tp + 2d about 6 more at llama-tiny, ch1-bf16 about as long as ch1), so
+# they are opt-in through --only.
+SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "ch1-bf16", "compile-time"]
+DEFAULT_SECTIONS = ["ch1", "ddp", "compile-time"]
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 IMPL_NAMES = {"ours": "meshtorch", "hf-eager": "HF eager", "hf-compile": "HF compile",
               "ours-1": "meshtorch 1 rank", "hf-1": "PyTorch 1 rank",
               "ours-ddp": "meshtorch DDP", "torch-ddp": "PyTorch DDP",
@@ -58,8 +67,9 @@ def log(msg):
 
 def parse_args():
     p = argparse.ArgumentParser(prog="bench/run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default=",".join(SECTIONS),
-                   help="comma-separated sections to run: " + ", ".join(SECTIONS) + " (default: all)")
+    p.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
+                   help="comma-separated sections to run: " + ", ".join(SECTIONS) + ", or 'all' (default: "
+                        + ",".join(DEFAULT_SECTIONS) + ")")
     p.add_argument("--sizes", default="llama-tiny,llama-100m", help="comma-separated: " + ", ".join(SIZES))
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     p.add_argument("--reps", type=int, default=3, help="runs of each side per pair, taken in turns")
@@ -79,6 +89,20 @@ def parse_args():
     p.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP gradient bucket size, both sides")
     p.add_argument("--ddp-bin", default=str(ROOT / "build" / "bin" / "02-distributed-data-parallel"),
                    help="our chapter-2 binary")
+    p.add_argument("--par-sizes", default="llama-tiny",
+                   help="sizes of the fsdp, tp and 2d sections (comma-separated: " + ", ".join(DDP_SIZES) + ")")
+    p.add_argument("--par-reps", type=int, default=None, help="repetitions of the fsdp, tp and 2d sections (default 3)")
+    p.add_argument("--fsdp-variants", default="reshard",
+                   help="fsdp section variants, comma-separated: reshard (reshard_after_forward on, the guide's "
+                        "setting), keep (--no-reshard-after-forward), offload (--cpu-offload)")
+    p.add_argument("--tp-size", type=int, default=2, help="--tp of the tp and 2d sections (2d: mesh (2/tp, tp))")
+    p.add_argument("--fsdp-bin", default=str(ROOT / "build" / "bin" / "04-fully-sharded-data-parallel"),
+                   help="our chapter-4 binary")
+    p.add_argument("--tp-bin", default=str(ROOT / "build" / "bin" / "06-tensor-parallel"), help="our chapter-6 binary")
+    p.add_argument("--2d-bin", dest="twod_bin", default=str(ROOT / "build" / "bin" / "07-2d-parallel"),
+                   help="our chapter-7 binary")
+    p.add_argument("--bf16-compile-sizes", default="",
+                   help="sizes at which ch1-bf16 also runs the torch.compile variant (default: none)")
     p.add_argument("--meshrun", default=str(ROOT / "build" / "bin" / "meshrun"), help="our launcher")
     p.add_argument("--quick", action="store_true", help="one run per side and few steps: checks the wiring, not a measurement")
     p.add_argument("--no-compile-time", action="store_true", help="skip the compile-time benchmark")
@@ -126,13 +150,13 @@ def train_flops_per_token(config_dir, seq):
     return 6 * (layers * per_layer + h * c["vocab_size"]) + 12 * layers * seq * q
 
 
-def gemm_peaks(threads_list):
+def gemm_peaks(threads_list, dtype="float32"):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gemm_peak.py"), "--threads",
-                           ",".join(map(str, threads_list))], capture_output=True, text=True)
+                           ",".join(map(str, threads_list)), "--dtypes", dtype], capture_output=True, text=True)
     if proc.returncode != 0:
         log("gemm_peak.py failed: " + proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "")
         return {}
-    return {int(k): v for k, v in json.loads(proc.stdout)["float32"].items()}
+    return {int(k): v for k, v in json.loads(proc.stdout)[dtype].items()}
 
 
 def free_port():
@@ -178,12 +202,18 @@ def command(impl, spec, threads, name, args, corpus, runs_dir):
 
 def run_one(impl, spec, threads, name, args, corpus, runs_dir):
     """Runs one side once; returns the summary of its metrics.jsonl (rank 0's), or None."""
-    run_dir = runs_dir / name
-    if run_dir.exists():
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # a leftover experiment would be resumed
     cmd = command(impl, spec, threads, name, args, corpus, runs_dir)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return run_cmd(cmd, spec, name, args, runs_dir, env)
+
+
+def run_cmd(cmd, spec, name, args, runs_dir, env):
+    """Runs one command line (an experiment named name under runs_dir); returns the summary of its
+    metrics.jsonl (rank 0's), or None."""
+    run_dir = runs_dir / name
+    if run_dir.exists():
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # a leftover experiment would be resumed
     run_dir.mkdir(parents=True, exist_ok=True)
     loadavg = os.getloadavg()[0]  # before the run: what else the machine was doing
     start = time.perf_counter()
@@ -237,7 +267,7 @@ def tables(results, args, sizes, threads_list, impls, peaks):
     """Markdown: a summary table, then one table per size with the phases."""
     lines = []
     if peaks:
-        lines.append("fp32 GEMM peak measured in this run (2048^3 matmul, best of 2 s at start and at end): " +
+        lines.append(f"{DTYPE_SHORT[args.dtype]} GEMM peak measured in this run (2048^3 matmul, best of 2 s at start and at end): " +
                      ", ".join(f"{fmt(peaks[t])} GFLOP/s with {t} thread{'s' if t > 1 else ''}" for t in sorted(peaks)) +
                      ". '% of peak' = tokens/s x training FLOPs per token / that peak.")
         lines.append("")
@@ -319,8 +349,9 @@ def update_docs(sections):
     log("tables written into docs/performance.md")
 
 
-def chapter1(args, corpus, runs_dir, out, machine):
-    """The chapter-1 section; returns (report, docs sections, runs expected, runs done)."""
+def chapter1(args, corpus, runs_dir, out, machine, stem="chapter1"):
+    """The chapter-1 section in args.dtype; returns (report, docs sections, runs expected, runs
+    done). stem names its files (bench/out/<stem>.md, .json) and its docs section."""
     sizes = [s for s in args.sizes.split(",") if s]
     threads_list = [int(t) for t in args.threads.split(",") if t]
     compile_sizes = {s for s in args.compile_sizes.split(",") if s}
@@ -335,7 +366,7 @@ def chapter1(args, corpus, runs_dir, out, machine):
 
     started = time.perf_counter()
     loadavg_start = os.getloadavg()[0]
-    peaks = gemm_peaks(threads_list)
+    peaks = gemm_peaks(threads_list, args.dtype)
     results = {}
     impls_all = (["ours"] if with_ours else []) + ["hf-eager"] + (["hf-compile"] if compile_sizes & set(sizes) else [])
     expected = 0
@@ -345,17 +376,19 @@ def chapter1(args, corpus, runs_dir, out, machine):
             for rep in range(1, args.reps + 1):
                 for impl in impls:
                     expected += 1
-                    summary = run_one(impl, SIZES[size], t, f"{size}-t{t}-{impl}-r{rep}", args, corpus, runs_dir)
+                    prefix = "" if args.dtype == "float32" else f"{DTYPE_SHORT[args.dtype]}-"
+                    summary = run_one(impl, SIZES[size], t, f"{prefix}{size}-t{t}-{impl}-r{rep}", args, corpus, runs_dir)
                     if summary is not None:
                         results.setdefault((size, t, impl), []).append(summary)
     loadavg_end = os.getloadavg()[0]
     # A best-of measurement can only be lowered by other load: take the better of start and end.
-    for t, v in gemm_peaks(threads_list).items():
+    for t, v in gemm_peaks(threads_list, args.dtype).items():
         peaks[t] = max(v, peaks.get(t, 0.0))
-    machine["gemm_peak_gflops_fp32"] = peaks
+    machine = dict(machine)
+    machine[f"gemm_peak_gflops_{DTYPE_SHORT[args.dtype]}"] = peaks
     minutes = round((time.perf_counter() - started) / 60, 1)
 
-    text = [f"## Chapter 1 throughput ({machine['date']}, commit {machine['commit']})", "",
+    text = [f"## Chapter 1 throughput, {args.dtype} ({machine['date']}, commit {machine['commit']})", "",
             f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB; load average "
             f"{loadavg_start:.2f} at start, {loadavg_end:.2f} at end; {minutes} minutes.", ""]
     if not with_ours:
@@ -364,24 +397,23 @@ def chapter1(args, corpus, runs_dir, out, machine):
         text += ["**--quick: one short run per side; this checks the wiring and measures nothing.**", ""]
     text.append(tables(results, args, sizes, threads_list, impls_all, peaks))
     report = "\n".join(text)
-    (out / "chapter1.md").write_text(report)
-    (out / "chapter1.json").write_text(json.dumps(
+    (out / f"{stem}.md").write_text(report)
+    (out / f"{stem}.json").write_text(json.dumps(
         {"machine": {**machine, "loadavg_start": loadavg_start, "loadavg_end": loadavg_end, "bench_minutes": minutes},
          "args": vars(args),
          "sizes": {s: {k: str(v) for k, v in SIZES[s].items()} for s in sizes},
          "runs": [{"size": s, "threads": t, "impl": i, **r} for (s, t, i), rs in results.items() for r in rs]},
         indent=1))
     print(report)
-    log(f"tables written to {out / 'chapter1.md'} (raw figures in {out / 'chapter1.json'})")
+    log(f"tables written to {out / (stem + '.md')} (raw figures in {out / (stem + '.json')})")
 
     import torch
     peak_text = ", ".join(f"{fmt(v)} GFLOP/s with {t} thread{'s' if t > 1 else ''}" for t, v in sorted(peaks.items()))
-    sections = {
-        "machine": f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB "
-                   f"(measured {machine['date']}, commit {machine['commit']}, torch {torch.__version__}). "
-                   f"fp32 GEMM peak: {peak_text or 'not measured'}.",
-        "chapter1": report.split("\n", 2)[2],  # without the heading line
-    }
+    sections = {stem: report.split("\n", 2)[2]}  # without the heading line
+    if args.dtype == "float32":  # the machine line quotes the fp32 peak
+        sections["machine"] = (f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB "
+                               f"(measured {machine['date']}, commit {machine['commit']}, torch {torch.__version__}). "
+                               f"fp32 GEMM peak: {peak_text or 'not measured'}.")
     return report, sections, expected, sum(len(v) for v in results.values())
 
 
@@ -519,9 +551,167 @@ def ddp_section(args, corpus, runs_dir, out, machine):
     return report, {"ddp": report.split("\n", 2)[2]}, expected, sum(len(v) for v in results.values())
 
 
+# The fsdp, tp and 2d sections: 2 ranks x 1 thread, ours under meshrun against the guide's script
+# under torchrun, per variant; the per-rank batch, sequence and steps of the DDP section.
+PAR_SECTIONS = {
+    "fsdp": dict(title="Chapter 4 FSDP2", chapter="04-fully-sharded-data-parallel", bin_arg="fsdp_bin",
+                 reference="train_llm_ch4.py", ours="meshtorch FSDP", theirs="PyTorch FSDP2"),
+    "tp": dict(title="Chapter 6 tensor parallel", chapter="06-tensor-parallel", bin_arg="tp_bin",
+               reference="train_llm_ch6.py", ours="meshtorch TP", theirs="PyTorch TP"),
+    "2d": dict(title="Chapter 7 2D parallel", chapter="07-2d-parallel", bin_arg="twod_bin",
+               reference="train_llm_ch7.py", ours="meshtorch 2D", theirs="PyTorch 2D"),
+}
+PAR_RANKS = 2
+FSDP_VARIANTS = {"reshard": ["--reshard-after-forward"], "keep": ["--no-reshard-after-forward"],
+                 "offload": ["--cpu-offload", "--reshard-after-forward"]}
+
+
+def par_variants(kind, args):
+    """{variant name: flags given to both sides} of one section."""
+    if kind == "fsdp":
+        names = [v for v in args.fsdp_variants.split(",") if v]
+        unknown = [v for v in names if v not in FSDP_VARIANTS]
+        if unknown:
+            sys.exit(f"bench/run: unknown --fsdp-variants {', '.join(unknown)}; known: {', '.join(FSDP_VARIANTS)}")
+        return {v: FSDP_VARIANTS[v] for v in names}
+    if PAR_RANKS % args.tp_size:
+        sys.exit(f"bench/run: --tp-size {args.tp_size} does not divide {PAR_RANKS} ranks")
+    dp = PAR_RANKS // args.tp_size
+    name = f"tp{args.tp_size}" if kind == "tp" else f"dp{dp}xtp{args.tp_size}"
+    return {name: ["--tp", str(args.tp_size)]}
+
+
+def par_command(kind, side, spec, flags, name, args, corpus, runs_dir):
+    common = ["-m", str(spec["config"]), "-d", str(corpus), "-b", str(spec["batch"]), "-s", str(spec["seq"]),
+              "--max-steps", str(spec["steps"]), "--log-freq", "1", "--lr", "3e-4", "--seed", "0",
+              "--dtype", args.dtype, "--threads", "1", "-e", name, "--save-dir", str(runs_dir), *flags]
+    if side == "ours":
+        return [args.meshrun, "--nproc-per-node", str(PAR_RANKS), "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port()), "--", getattr(args, PAR_SECTIONS[kind]["bin_arg"]), *common,
+                "--device", "cpu", "--ckpt-freq", "1000000"]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    return [*launcher, "--standalone", "--nproc-per-node", str(PAR_RANKS),
+            str(REFERENCE / PAR_SECTIONS[kind]["reference"]), *common, "--warmup-steps", str(spec["warmup"])]
+
+
+def par_tables(kind, results, sizes, variants, reps, args):
+    meta = PAR_SECTIONS[kind]
+    r2 = lambda v: f"{v:.2f}" if v is not None else "—"
+    med = lambda runs, key="tokens_per_s": median_of(list(runs.values()), key)
+    lines = [f"{PAR_RANKS} ranks x 1 thread on the CPU, Gloo over loopback, {args.dtype}. tokens/s counts the global "
+             "batch (data-parallel ranks x batch x sequence: with tensor parallelism the ranks of a TP group share "
+             "one batch). Figures are medians over repetitions of each run's median step after warm-up; every ratio "
+             "is the median over repetitions of the ratio within a repetition (ours / PyTorch; tokens/s: above 1 means "
+             "we are faster; ms and memory: below 1 means we use less).", "",
+             f"| model | variant | {meta['ours']} tokens/s | {meta['theirs']} tokens/s | ours / PyTorch "
+             f"| {meta['ours']} rank 0 peak RSS GB | {meta['theirs']} rank 0 peak RSS GB | ours / PyTorch |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for size in sizes:
+        for v in variants:
+            o, t = results.get((size, v, "ours"), {}), results.get((size, v, "torch"), {})
+            lines.append(f"| {size} | {v} | {fmt(med(o))} | {fmt(med(t))} | {r2(paired(o, t, 'tokens_per_s'))} "
+                         f"| {fmt(med(o, 'peak_rss_gb'), 2)} | {fmt(med(t, 'peak_rss_gb'), 2)} "
+                         f"| {r2(paired(o, t, 'peak_rss_gb'))} |")
+    keys = ["tokens_per_s", "time/total", *[f"time/{p}" for p in PHASES], "peak_rss_gb", "wall_s"]
+    for size in sizes:
+        spec = DDP_SIZES[size]
+        lines += ["", f"### {meta['title']}, {size}: per-rank batch {spec['batch']} x sequence {spec['seq']}, "
+                      f"{spec['steps']} steps of which {spec['warmup']} warm-up, {reps} repetition(s)", "",
+                  "| variant | run | tokens/s (min–max) | ms/step | data | forward | backward | update | rank 0 peak RSS GB "
+                  "| process s | load avg (min–max) |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for v in variants:
+            for side in ("ours", "torch"):
+                runs = results.get((size, v, side), {})
+                label = meta["ours"] if side == "ours" else meta["theirs"]
+                if not runs:
+                    lines.append(f"| {v} | {label} | not run |  |  |  |  |  |  |  |  |")
+                    continue
+                tps = [r["tokens_per_s"] for r in runs.values()]
+                load = [r["loadavg"] for r in runs.values()]
+                cells = [f"{fmt(med(runs))} ({fmt(min(tps))}–{fmt(max(tps))})", fmt(med(runs, "time/total"))]
+                cells += [fmt(med(runs, f"time/{p}"), 2) for p in PHASES]
+                cells += [fmt(med(runs, "peak_rss_gb"), 2), fmt(med(runs, "wall_s")), f"{min(load):.2f}–{max(load):.2f}"]
+                lines.append(f"| {v} | {label} | " + " | ".join(cells) + " |")
+            o, t = results.get((size, v, "ours"), {}), results.get((size, v, "torch"), {})
+            if o and t:
+                lines.append(f"| {v} | ours / PyTorch | " + " | ".join(r2(paired(o, t, k)) for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def par_section(kind, args, corpus, runs_dir, out, machine):
+    """One of the fsdp, tp and 2d sections; returns (report, docs sections, runs expected, runs done).
+    Without our binary (or meshrun) the section is skipped, unless --reference-only asks for the
+    Python side alone."""
+    meta = PAR_SECTIONS[kind]
+    ours_bin = getattr(args, meta["bin_arg"])
+    missing = [p for p in (ours_bin, args.meshrun) if not os.access(p, os.X_OK)]
+    with_ours = not args.reference_only
+    if with_ours and missing:
+        shown = ", ".join(os.path.relpath(p, ROOT) if p.startswith(str(ROOT)) else p for p in missing)
+        line = f"{kind}: skipped: {shown} not built"
+        log(line)
+        print(f"## {meta['title']}\n\n{line}\n")
+        return line, {}, 0, 0
+    sizes = [s for s in args.par_sizes.split(",") if s]
+    for size in sizes:
+        if size not in DDP_SIZES:
+            sys.exit(f"bench/run: unknown size {size!r} in --par-sizes; known: {', '.join(DDP_SIZES)}")
+    if args.quick:
+        for s, q in DDP_QUICK.items():
+            DDP_SIZES[s].update(q)
+    reps = 1 if args.quick else (args.par_reps or 3)
+    variants = par_variants(kind, args)
+    started = time.perf_counter()
+    loadavg_start = os.getloadavg()[0]
+    results, expected = {}, 0
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    for size in sizes:
+        spec = DDP_SIZES[size]
+        for rep in range(1, reps + 1):
+            for v, flags in variants.items():
+                # Ours first in odd repetitions, theirs first in even ones, as in the DDP section.
+                for side in (("ours", "torch") if rep % 2 else ("torch", "ours")):
+                    if side == "ours" and not with_ours:
+                        continue
+                    expected += 1
+                    name = f"{kind}-{size}-{v}-{side}-r{rep}"
+                    cmd = par_command(kind, side, spec, flags, name, args, corpus, runs_dir)
+                    summary = run_cmd(cmd, spec, name, args, runs_dir, env)
+                    if summary is not None:
+                        results.setdefault((size, v, side), {})[rep] = summary
+    loadavg_end = os.getloadavg()[0]
+    minutes = round((time.perf_counter() - started) / 60, 1)
+    loads = [r["loadavg"] for runs in results.values() for r in runs.values()]
+    text = [f"## {meta['title']} throughput ({machine['date']}, commit {machine['commit']})", "",
+            f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB; load average "
+            f"{loadavg_start:.2f} at start, {loadavg_end:.2f} at end"
+            + (f", {min(loads):.2f}–{max(loads):.2f} at the starts of the runs" if loads else "")
+            + f"; {minutes} minutes.", ""]
+    if not with_ours:
+        text += ["Our binary was not run (--reference-only): the meshtorch columns are empty.", ""]
+    if args.quick:
+        text += ["**--quick: one short run per side; this checks the wiring and measures nothing.**", ""]
+    text.append(par_tables(kind, results, sizes, list(variants), reps, args))
+    report = "\n".join(text)
+    (out / f"{kind}.md").write_text(report)
+    (out / f"{kind}.json").write_text(json.dumps(
+        {"machine": {**machine, "loadavg_start": loadavg_start, "loadavg_end": loadavg_end, "bench_minutes": minutes},
+         "args": vars(args), "variants": variants,
+         "sizes": {s: {k: str(v) for k, v in DDP_SIZES[s].items()} for s in sizes},
+         "runs": [{"size": s, "variant": v, "side": side, "rep": rep, **r}
+                  for (s, v, side), runs in results.items() for rep, r in runs.items()]},
+        indent=1))
+    print(report)
+    log(f"tables written to {out / (kind + '.md')} (raw figures in {out / (kind + '.json')})")
+    return report, {kind: report.split("\n", 2)[2]}, expected, sum(len(v) for v in results.values())
+
+
 def main():
     args = parse_args()
-    sections = [s for s in args.only.split(",") if s]
+    sections = SECTIONS if args.only == "all" else [s for s in args.only.split(",") if s]
     for s in sections:
         if s not in SECTIONS:
             sys.exit(f"bench/run: unknown section {s!r} in --only; known: {', '.join(SECTIONS)}")
@@ -542,9 +732,14 @@ def main():
     log(f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg_start']:.2f} at start; "
         f"sections: {', '.join(sections)}")
     docs, expected, done = {}, 0, 0
-    for name, section in (("ch1", chapter1), ("ddp", ddp_section)):
+    bf16_args = argparse.Namespace(**{**vars(args), "dtype": "bfloat16", "compile_sizes": args.bf16_compile_sizes})
+    runs = [("ch1", lambda: chapter1(args, corpus, runs_dir, out, machine)),
+            ("ddp", lambda: ddp_section(args, corpus, runs_dir, out, machine)),
+            *[(k, lambda k=k: par_section(k, args, corpus, runs_dir, out, machine)) for k in PAR_SECTIONS],
+            ("ch1-bf16", lambda: chapter1(bf16_args, corpus, runs_dir, out, machine, stem="chapter1-bf16"))]
+    for name, section in runs:
         if name in sections:
-            _, section_docs, e, d = section(args, corpus, runs_dir, out, machine)
+            _, section_docs, e, d = section()
             docs.update(section_docs)
             expected += e
             done += d
