@@ -32,6 +32,8 @@
 //   fsdp.init_weights();                           // only shards get memory
 //   train::AdamW optimizer(fsdp.named_parameters(), {.lr = lr});
 //   model->loss(ids, ids).backward();              // the hooks do the rest
+//
+// The hooks point into the FullyShardedDataParallel object: keep it alive while the model runs.
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
