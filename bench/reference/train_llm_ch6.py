@@ -33,6 +33,9 @@ access:
 - a DistributedSampler over the dp coordinate (num_replicas = dp size, rank = dp rank): all
   ranks of a TP group get the same batch; throughput counts dp_size x batch x seq;
 - rank 0 alone writes the experiment folder and metrics.jsonl;
+- --compile (off by default; the guide's chapter 6 does not compile) fails with torch 2.11 on the
+  CPU: dynamo cannot trace the vocabulary-sharded embedding's masked partial output (an index_put_
+  on a real tensor under fake tensors), so the TP references are measured eager;
 - no DCP checkpoints, no wandb, no error files: this script only measures.
 At the end rank 0 prints ONE JSON line on stdout, the same summary as chapter 1's.
 """
