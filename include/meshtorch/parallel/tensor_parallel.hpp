@@ -236,9 +236,11 @@ class TensorParallel {
         });
       }
     } else if constexpr (SequenceParallelStyle<Style>) {
-      // Each rank's gradient covers its part of the sequence; the weight's is their sum.
+      // Each rank's gradient covers its part of the sequence; the weight's is their sum. The
+      // weight enters forward through f (identity; all-reduce of the gradient), which also holds
+      // when a wrapper (FSDP) swaps the weight tensor for a gathered one.
       const auto group = group_;
-      module.weight.register_hook([group](const torch::Tensor& grad) { return comm::all_reduce(group, grad.clone()); });
+      module.parametrizations.push_back([group](const torch::Tensor& w) { return comm::copy_to_parallel_region(w, group); });
     } else {
       static_assert(std::is_same_v<Style, NoParallel>, "this style does not apply to a leaf module");
     }

@@ -3,7 +3,9 @@
 // can be created on the meta device (shapes only, no memory) and given real storage later,
 // which LibTorch's own modules cannot do: set_data refuses to move a meta tensor.
 #include <cmath>
+#include <functional>
 #include <numbers>
+#include <vector>
 #include <torch/torch.h>
 
 #include "meshtorch/models/forward_hooks.hpp"
@@ -16,6 +18,17 @@ class WeightModule : public torch::nn::Module {
   torch::Tensor weight;
   // Run around forward; empty unless a parallel plan set them.
   ForwardHooks hooks;
+  // Functions of the weight that forward computes with instead of the weight itself, applied in
+  // order (torch.nn.utils.parametrize): e.g. an identity whose backward all-reduces the
+  // gradient, for a weight replicated over ranks that each see part of the data.
+  std::vector<std::function<torch::Tensor(const torch::Tensor&)>> parametrizations;
+
+  torch::Tensor weight_in_use() const {
+    if (parametrizations.empty()) return weight;
+    auto w = weight;
+    for (const auto& p : parametrizations) w = p(w);
+    return w;
+  }
 
   // Gives the weight fresh, uninitialised storage with `options` (e.g. meta -> cuda/bf16);
   // the caller initialises it. Keeps the parameter's name and requires_grad.
@@ -56,7 +69,7 @@ class LinearImpl : public WeightModule {
     create_weight({out_features, in_features}, options);
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    return hooks.around(x, [&](const torch::Tensor& in) { return at::linear(in, weight); });
+    return hooks.around(x, [&](const torch::Tensor& in) { return at::linear(in, weight_in_use()); });
   }
 };
 TORCH_MODULE(Linear);
@@ -67,7 +80,7 @@ class EmbeddingImpl : public WeightModule {
     create_weight({num_embeddings, dim}, options);
   }
   torch::Tensor forward(const torch::Tensor& ids) {
-    return hooks.around(ids, [&](const torch::Tensor& in) { return at::embedding(weight, in); });
+    return hooks.around(ids, [&](const torch::Tensor& in) { return at::embedding(weight_in_use(), in); });
   }
 };
 TORCH_MODULE(Embedding);
@@ -85,11 +98,12 @@ class RMSNormImpl : public WeightModule {
 
  private:
   torch::Tensor normalize(const torch::Tensor& x) const {
-    if (x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat)
-      return at::rms_norm(x, {weight.size(0)}, weight, eps_);  // same math, one fused kernel
+    const auto w = weight_in_use();
+    if (x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat)
+      return at::rms_norm(x, {w.size(0)}, w, eps_);  // same math, one fused kernel
     auto h = x.to(torch::kFloat);
     h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
-    return weight * h.to(x.scalar_type());
+    return w * h.to(x.scalar_type());
   }
 
   double eps_;

@@ -125,7 +125,9 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
     if (!c.tie_word_embeddings) lm_head = register_module("lm_head", Linear(c.hidden_size, c.vocab_size, options));
   }
 
-  torch::Tensor output_weight() const { return lm_head ? lm_head->weight : model->embed_tokens->weight; }
+  torch::Tensor output_weight() const {
+    return lm_head ? lm_head->weight_in_use() : model->embed_tokens->weight_in_use();
+  }
 
   // Logits [B, S, vocab] in the parameters' dtype. `hooks` run around the whole forward (input:
   // the token ids); `head_hooks` around the output projection (input: the final hidden states),
