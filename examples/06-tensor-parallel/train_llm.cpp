@@ -13,8 +13,6 @@
 #include <meshtorch/comm/comm.hpp>
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/parallel.hpp>
-#include <meshtorch/parallel/tensor_parallel.hpp>
-#include <meshtorch/parallel/tensor_parallel_checkpoint.hpp>
 
 namespace mt = meshtorch;
 

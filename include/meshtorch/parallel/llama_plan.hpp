@@ -274,10 +274,13 @@ struct Plan {
                         std::to_string(tp_size) + ": sequence parallel splits every sequence over the TP ranks");
   }
 
-  // One line per style, for logs and for the fingerprint ranks compare at start-up.
-  static std::string describe() {
+  // The mesh and every module's style on one line, for logs and for the fingerprint ranks
+  // compare at start-up.
+  static std::string describe() { return std::string(M::name) + ": " + describe_styles(); }
+
+  static std::string describe_styles() {
     using S = styles;
-    std::string out = std::string(M::name) + ": ";
+    std::string out;
     auto add = [&](std::string_view module, std::string_view style) {
       out += std::string(module) + "=" + std::string(style) + " ";
     };
