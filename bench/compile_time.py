@@ -29,7 +29,7 @@ SOURCES = ROOT / "bench" / "compile_time"
 UNITS = [
     ("torch_only.cpp", "`<torch/torch.h>` only"),
     ("meshtorch_umbrella.cpp", "+ `<meshtorch/meshtorch.hpp>`"),
-    ("meshtorch_plan2d.cpp", "+ a 2D Llama plan (FSDP<4> x TP<8>, llama-3.1-8b)"),
+    ("meshtorch_plan2d.cpp", "+ a 2D Llama plan (FSDP<4> x TP<8>, llama-3.1-8b) applied to a model"),
 ]
 
 
