@@ -36,8 +36,16 @@ class AttentionImpl : public torch::nn::Module {
     q = Rotary::apply(q, cos, sin);
     k = Rotary::apply(k, cos, sin);
     const bool grouped = q.size(1) != k.size(1);
+    // Grouped-query attention: SDPA's enable_gqa saves repeating the key/value heads, but the
+    // CPU kernel in bf16 is slower with it than on repeated heads (55 against 45 ms for a
+    // forward and backward at llama-tiny's shapes), so there, as HF does on the CPU, repeat them.
+    const bool repeat_heads = grouped && x.is_cpu() && x.scalar_type() != torch::kFloat;
+    if (repeat_heads) {
+      k = k.repeat_interleave(q.size(1) / k.size(1), 1);
+      v = v.repeat_interleave(q.size(1) / v.size(1), 1);
+    }
     auto out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
-                                                /*scale=*/std::nullopt, /*enable_gqa=*/grouped);
+                                                /*scale=*/std::nullopt, /*enable_gqa=*/grouped && !repeat_heads);
     return o_proj(out.transpose(1, 2).reshape({batch, seq, -1}));
   }
 
