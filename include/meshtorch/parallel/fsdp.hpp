@@ -499,7 +499,7 @@ class FullyShardedDataParallel {
   void load_pretrained_weights(const std::filesystem::path& dir) {
     check_root_sharded_for("load_pretrained_weights");
     io::NamedTensors all;
-    for (const auto& file : llama_weight_files(dir)) {
+    for (const auto& file : llama::weight_files(dir)) {
       auto contents = io::load_safetensors(file);
       for (auto& item : contents.tensors) all.push_back(std::move(item));
     }
@@ -593,26 +593,6 @@ class FullyShardedDataParallel {
     if (!root_sharded_)
       throw ConfigError("FullyShardedDataParallel::" + what + " on rank " + std::to_string(group_.global_rank()) +
                         ": call fully_shard on the layers and then on the root (the model) first");
-  }
-
-  static std::vector<std::filesystem::path> llama_weight_files(const std::filesystem::path& dir) {
-    if (std::filesystem::exists(dir / "model.safetensors")) return {dir / "model.safetensors"};
-    const auto index_path = dir / "model.safetensors.index.json";
-    std::ifstream in(index_path);
-    if (!in) throw DataError(dir.string() + ": no model.safetensors or model.safetensors.index.json");
-    nlohmann::json index;
-    try {
-      index = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::parse_error& e) {
-      throw DataError(index_path.string() + ": not valid JSON (" + e.what() + ")");
-    }
-    if (!index.contains("weight_map") || !index["weight_map"].is_object())
-      throw DataError(index_path.string() + ": field 'weight_map' is missing");
-    std::set<std::string> shards;
-    for (const auto& [name, shard] : index["weight_map"].items()) shards.insert(shard.get<std::string>());
-    std::vector<std::filesystem::path> files;
-    for (const auto& shard : shards) files.push_back(dir / shard);
-    return files;
   }
 
   std::shared_ptr<torch::nn::Module> root_;

@@ -45,30 +45,34 @@ inline bool has_pretrained_weights(const std::filesystem::path& dir) {
          std::filesystem::exists(dir / "model.safetensors.index.json");
 }
 
+// The safetensors files of an HF folder: model.safetensors, or the shards that
+// model.safetensors.index.json lists.
+inline std::vector<std::filesystem::path> weight_files(const std::filesystem::path& dir) {
+  if (std::filesystem::exists(dir / "model.safetensors")) return {dir / "model.safetensors"};
+  const auto index_path = dir / "model.safetensors.index.json";
+  std::ifstream in(index_path);
+  if (!in) throw DataError(dir.string() + ": no model.safetensors or model.safetensors.index.json");
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw DataError(index_path.string() + ": not valid JSON (" + e.what() + ")");
+  }
+  if (!index.contains("weight_map") || !index["weight_map"].is_object())
+    throw DataError(index_path.string() + ": field 'weight_map' is missing");
+  std::set<std::string> shards;
+  for (const auto& [name, shard] : index["weight_map"].items()) shards.insert(shard.get<std::string>());
+  std::vector<std::filesystem::path> files;
+  for (const auto& shard : shards) files.push_back(dir / shard);
+  return files;
+}
+
 // Copies HF weights from `dir` into the model's (already materialised) parameters, converting
 // dtype and device. Every parameter must be found with its shape; extra tensors are an error
 // except the rotary inv_freq buffers some exports carry.
 inline void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem::path& dir,
                                     const ShardOf& shard_of = {}) {
-  std::vector<std::filesystem::path> files;
-  if (std::filesystem::exists(dir / "model.safetensors")) {
-    files.push_back(dir / "model.safetensors");
-  } else {
-    const auto index_path = dir / "model.safetensors.index.json";
-    std::ifstream in(index_path);
-    if (!in) throw DataError(dir.string() + ": no model.safetensors or model.safetensors.index.json");
-    nlohmann::json index;
-    try {
-      index = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::parse_error& e) {
-      throw DataError(index_path.string() + ": not valid JSON (" + e.what() + ")");
-    }
-    if (!index.contains("weight_map") || !index["weight_map"].is_object())
-      throw DataError(index_path.string() + ": field 'weight_map' is missing");
-    std::set<std::string> shards;
-    for (const auto& [name, shard] : index["weight_map"].items()) shards.insert(shard.get<std::string>());
-    for (const auto& shard : shards) files.push_back(dir / shard);
-  }
+  const auto files = weight_files(dir);
   auto params = lm->named_parameters();
   std::set<std::string> loaded;
   torch::NoGradGuard no_grad;
