@@ -31,6 +31,18 @@ inline std::string optimizer_shard_name(int rank, int world_size) {
   return "optimizer-rank" + std::to_string(rank) + "-of" + std::to_string(world_size) + ".safetensors";
 }
 
+// The checkpoint folder every rank of `group` resumes from, or nothing: rank 0's view decides,
+// so ranks never disagree about resuming; the link is resolved once, so a faster rank's next
+// save cannot swap it mid-load.
+inline std::optional<std::filesystem::path> checkpoint_to_resume(const std::filesystem::path& exp_dir,
+                                                                 const comm::AxisGroup& group) {
+  const auto dir = train::latest_checkpoint(exp_dir);
+  torch::Tensor exists = torch::tensor({std::filesystem::exists(dir / "state.json") ? 1 : 0}, torch::kInt);
+  comm::broadcast(group, exists, 0);
+  if (exists.item<int>() == 0) return std::nullopt;
+  return std::filesystem::canonical(dir);
+}
+
 template <class Optimizer>
 void save_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model, const Optimizer& optimizer,
                      const train::TrainState& state, const train::RunIdentity& identity,
@@ -60,13 +72,9 @@ template <class Optimizer>
 std::optional<train::TrainState> load_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model,
                                                  Optimizer& optimizer, const train::RunIdentity& identity,
                                                  const comm::AxisGroup& group) {
-  // Every rank must agree whether there is a checkpoint: rank 0's view decides.
-  const auto dir = train::latest_checkpoint(exp_dir);
-  torch::Tensor exists = torch::tensor({std::filesystem::exists(dir / "state.json") ? 1 : 0}, torch::kInt);
-  comm::broadcast(group, exists, 0);
-  if (exists.item<int>() == 0) return std::nullopt;
-  // Resolve the link once, so a save by a faster rank cannot swap it mid-load.
-  const auto resolved = std::filesystem::canonical(dir);
+  const auto found = checkpoint_to_resume(exp_dir, group);
+  if (!found) return std::nullopt;
+  const auto& resolved = *found;
   const train::TrainState state = train::read_train_state(resolved, identity);
   llama::load_pretrained_weights(model, resolved);
   std::filesystem::path file = resolved / "optimizer.safetensors";

@@ -68,11 +68,9 @@ inline std::optional<train::TrainState> load_sharded_checkpoint(const std::files
                                                                 FullyShardedDataParallel& fsdp, train::AdamW& optimizer,
                                                                 const train::RunIdentity& identity) {
   const auto& group = fsdp.group();
-  const auto dir = train::latest_checkpoint(exp_dir);
-  torch::Tensor exists = torch::tensor({std::filesystem::exists(dir / "state.json") ? 1 : 0}, torch::kInt);
-  comm::broadcast(group, exists, 0);  // rank 0's view decides, so every rank agrees
-  if (exists.item<int>() == 0) return std::nullopt;
-  const auto resolved = std::filesystem::canonical(dir);  // a faster rank's save cannot swap it mid-load
+  const auto found = checkpoint_to_resume(exp_dir, group);
+  if (!found) return std::nullopt;
+  const auto& resolved = *found;
   const train::TrainState state = train::read_train_state(resolved, identity);
   const auto model_file = resolved / model_shard_name(group.rank(), group.size());
   if (!std::filesystem::exists(model_file)) {

@@ -69,11 +69,9 @@ template <class PlanT>
 std::optional<train::TrainState> load_checkpoint(const std::filesystem::path& exp_dir, const TensorParallel<PlanT>& tp,
                                                  FullyShardedDataParallel& fsdp, train::AdamW& optimizer,
                                                  const train::RunIdentity& identity, const comm::AxisGroup& world) {
-  const auto dir = train::latest_checkpoint(exp_dir);
-  torch::Tensor exists = torch::tensor({std::filesystem::exists(dir / "state.json") ? 1 : 0}, torch::kInt);
-  comm::broadcast(world, exists, 0);
-  if (exists.item<int>() == 0) return std::nullopt;
-  const auto resolved = std::filesystem::canonical(dir);
+  const auto found = checkpoint_to_resume(exp_dir, world);
+  if (!found) return std::nullopt;
+  const auto& resolved = *found;
   const train::TrainState state = train::read_train_state(resolved, identity);
   const auto weights_file = resolved / "model.safetensors";
   auto weights = io::load_safetensors(weights_file);

@@ -19,6 +19,7 @@
 #include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/io/safetensors.hpp>
 #include <meshtorch/models/llama/weights.hpp>
+#include <meshtorch/parallel/checkpoint.hpp>
 #include <meshtorch/parallel/rank.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/train/adamw.hpp>
@@ -60,11 +61,9 @@ template <class PlanT>
 std::optional<train::TrainState> load_checkpoint(const std::filesystem::path& exp_dir, const TensorParallel<PlanT>& tp,
                                                  llama::LlamaForCausalLM& model, train::AdamW& optimizer,
                                                  const train::RunIdentity& identity, const comm::AxisGroup& world) {
-  const auto dir = train::latest_checkpoint(exp_dir);
-  torch::Tensor exists = torch::tensor({std::filesystem::exists(dir / "state.json") ? 1 : 0}, torch::kInt);
-  comm::broadcast(world, exists, 0);  // rank 0's view decides, for every rank alike
-  if (exists.item<int>() == 0) return std::nullopt;
-  const auto resolved = std::filesystem::canonical(dir);
+  const auto found = checkpoint_to_resume(exp_dir, world);
+  if (!found) return std::nullopt;
+  const auto& resolved = *found;
   const train::TrainState state = train::read_train_state(resolved, identity);
   llama::load_pretrained_weights(model, resolved,
                                  [&](const std::string& name, const torch::Tensor& full) { return tp.shard_of(name, full); });
