@@ -38,12 +38,6 @@ namespace meshtorch {
 
 namespace tp_detail {
 
-// How a shard of a weight was cut, so that it can be gathered back for saving.
-struct ShardedWeight {
-  llama::WeightModule* module = nullptr;
-  std::int64_t dim = 0;
-};
-
 template <Placement In>
 torch::Tensor enter_replicated_region(const torch::Tensor& x, const comm::AxisGroup& group) {
   if constexpr (std::is_same_v<In, Replicate>)
@@ -148,7 +142,7 @@ class TensorParallel {
     for (auto& item : model_->named_parameters()) {
       const auto it = sharded_.find(item.key());
       out.emplace_back(item.key(), it == sharded_.end() ? item.value().detach()
-                                                        : comm::all_gather(group_, item.value().detach(), it->second.dim));
+                                                        : comm::all_gather(group_, item.value().detach(), it->second));
     }
     return out;
   }
@@ -156,14 +150,14 @@ class TensorParallel {
   // This rank's piece of a full parameter value (for loading a full checkpoint into the shards).
   torch::Tensor shard_of(const std::string& name, const torch::Tensor& full) const {
     const auto it = sharded_.find(name);
-    return it == sharded_.end() ? full : tp_detail::chunk_of(full, group_, it->second.dim, name);
+    return it == sharded_.end() ? full : tp_detail::chunk_of(full, group_, it->second, name);
   }
 
   // Along which dim each sharded parameter was cut (absent: replicated).
   std::optional<std::int64_t> shard_dim(const std::string& name) const {
     const auto it = sharded_.find(name);
     if (it == sharded_.end()) return std::nullopt;
-    return it->second.dim;
+    return it->second;
   }
 
   static torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, const torch::Tensor& labels,
@@ -284,12 +278,13 @@ class TensorParallel {
   void shard(const std::string& name, llama::WeightModule& module, std::int64_t dim) {
     torch::NoGradGuard no_grad;
     module.set_weight(tp_detail::chunk_of(module.weight.detach(), group_, dim, name + ".weight"));
-    sharded_[name + ".weight"] = {&module, dim};
+    sharded_[name + ".weight"] = dim;
   }
 
   llama::LlamaForCausalLM model_;
   comm::AxisGroup group_;
-  std::map<std::string, tp_detail::ShardedWeight> sharded_;
+  // The dim along which each sharded weight was cut, by HF name, to gather it back for saving.
+  std::map<std::string, std::int64_t> sharded_;
 };
 
 // Applies Plan's tensor-parallel styles to `model` over the TP group (weights sharded in place).
