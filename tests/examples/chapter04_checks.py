@@ -9,19 +9,14 @@ import pathlib
 import sys
 import tempfile
 
-from chapter02_checks import COMMON, compare_losses, compare_params, metrics, model_file, read_safetensors, run
+from chapter02_checks import (check_stop_and_resume, common_except, compare_losses, compare_params, metrics,
+                              model_file, read_safetensors, run)
 from ports import free_port
 
 # Losses agree to rounding (~1e-7 measured); weights after 30 AdamW steps to 1e-4, since Adam
 # divides by sqrt(v), which magnifies rounding in the smallest gradients.
 LOSS_RTOL = 1e-5
 PARAM_TOL = 1e-4
-
-
-def common_except(args):
-    """COMMON's flag-value pairs, less those that args sets itself."""
-    pairs = [COMMON[i:i + 2] for i in range(0, len(COMMON), 2)]
-    return [x for flag, value in pairs if flag not in args for x in (flag, value)]
 
 
 def single(tools, *args):
@@ -66,16 +61,8 @@ def grad_accum_parity(tools):
 
 def resume(tools):
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ["-b", "2", "--save-dir", tmp, "--ckpt-freq", "10"]
-        fsdp(tools, 2, *flags, "-e", "straight", "--max-steps", "30")
-        fsdp(tools, 2, *flags, "-e", "stopped", "--max-steps", "20")
-        second = fsdp(tools, 2, *flags, "-e", "stopped", "--max-steps", "30")
-        assert "resumed from" in second.stdout and "global_step 20" in second.stdout, second.stdout
-        straight, resumed = metrics(f"{tmp}/straight"), metrics(f"{tmp}/stopped")
-        assert [r["global_step"] for r in resumed] == [5, 10, 15, 20, 25, 30], resumed
-        for a, b in zip(straight, resumed):
-            print(f"step {a['global_step']}: straight {a['running_loss']:.9f} resumed {b['running_loss']:.9f}")
-            assert abs(a["running_loss"] - b["running_loss"]) <= 1e-6, (a, b)
+        check_stop_and_resume(lambda *args: fsdp(tools, 2, *args), tmp,
+                              ["-b", "2", "--save-dir", tmp, "--ckpt-freq", "10"])
         compare_params(consolidate(tools, tmp, "straight") / "model.safetensors",
                        consolidate(tools, tmp, "stopped") / "model.safetensors", 1e-6)
         # Each rank's shard holds about half of every weight's rows.

@@ -4,31 +4,17 @@ Gloo, fp32, one thread per rank.
 
 usage: chapter06_checks.py MESHRUN CHAPTER1 CHAPTER6 {tp-parity|dp-tp-parity|resume|bad-input}
 """
-import subprocess
 import sys
 import tempfile
 
-from chapter02_checks import COMMON, ENV, compare_losses, compare_params, metrics, model_file, run
+from chapter02_checks import (COMMON, check_stop_and_resume, common_except, compare_losses, compare_params,
+                              metrics, model_file, run)
 from ports import free_port
 
 
-def common_except(*flags):
-    """COMMON without the given flags (and their values), for checks that set them otherwise."""
-    out, skip = [], False
-    for item in COMMON:
-        if skip:
-            skip = False
-        elif item in flags:
-            skip = True
-        else:
-            out.append(item)
-    return out
-
-
 def tp_run(tools, nproc, *args, expect_ok=True):
-    common = common_except(*[a for a in args if a in ("-m", "-s")])
     return run([tools["meshrun"], "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "--",
-                tools["chapter6"], *common, *args], expect_ok=expect_ok)
+                tools["chapter6"], *common_except(args), *args], expect_ok=expect_ok)
 
 
 def parity(tools, single_batch, nproc, tp_args, steps=20):
@@ -54,19 +40,11 @@ def dp_tp_parity(tools):
 
 def resume(tools):
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ["-b", "2", "--tp", "2", "--save-dir", tmp, "--ckpt-freq", "10"]
-        tp_run(tools, 2, *flags, "-e", "straight", "--max-steps", "30")
-        tp_run(tools, 2, *flags, "-e", "stopped", "--max-steps", "20")
-        second = tp_run(tools, 2, *flags, "-e", "stopped", "--max-steps", "30")
-        assert "resumed from" in second.stdout and "global_step 20" in second.stdout, second.stdout
-        straight, resumed = metrics(f"{tmp}/straight"), metrics(f"{tmp}/stopped")
-        assert [r["global_step"] for r in resumed] == [5, 10, 15, 20, 25, 30], resumed
-        for a, b in zip(straight, resumed):
-            print(f"step {a['global_step']}: straight {a['running_loss']:.9f} resumed {b['running_loss']:.9f}")
-            assert abs(a["running_loss"] - b["running_loss"]) <= 1e-6, (a, b)
+        check_stop_and_resume(lambda *args: tp_run(tools, 2, *args), tmp,
+                              ["-b", "2", "--tp", "2", "--save-dir", tmp, "--ckpt-freq", "10"])
         compare_params(model_file(f"{tmp}/straight"), model_file(f"{tmp}/stopped"), 1e-6)
         # The saved weights are whole: chapter 1 starts from them with -m <checkpoint folder>.
-        start = run([tools["chapter1"], *common_except("-m"), "-m", f"{tmp}/stopped/checkpoint", "-b", "2", "--max-steps", "5"])
+        start = run([tools["chapter1"], *common_except(["-m"]), "-m", f"{tmp}/stopped/checkpoint", "-b", "2", "--max-steps", "5"])
         assert "global_step=5" in start.stdout + start.stderr, start.stdout + start.stderr
         # Optimizer state is per TP rank: resuming at another TP size is refused, naming why.
         bad = tp_run(tools, 1, "-b", "2", "--tp", "1", "--save-dir", tmp, "--ckpt-freq", "10", "-e", "stopped",

@@ -7,7 +7,7 @@ usage: chapter07_checks.py MESHRUN CHAPTER1 CHAPTER7 {fsdp-tp-parity|reshard-par
 import sys
 import tempfile
 
-from chapter02_checks import COMMON, compare_losses, compare_params, metrics, model_file, run
+from chapter02_checks import COMMON, check_stop_and_resume, compare_losses, compare_params, metrics, model_file, run
 from ports import free_port
 
 
@@ -38,16 +38,8 @@ def reshard_parity(tools):
 
 def resume(tools):
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ["-b", "2", "--tp", "2", "--save-dir", tmp, "--ckpt-freq", "10"]
-        run_2d(tools, 4, *flags, "-e", "straight", "--max-steps", "30")
-        run_2d(tools, 4, *flags, "-e", "stopped", "--max-steps", "20")
-        second = run_2d(tools, 4, *flags, "-e", "stopped", "--max-steps", "30")
-        assert "resumed from" in second.stdout and "global_step 20" in second.stdout, second.stdout
-        straight, resumed = metrics(f"{tmp}/straight"), metrics(f"{tmp}/stopped")
-        assert [r["global_step"] for r in resumed] == [5, 10, 15, 20, 25, 30], resumed
-        for a, b in zip(straight, resumed):
-            print(f"step {a['global_step']}: straight {a['running_loss']:.9f} resumed {b['running_loss']:.9f}")
-            assert abs(a["running_loss"] - b["running_loss"]) <= 1e-6, (a, b)
+        check_stop_and_resume(lambda *args: run_2d(tools, 4, *args), tmp,
+                              ["-b", "2", "--tp", "2", "--save-dir", tmp, "--ckpt-freq", "10"])
         compare_params(model_file(f"{tmp}/straight"), model_file(f"{tmp}/stopped"), 1e-6)
         # Same global batch (4) on half the ranks: the weights would load, the optimizer state not.
         bad = run_2d(tools, 2, "-b", "4", "--tp", "2", "--save-dir", tmp, "--ckpt-freq", "10", "-e", "stopped",
