@@ -109,6 +109,18 @@ TEST_CASE("special tokens written in the text are single ids", "[tokenizer]") {
   CHECK(std::find(partial.begin(), partial.end(), bos) == partial.end());
 }
 
+TEST_CASE("special tokens are split off before normalized added tokens, as HF does", "[tokenizer]") {
+  // With a special token "TE:", HF finds it inside "NOTE:" before looking for the added token
+  // "NOTE:" (ids from the tokenizers package on the same file).
+  auto j = fixture_tokenizer_json();
+  j["added_tokens"].push_back({{"id", 602}, {"content", "TE:"}, {"single_word", false}, {"lstrip", false},
+                               {"rstrip", false}, {"normalized", false}, {"special", true}});
+  const mt::data::BpeTokenizer tokenizer(j, "tokenizer.json");
+  CHECK(tokenizer.encode("a NOTE: b") == std::vector<std::int32_t>{67, 223, 48, 49, 602, 317});
+  const auto plain = mt::data::BpeTokenizer::from_file(fixtures / "bpe" / "tokenizer.json");
+  CHECK(plain.encode("a NOTE: b") == std::vector<std::int32_t>{67, 223, 601, 317});
+}
+
 TEST_CASE("SentencePiece tokenizer.model gives the sentencepiece package's ids and decodes back", "[tokenizer]") {
   const mt::data::SentencePieceTokenizer tokenizer(fixtures / "sentencepiece" / "tokenizer.model");
   check_ids_equal_reference(tokenizer, fixtures / "sentencepiece" / "expected.jsonl");

@@ -157,6 +157,7 @@ class BpeTokenizer final : public TextTokenizer {
     bool special;
     bool lstrip;
     bool rstrip;
+    bool normalized;  // matched in a second pass, inside the text the first pass left (HF's order)
   };
 
   static BpeTokenizer from_file(const std::filesystem::path& path) {
@@ -242,18 +243,28 @@ class BpeTokenizer final : public TextTokenizer {
 
     std::vector<std::int32_t> encode(std::string_view text) override {
       std::vector<std::int32_t> ids;
-      std::size_t start = 0;
-      while (start < text.size()) {
-        const auto match = tokenizer_.find_added(text, start);
-        encode_plain(text.substr(start, match.begin - start), ids);
-        if (match.begin == text.size()) break;
-        ids.push_back(match.id);
-        start = match.end;
-      }
+      split_added(text, /*normalized=*/false, ids);
       return ids;
     }
 
    private:
+    // HF's AddedVocabulary: tokens with normalized false (the special ones) are split off first,
+    // then those with normalized true inside what is left, then the rest is pre-tokenized.
+    void split_added(std::string_view text, bool normalized, std::vector<std::int32_t>& ids) {
+      std::size_t start = 0;
+      while (start < text.size()) {
+        const auto match = tokenizer_.find_added(text, start, normalized);
+        const auto gap = text.substr(start, match.begin - start);
+        if (normalized)
+          encode_plain(gap, ids);
+        else
+          split_added(gap, true, ids);
+        if (match.begin == text.size()) break;
+        ids.push_back(match.id);
+        start = match.end;
+      }
+    }
+
     // Text between added tokens: pre-tokenized step by step, then each piece merged.
     void encode_plain(std::string_view text, std::vector<std::int32_t>& ids) {
       if (text.empty()) return;
@@ -477,16 +488,18 @@ class BpeTokenizer final : public TextTokenizer {
       if (id < 0 || id > std::numeric_limits<std::int32_t>::max())
         throw ConfigError(where(path + "id") + " is " + std::to_string(id));
       AddedToken token{static_cast<std::int32_t>(id), field(a, "content", path).get<std::string>(),
-                       flag(a, "special", false, path), flag(a, "lstrip", false, path), flag(a, "rstrip", false, path)};
+                       flag(a, "special", false, path), flag(a, "lstrip", false, path), flag(a, "rstrip", false, path),
+                       flag(a, "normalized", !flag(a, "special", false, path), path)};
       if (token.content.empty()) throw ConfigError(where(path + "content") + " is empty");
       if (token.id >= static_cast<std::int32_t>(id_bytes_.size())) resize_ids(token.id + 1);
       set_id(token.id, token.content);
-      added_by_first_byte_[static_cast<unsigned char>(token.content[0])].push_back(added_.size());
+      added_by_first_byte_[token.normalized][static_cast<unsigned char>(token.content[0])].push_back(added_.size());
       added_.push_back(std::move(token));
     }
     // Longest first, so the first hit at a position is the leftmost-longest match.
-    for (auto& candidates : added_by_first_byte_)
-      std::sort(candidates.begin(), candidates.end(),
+    for (auto& table : added_by_first_byte_)
+      for (auto& candidates : table)
+        std::sort(candidates.begin(), candidates.end(),
                 [&](std::size_t a, std::size_t b) { return added_[a].content.size() > added_[b].content.size(); });
   }
 
@@ -508,11 +521,12 @@ class BpeTokenizer final : public TextTokenizer {
     std::int32_t id;
   };
 
-  // The leftmost-longest added token at or after `start`, or begin == text.size().
-  AddedMatch find_added(std::string_view text, std::size_t start) const {
+  // The leftmost-longest added token of one pass at or after `start`, or begin == text.size().
+  AddedMatch find_added(std::string_view text, std::size_t start, bool normalized) const {
     if (added_.empty()) return {text.size(), text.size(), -1};
+    const auto& table = added_by_first_byte_[normalized];
     for (auto pos = start; pos < text.size(); ++pos) {
-      for (const auto index : added_by_first_byte_[static_cast<unsigned char>(text[pos])]) {
+      for (const auto index : table[static_cast<unsigned char>(text[pos])]) {
         const auto& token = added_[index];
         if (text.compare(pos, token.content.size(), token.content) != 0) continue;
         auto begin = pos, end = pos + token.content.size();
@@ -624,7 +638,7 @@ class BpeTokenizer final : public TextTokenizer {
   bool fuse_unk_ = false;
   std::vector<PreTokenizerStep> steps_;
   std::vector<AddedToken> added_;
-  std::array<std::vector<std::size_t>, 256> added_by_first_byte_;
+  std::array<std::array<std::vector<std::size_t>, 256>, 2> added_by_first_byte_;  // [normalized][first byte]
   std::vector<std::string> id_bytes_;  // what decode writes for each id
   std::vector<bool> id_known_;
 };
