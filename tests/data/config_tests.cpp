@@ -1,6 +1,10 @@
 // config.json generations: transformers 5 (rope_parameters, dtype) and earlier (top-level
 // rope_theta, rope_scaling, torch_dtype) parse to the same Config; each field that would change
 // the computation and is not implemented is refused by name; unknown harmless fields are listed.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include <catch2/catch.hpp>
@@ -158,4 +162,13 @@ TEST_CASE("unknown fields that do not change the computation are listed once", "
   const auto file = mt::llama::read_config_json(j);
   CHECK(file.ignored_fields ==
         std::vector<std::string>{"rope_parameters.attention_factor", "my_custom_note", "output_attentions"});
+
+  // resolve_model hands them out too, from a folder's config.json.
+  const auto dir = std::filesystem::temp_directory_path() / ("meshtorch-config-ignored-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << j.dump();
+  std::vector<std::string> ignored;
+  CHECK(mt::llama::resolve_model(dir.string(), &ignored) == file.config);
+  CHECK(ignored == file.ignored_fields);
+  std::filesystem::remove_all(dir);
 }

@@ -68,6 +68,25 @@ TEST_CASE("a JSONL data set with a model folder is tokenised by the folder's tok
   fs::remove_all(dir);
 }
 
+TEST_CASE("a text data set with a SentencePiece folder is tokenised with its <s> and </s>", "[dataset]") {
+  const auto dir = fresh_dir("dataset-sp");
+  const auto model = dir / "model";
+  fs::create_directories(model);
+  fs::copy_file(fixtures / "sentencepiece" / "tokenizer.model", model / "tokenizer.model");
+  const auto data = dir / "train.txt";
+  std::ofstream(data) << "first document\nstill the first\n\nsecond document 数据 🙂\n";
+  const auto blocks = mt::data::load_dataset(data.string(), 4, model.string());
+  const mt::data::SentencePieceTokenizer tokenizer(model / "tokenizer.model");
+  std::vector<std::int32_t> want = {1};
+  for (auto id : tokenizer.encode("first document\nstill the first")) want.push_back(id);
+  want.insert(want.end(), {2, 1});
+  for (auto id : tokenizer.encode("second document 数据 🙂")) want.push_back(id);
+  want.push_back(2);
+  want.resize(want.size() / 4 * 4);
+  CHECK(all_tokens(blocks) == want);
+  fs::remove_all(dir);
+}
+
 TEST_CASE("the dtype of a folder's config.json is what --dtype auto loads", "[dataset][config]") {
   const auto dir = fresh_dir("dtype");
   auto j = mt::llama::config_to_json(mt::llama::presets::llama_tiny, "bfloat16");
