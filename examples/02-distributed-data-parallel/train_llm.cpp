@@ -10,6 +10,7 @@
 #include <variant>
 
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/training_data.hpp>
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::DP<mt::dynamic>>;

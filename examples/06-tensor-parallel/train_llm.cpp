@@ -8,6 +8,7 @@
 // The plan is a type, llama::Plan<Mesh>, checked at compile time; parallelize() applies it and
 // then DDP across TP groups; all TP ranks of a DP coordinate read the same batch.
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/training_data.hpp>
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::DP<mt::dynamic>, mt::TP<mt::dynamic>>;

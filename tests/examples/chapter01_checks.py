@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """End-to-end checks of examples/01-single-gpu, run by CTest.
 
-usage: chapter01_checks.py BINARY {loss-falls|resume|bad-input}
+usage: chapter01_checks.py BINARY {loss-falls|resume|bad-input|folder-tokenizer}
 """
 import json
 import pathlib
@@ -65,6 +65,35 @@ def resume(binary):
         assert bad.returncode != 0 and "global_batch" in bad.stderr, bad.stderr
 
 
+def folder_tokenizer(binary):
+    """A model folder with a tokenizer.json trains on a JSONL data set tokenised by it."""
+    fixture = pathlib.Path(__file__).resolve().parent.parent / "data" / "fixtures" / "bpe"
+    tokenizer = json.loads((fixture / "tokenizer.json").read_text())
+    vocab = max([*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]) + 1
+    vocab = (vocab + 63) // 64 * 64  # padded, as real checkpoints pad their vocabularies
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = pathlib.Path(tmp) / "model"
+        folder.mkdir()
+        for name in ["tokenizer.json", "tokenizer_config.json"]:
+            (folder / name).write_bytes((fixture / name).read_bytes())
+        (folder / "config.json").write_text(json.dumps({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 256, "tie_word_embeddings": False}))
+        corpus = pathlib.Path(__file__).resolve().parent.parent / "data" / "fixtures" / "corpus.jsonl"
+        lines = [json.loads(line) for line in corpus.read_text().splitlines() if line.strip()]
+        data = pathlib.Path(tmp) / "data.jsonl"
+        data.write_text("".join(json.dumps({"text": text}) + "\n" for text in lines * 4))
+        out = run(binary, "-m", str(folder), "-d", str(data), "-s", "32", "-b", "2", "-e", "folder",
+                  "--save-dir", tmp, "--max-steps", "20", "--log-freq", "10", "--ckpt-freq", "1000")
+        assert "tokenizer: " in out.stdout and "byte tokenizer" not in out.stdout, out.stdout
+        records = metrics(tmp, "folder")
+        assert [r["global_step"] for r in records] == [10, 20], records
+        print(f"running_loss {records[0]['running_loss']:.4f} -> {records[1]['running_loss']:.4f} with the "
+              f"folder's tokenizer ({vocab} ids)")
+        assert records[1]["running_loss"] < records[0]["running_loss"], records
+
+
 def bad_input(binary):
     with tempfile.TemporaryDirectory() as tmp:
         cases = [
@@ -84,5 +113,5 @@ def bad_input(binary):
 
 
 if __name__ == "__main__":
-    {"loss-falls": loss_falls, "resume": resume, "bad-input": bad_input}[sys.argv[2]](sys.argv[1])
+    {"folder-tokenizer": folder_tokenizer, "loss-falls": loss_falls, "resume": resume, "bad-input": bad_input}[sys.argv[2]](sys.argv[1])
     print("ok")

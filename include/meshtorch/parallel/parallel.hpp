@@ -13,5 +13,4 @@
 #include <meshtorch/parallel/rank.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/tensor_parallel_checkpoint.hpp>
-#include <meshtorch/parallel/training_data.hpp>
 #include <meshtorch/parallel/zero.hpp>

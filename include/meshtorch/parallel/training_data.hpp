@@ -1,17 +1,21 @@
 #pragma once
-// The data of a training run, as every chapter prepares it: the dataset of -d tokenised and
-// packed into -s blocks (rank 0 of the job first, so that a download or a tokeniser cache is
-// made once on shared storage), checked against the model's vocabulary, and the
+// The data of a training run, as every chapter prepares it: the dataset of -d tokenised (with
+// the tokenizer of the -m folder when it has one, else the byte tokenizer) and packed into -s
+// blocks (rank 0 of the job first, so that a download or a tokeniser cache is made once on
+// shared storage), checked against the model's vocabulary, and the
 // data-parallel-invariant sampler that gives data-parallel rank r its part of each global batch
-// (every TP rank of a data-parallel coordinate the same part).
+// (every TP rank of a data-parallel coordinate the same part). Needs meshtorch::tokenizers
+// (PCRE2, sentencepiece), so the umbrella header leaves it out.
 #include <cstdint>
 #include <optional>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/data/dataset.hpp>
+#include <meshtorch/data/dataset_tokenizer.hpp>
 #include <meshtorch/data/sampler.hpp>
 #include <meshtorch/parallel/rank.hpp>
 #include <meshtorch/train/args.hpp>
+#include <meshtorch/train/log.hpp>
 
 namespace meshtorch {
 
@@ -29,8 +33,11 @@ struct DataParallelCoordinate {
 inline TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size,
                                        DataParallelCoordinate data_parallel = {},
                                        const comm::AxisGroup* world = nullptr) {
-  auto load = [&] { return data::load_dataset(args.dataset_name, args.seq_length); };
+  std::string tokenizer_note;
+  auto load = [&] { return data::load_dataset(args.dataset_name, args.seq_length, args.model_name, &tokenizer_note); };
   auto blocks = world ? rank_zero_first(*world, load) : load();
+  if (!tokenizer_note.empty() && (!world || world->rank() == 0))
+    train::Logger(world ? world->global_rank() : 0).info("tokenizer: " + tokenizer_note);
   blocks.check_vocab(vocab_size);
   data::DpInvariantSampler sampler({.num_samples = blocks.size(),
                                     .batch_size = args.batch_size,
