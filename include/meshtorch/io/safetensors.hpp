@@ -173,7 +173,10 @@ inline SafetensorsHeader parse_header(std::istream& in, std::uint64_t file_size,
     const auto& shape = info.at("shape");
     if (!shape.is_array()) throw DataError(tensor_where + ": shape must be a list of integers");
     // Computed without overflow, so that a huge shape cannot wrap around to match a small size.
+    // The strides too: LibTorch computes them as products of max(dim, 1), so [0, 2^62, 2^62]
+    // holds no bytes yet cannot be allocated.
     std::uint64_t bytes = c10::elementSize(*dtype);
+    std::int64_t stride_span = 1;
     for (const auto& d : shape) {
       if (!d.is_number_unsigned() ||
           d.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
@@ -181,6 +184,8 @@ inline SafetensorsHeader parse_header(std::istream& in, std::uint64_t file_size,
       entry.shape.push_back(d.get<std::int64_t>());
       if (__builtin_mul_overflow(bytes, d.get<std::uint64_t>(), &bytes))
         throw DataError(tensor_where + ": shape " + shape.dump() + " holds more than 2^64 bytes");
+      if (__builtin_mul_overflow(stride_span, std::max<std::int64_t>(entry.shape.back(), 1), &stride_span))
+        throw DataError(tensor_where + ": shape " + shape.dump() + " is too large: its strides overflow 64 bits");
     }
     const auto& offsets = info.at("data_offsets");
     if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
