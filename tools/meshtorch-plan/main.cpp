@@ -32,15 +32,16 @@ struct Sizes {
 };
 
 // Parameters one TP rank holds under the sequence-parallel plan: q/k/v/o, gate/up/down,
-// embedding and head split by tp; norms whole.
+// embedding and head split by tp; norms whole. The counts come from the config's overflow-safe
+// arithmetic, after validate() has refused any config whose counts leave int64.
 Sizes tp_rank_sizes(const llama::Config& c, std::int64_t tp) {
+  const auto counts = c.parameter_counts();
+  if (!counts) throw mt::ConfigError("the model's parameter count overflows 64 bits");
   Sizes s;
-  const std::int64_t attention = c.hidden_size * (2 * c.q_size() + 2 * c.kv_size()) / tp;
-  const std::int64_t mlp = 3 * c.hidden_size * c.intermediate_size / tp;
-  s.layer = attention + mlp + 2 * c.hidden_size;
-  s.embedding = c.vocab_size * c.hidden_size / tp;
-  s.head = c.tie_word_embeddings ? 0 : c.vocab_size * c.hidden_size / tp;
-  s.final_norm = c.hidden_size;
+  s.layer = counts->attention / tp + counts->mlp / tp + counts->layer_norms;
+  s.embedding = counts->embedding / tp;
+  s.head = counts->head / tp;
+  s.final_norm = counts->final_norm;
   return s;
 }
 

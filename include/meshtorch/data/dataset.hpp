@@ -80,20 +80,41 @@ inline std::vector<std::string> read_jsonl_documents(const std::filesystem::path
   return documents;
 }
 
-// llm.c's token file: a 256 x int32 header (magic 20240520, version 1, token count), then uint16 tokens.
+// llm.c's token file: a 256 x int32 header (magic 20240520, version 1, token count), then uint16
+// tokens. The header is checked against the file's size before the tokens are allocated.
 inline std::vector<std::int32_t> read_llmc_tokens(const std::filesystem::path& path) {
+  const std::string where = path.string();
+  constexpr std::int32_t magic = 20240520;
+  constexpr std::uint64_t header_bytes = 256 * sizeof(std::int32_t);
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error)) throw DataError(where + ": not a regular file");
+  const std::uint64_t file_size = std::filesystem::file_size(path, error);
+  if (error) throw DataError(where + ": cannot read its size (" + error.message() + ")");
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError(path.string() + ": cannot open");
+  if (!in) throw DataError(where + ": cannot open");
   std::int32_t header[256] = {};
-  in.read(reinterpret_cast<char*>(header), sizeof header);
-  if (!in || header[0] != 20240520)
-    throw DataError(path.string() + ": not an llm.c token file (magic number " + std::to_string(header[0]) +
-                    ", expected 20240520)");
-  if (header[1] != 1) throw DataError(path.string() + ": unsupported llm.c token file version " + std::to_string(header[1]));
-  const auto count = static_cast<std::size_t>(header[2]);
+  in.read(reinterpret_cast<char*>(header), static_cast<std::streamsize>(std::min(file_size, header_bytes)));
+  if (!in) throw DataError(where + ": the header could not be read");
+  // Another format is named as such; a cut-off llm.c file (right magic number) as truncated.
+  if (file_size < sizeof(std::int32_t) || header[0] != magic)
+    throw DataError(where + ": not an llm.c token file (magic number " +
+                    (file_size < sizeof(std::int32_t) ? std::string("missing") : std::to_string(header[0])) +
+                    ", expected " + std::to_string(magic) + ")");
+  if (file_size < header_bytes)
+    throw DataError(where + ": " + std::to_string(file_size) + " bytes, shorter than the " +
+                    std::to_string(header_bytes) + "-byte header of an llm.c token file (truncated?)");
+  if (header[1] != 1) throw DataError(where + ": unsupported llm.c token file version " + std::to_string(header[1]));
+  if (header[2] < 0)
+    throw DataError(where + ": the header's token count is negative (" + std::to_string(header[2]) + ")");
+  const auto count = static_cast<std::uint64_t>(header[2]);
+  const std::uint64_t token_bytes = file_size - header_bytes;
+  if (count * sizeof(std::uint16_t) > token_bytes)
+    throw DataError(where + ": the header says " + std::to_string(count) + " tokens (" +
+                    std::to_string(count * sizeof(std::uint16_t)) + " bytes) but the file holds " +
+                    std::to_string(token_bytes) + " bytes after the header (truncated?)");
   std::vector<std::uint16_t> raw(count);
   in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(count * sizeof(std::uint16_t)));
-  if (!in) throw DataError(path.string() + ": header says " + std::to_string(count) + " tokens but the file is shorter");
+  if (!in) throw DataError(where + ": " + std::to_string(count) + " tokens could not be read");
   return {raw.begin(), raw.end()};
 }
 
@@ -154,6 +175,8 @@ inline TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length
     const std::filesystem::path path(name);
     if (!std::filesystem::exists(path))
       throw DataError("-d/--dataset-name '" + name + "' is neither 'builtin' nor an existing file");
+    if (!std::filesystem::is_regular_file(path))
+      throw DataError("-d/--dataset-name '" + name + "' is not a regular file (a directory, device or pipe)");
     const auto ext = path.extension().string();
     if (ext == ".jsonl" || ext == ".json")
       documents = read_jsonl_documents(path);

@@ -2,12 +2,15 @@
 // The safetensors format (8-byte little-endian header length, a JSON header of
 // name -> {dtype, shape, data_offsets}, then raw little-endian data), written by hand because
 // no Debian package offers a C++ reader/writer. Loading runs no code, and every offset, size and
-// dtype is checked before use: a malformed file is a DataError naming the file and the tensor.
+// dtype is checked before anything is allocated: a malformed file is a DataError naming the
+// file and the tensor.
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,6 +20,7 @@
 
 #include "meshtorch/error.hpp"
 #include "meshtorch/io/atomic_file.hpp"
+#include "meshtorch/io/json_file.hpp"
 
 namespace meshtorch::io {
 
@@ -77,7 +81,7 @@ inline void save_safetensors(const std::filesystem::path& path, const NamedTenso
 }
 
 struct SafetensorsFile {
-  NamedTensors tensors;  // in file order
+  NamedTensors tensors;  // in the order of their data in the file
   std::map<std::string, std::string> metadata;
 
   const torch::Tensor* find(const std::string& name) const {
@@ -87,85 +91,148 @@ struct SafetensorsFile {
   }
 };
 
-inline SafetensorsFile load_safetensors(const std::filesystem::path& path) {
-  const std::string where = path.string();
+// One tensor as the header describes it; offsets count from the start of the data section.
+struct SafetensorsEntry {
+  std::string name;
+  torch::ScalarType dtype;
+  std::vector<std::int64_t> shape;
+  std::uint64_t begin = 0, end = 0;
+};
+
+// A checked header: every entry's shape, dtype and offsets agree and lie inside the file, so
+// allocating an entry's tensor never asks for more bytes than the file holds.
+struct SafetensorsHeader {
+  std::uint64_t data_start = 0;  // 8 + the header's length
+  std::uint64_t data_size = 0;
+  std::vector<SafetensorsEntry> entries;  // in data order
+  std::map<std::string, std::string> metadata;
+
+  bool contains(const std::string& name) const {
+    return std::any_of(entries.begin(), entries.end(), [&](const SafetensorsEntry& e) { return e.name == name; });
+  }
+};
+
+namespace safetensors_detail {
+
+// HF's own limit on the header (safetensors' MAX_HEADER_SIZE).
+inline constexpr std::uint64_t max_header_bytes = 100'000'000;
+
+// Opens a regular file for binary reading and returns its size. A directory, FIFO or device is
+// refused before it is opened: reading one gives a raw ios_failure, and opening a FIFO blocks.
+inline std::ifstream open_regular_file(const std::filesystem::path& path, std::uint64_t& size) {
+  std::error_code error;
+  const auto status = std::filesystem::status(path, error);
+  if (!std::filesystem::exists(status)) throw DataError(path.string() + ": no such file");
+  if (!std::filesystem::is_regular_file(status))
+    throw DataError(path.string() + ": not a regular file (a directory, device or pipe)");
+  size = std::filesystem::file_size(path, error);
+  if (error) throw DataError(path.string() + ": cannot read its size (" + error.message() + ")");
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError(where + ": cannot open");
-  const auto file_size = std::filesystem::file_size(path);
+  if (!in) throw DataError(path.string() + ": cannot open");
+  return in;
+}
+
+inline SafetensorsHeader parse_header(std::istream& in, std::uint64_t file_size, const std::string& where) {
   if (file_size < 8) throw DataError(where + ": too short to be safetensors (" + std::to_string(file_size) + " bytes)");
   unsigned char size_bytes[8];
   in.read(reinterpret_cast<char*>(size_bytes), 8);
   std::uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | size_bytes[i];
-  if (header_size > file_size - 8 || header_size > (std::uint64_t{100} << 20))
+  if (!in || header_size > file_size - 8 || header_size > max_header_bytes)
     throw DataError(where + ": header length " + std::to_string(header_size) + " exceeds the file (" +
-                    std::to_string(file_size) + " bytes); not a safetensors file or truncated");
+                    std::to_string(file_size) + " bytes) or the format's limit of " + std::to_string(max_header_bytes) +
+                    " bytes; not a safetensors file or truncated");
   std::string text(header_size, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_size));
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw DataError(where + ": header is not valid JSON (" + e.what() + ")");
-  }
+  if (!in) throw DataError(where + ": the header could not be read (truncated file?)");
+
+  // A tensor named twice is refused, as HF refuses it (nlohmann alone would keep the last).
+  const auto header = parse_json(text, where, "the header");
   if (!header.is_object()) throw DataError(where + ": header is not a JSON object");
 
-  SafetensorsFile result;
-  const std::uint64_t data_size = file_size - 8 - header_size;
-  struct Entry {
-    std::string name;
-    torch::ScalarType dtype;
-    std::vector<std::int64_t> shape;
-    std::uint64_t begin, end;
-  };
-  std::vector<Entry> entries;
+  SafetensorsHeader result;
+  result.data_start = 8 + header_size;
+  result.data_size = file_size - result.data_start;
   for (const auto& [name, info] : header.items()) {
     if (name == "__metadata__") {
       if (!info.is_object()) throw DataError(where + ": __metadata__ must be an object of strings");
-      for (const auto& [k, v] : info.items()) {
-        if (!v.is_string()) throw DataError(where + ": __metadata__." + k + " must be a string");
-        result.metadata[k] = v.get<std::string>();
+      for (const auto& [key, value] : info.items()) {
+        if (!value.is_string()) throw DataError(where + ": __metadata__." + key + " must be a string");
+        result.metadata[key] = value.get<std::string>();
       }
       continue;
     }
     const std::string tensor_where = where + ": tensor '" + name + "'";
     if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") || !info.contains("data_offsets"))
       throw DataError(tensor_where + " needs dtype, shape and data_offsets");
-    if (!info["dtype"].is_string()) throw DataError(tensor_where + ": dtype must be a string");
-    auto dtype = safetensors_detail::dtype_from_name(info["dtype"].get<std::string>());
-    if (!dtype) throw DataError(tensor_where + ": unsupported dtype '" + info["dtype"].get<std::string>() + "'");
-    Entry e{name, *dtype, {}, 0, 0};
-    std::uint64_t numel = 1;
-    if (!info["shape"].is_array()) throw DataError(tensor_where + ": shape must be a list of integers");
-    for (const auto& d : info["shape"]) {
-      if (!d.is_number_unsigned()) throw DataError(tensor_where + ": shape must be a list of non-negative integers");
-      e.shape.push_back(d.get<std::int64_t>());
-      numel *= d.get<std::uint64_t>();
+    const auto& dtype_field = info.at("dtype");
+    if (!dtype_field.is_string()) throw DataError(tensor_where + ": dtype must be a string");
+    const auto dtype = dtype_from_name(dtype_field.get<std::string>());
+    if (!dtype) throw DataError(tensor_where + ": unsupported dtype '" + dtype_field.get<std::string>() + "'");
+    SafetensorsEntry entry{name, *dtype, {}, 0, 0};
+    const auto& shape = info.at("shape");
+    if (!shape.is_array()) throw DataError(tensor_where + ": shape must be a list of integers");
+    // Computed without overflow, so that a huge shape cannot wrap around to match a small size.
+    // The strides too: LibTorch computes them as products of max(dim, 1), so [0, 2^62, 2^62]
+    // holds no bytes yet cannot be allocated.
+    std::uint64_t bytes = c10::elementSize(*dtype);
+    std::int64_t stride_span = 1;
+    for (const auto& d : shape) {
+      if (!d.is_number_unsigned() ||
+          d.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+        throw DataError(tensor_where + ": shape " + shape.dump() + " must be a list of non-negative 64-bit integers");
+      entry.shape.push_back(d.get<std::int64_t>());
+      if (__builtin_mul_overflow(bytes, d.get<std::uint64_t>(), &bytes))
+        throw DataError(tensor_where + ": shape " + shape.dump() + " holds more than 2^64 bytes");
+      if (__builtin_mul_overflow(stride_span, std::max<std::int64_t>(entry.shape.back(), 1), &stride_span))
+        throw DataError(tensor_where + ": shape " + shape.dump() + " is too large: its strides overflow 64 bits");
     }
-    const auto& offsets = info["data_offsets"];
+    const auto& offsets = info.at("data_offsets");
     if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
         !offsets[1].is_number_unsigned())
       throw DataError(tensor_where + ": data_offsets must be [begin, end]");
-    e.begin = offsets[0].get<std::uint64_t>();
-    e.end = offsets[1].get<std::uint64_t>();
-    if (e.begin > e.end || e.end > data_size)
-      throw DataError(tensor_where + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
-                      "] lie outside the data section of " + std::to_string(data_size) + " bytes");
-    if (e.end - e.begin != numel * c10::elementSize(*dtype))
-      throw DataError(tensor_where + ": " + std::to_string(e.end - e.begin) + " bytes do not match shape and dtype (" +
-                      std::to_string(numel * c10::elementSize(*dtype)) + " expected)");
-    entries.push_back(std::move(e));
+    entry.begin = offsets[0].get<std::uint64_t>();
+    entry.end = offsets[1].get<std::uint64_t>();
+    if (entry.begin > entry.end || entry.end > result.data_size)
+      throw DataError(tensor_where + ": data_offsets [" + std::to_string(entry.begin) + ", " +
+                      std::to_string(entry.end) + "] lie outside the data section of " +
+                      std::to_string(result.data_size) + " bytes");
+    if (entry.end - entry.begin != bytes)
+      throw DataError(tensor_where + ": " + std::to_string(entry.end - entry.begin) +
+                      " bytes do not match shape and dtype (" + std::to_string(bytes) + " expected)");
+    result.entries.push_back(std::move(entry));
   }
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.begin < b.begin; });
-  for (std::size_t i = 1; i < entries.size(); ++i)
-    if (entries[i].begin < entries[i - 1].end)
-      throw DataError(where + ": tensors '" + entries[i - 1].name + "' and '" + entries[i].name + "' overlap");
-  for (const auto& e : entries) {
+  std::sort(result.entries.begin(), result.entries.end(),
+            [](const SafetensorsEntry& a, const SafetensorsEntry& b) { return a.begin < b.begin; });
+  for (std::size_t i = 1; i < result.entries.size(); ++i)
+    if (result.entries[i].begin < result.entries[i - 1].end)
+      throw DataError(where + ": tensors '" + result.entries[i - 1].name + "' and '" + result.entries[i].name +
+                      "' overlap");
+  return result;
+}
+
+}  // namespace safetensors_detail
+
+// Reads and checks only the header: which tensors a file holds, without loading them.
+inline SafetensorsHeader read_safetensors_header(const std::filesystem::path& path) {
+  std::uint64_t file_size = 0;
+  auto in = safetensors_detail::open_regular_file(path, file_size);
+  return safetensors_detail::parse_header(in, file_size, path.string());
+}
+
+inline SafetensorsFile load_safetensors(const std::filesystem::path& path) {
+  const std::string where = path.string();
+  std::uint64_t file_size = 0;
+  auto in = safetensors_detail::open_regular_file(path, file_size);
+  auto header = safetensors_detail::parse_header(in, file_size, where);
+  SafetensorsFile result;
+  result.metadata = std::move(header.metadata);
+  for (auto& e : header.entries) {
     auto t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
-    in.seekg(static_cast<std::streamoff>(8 + header_size + e.begin));
+    in.seekg(static_cast<std::streamoff>(header.data_start + e.begin));
     in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin));
     if (!in) throw DataError(where + ": tensor '" + e.name + "' could not be read (truncated file?)");
-    result.tensors.emplace_back(e.name, std::move(t));
+    result.tensors.emplace_back(std::move(e.name), std::move(t));
   }
   return result;
 }

@@ -97,29 +97,53 @@ inline void save_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaFo
 }
 
 // Reads <dir>/state.json, refusing a checkpoint whose data-order flags differ from this run's.
+// Every field is checked for its type and range, so a damaged file names the field at fault.
 inline TrainState read_train_state(const std::filesystem::path& dir, const RunIdentity& identity) {
-  const auto state_path = (dir / "state.json").string();
-  std::ifstream in(dir / "state.json");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw DataError(state_path + ": not valid JSON (" + e.what() + ")");
-  }
-  auto field = [&](const nlohmann::json& object, const char* key) -> const nlohmann::json& {
+  const auto path = dir / "state.json";
+  const auto state_path = path.string();
+  const auto j = io::read_json_file(path);
+  if (!j.is_object()) throw DataError(state_path + ": expected a JSON object at the top level");
+  auto field = [&](const nlohmann::json& object, const std::string& key) -> const nlohmann::json& {
     if (!object.contains(key)) throw DataError(state_path + ": field '" + key + "' is missing");
     return object[key];
   };
+  auto count = [&](const nlohmann::json& object, const std::string& key, const std::string& shown) {
+    const auto& value = field(object, key);
+    // nlohmann reads a non-negative integer as unsigned, a negative one as signed.
+    const bool fits =
+        value.is_number_unsigned() &&
+        value.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+    if (!fits)
+      throw DataError(state_path + ": field '" + shown + "' must be a non-negative integer, got " + value.dump());
+    return value.get<std::int64_t>();
+  };
   TrainState state;
-  state.epoch = field(j, "epoch").get<std::int64_t>();
-  state.global_step = field(j, "global_step").get<std::int64_t>();
-  state.epoch_step = field(j, "epoch_step").get<std::int64_t>();
-  state.running_loss = field(j, "running_loss").get<double>();
-  state.running_steps = field(j, "running_steps").get<std::int64_t>();
+  state.epoch = count(j, "epoch", "epoch");
+  state.global_step = count(j, "global_step", "global_step");
+  state.epoch_step = count(j, "epoch_step", "epoch_step");
+  const auto& running_loss = field(j, "running_loss");
+  if (!running_loss.is_number())
+    throw DataError(state_path + ": field 'running_loss' must be a number, got " + running_loss.dump());
+  state.running_loss = running_loss.get<double>();
+  state.running_steps = count(j, "running_steps", "running_steps");
   const auto& run = field(j, "run");
-  auto same = [&](const char* key, const auto& ours) {
+  if (!run.is_object()) throw DataError(state_path + ": field 'run' must be an object, got " + run.dump());
+  auto same = [&](const std::string& key, const auto& ours) {
     using T = std::decay_t<decltype(ours)>;
-    const auto saved = field(run, key).template get<T>();
+    T saved{};
+    if constexpr (std::is_same_v<T, std::string>) {
+      const auto& value = field(run, key);
+      if (!value.is_string())
+        throw DataError(state_path + ": field 'run." + key + "' must be a string, got " + value.dump());
+      saved = value.template get<std::string>();
+    } else if constexpr (std::is_unsigned_v<T>) {
+      const auto& value = field(run, key);
+      if (!value.is_number_unsigned())
+        throw DataError(state_path + ": field 'run." + key + "' must be a non-negative integer, got " + value.dump());
+      saved = value.template get<T>();
+    } else {
+      saved = count(run, key, "run." + key);
+    }
     if (saved != ours) {
       std::ostringstream message;
       message << state_path << ": the checkpoint was written with " << key << " = " << saved << ", this run has "

@@ -2,8 +2,12 @@
 // The Llama family's hyper-parameters as a structural type: usable at run time (parsed from an
 // HF config.json) and as a template argument (constexpr presets), so plans can be checked at
 // compile time against a known model. No LibTorch here.
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdio>
+#include <iterator>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -49,17 +53,62 @@ struct Config {
   constexpr std::int64_t q_size() const { return num_attention_heads * resolved_head_dim(); }
   constexpr std::int64_t kv_size() const { return num_key_value_heads * resolved_head_dim(); }
 
-  // Parameter count without materialising anything (embedding, layers, final norm, head).
+  struct ParameterCounts {
+    std::int64_t embedding = 0;    // embed_tokens
+    std::int64_t attention = 0;    // q, k, v and o of one decoder layer
+    std::int64_t mlp = 0;          // gate, up and down of one decoder layer
+    std::int64_t layer_norms = 0;  // the two norms of one decoder layer
+    std::int64_t final_norm = 0;
+    std::int64_t head = 0;  // lm_head; 0 when tied to the embedding
+    std::int64_t total = 0;
+  };
+
+  // Parameter counts without materialising anything, computed overflow-safe: nothing when a
+  // product leaves int64 (a config that validate() refuses).
+  constexpr std::optional<ParameterCounts> parameter_counts() const {
+    bool overflow = false;
+    const auto mul = [&](std::int64_t a, std::int64_t b) {
+      std::int64_t product = 0;
+      overflow |= __builtin_mul_overflow(a, b, &product);
+      return product;
+    };
+    const auto add = [&](std::int64_t a, std::int64_t b) {
+      std::int64_t sum = 0;
+      overflow |= __builtin_add_overflow(a, b, &sum);
+      return sum;
+    };
+    const std::int64_t q = mul(num_attention_heads, resolved_head_dim());
+    const std::int64_t kv = mul(num_key_value_heads, resolved_head_dim());
+    ParameterCounts p;
+    p.embedding = mul(vocab_size, hidden_size);
+    p.attention = mul(hidden_size, add(mul(2, q), mul(2, kv)));
+    p.mlp = mul(3, mul(hidden_size, intermediate_size));
+    p.layer_norms = mul(2, hidden_size);
+    p.final_norm = hidden_size;
+    p.head = tie_word_embeddings ? 0 : p.embedding;
+    const std::int64_t layer = add(add(p.attention, p.mlp), p.layer_norms);
+    p.total = add(add(add(p.embedding, mul(num_hidden_layers, layer)), p.final_norm), p.head);
+    if (overflow) return std::nullopt;
+    return p;
+  }
+
+  // The parameter count (embedding, layers, final norm, head); saturates at the int64 maximum for
+  // a config whose count overflows, which validate() refuses.
   constexpr std::int64_t num_parameters() const {
-    const std::int64_t attention = hidden_size * (2 * q_size() + 2 * kv_size());
-    const std::int64_t mlp = 3 * hidden_size * intermediate_size;
-    const std::int64_t norms = 2 * hidden_size;
-    const std::int64_t head = tie_word_embeddings ? 0 : vocab_size * hidden_size;
-    return vocab_size * hidden_size + num_hidden_layers * (attention + mlp + norms) + hidden_size + head;
+    const auto counts = parameter_counts();
+    return counts ? counts->total : std::numeric_limits<std::int64_t>::max();
   }
 
   friend constexpr bool operator==(const Config&, const Config&) = default;
 };
+
+// The size above which a config is refused before anything is allocated. Not the memory of this
+// machine: a config describes the whole model, which FSDP and TP spread over many machines (and
+// meshtorch-plan plans llama-3.1-405b on a laptop). The bound is what no run can hold: 10^13
+// parameters, 40 TB of float32 weights, about 25 times llama-3.1-405b. Below it every size
+// product fits int64 with room to spare, so the arithmetic on a valid config cannot overflow.
+inline constexpr std::int64_t max_parameters = 10'000'000'000'000;
+inline constexpr std::string_view too_many_parameters = "the model exceeds 10^13 parameters";
 
 // The first field that makes a config unusable, or nothing. constexpr so presets are checked
 // where they are defined.
@@ -87,12 +136,8 @@ constexpr std::optional<std::string_view> first_invalid_field(const Config& c) {
     if (c.rope_scaling.original_max_position_embeddings <= 0)
       return "rope_scaling.original_max_position_embeddings must be positive";
   }
+  if (const auto counts = c.parameter_counts(); !counts || counts->total > max_parameters) return too_many_parameters;
   return std::nullopt;
-}
-
-inline void validate(const Config& c, std::string_view source = "config") {
-  if (auto problem = first_invalid_field(c))
-    throw ConfigError(std::string(source) + ": " + std::string(*problem));
 }
 
 namespace presets {
@@ -162,4 +207,57 @@ constexpr std::optional<Config> find(std::string_view name) {
 }
 
 }  // namespace presets
+
+namespace detail {
+
+inline std::string human_bytes(double bytes) {
+  static constexpr const char* units[] = {"B", "kB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB"};
+  std::size_t unit = 0;
+  while (bytes >= 1000 && unit + 1 < std::size(units)) bytes /= 1000, ++unit;
+  char text[48];
+  std::snprintf(text, sizeof text, bytes >= 1000 ? "%.1e %s" : "%.1f %s", bytes, units[unit]);
+  return text;
+}
+
+// Why a config exceeds max_parameters: the count (in double, which cannot overflow for int64
+// fields) and the field furthest above the largest preset's, which is the one to look at.
+inline std::string too_many_parameters_message(const Config& c, std::string_view source) {
+  const double hidden = static_cast<double>(c.hidden_size), head_dim = static_cast<double>(c.resolved_head_dim());
+  const double heads = static_cast<double>(c.num_attention_heads) + static_cast<double>(c.num_key_value_heads);
+  const double layer =
+      hidden * 2 * head_dim * heads + 3 * hidden * static_cast<double>(c.intermediate_size) + 2 * hidden;
+  const double embedding = static_cast<double>(c.vocab_size) * hidden;
+  const double parameters =
+      embedding * (c.tie_word_embeddings ? 1 : 2) + static_cast<double>(c.num_hidden_layers) * layer + hidden;
+  struct Field {
+    std::string_view name;
+    std::int64_t value, largest;
+    double ratio() const { return static_cast<double>(value) / static_cast<double>(largest); }
+  };
+  const auto& largest = presets::llama_3_1_405b;
+  const Field fields[] = {{"hidden_size", c.hidden_size, largest.hidden_size},
+                          {"intermediate_size", c.intermediate_size, largest.intermediate_size},
+                          {"num_hidden_layers", c.num_hidden_layers, largest.num_hidden_layers},
+                          {"vocab_size", c.vocab_size, largest.vocab_size},
+                          {"num_attention_heads", c.num_attention_heads, largest.num_attention_heads},
+                          {"head_dim", c.head_dim, largest.head_dim}};  // 0, never the culprit, when implied
+  const auto& culprit = *std::max_element(std::begin(fields), std::end(fields),
+                                          [](const Field& x, const Field& y) { return x.ratio() < y.ratio(); });
+  char count[32];
+  std::snprintf(count, sizeof count, "%.2g", parameters);
+  return std::string(source) + ": " + std::string(culprit.name) + " " + std::to_string(culprit.value) +
+         " makes a model of " + count + " parameters, which needs " + human_bytes(4 * parameters) +
+         " of float32 weights; meshtorch refuses configs over 10^13 parameters (" +
+         human_bytes(4 * static_cast<double>(max_parameters)) + " in float32), more than any run can hold";
+}
+
+}  // namespace detail
+
+inline void validate(const Config& c, std::string_view source = "config") {
+  if (auto problem = first_invalid_field(c)) {
+    if (*problem == too_many_parameters) throw ConfigError(detail::too_many_parameters_message(c, source));
+    throw ConfigError(std::string(source) + ": " + std::string(*problem));
+  }
+}
+
 }  // namespace meshtorch::llama

@@ -2,15 +2,19 @@
 // Llama weights in HF's safetensors layout: one model.safetensors, or shards listed in
 // model.safetensors.index.json. Names are HF's (the module tree mirrors LlamaForCausalLM), so a
 // folder saved here loads in transformers' from_pretrained and the other way round.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <set>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "meshtorch/io/json_file.hpp"
 #include "meshtorch/io/safetensors.hpp"
 #include "meshtorch/models/llama/config_json.hpp"
 #include "meshtorch/models/llama/model.hpp"
@@ -40,30 +44,109 @@ inline void save_pretrained(LlamaForCausalLM& lm, const std::filesystem::path& d
 // piece); the identity for a whole model.
 using ShardOf = std::function<torch::Tensor(const std::string& name, const torch::Tensor& full)>;
 
+namespace weights_detail {
+
+namespace fs = std::filesystem;
+
+// Present even as a link that leads nowhere: such a file is an error, not a folder without weights.
+inline bool present(const fs::path& path) {
+  std::error_code ignored;
+  return fs::exists(fs::symlink_status(path, ignored));
+}
+
+inline bool lies_inside(const fs::path& target, const fs::path& folder) {
+  const auto [folder_end, target_part] = std::mismatch(folder.begin(), folder.end(), target.begin(), target.end());
+  return folder_end == folder.end() && target_part != target.end();
+}
+
+// Whether `target` (resolved) is a file the folder `dir` (resolved) may read: one inside it or,
+// when `dir` is a snapshot of the Hugging Face cache (<repo>/snapshots/<revision>/, whose files
+// are links to <repo>/blobs/<hash>), one in that repository's blobs folder, so that folders
+// downloaded by huggingface_hub load where they lie.
+inline bool allowed_target(const fs::path& target, const fs::path& dir) {
+  if (lies_inside(target, dir)) return true;
+  const auto snapshots = dir.parent_path();
+  return snapshots.filename() == "snapshots" && target.parent_path() == snapshots.parent_path() / "blobs";
+}
+
+}  // namespace weights_detail
+
 inline bool has_pretrained_weights(const std::filesystem::path& dir) {
-  return std::filesystem::exists(dir / "model.safetensors") ||
-         std::filesystem::exists(dir / "model.safetensors.index.json");
+  return weights_detail::present(dir / "model.safetensors") ||
+         weights_detail::present(dir / "model.safetensors.index.json");
+}
+
+// The file `name` of the model folder `dir`, which `named_by` names (the index's entry, or the
+// folder's layout). A model folder is data, not a set of paths to anywhere: `name` must be a
+// plain file name, and the file, after following links, a regular file inside the folder.
+// Checked before the file is opened, so that an index naming /etc/passwd or ../x reads nothing.
+inline std::filesystem::path model_file(const std::filesystem::path& dir, const std::string& name,
+                                        const std::string& named_by) {
+  namespace fs = std::filesystem;
+  if (name.empty() || name == "." || name == ".." || name.find_first_of(std::string("/\\\0", 3)) != std::string::npos)
+    throw DataError(named_by + " is '" + name +
+                    "', not a plain file name; a model folder's files must lie in the folder itself, named without "
+                    "'/', '\\' or '..'");
+  const fs::path path = dir / name;
+  if (!weights_detail::present(path))
+    throw DataError(named_by + " is '" + name + "', which does not exist in " + dir.string());
+  std::error_code error;
+  const auto resolved_dir = fs::canonical(dir, error);
+  if (error) throw DataError(dir.string() + ": cannot resolve the folder (" + error.message() + ")");
+  const auto target = fs::canonical(path, error);
+  if (error) throw DataError(named_by + " is '" + name + "', a link that leads nowhere (" + error.message() + ")");
+  if (!weights_detail::allowed_target(target, resolved_dir))
+    throw DataError(named_by + " is '" + name + "', a link to " + target.string() + ", outside the model folder " +
+                    resolved_dir.string() + "; refused");
+  if (!fs::is_regular_file(target, error))
+    throw DataError(named_by + " is '" + name + "', which is not a regular file");
+  return path;
 }
 
 // The safetensors files of an HF folder: model.safetensors, or the shards that
-// model.safetensors.index.json lists.
+// model.safetensors.index.json lists. The index is checked against the shards' headers: each
+// shard holds exactly the tensors weight_map places in it, so loading every file reads each
+// tensor once, from the shard the map names.
 inline std::vector<std::filesystem::path> weight_files(const std::filesystem::path& dir) {
-  if (std::filesystem::exists(dir / "model.safetensors")) return {dir / "model.safetensors"};
-  const auto index_path = dir / "model.safetensors.index.json";
-  std::ifstream in(index_path);
-  if (!in) throw DataError(dir.string() + ": no model.safetensors or model.safetensors.index.json");
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw DataError(index_path.string() + ": not valid JSON (" + e.what() + ")");
+  if (weights_detail::present(dir / "model.safetensors"))
+    return {model_file(dir, "model.safetensors", dir.string() + ": the weights file")};
+  if (!weights_detail::present(dir / "model.safetensors.index.json"))
+    throw DataError(dir.string() + ": no model.safetensors or model.safetensors.index.json");
+  const auto index_path = model_file(dir, "model.safetensors.index.json", dir.string() + ": the index file");
+  const std::string index_name = index_path.string();
+  // A tensor listed twice in weight_map is refused (nlohmann alone would keep the last).
+  auto index = io::read_json_file(index_path);
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    throw DataError(index_name + ": field 'weight_map' (an object of tensor name -> shard file) is missing");
+  if (index["weight_map"].empty()) throw DataError(index_name + ": weight_map lists no tensors");
+
+  std::map<std::string, std::string> shard_of_tensor;
+  std::map<std::string, std::set<std::string>> tensors_of_shard;
+  for (const auto& [tensor, shard] : index["weight_map"].items()) {
+    if (!shard.is_string())
+      throw DataError(index_name + ": weight_map['" + tensor + "'] must be a shard's file name, got " + shard.dump());
+    shard_of_tensor[tensor] = shard.get<std::string>();
+    tensors_of_shard[shard.get<std::string>()].insert(tensor);
   }
-  if (!index.contains("weight_map") || !index["weight_map"].is_object())
-    throw DataError(index_path.string() + ": field 'weight_map' is missing");
-  std::set<std::string> shards;
-  for (const auto& [name, shard] : index["weight_map"].items()) shards.insert(shard.get<std::string>());
   std::vector<std::filesystem::path> files;
-  for (const auto& shard : shards) files.push_back(dir / shard);
+  for (const auto& [shard, tensors] : tensors_of_shard) {
+    const auto file = model_file(dir, shard, index_name + ": weight_map['" + *tensors.begin() + "']");
+    const auto header = io::read_safetensors_header(file);
+    for (const auto& entry : header.entries) {
+      const auto it = shard_of_tensor.find(entry.name);
+      if (it == shard_of_tensor.end())
+        throw DataError(file.string() + ": holds tensor '" + entry.name + "', which the weight_map of " + index_name +
+                        " does not list");
+      if (it->second != shard)
+        throw DataError(file.string() + ": holds tensor '" + entry.name + "', which the weight_map of " + index_name +
+                        " places in '" + it->second + "'");
+    }
+    for (const auto& tensor : tensors)
+      if (!header.contains(tensor))
+        throw DataError(index_name + ": weight_map places tensor '" + tensor + "' in '" + shard +
+                        "', which does not hold it");
+    files.push_back(file);
+  }
   return files;
 }
 

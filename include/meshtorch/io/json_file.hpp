@@ -1,0 +1,88 @@
+#pragma once
+// JSON that a user hands over (safetensors headers, model.safetensors.index.json, state.json),
+// parsed with the limits nlohmann leaves to its caller:
+// - nesting depth: nlohmann parses any depth, but copying or dumping a value recurses, so a file
+//   of 100,000 '[' ends in a stack overflow as soon as an error message quotes it;
+// - repeated keys: nlohmann keeps the last of two equal keys without a word, so a header or an
+//   index could say two things about one tensor;
+// - numbers out of range (1e999): nlohmann throws out_of_range, not parse_error.
+// Errors name the file; the error type is the caller's (DataError for data, ConfigError for configs).
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "meshtorch/error.hpp"
+
+namespace meshtorch::io {
+
+// No file meshtorch reads nests deeper than 4; 64 leaves room and keeps recursion shallow.
+inline constexpr int max_json_depth = 64;
+// HF's limit on a safetensors header, and far beyond any config, index or state file.
+inline constexpr std::uint64_t max_json_bytes = 100'000'000;
+
+// Parses `text`; `where` names the file in messages, `document` what the top level is ("the
+// header", "the file") in the message about a repeated key.
+template <class Error = DataError>
+nlohmann::json parse_json(std::string_view text, const std::string& where, std::string_view document = "the file") {
+  struct Container {
+    bool is_object;
+    std::string name;  // how messages call it
+    std::set<std::string> keys;
+  };
+  std::vector<Container> open;
+  std::string last_key;
+  const auto check = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (event == Event::object_start || event == Event::array_start) {
+      if (depth >= max_json_depth)
+        throw Error(where + ": nested deeper than " + std::to_string(max_json_depth) + " levels");
+      const std::string name = open.empty()            ? std::string(document)
+                               : open.back().is_object ? "'" + last_key + "'"
+                                                       : "an element of " + open.back().name;
+      open.push_back({event == Event::object_start, name, {}});
+    } else if (event == Event::object_end || event == Event::array_end) {
+      open.pop_back();
+    } else if (event == Event::key) {
+      last_key = parsed.get<std::string>();
+      if (!open.back().keys.insert(last_key).second)
+        throw Error(where + ": " + open.back().name + " names '" + last_key + "' twice");
+    }
+    return true;
+  };
+  try {
+    return nlohmann::json::parse(text.begin(), text.end(), check);
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
+    throw Error(where + ": not valid JSON (" + e.what() + ")");
+  }
+}
+
+// Reads and parses a JSON file, refusing a directory, device or pipe before opening it (reading
+// a directory throws a raw ios_failure, opening a pipe blocks).
+template <class Error = DataError>
+nlohmann::json read_json_file(const std::filesystem::path& path, std::string_view document = "the file") {
+  const std::string where = path.string();
+  std::error_code error;
+  const auto status = std::filesystem::status(path, error);
+  if (!std::filesystem::exists(status)) throw Error(where + ": missing");
+  if (!std::filesystem::is_regular_file(status))
+    throw Error(where + ": not a regular file (a directory, device or pipe)");
+  const auto size = std::filesystem::file_size(path, error);
+  if (error) throw Error(where + ": cannot read its size (" + error.message() + ")");
+  if (size > max_json_bytes)
+    throw Error(where + ": " + std::to_string(size) + " bytes, more than the " + std::to_string(max_json_bytes) +
+                " a JSON file may have here");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(where + ": cannot open");
+  std::string text(size, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(size));
+  if (!in || in.gcount() != static_cast<std::streamsize>(size)) throw Error(where + ": could not be read whole");
+  return parse_json<Error>(text, where, document);
+}
+
+}  // namespace meshtorch::io
