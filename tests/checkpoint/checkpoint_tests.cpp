@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -61,11 +62,11 @@ struct Spec {
 
 const std::vector<Spec>& model_specs() {
   static const std::vector<Spec> specs{
-      {"model.layers.0.mlp.up_proj.weight", {8, 6}, 0, 1},    // colwise
+      {"model.layers.0.mlp.up_proj.weight", {8, 6}, 0, 1},     // colwise
       {"model.layers.0.mlp.down_proj.weight", {6, 10}, 1, 2},  // rowwise
       {"model.embed_tokens.weight", {7, 4}, 0, 3},             // uneven: TP chunks of 4 and 3 rows
-      {"model.norm.weight", {6}, std::nullopt, 4},              // replicated over TP, sharded by FSDP
-      {"lm_head.scale", {}, std::nullopt, 5},                   // a scalar: one writer in the world
+      {"model.norm.weight", {6}, std::nullopt, 4},             // replicated over TP, sharded by FSDP
+      {"lm_head.scale", {}, std::nullopt, 5},                  // a scalar: one writer in the world
   };
   return specs;
 }
@@ -81,7 +82,8 @@ io::Box box_of(const Spec& spec, const Layout& l) {
   io::Box box = io::whole(spec.shape);
   if (spec.shape.empty()) return box;
   if (spec.tp_dim)
-    box = io::chunk(box, (*spec.tp_dim + l.tp_dim_shift) % static_cast<std::int64_t>(spec.shape.size()), l.tp_rank, l.tp);
+    box =
+        io::chunk(box, (*spec.tp_dim + l.tp_dim_shift) % static_cast<std::int64_t>(spec.shape.size()), l.tp_rank, l.tp);
   const auto rows_per_rank = (box.sizes[0] + l.fsdp - 1) / l.fsdp;  // FSDP pads, the last rank's rows are clipped
   return io::rows(box, l.fsdp_rank * rows_per_rank, (l.fsdp_rank + 1) * rows_per_rank);
 }
@@ -173,7 +175,7 @@ TEST_CASE("box algebra: intersection, subtraction, chunks and clipped rows", "[c
   CHECK(io::chunk(std::vector<std::int64_t>{7, 4}, 0, 1, 2) == io::Box{{4, 0}, {3, 4}});
   CHECK(io::chunk(std::vector<std::int64_t>{8, 6}, 1, 1, 2) == io::Box{{0, 3}, {8, 3}});
   CHECK(io::rows(io::Box{{4, 0}, {3, 4}}, 2, 4) == io::Box{{6, 0}, {1, 4}});  // clipped to the chunk
-  CHECK(io::rows(io::Box{{4, 0}, {3, 4}}, 4, 6).empty());                    // a rank with no rows
+  CHECK(io::rows(io::Box{{4, 0}, {3, 4}}, 4, 6).empty());                     // a rank with no rows
   CHECK(io::to_string(a) == "[0:4, 2:8]");
   auto target = torch::zeros({2, 2});
   io::copy_overlap(values_of(0, {8, 8}, a), a, target, io::Box{{3, 7}, {2, 2}});
@@ -187,11 +189,11 @@ TEST_CASE("a checkpoint saved as FSDP 2 x TP 2 loads exactly into 1, 2, 3 and 4 
   const auto exp = fresh_dir("reshard");
   const auto dir = save_simulated(exp, 10, 2, 2, {.layout = "FSDP 2 x TP 2", .extra_files = {}});
   const std::vector<Layout> layouts{
-      {1, 0, 1, 0},                                                    // one process
-      {1, 0, 2, 0}, {1, 0, 2, 1},                                      // TP 2
-      {3, 0, 1, 0}, {3, 1, 1, 0}, {3, 2, 1, 0},                        // FSDP 3: uneven rows
+      {1, 0, 1, 0},                                                        // one process
+      {1, 0, 2, 0},    {1, 0, 2, 1},                                       // TP 2
+      {3, 0, 1, 0},    {3, 1, 1, 0},    {3, 2, 1, 0},                      // FSDP 3: uneven rows
       {1, 0, 4, 0, 1}, {1, 0, 4, 1, 1}, {1, 0, 4, 2, 1}, {1, 0, 4, 3, 1},  // TP 4 along the other dims
-      {2, 1, 2, 1},                                                    // the saved layout itself
+      {2, 1, 2, 1},                                                        // the saved layout itself
   };
   for (const auto& l : layouts) {
     INFO(fmt::format("loading as FSDP {} rank {}, TP {} rank {}", l.fsdp, l.fsdp_rank, l.tp, l.tp_rank));
@@ -207,8 +209,8 @@ TEST_CASE("a checkpoint saved as FSDP 2 x TP 2 loads exactly into 1, 2, 3 and 4 
       CHECK(torch::equal(loaded.rank_state->front().second, torch::full({3}, l.rank(), torch::kByte)));
     } else {
       CHECK_FALSE(loaded.rank_state);
-      CHECK_THAT(loaded.rank_state_note, Catch::Contains("saved by 4 ranks and is loaded on " +
-                                                         std::to_string(world) + ": per-rank state (RNG) is not restored"));
+      CHECK_THAT(loaded.rank_state_note, Catch::Contains("saved by 4 ranks and is loaded on " + std::to_string(world) +
+                                                         ": per-rank state (RNG) is not restored"));
     }
   }
   fs::remove_all(exp);
@@ -313,10 +315,12 @@ TEST_CASE("a damaged, truncated or missing file or manifest is an error naming i
 TEST_CASE("a load asking for what the checkpoint lacks is an error naming the tensor", "[checkpoint]") {
   const auto exp = fresh_dir("requests");
   const auto dir = save_simulated(exp, 4, 1, 2);
-  std::vector<io::ShardedTensor> unknown{io::replicated("model.layers.1.mlp.up_proj.weight", torch::zeros({8, 6}), true)};
+  std::vector<io::ShardedTensor> unknown{
+      io::replicated("model.layers.1.mlp.up_proj.weight", torch::zeros({8, 6}), true)};
   CHECK_THROWS_WITH(parallel::load_sharded_checkpoint(dir, unknown),
                     Catch::Contains("tensor 'model.layers.1.mlp.up_proj.weight' is not in checkpoint"));
-  std::vector<io::ShardedTensor> reshaped{io::replicated("model.layers.0.mlp.up_proj.weight", torch::zeros({6, 8}), true)};
+  std::vector<io::ShardedTensor> reshaped{
+      io::replicated("model.layers.0.mlp.up_proj.weight", torch::zeros({6, 8}), true)};
   CHECK_THROWS_WITH(parallel::load_sharded_checkpoint(dir, reshaped),
                     Catch::Contains("has global shape [8, 6] in checkpoint") && Catch::Contains("this run has [6, 8]"));
   std::vector<io::ShardedTensor> other_dtype{
@@ -438,6 +442,74 @@ TEST_CASE("consolidation writes an HF folder of full tensors, sharded beyond the
   fs::remove_all(exp);
 }
 
+// Figures for docs/checkpoints.md, not run by ctest: checkpoint_tests "[.measure]".
+TEST_CASE("measure: save, load and consolidate 512 MiB as FSDP 2 x TP 2", "[.measure]") {
+  const auto exp = fresh_dir("measure");
+  const std::vector<std::int64_t> shape{4096, 4096};
+  const int tensors = 8;
+  auto layout_pieces = [&](const Layout& l, bool filled) {
+    std::vector<io::ShardedTensor> out;
+    for (int i = 0; i < tensors; ++i) {
+      const auto tp_chunk = io::chunk(shape, i % 2, l.tp_rank, l.tp);  // colwise and rowwise in turn
+      const auto per_rank = (tp_chunk.sizes[0] + l.fsdp - 1) / l.fsdp;
+      const auto box = io::rows(tp_chunk, l.fsdp_rank * per_rank, (l.fsdp_rank + 1) * per_rank);
+      out.push_back(
+          io::sharded(fmt::format("w{}", i), filled ? torch::randn(box.sizes) : torch::zeros(box.sizes), shape, box));
+    }
+    return out;
+  };
+  const double megabytes = tensors * 4096.0 * 4096 * 4 / (1 << 20);
+  auto seconds_since = [](auto start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  const auto partial = exp / "ckpt-00000001.partial";
+  fs::create_directories(partial);
+  double write_s = 0;
+  for (int r = 0; r < 4; ++r) {
+    const auto rank_pieces = layout_pieces(Layout{2, r / 2, 2, r % 2}, true);
+    const auto rank_start = std::chrono::steady_clock::now();
+    parallel::write_rank_pieces(partial, r, 4, rank_pieces, {});
+    write_s += seconds_since(rank_start);
+  }
+  auto start = std::chrono::steady_clock::now();
+  parallel::publish_sharded_checkpoint(exp, 1, 4, state_of(1), {.layout = "", .extra_files = {{"config.json", "{}"}}});
+  const double publish_s = seconds_since(start);
+  start = std::chrono::steady_clock::now();
+  for (int r = 0; r < 2; ++r) {
+    auto target = layout_pieces(Layout{1, 0, 2, r}, false);
+    parallel::load_sharded_checkpoint(exp / "checkpoint", target, r, 2);
+  }
+  const double load_s = seconds_since(start);
+  // The tool's peak RSS (VmHWM, its own), first on a checkpoint of a few bytes: LibTorch's footprint.
+  auto consolidate_peak_mib = [&](const fs::path& checkpoint, const fs::path& out) {
+    const auto log = exp / "tool.log";
+    REQUIRE(std::system(fmt::format("{} {} {} > {}", MESHTORCH_CONSOLIDATE_TOOL, checkpoint.string(), out.string(),
+                                    log.string())
+                            .c_str()) == 0);
+    std::ifstream in(log);
+    const std::string text(std::istreambuf_iterator<char>(in), {});
+    const auto at = text.find("peak RSS ");
+    REQUIRE(at != std::string::npos);
+    return std::stod(text.substr(at + 9));
+  };
+  const auto tiny = save_simulated(exp / "tiny", 1, 1, 1, {.layout = "", .extra_files = {{"config.json", "{}"}}});
+  const double baseline_mib = consolidate_peak_mib(tiny, exp / "tiny-hf");
+  start = std::chrono::steady_clock::now();
+  const double peak_mib = consolidate_peak_mib(exp / "checkpoint", exp / "hf");
+  const double consolidate_s = seconds_since(start);
+  fmt::print(
+      "{:.0f} MiB in {} tensors of [4096, 4096] fp32, 4 simulated ranks:\n"
+      "  write all ranks' files   {:.2f} s ({:.0f} MiB/s)\n"
+      "  publish (rank 0 re-hashes every file) {:.2f} s ({:.0f} MiB/s)\n"
+      "  load as TP 2 on 2 ranks (checksums + pieces) {:.2f} s ({:.0f} MiB/s)\n"
+      "  consolidate (tool, own process) {:.2f} s, peak RSS {:.0f} MiB; {:.0f} MiB on a tiny checkpoint "
+      "(one tensor is {:.0f} MiB)\n",
+      megabytes, tensors, write_s, megabytes / write_s, publish_s, megabytes / publish_s, load_s, megabytes / load_s,
+      consolidate_s, peak_mib, baseline_mib, megabytes / tensors);
+  CHECK(peak_mib - baseline_mib < 2 * megabytes / tensors);  // one tensor and a piece, not the model
+  fs::remove_all(exp);
+}
+
 // ---- multi-process: rank bodies (hidden) and the drivers that start them ----
 
 namespace {
@@ -466,8 +538,10 @@ std::vector<io::ShardedTensor> rank_pieces(int fsdp, int tp, int rank, bool fill
   auto state = parallel::adamw_state_tensors(*adamw, params);
   for (std::size_t i = 0; i < params.size(); ++i) {
     const auto& spec = model_specs()[i];
-    state[3 * i].local.copy_(filled ? values_of(spec.id + 100, spec.shape, params[i].box) : torch::zeros(params[i].box.sizes));
-    state[3 * i + 1].local.copy_(filled ? values_of(spec.id + 200, spec.shape, params[i].box) : torch::zeros(params[i].box.sizes));
+    state[3 * i].local.copy_(filled ? values_of(spec.id + 100, spec.shape, params[i].box)
+                                    : torch::zeros(params[i].box.sizes));
+    state[3 * i + 1].local.copy_(filled ? values_of(spec.id + 200, spec.shape, params[i].box)
+                                        : torch::zeros(params[i].box.sizes));
     state[3 * i + 2].local.fill_(filled ? 11 : 0);
   }
   params.insert(params.end(), state.begin(), state.end());
@@ -548,6 +622,22 @@ TEST_CASE("rank body: every rank names a file damaged on another rank's share", 
                     Catch::Contains("rank3.safetensors") && Catch::Contains("damaged"));
 }
 
+TEST_CASE("rank body: a rank that fails to write makes every rank fail and keeps the checkpoint",
+          "[.rank_save_fails]") {
+  const auto group = world_group();
+  auto tensors = pieces(Layout{group.size(), group.rank(), 1, 0}, true);
+  if (group.rank() == 1) tensors.push_back(tensors.front());  // a name given twice: rank 1's save throws
+  const auto before = fs::read_symlink(shared_dir() / "checkpoint");
+  if (group.rank() == 1)
+    CHECK_THROWS_WITH(parallel::save_sharded_checkpoint(shared_dir(), 30, tensors, state_of(30), {}, group),
+                      Catch::Contains("is given twice on rank 1"));
+  else
+    CHECK_THROWS_WITH(
+        parallel::save_sharded_checkpoint(shared_dir(), 30, tensors, state_of(30), {}, group),
+        Catch::Contains("rank(s) 1 failed to write their pieces") && Catch::Contains("the previous checkpoint stays"));
+  CHECK(fs::read_symlink(shared_dir() / "checkpoint") == before);
+}
+
 namespace {
 
 void require_ranks_succeed(int nprocs, const std::string& body) {
@@ -564,6 +654,8 @@ TEST_CASE("a checkpoint saved on 4 ranks as FSDP 2 x TP 2 resumes on 4, 2 and 1 
   require_ranks_succeed(4, "[.rank_save_fsdp2_tp2]");
   require_ranks_succeed(4, "[.rank_load_same_world]");
   require_ranks_succeed(2, "[.rank_load_tp2]");
+  require_ranks_succeed(1, "[.rank_load_one]");
+  require_ranks_succeed(2, "[.rank_save_fails]");
   require_ranks_succeed(1, "[.rank_load_one]");
   flip_byte(exp / "checkpoint" / "rank3.safetensors", 100);
   require_ranks_succeed(2, "[.rank_load_damaged]");

@@ -6,6 +6,8 @@
 //
 // Every file of the checkpoint is verified against its manifest first; one full tensor at a time
 // is held in memory. Optimizer state is left out unless --include-optimizer.
+#include <malloc.h>
+
 #include <cstdint>
 #include <exception>
 #include <iostream>
@@ -15,6 +17,7 @@
 #include <fmt/format.h>
 
 #include <meshtorch/parallel/sharded_checkpoint.hpp>
+#include <meshtorch/train/memory.hpp>
 
 namespace parallel = meshtorch::parallel;
 
@@ -31,11 +34,15 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_flag("--include-optimizer", options.include_optimizer, "also write the optimizer/ tensors (AdamW state)");
   CLI11_PARSE(app, argc, argv);
+  // A fixed mmap threshold: glibc's moving one would keep freed piece buffers in the heap after
+  // the first large tensor, so memory would hold several tensors' worth instead of one.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   try {
     const auto result = parallel::consolidate_checkpoint(checkpoint_dir, out_dir, options);
     std::cout << fmt::format("{} tensors, {:.3f} GB of weights, written to {}:\n", result.tensors,
                              static_cast<double>(result.bytes) / 1e9, out_dir);
     for (const auto& file : result.files) std::cout << "  " << file.filename().string() << "\n";
+    std::cout << fmt::format("peak RSS {:.0f} MiB\n", meshtorch::train::kib_field_from_proc_status("VmHWM") / 1024);
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "meshtorch-consolidate: " << e.what() << "\n";

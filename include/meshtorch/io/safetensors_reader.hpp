@@ -272,7 +272,9 @@ class SafetensorsRangeReader {
     }
   }
 
-  [[noreturn]] void fail(const std::string& what) const { throw DataError(fmt::format("{}: {}", path_.string(), what)); }
+  [[noreturn]] void fail(const std::string& what) const {
+    throw DataError(fmt::format("{}: {}", path_.string(), what));
+  }
 
   void read_exactly(void* into, std::uint64_t size, std::uint64_t offset, const std::string& what) const {
     auto* bytes = static_cast<char*>(into);

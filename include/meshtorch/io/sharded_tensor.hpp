@@ -55,7 +55,8 @@ inline bool contains(const Box& outer, const Box& inner) {
 // The common part of two boxes of the same tensor, or nothing when they do not overlap.
 inline std::optional<Box> intersect(const Box& a, const Box& b) {
   if (a.dim() != b.dim())
-    throw ConfigError(fmt::format("intersect: boxes {} and {} have different numbers of dims", to_string(a), to_string(b)));
+    throw ConfigError(
+        fmt::format("intersect: boxes {} and {} have different numbers of dims", to_string(a), to_string(b)));
   Box out;
   for (std::size_t d = 0; d < a.dim(); ++d) {
     const auto begin = std::max(a.offsets[d], b.offsets[d]);
@@ -152,10 +153,10 @@ inline std::optional<Box> copy_overlap(const torch::Tensor& source, const Box& s
 // One rank's piece of a global tensor, as checkpoints save and load it.
 struct ShardedTensor {
   std::string name;
-  torch::Tensor local;                    // shape == box.sizes, any device; filled in place on load
+  torch::Tensor local;  // shape == box.sizes, any device; filled in place on load
   std::vector<std::int64_t> global_shape;
-  Box box;                                // where `local` sits in the global tensor
-  bool writer = true;                     // false for a replica that another rank saves
+  Box box;             // where `local` sits in the global tensor
+  bool writer = true;  // false for a replica that another rank saves
 };
 
 // A piece whose box must lie inside the global shape and match the local tensor's shape.

@@ -45,8 +45,6 @@
 
 namespace meshtorch::parallel {
 
-namespace fs = std::filesystem;
-
 inline constexpr int sharded_checkpoint_version = 1;
 inline constexpr std::string_view sharded_checkpoint_format = "meshtorch-sharded-checkpoint";
 inline constexpr std::string_view manifest_file_name = "manifest.json";
@@ -88,9 +86,9 @@ struct Manifest {
   std::int64_t global_step = 0;
   int world_size = 0;
   std::string layout;
-  std::vector<TensorRecord> tensors;                    // sorted by name
-  std::map<std::string, io::FileDigest> files;          // every file of the folder but manifest.json
-  std::map<int, std::vector<std::string>> rank_state;   // rank -> names (keys are rank_state_key)
+  std::vector<TensorRecord> tensors;                   // sorted by name
+  std::map<std::string, io::FileDigest> files;         // every file of the folder but manifest.json
+  std::map<int, std::vector<std::string>> rank_state;  // rank -> names (keys are rank_state_key)
 
   const TensorRecord* find(const std::string& name) const {
     const auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
@@ -101,7 +99,9 @@ struct Manifest {
 
 namespace sharded_detail {
 
-inline std::string shape_string(const std::vector<std::int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+inline std::string shape_string(const std::vector<std::int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
 
 // Names in a manifest are data, never paths: a file must be a plain name inside the folder.
 inline void check_plain_file_name(const std::string& name, const std::string& where) {
@@ -110,15 +110,15 @@ inline void check_plain_file_name(const std::string& name, const std::string& wh
     throw DataError(fmt::format("{}: '{}' is not a plain file name inside the checkpoint folder", where, name));
 }
 
-inline std::string read_text(const fs::path& path) {
+inline std::string read_text(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 template <class Json = nlohmann::json>
-Json parse_json_file(const fs::path& path) {
-  if (!fs::exists(path)) throw DataError(fmt::format("{} is missing", path.string()));
+Json parse_json_file(const std::filesystem::path& path) {
+  if (!std::filesystem::exists(path)) throw DataError(fmt::format("{} is missing", path.string()));
   try {
     return Json::parse(read_text(path));
   } catch (const nlohmann::json::parse_error& e) {
@@ -129,7 +129,8 @@ Json parse_json_file(const fs::path& path) {
 // Typed access to a JSON field, naming the file and the field when it is missing or mistyped.
 template <class T>
 T field(const nlohmann::json& object, const std::string& key, const std::string& where) {
-  if (!object.is_object() || !object.contains(key)) throw DataError(fmt::format("{}: field '{}' is missing", where, key));
+  if (!object.is_object() || !object.contains(key))
+    throw DataError(fmt::format("{}: field '{}' is missing", where, key));
   try {
     return object.at(key).get<T>();
   } catch (const nlohmann::json::exception&) {
@@ -175,9 +176,10 @@ inline void check_exact_cover(const TensorRecord& t, const std::string& where) {
   for (std::size_t i = 0; i < t.pieces.size(); ++i)
     for (std::size_t j = i + 1; j < t.pieces.size(); ++j)
       if (const auto both = io::intersect(t.pieces[i].box, t.pieces[j].box))
-        throw DataError(fmt::format("{}: tensor '{}': region {} is written by rank {} and by rank {}; mark one "
-                                    "replica writer and the others not",
-                                    where, t.name, io::to_string(*both), t.pieces[i].rank, t.pieces[j].rank));
+        throw DataError(
+            fmt::format("{}: tensor '{}': region {} is written by rank {} and by rank {}; mark one "
+                        "replica writer and the others not",
+                        where, t.name, io::to_string(*both), t.pieces[i].rank, t.pieces[j].rank));
   std::vector<io::Box> uncovered{io::whole(t.shape)};
   for (const auto& p : t.pieces) {
     std::vector<io::Box> next;
@@ -188,9 +190,10 @@ inline void check_exact_cover(const TensorRecord& t, const std::string& where) {
   if (!uncovered.empty()) {
     std::vector<std::string> regions;
     for (const auto& b : uncovered) regions.push_back(io::to_string(b));
-    throw DataError(fmt::format("{}: tensor '{}' of shape {}: region(s) {} written by no rank (is every replica "
-                                "marked writer = false?)",
-                                where, t.name, shape_string(t.shape), fmt::join(regions, ", ")));
+    throw DataError(
+        fmt::format("{}: tensor '{}' of shape {}: region(s) {} written by no rank (is every replica "
+                    "marked writer = false?)",
+                    where, t.name, shape_string(t.shape), fmt::join(regions, ", ")));
   }
 }
 
@@ -239,13 +242,14 @@ inline nlohmann::ordered_json to_json(const Manifest& m) {
 
 // Reads and checks <dir>/manifest.json (structure, names, boxes, exact cover); the files
 // themselves are checked by verify_checkpoint_files.
-inline Manifest read_manifest(const fs::path& checkpoint_dir) {
+inline Manifest read_manifest(const std::filesystem::path& checkpoint_dir) {
   using namespace sharded_detail;
   const auto path = checkpoint_dir / manifest_file_name;
-  if (!fs::exists(path))
-    throw DataError(fmt::format("{} is missing: {} is not a complete sharded checkpoint (was it copied without "
-                                "it, or written by an older meshtorch?)",
-                                path.string(), checkpoint_dir.string()));
+  if (!std::filesystem::exists(path))
+    throw DataError(
+        fmt::format("{} is missing: {} is not a complete sharded checkpoint (was it copied without "
+                    "it, or written by an older meshtorch?)",
+                    path.string(), checkpoint_dir.string()));
   const auto j = parse_json_file(path);
   const std::string where = path.string();
   if (field<std::string>(j, "format", where) != sharded_checkpoint_format)
@@ -306,11 +310,12 @@ inline Manifest read_manifest(const fs::path& checkpoint_dir) {
 
 // One file against its manifest entry: its size always, its checksum when asked; what is wrong
 // with it (naming it), or nothing.
-inline std::optional<std::string> check_checkpoint_file(const fs::path& checkpoint_dir, const std::string& name,
-                                                        const io::FileDigest& expected, bool checksum) {
+inline std::optional<std::string> check_checkpoint_file(const std::filesystem::path& checkpoint_dir,
+                                                        const std::string& name, const io::FileDigest& expected,
+                                                        bool checksum) {
   const auto path = checkpoint_dir / name;
   std::error_code error;
-  const auto size = fs::file_size(path, error);
+  const auto size = std::filesystem::file_size(path, error);
   if (error) return fmt::format("{} is missing ({})", path.string(), error.message());
   if (size != expected.bytes)
     return fmt::format("{} has {} bytes, the manifest says {}: {}", path.string(), size, expected.bytes,
@@ -326,7 +331,7 @@ inline std::optional<std::string> check_checkpoint_file(const fs::path& checkpoi
 // Every file's size, and the checksum of those `checksum_this(index)` picks (index in the
 // manifest's file order). One message per damaged file.
 template <class ChecksumThis>
-std::vector<std::string> check_checkpoint_files(const fs::path& checkpoint_dir, const Manifest& m,
+std::vector<std::string> check_checkpoint_files(const std::filesystem::path& checkpoint_dir, const Manifest& m,
                                                 ChecksumThis&& checksum_this) {
   std::vector<std::string> problems;
   std::size_t index = 0;
@@ -336,21 +341,22 @@ std::vector<std::string> check_checkpoint_files(const fs::path& checkpoint_dir, 
   return problems;
 }
 
-inline void throw_if_damaged(const fs::path& checkpoint_dir, const std::vector<std::string>& problems) {
+inline void throw_if_damaged(const std::filesystem::path& checkpoint_dir, const std::vector<std::string>& problems) {
   if (problems.empty()) return;
-  throw DataError(fmt::format("checkpoint {} is damaged or incomplete: {}; resume from another checkpoint "
-                              "(or start afresh in a new experiment folder)",
-                              checkpoint_dir.string(), fmt::join(problems, "; ")));
+  throw DataError(
+      fmt::format("checkpoint {} is damaged or incomplete: {}; resume from another checkpoint "
+                  "(or start afresh in a new experiment folder)",
+                  checkpoint_dir.string(), fmt::join(problems, "; ")));
 }
 
 // Every file's size and checksum, in one process (consolidation, tools, tests).
-inline void verify_checkpoint_files(const fs::path& checkpoint_dir, const Manifest& m) {
+inline void verify_checkpoint_files(const std::filesystem::path& checkpoint_dir, const Manifest& m) {
   throw_if_damaged(checkpoint_dir, check_checkpoint_files(checkpoint_dir, m, [](std::size_t) { return true; }));
 }
 
 // Returned by write_rank_pieces: the file this rank wrote and what it cost.
 struct RankWriteResult {
-  fs::path file;
+  std::filesystem::path file;
   io::FileDigest digest;
   std::int64_t pieces = 0;
   std::int64_t largest_staging_numel = 0;  // the largest copy made to write (0: none)
@@ -360,7 +366,7 @@ struct RankWriteResult {
 // writer = true) and its per-rank state into <partial_dir>/rank<R>.safetensors,
 // fsynced, then the list of what it wrote into rank<R>.pieces.json, last: a rank stopped before
 // the list is written has not finished, and publishing refuses the folder.
-inline RankWriteResult write_rank_pieces(const fs::path& partial_dir, int rank, int world_size,
+inline RankWriteResult write_rank_pieces(const std::filesystem::path& partial_dir, int rank, int world_size,
                                          const std::vector<io::ShardedTensor>& tensors,
                                          const io::NamedTensors& rank_state) {
   using namespace sharded_detail;
@@ -397,12 +403,11 @@ inline RankWriteResult write_rank_pieces(const fs::path& partial_dir, int rank, 
     data.push_back(tensor);
     state_names.push_back(name);
   }
-  io::SafetensorsStreamWriter writer(partial_dir / file, std::move(entries),
-                                     {{"format", "pt"}, {"rank", std::to_string(rank)},
-                                      {"world_size", std::to_string(world_size)}});
+  io::SafetensorsStreamWriter writer(
+      partial_dir / file, std::move(entries),
+      {{"format", "pt"}, {"rank", std::to_string(rank)}, {"world_size", std::to_string(world_size)}});
   for (const auto& t : data) writer.append(t);
-  RankWriteResult result{partial_dir / file, writer.commit(), written_pieces,
-                         writer.largest_staging_numel()};
+  RankWriteResult result{partial_dir / file, writer.commit(), written_pieces, writer.largest_staging_numel()};
   nlohmann::ordered_json list{{"rank", rank},
                               {"world_size", world_size},
                               {"file", file},
@@ -416,24 +421,24 @@ inline RankWriteResult write_rank_pieces(const fs::path& partial_dir, int rank, 
 
 // Moves <exp>/<name>.partial to <exp>/<name>, swaps <exp>/checkpoint to it with rename(2), and
 // only then removes older checkpoints and stale .partial folders.
-inline void publish_checkpoint_folder(const fs::path& exp_dir, const std::string& name) {
-  const fs::path final_dir = exp_dir / name;
-  const fs::path partial_dir = exp_dir / (name + ".partial");
-  const fs::path replaced = exp_dir / (name + ".replaced");
+inline void publish_checkpoint_folder(const std::filesystem::path& exp_dir, const std::string& name) {
+  const std::filesystem::path final_dir = exp_dir / name;
+  const std::filesystem::path partial_dir = exp_dir / (name + ".partial");
+  const std::filesystem::path replaced = exp_dir / (name + ".replaced");
   io::fsync_path(partial_dir);
-  fs::remove_all(replaced);
-  if (fs::exists(final_dir)) fs::rename(final_dir, replaced);  // the same step saved again
-  fs::rename(partial_dir, final_dir);
+  std::filesystem::remove_all(replaced);
+  if (std::filesystem::exists(final_dir)) std::filesystem::rename(final_dir, replaced);  // the same step saved again
+  std::filesystem::rename(partial_dir, final_dir);
   io::fsync_path(exp_dir);
-  const fs::path link = exp_dir / checkpoint_link_name;
-  const fs::path temporary_link = exp_dir / (std::string(checkpoint_link_name) + ".tmp");
-  fs::remove(temporary_link);
-  fs::create_directory_symlink(name, temporary_link);
-  fs::rename(temporary_link, link);
+  const std::filesystem::path link = exp_dir / checkpoint_link_name;
+  const std::filesystem::path temporary_link = exp_dir / (std::string(checkpoint_link_name) + ".tmp");
+  std::filesystem::remove(temporary_link);
+  std::filesystem::create_directory_symlink(name, temporary_link);
+  std::filesystem::rename(temporary_link, link);
   io::fsync_path(exp_dir);
-  for (const auto& entry : fs::directory_iterator(exp_dir)) {
+  for (const auto& entry : std::filesystem::directory_iterator(exp_dir)) {
     const auto file = entry.path().filename().string();
-    if (file.rfind("ckpt-", 0) == 0 && file != name) fs::remove_all(entry.path());
+    if (file.rfind("ckpt-", 0) == 0 && file != name) std::filesystem::remove_all(entry.path());
   }
 }
 
@@ -441,8 +446,9 @@ inline void publish_checkpoint_folder(const fs::path& exp_dir, const std::string
 // piece list, re-checks each file's size and checksum, checks that the pieces cover every tensor
 // exactly once, writes state.json, the extra files and manifest.json, and publishes. Anything
 // missing or wrong is an error naming the rank or file, and nothing is published.
-inline Manifest publish_sharded_checkpoint(const fs::path& exp_dir, std::int64_t global_step, int world_size,
-                                           const nlohmann::ordered_json& state, const SaveOptions& options = {}) {
+inline Manifest publish_sharded_checkpoint(const std::filesystem::path& exp_dir, std::int64_t global_step,
+                                           int world_size, const nlohmann::ordered_json& state,
+                                           const SaveOptions& options = {}) {
   using namespace sharded_detail;
   const auto name = sharded_checkpoint_name(global_step);
   const auto partial_dir = exp_dir / (name + ".partial");
@@ -454,10 +460,11 @@ inline Manifest publish_sharded_checkpoint(const fs::path& exp_dir, std::int64_t
   std::map<std::string, int> first_rank;
   for (int rank = 0; rank < world_size; ++rank) {
     const auto list_path = partial_dir / rank_piece_list_name(rank);
-    if (!fs::exists(list_path))
-      throw DataError(fmt::format("{} is missing: rank {} did not finish writing its pieces (it failed or was "
-                                  "stopped); {} is not published and the previous checkpoint stays",
-                                  list_path.string(), rank, name));
+    if (!std::filesystem::exists(list_path))
+      throw DataError(
+          fmt::format("{} is missing: rank {} did not finish writing its pieces (it failed or was "
+                      "stopped); {} is not published and the previous checkpoint stays",
+                      list_path.string(), rank, name));
     const auto list = parse_json_file(list_path);
     const std::string where = list_path.string();
     if (field<int>(list, "rank", where) != rank || field<int>(list, "world_size", where) != world_size)
@@ -505,7 +512,7 @@ inline Manifest publish_sharded_checkpoint(const fs::path& exp_dir, std::int64_t
   };
   write_small(std::string(state_file_name), state.dump(2) + "\n");
   for (const auto& [file, contents] : options.extra_files) write_small(file, contents);
-  for (int rank = 0; rank < world_size; ++rank) fs::remove(partial_dir / rank_piece_list_name(rank));
+  for (int rank = 0; rank < world_size; ++rank) std::filesystem::remove(partial_dir / rank_piece_list_name(rank));
   io::write_file_atomically(partial_dir / manifest_file_name, to_json(m).dump(1) + "\n");
   publish_checkpoint_folder(exp_dir, name);
   return m;
@@ -537,14 +544,14 @@ inline std::vector<int> failed_ranks(const comm::AxisGroup& group, bool failed) 
 // what this rank wrote. When any rank fails, every rank throws and the previous checkpoint stays
 // the one linked.
 struct SavedCheckpoint {
-  fs::path folder;
+  std::filesystem::path folder;
   RankWriteResult written;
 };
 
-inline SavedCheckpoint save_sharded_checkpoint(const fs::path& exp_dir, std::int64_t global_step,
-                                        const std::vector<io::ShardedTensor>& tensors, const nlohmann::ordered_json& state,
-                                        const io::NamedTensors& rank_state, const comm::AxisGroup& group,
-                                        const SaveOptions& options = {}) {
+inline SavedCheckpoint save_sharded_checkpoint(const std::filesystem::path& exp_dir, std::int64_t global_step,
+                                               const std::vector<io::ShardedTensor>& tensors,
+                                               const nlohmann::ordered_json& state, const io::NamedTensors& rank_state,
+                                               const comm::AxisGroup& group, const SaveOptions& options = {}) {
   const auto name = sharded_checkpoint_name(global_step);
   const auto partial_dir = exp_dir / (name + ".partial");
   auto collective_step = [&](const char* what, auto&& work) {
@@ -557,14 +564,15 @@ inline SavedCheckpoint save_sharded_checkpoint(const fs::path& exp_dir, std::int
     const auto failed = sharded_detail::failed_ranks(group, failure != nullptr);
     if (failure) std::rethrow_exception(failure);
     if (!failed.empty())
-      throw DataError(fmt::format("saving {}: rank(s) {} failed to {} (see their logs); the previous checkpoint "
-                                  "stays",
-                                  (exp_dir / name).string(), fmt::join(failed, ", "), what));
+      throw DataError(
+          fmt::format("saving {}: rank(s) {} failed to {} (see their logs); the previous checkpoint "
+                      "stays",
+                      (exp_dir / name).string(), fmt::join(failed, ", "), what));
   };
   collective_step("create the folder", [&] {
     if (group.rank() != 0) return;
-    fs::remove_all(partial_dir);
-    fs::create_directories(partial_dir);
+    std::filesystem::remove_all(partial_dir);
+    std::filesystem::create_directories(partial_dir);
   });
   RankWriteResult written;
   collective_step("write their pieces",
@@ -580,15 +588,15 @@ inline SavedCheckpoint save_sharded_checkpoint(const fs::path& exp_dir, std::int
 // that would then delete them); .partial folders (a save that did not finish) are ignored and
 // listed.
 struct ResumePoint {
-  std::optional<fs::path> checkpoint;
-  std::vector<fs::path> ignored_partial;
+  std::optional<std::filesystem::path> checkpoint;
+  std::vector<std::filesystem::path> ignored_partial;
 };
 
-inline ResumePoint find_checkpoint_to_resume(const fs::path& exp_dir) {
+inline ResumePoint find_checkpoint_to_resume(const std::filesystem::path& exp_dir) {
   ResumePoint out;
-  if (!fs::exists(exp_dir)) return out;
+  if (!std::filesystem::exists(exp_dir)) return out;
   std::vector<std::string> complete;
-  for (const auto& entry : fs::directory_iterator(exp_dir)) {
+  for (const auto& entry : std::filesystem::directory_iterator(exp_dir)) {
     const auto file = entry.path().filename().string();
     if (file.rfind("ckpt-", 0) != 0 || !entry.is_directory()) continue;
     if (file.ends_with(".partial") || file.ends_with(".replaced"))
@@ -599,34 +607,35 @@ inline ResumePoint find_checkpoint_to_resume(const fs::path& exp_dir) {
   std::sort(complete.begin(), complete.end());
   std::sort(out.ignored_partial.begin(), out.ignored_partial.end());
   const auto link = exp_dir / checkpoint_link_name;
-  if (fs::is_symlink(link) || fs::exists(link)) {
+  if (std::filesystem::is_symlink(link) || std::filesystem::exists(link)) {
     std::error_code error;
-    const auto target = fs::canonical(link, error);
+    const auto target = std::filesystem::canonical(link, error);
     if (error)
-      throw DataError(fmt::format("{} points to {}, which does not exist; complete checkpoints here: {}",
-                                  link.string(), fs::read_symlink(link, error).string(),
-                                  complete.empty() ? std::string("none") : fmt::format("{}", fmt::join(complete, ", "))));
-    if (!fs::exists(target / manifest_file_name))
-      throw DataError(fmt::format("{} points to {}, which has no {}: not a complete sharded checkpoint",
-                                  link.string(), target.string(), manifest_file_name));
+      throw DataError(
+          fmt::format("{} points to {}, which does not exist; complete checkpoints here: {}", link.string(),
+                      std::filesystem::read_symlink(link, error).string(),
+                      complete.empty() ? std::string("none") : fmt::format("{}", fmt::join(complete, ", "))));
+    if (!std::filesystem::exists(target / manifest_file_name))
+      throw DataError(fmt::format("{} points to {}, which has no {}: not a complete sharded checkpoint", link.string(),
+                                  target.string(), manifest_file_name));
     out.checkpoint = target;
     return out;
   }
   if (!complete.empty())
-    throw DataError(fmt::format("{} has checkpoint folder(s) {} but no '{}' link naming the latest (copied without "
-                                "links?); restore it (ln -sfn {} {}) or choose the folder to resume from",
-                                exp_dir.string(), fmt::join(complete, ", "), checkpoint_link_name, complete.back(),
-                                link.string()));
+    throw DataError(
+        fmt::format("{} has checkpoint folder(s) {} but no '{}' link naming the latest (copied without "
+                    "links?); restore it (ln -sfn {} {}) or choose the folder to resume from",
+                    exp_dir.string(), fmt::join(complete, ", "), checkpoint_link_name, complete.back(), link.string()));
   return out;
 }
 
 // What a load returns besides the tensors it filled.
 struct LoadedCheckpoint {
-  nlohmann::ordered_json state;               // state.json
+  nlohmann::ordered_json state;                // state.json
   std::optional<io::NamedTensors> rank_state;  // this rank's, when the world size is the saved one
-  std::string rank_state_note;                // why rank_state is absent
+  std::string rank_state_note;                 // why rank_state is absent
   Manifest manifest;
-  std::vector<std::string> not_requested;     // tensors the checkpoint holds that were not loaded
+  std::vector<std::string> not_requested;  // tensors the checkpoint holds that were not loaded
 };
 
 namespace sharded_detail {
@@ -634,7 +643,7 @@ namespace sharded_detail {
 // Readers opened once per file and load.
 class Readers {
  public:
-  explicit Readers(fs::path dir) : dir_(std::move(dir)) {}
+  explicit Readers(std::filesystem::path dir) : dir_(std::move(dir)) {}
   const io::SafetensorsRangeReader& get(const std::string& file) {
     auto& reader = readers_[file];
     if (!reader) reader = std::make_unique<io::SafetensorsRangeReader>(dir_ / file);
@@ -642,7 +651,7 @@ class Readers {
   }
 
  private:
-  fs::path dir_;
+  std::filesystem::path dir_;
   std::map<std::string, std::unique_ptr<io::SafetensorsRangeReader>> readers_;
 };
 
@@ -661,8 +670,8 @@ inline void fill_from_pieces(const TensorRecord& record, torch::Tensor& target, 
   if (!uncovered.empty()) {
     std::vector<std::string> regions;
     for (const auto& b : uncovered) regions.push_back(io::to_string(b));
-    throw DataError(fmt::format("tensor '{}': region(s) {} of the requested box {} are in no saved piece",
-                                record.name, fmt::join(regions, ", "), io::to_string(target_box)));
+    throw DataError(fmt::format("tensor '{}': region(s) {} of the requested box {} are in no saved piece", record.name,
+                                fmt::join(regions, ", "), io::to_string(target_box)));
   }
   torch::NoGradGuard no_grad;
   for (const auto& p : record.pieces) {
@@ -671,12 +680,12 @@ inline void fill_from_pieces(const TensorRecord& record, torch::Tensor& target, 
     const auto& reader = readers.get(p.file);
     const auto* entry = reader.find(p.key);
     if (!entry)
-      throw DataError(fmt::format("{}: tensor '{}' (a piece of '{}') is missing", reader.path().string(), p.key,
-                                  record.name));
+      throw DataError(
+          fmt::format("{}: tensor '{}' (a piece of '{}') is missing", reader.path().string(), p.key, record.name));
     if (entry->dtype != record.dtype || entry->shape != p.box.sizes)
       throw DataError(fmt::format("{}: tensor '{}' is {} {}, the manifest says {} {}", reader.path().string(), p.key,
-                                  c10::toString(entry->dtype), shape_string(entry->shape),
-                                  c10::toString(record.dtype), shape_string(p.box.sizes)));
+                                  c10::toString(entry->dtype), shape_string(entry->shape), c10::toString(record.dtype),
+                                  shape_string(p.box.sizes)));
     torch::Tensor part;
     io::Box part_box = p.box;
     if (p.box.dim() == 0) {
@@ -692,9 +701,10 @@ inline void fill_from_pieces(const TensorRecord& record, torch::Tensor& target, 
 }
 
 inline std::string world_note(const Manifest& m, int world_size) {
-  return fmt::format("the checkpoint was saved by {} ranks and is loaded on {}: per-rank state (RNG) is not "
-                     "restored; reseed each rank",
-                     m.world_size, world_size);
+  return fmt::format(
+      "the checkpoint was saved by {} ranks and is loaded on {}: per-rank state (RNG) is not "
+      "restored; reseed each rank",
+      m.world_size, world_size);
 }
 
 }  // namespace sharded_detail
@@ -704,8 +714,9 @@ inline std::string world_note(const Manifest& m, int world_size) {
 // checksums (every file by default). Boxes may differ from the saved ones in any way; a tensor
 // absent from the checkpoint, or a box reaching outside the saved pieces, is an error naming it.
 template <class ChecksumThis>
-LoadedCheckpoint load_sharded_checkpoint(const fs::path& checkpoint_dir, std::vector<io::ShardedTensor>& tensors,
-                                         int rank, int world_size, ChecksumThis&& checksummed) {
+LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
+                                         std::vector<io::ShardedTensor>& tensors, int rank, int world_size,
+                                         ChecksumThis&& checksummed) {
   using namespace sharded_detail;
   LoadedCheckpoint out;
   out.manifest = read_manifest(checkpoint_dir);
@@ -750,16 +761,17 @@ LoadedCheckpoint load_sharded_checkpoint(const fs::path& checkpoint_dir, std::ve
   return out;
 }
 
-inline LoadedCheckpoint load_sharded_checkpoint(const fs::path& checkpoint_dir, std::vector<io::ShardedTensor>& tensors,
-                                                int rank = 0, int world_size = 1) {
+inline LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
+                                                std::vector<io::ShardedTensor>& tensors, int rank = 0,
+                                                int world_size = 1) {
   return load_sharded_checkpoint(checkpoint_dir, tensors, rank, world_size, [](std::size_t) { return true; });
 }
 
 // The collective load: every rank of `group` calls it with its own boxes. Each file's checksum is
 // computed by one rank (file i by rank i mod world) and the verdict shared, so the folder is read
 // once for checking; then each rank reads only the rows its boxes need.
-inline LoadedCheckpoint load_sharded_checkpoint(const fs::path& checkpoint_dir, std::vector<io::ShardedTensor>& tensors,
-                                                const comm::AxisGroup& group) {
+inline LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
+                                                std::vector<io::ShardedTensor>& tensors, const comm::AxisGroup& group) {
   const auto m = read_manifest(checkpoint_dir);
   const auto world = static_cast<std::size_t>(group.size());
   const auto me = static_cast<std::size_t>(group.rank());
@@ -780,11 +792,13 @@ inline LoadedCheckpoint load_sharded_checkpoint(const fs::path& checkpoint_dir, 
   for (const auto& [name, expected] : m.files) {
     if (verdict[static_cast<std::int64_t>(index)].item<int>() != 0 && !damaged[index])
       problems.push_back(fmt::format("{}: damaged (size or checksum differs from the manifest; checked by rank {})",
-                                     (checkpoint_dir / name).string(), group.global_rank_of(static_cast<int>(index % world))));
+                                     (checkpoint_dir / name).string(),
+                                     group.global_rank_of(static_cast<int>(index % world))));
     ++index;
   }
   throw_if_damaged(checkpoint_dir, problems);
-  return load_sharded_checkpoint(checkpoint_dir, tensors, group.rank(), group.size(), [](std::size_t) { return false; });
+  return load_sharded_checkpoint(checkpoint_dir, tensors, group.rank(), group.size(),
+                                 [](std::size_t) { return false; });
 }
 
 // AdamW's state for `parameters` as pieces with the same boxes, so optimizer state reshards like
@@ -798,9 +812,10 @@ inline std::vector<io::ShardedTensor> adamw_state_tensors(const train::AdamW& op
   auto take = [&](const std::string& name) {
     const auto it = by_name.find(name);
     if (it == by_name.end())
-      throw ConfigError(fmt::format("adamw_state_tensors: the optimizer has no state '{}' (is it built on the same "
-                                    "parameter names as the pieces?)",
-                                    name));
+      throw ConfigError(
+          fmt::format("adamw_state_tensors: the optimizer has no state '{}' (is it built on the same "
+                      "parameter names as the pieces?)",
+                      name));
     return it->second;
   };
   std::vector<io::ShardedTensor> out;
@@ -809,7 +824,7 @@ inline std::vector<io::ShardedTensor> adamw_state_tensors(const train::AdamW& op
     out.push_back(io::sharded(prefix + ".exp_avg", take(p.name + ".exp_avg"), p.global_shape, p.box, p.writer));
     out.push_back(io::sharded(prefix + ".exp_avg_sq", take(p.name + ".exp_avg_sq"), p.global_shape, p.box, p.writer));
     const bool holds_origin = !p.box.empty() && std::all_of(p.box.offsets.begin(), p.box.offsets.end(),
-                                                             [](std::int64_t o) { return o == 0; });
+                                                            [](std::int64_t o) { return o == 0; });
     out.push_back(io::replicated(prefix + ".step", take(p.name + ".step"), p.writer && holds_origin));
   }
   return out;
@@ -817,7 +832,7 @@ inline std::vector<io::ShardedTensor> adamw_state_tensors(const train::AdamW& op
 
 // What consolidate_checkpoint wrote.
 struct ConsolidateResult {
-  std::vector<fs::path> files;
+  std::vector<std::filesystem::path> files;
   std::int64_t tensors = 0;
   std::uint64_t bytes = 0;  // of tensor data
 };
@@ -831,15 +846,17 @@ struct ConsolidateOptions {
 // model.safetensors, or model-0000i-of-0000n.safetensors with model.safetensors.index.json beyond
 // max_shard_bytes. One process, no launcher; assembles one full tensor at a time, written straight
 // into the output file (whose header is planned from the manifest), so memory holds one tensor.
-inline ConsolidateResult consolidate_checkpoint(const fs::path& checkpoint_dir, const fs::path& out_dir,
+inline ConsolidateResult consolidate_checkpoint(const std::filesystem::path& checkpoint_dir,
+                                                const std::filesystem::path& out_dir,
                                                 const ConsolidateOptions& options = {}) {
   using namespace sharded_detail;
   const auto m = read_manifest(checkpoint_dir);
   verify_checkpoint_files(checkpoint_dir, m);
   if (!m.files.contains("config.json"))
-    throw DataError(fmt::format("{}: no config.json was saved with the checkpoint (pass it in "
-                                "SaveOptions::extra_files); an HF folder needs one",
-                                checkpoint_dir.string()));
+    throw DataError(
+        fmt::format("{}: no config.json was saved with the checkpoint (pass it in "
+                    "SaveOptions::extra_files); an HF folder needs one",
+                    checkpoint_dir.string()));
   std::vector<const TensorRecord*> model;
   for (const auto& t : m.tensors)
     if (options.include_optimizer || t.name.rfind(optimizer_prefix, 0) != 0) model.push_back(&t);
@@ -857,7 +874,7 @@ inline ConsolidateResult consolidate_checkpoint(const fs::path& checkpoint_dir, 
     in_shard += bytes;
     total += bytes;
   }
-  fs::create_directories(out_dir);
+  std::filesystem::create_directories(out_dir);
   ConsolidateResult result;
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   Readers readers(checkpoint_dir);
