@@ -402,7 +402,7 @@ TEST_CASE("consolidation writes an HF folder of full tensors, sharded beyond the
 
   SECTION("one file") {
     const auto out = exp / "hf";
-    const auto result = parallel::consolidate_checkpoint(dir, out);
+    const auto result = parallel::consolidate_sharded_checkpoint(dir, out);
     CHECK(result.tensors == static_cast<std::int64_t>(model_specs().size()));
     const auto weights = io::load_safetensors(out / "model.safetensors");
     REQUIRE(weights.tensors.size() == model_specs().size());

@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
   // the first large tensor, so memory would hold several tensors' worth instead of one.
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
   try {
-    const auto result = parallel::consolidate_checkpoint(checkpoint_dir, out_dir, options);
+    const auto result = parallel::consolidate_sharded_checkpoint(checkpoint_dir, out_dir, options);
     std::cout << fmt::format("{} tensors, {:.3f} GB of weights, written to {}:\n", result.tensors,
                              static_cast<double>(result.bytes) / 1e9, out_dir);
     for (const auto& file : result.files) std::cout << "  " << file.filename().string() << "\n";

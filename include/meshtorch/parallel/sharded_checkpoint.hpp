@@ -321,7 +321,12 @@ inline std::optional<std::string> check_checkpoint_file(const std::filesystem::p
     return fmt::format("{} has {} bytes, the manifest says {}: {}", path.string(), size, expected.bytes,
                        size < expected.bytes ? "truncated" : "written past its end");
   if (!checksum) return std::nullopt;
-  const auto actual = io::digest_file(path);
+  io::FileDigest actual;
+  try {
+    actual = io::digest_file(path);
+  } catch (const DataError& e) {  // a verdict, not an exception: the collective load shares it
+    return e.what();
+  }
   if (actual.xxh3 != expected.xxh3)
     return fmt::format("{}: checksum xxh3 {} differs from the manifest's {}: the file is damaged", path.string(),
                        io::checksum_hex(actual.xxh3), io::checksum_hex(expected.xxh3));
@@ -830,7 +835,7 @@ inline std::vector<io::ShardedTensor> adamw_state_tensors(const train::AdamW& op
   return out;
 }
 
-// What consolidate_checkpoint wrote.
+// What consolidate_sharded_checkpoint wrote.
 struct ConsolidateResult {
   std::vector<std::filesystem::path> files;
   std::int64_t tensors = 0;
@@ -846,7 +851,7 @@ struct ConsolidateOptions {
 // model.safetensors, or model-0000i-of-0000n.safetensors with model.safetensors.index.json beyond
 // max_shard_bytes. One process, no launcher; assembles one full tensor at a time, written straight
 // into the output file (whose header is planned from the manifest), so memory holds one tensor.
-inline ConsolidateResult consolidate_checkpoint(const std::filesystem::path& checkpoint_dir,
+inline ConsolidateResult consolidate_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
                                                 const std::filesystem::path& out_dir,
                                                 const ConsolidateOptions& options = {}) {
   using namespace sharded_detail;
