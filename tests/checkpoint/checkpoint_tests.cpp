@@ -133,7 +133,8 @@ fs::path save_simulated(const fs::path& exp, std::int64_t step, int fsdp, int tp
     for (int t = 0; t < tp; ++t) {
       const Layout l{fsdp, f, tp, t};
       const io::NamedTensors rank_state{{"rng.cpu", torch::full({3}, l.rank(), torch::kByte)}};
-      const auto written = parallel::write_rank_pieces(partial, l.rank(), fsdp * tp, pieces(l, true), rank_state);
+      const auto written = parallel::write_rank_pieces(partial, l.rank(), fsdp * tp, pieces(l, true), rank_state,
+                                                       fmt::format("FSDP {}, TP {}", f, t));
       REQUIRE(written.largest_staging_numel == 0);  // CPU, contiguous: written from the pieces themselves
     }
   parallel::publish_sharded_checkpoint(exp, step, fsdp * tp, state_of(step), options);
@@ -203,6 +204,7 @@ TEST_CASE("a checkpoint saved as FSDP 2 x TP 2 loads exactly into 1, 2, 3 and 4 
     require_true_values(target);
     CHECK(loaded.state["global_step"] == 10);
     CHECK(loaded.manifest.layout == "FSDP 2 x TP 2");
+    CHECK(loaded.manifest.coordinates.at(3) == "FSDP 1, TP 1");
     if (world == 4) {
       REQUIRE(loaded.rank_state);
       REQUIRE(loaded.rank_state->size() == 1);
@@ -572,7 +574,10 @@ TEST_CASE("rank body: save as FSDP 2 x TP 2", "[.rank_save_fsdp2_tp2]") {
   torch::manual_seed(1000 + group.rank());
   const io::NamedTensors rng{{"rng.cpu", at::detail::getDefaultCPUGenerator().get_state()}};
   const auto saved = parallel::save_sharded_checkpoint(shared_dir(), 20, tensors, state_of(20), rng, group,
-                                                       {.layout = "Mesh<FSDP<2>, TP<2>>", .extra_files = {}});
+                                                       {.layout = "Mesh<FSDP<2>, TP<2>>",
+                                                        .extra_files = {},
+                                                        .coordinate = fmt::format("FSDP {}, TP {}", group.rank() / 2,
+                                                                                  group.rank() % 2)});
   CHECK(saved.folder == shared_dir() / "ckpt-00000020");
   // No rank holds or copies a full weight while saving: it writes its pieces from their own memory.
   CHECK(saved.written.largest_staging_numel == 0);
@@ -591,6 +596,7 @@ TEST_CASE("rank body: load on the world size that saved", "[.rank_load_same_worl
   REQUIRE(resume.checkpoint);
   const auto loaded = parallel::load_sharded_checkpoint(*resume.checkpoint, tensors, group);
   require_loaded(tensors);
+  CHECK(loaded.manifest.coordinates.at(2) == "FSDP 1, TP 0");
   REQUIRE(loaded.rank_state);
   torch::manual_seed(1000 + group.rank());
   CHECK(torch::equal(loaded.rank_state->front().second, at::detail::getDefaultCPUGenerator().get_state()));

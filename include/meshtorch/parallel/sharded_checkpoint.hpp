@@ -64,6 +64,9 @@ struct SaveOptions {
   // Small files rank 0 writes into the folder (config.json above all: consolidation copies it
   // into the HF folder); listed in the manifest with their checksums.
   std::map<std::string, std::string> extra_files;
+  // This rank's place in the mesh ("DP 0, FSDP 1, TP 0"), recorded per rank in the manifest so
+  // a file can be traced to the rank that wrote it; each rank passes its own.
+  std::string coordinate;
 };
 
 struct PieceRecord {
@@ -89,6 +92,7 @@ struct Manifest {
   std::vector<TensorRecord> tensors;                   // sorted by name
   std::map<std::string, io::FileDigest> files;         // every file of the folder but manifest.json
   std::map<int, std::vector<std::string>> rank_state;  // rank -> names (keys are rank_state_key)
+  std::map<int, std::string> coordinates;              // rank -> SaveOptions::coordinate
 
   const TensorRecord* find(const std::string& name) const {
     const auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
@@ -237,6 +241,8 @@ inline nlohmann::ordered_json to_json(const Manifest& m) {
   }
   auto& rank_state = j["rank_state"] = nlohmann::ordered_json::object();
   for (const auto& [rank, names] : m.rank_state) rank_state[std::to_string(rank)] = names;
+  auto& coordinates = j["coordinates"] = nlohmann::ordered_json::object();
+  for (const auto& [rank, coordinate] : m.coordinates) coordinates[std::to_string(rank)] = coordinate;
   return j;
 }
 
@@ -304,6 +310,18 @@ inline Manifest read_manifest(const std::filesystem::path& checkpoint_dir) {
     if (!names.is_array() || !std::all_of(names.begin(), names.end(), [](const auto& n) { return n.is_string(); }))
       throw DataError(fmt::format("{}: rank_state.{} must be a list of names", where, rank));
     m.rank_state[r] = names.get<std::vector<std::string>>();
+  }
+  const auto coordinates_json = field<nlohmann::json>(j, "coordinates", where);
+  for (const auto& [rank, coordinate] : coordinates_json.items()) {
+    if (!coordinate.is_string()) throw DataError(fmt::format("{}: coordinates.{} must be a string", where, rank));
+    int r = -1;
+    try {
+      r = std::stoi(rank);
+    } catch (const std::exception&) {
+    }
+    if (r < 0 || r >= m.world_size)
+      throw DataError(fmt::format("{}: coordinates has rank '{}' outside 0..{}", where, rank, m.world_size - 1));
+    m.coordinates[r] = coordinate.get<std::string>();
   }
   return m;
 }
@@ -373,7 +391,7 @@ struct RankWriteResult {
 // the list is written has not finished, and publishing refuses the folder.
 inline RankWriteResult write_rank_pieces(const std::filesystem::path& partial_dir, int rank, int world_size,
                                          const std::vector<io::ShardedTensor>& tensors,
-                                         const io::NamedTensors& rank_state) {
+                                         const io::NamedTensors& rank_state, const std::string& coordinate = "") {
   using namespace sharded_detail;
   if (rank < 0 || rank >= world_size)
     throw ConfigError(fmt::format("write_rank_pieces: rank {} is outside a world of {}", rank, world_size));
@@ -419,7 +437,8 @@ inline RankWriteResult write_rank_pieces(const std::filesystem::path& partial_di
                               {"bytes", result.digest.bytes},
                               {"xxh3", io::checksum_hex(result.digest.xxh3)},
                               {"pieces", pieces},
-                              {"rank_state", state_names}};
+                              {"rank_state", state_names},
+                              {"coordinate", coordinate}};
   io::write_file_atomically(partial_dir / rank_piece_list_name(rank), list.dump(1) + "\n");
   return result;
 }
@@ -503,6 +522,7 @@ inline Manifest publish_sharded_checkpoint(const std::filesystem::path& exp_dir,
       it->second.pieces.push_back(std::move(p));
     }
     m.rank_state[rank] = field<std::vector<std::string>>(list, "rank_state", where);
+    m.coordinates[rank] = field<std::string>(list, "coordinate", where);
   }
   for (auto& [tensor_name, record] : tensors) {
     check_exact_cover(record, fmt::format("saving {}", name));
@@ -580,8 +600,9 @@ inline SavedCheckpoint save_sharded_checkpoint(const std::filesystem::path& exp_
     std::filesystem::create_directories(partial_dir);
   });
   RankWriteResult written;
-  collective_step("write their pieces",
-                  [&] { written = write_rank_pieces(partial_dir, group.rank(), group.size(), tensors, rank_state); });
+  collective_step("write their pieces", [&] {
+    written = write_rank_pieces(partial_dir, group.rank(), group.size(), tensors, rank_state, options.coordinate);
+  });
   collective_step("verify and publish the checkpoint", [&] {
     if (group.rank() == 0) publish_sharded_checkpoint(exp_dir, global_step, group.size(), state, options);
   });
