@@ -11,6 +11,7 @@
 
 #include "meshtorch/io/atomic_file.hpp"
 #include "meshtorch/io/safetensors.hpp"
+#include "meshtorch/io/sharded_tensor.hpp"
 
 #include "meshtorch/models/llama/config.hpp"
 #include "meshtorch/models/llama/config_json.hpp"

@@ -11,6 +11,7 @@
 #include <meshtorch/parallel/parallelize.hpp>
 #include <meshtorch/parallel/process_group.hpp>
 #include <meshtorch/parallel/rank.hpp>
+#include <meshtorch/parallel/sharded_checkpoint.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/tensor_parallel_checkpoint.hpp>
 #include <meshtorch/parallel/zero.hpp>
