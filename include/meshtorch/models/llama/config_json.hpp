@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "meshtorch/io/json_file.hpp"
+
 #include "meshtorch/models/llama/config.hpp"
 
 namespace meshtorch::llama {
@@ -227,15 +229,9 @@ inline Config config_from_json(const nlohmann::json& j, const std::string& sourc
 }
 
 inline ConfigFile load_config_file(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  if (!in) throw ConfigError(path.string() + ": cannot open");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw ConfigError(path.string() + ": not valid JSON (" + e.what() + ")");
-  }
-  return read_config_json(j, path.string());
+  // A directory or pipe named config.json, a number like 1e999, deep nesting or a repeated key
+  // is a ConfigError naming the file, not a raw exception.
+  return read_config_json(io::read_json_file<ConfigError>(path, "config.json"), path.string());
 }
 
 inline Config load_config(const std::filesystem::path& path) { return load_config_file(path).config; }
