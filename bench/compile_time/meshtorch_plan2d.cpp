@@ -11,7 +11,7 @@ using Plan2D = mt::llama::Plan<Mesh2D, mt::llama::presets::llama_3_1_8b>;
 
 double shard_and_step(mt::llama::LlamaForCausalLM& model, const mt::comm::AxisGroup& dp, const mt::comm::AxisGroup& tp,
                       const torch::Tensor& ids) {
-  auto tensor_parallel = mt::parallelize<Plan2D>(model, tp);
+  auto tensor_parallel = mt::apply_tensor_parallel<Plan2D>(model, tp);
   mt::FullyShardedDataParallel fsdp(model, dp);
   for (auto& layer : model->model->decoder_layers) fsdp.fully_shard(layer);
   fsdp.fully_shard(model);

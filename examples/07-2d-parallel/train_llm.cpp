@@ -1,110 +1,60 @@
 // Chapter 7: 2D parallel: tensor parallel inside a node, FSDP across nodes.
 //
-// Chapter 6's tensor-parallel plan on Mesh<FSDP<dynamic>, TP<N>>, then chapter 4's fully_shard
-// over the FSDP axis: each rank keeps its TP piece of every matrix, and of that piece only its
-// FSDP rows; the rows are all-gathered over the FSDP axis before each layer runs and the
-// gradients reduce-scattered after. `--tp` sets the TP size, the rest of the world is FSDP
-// (the guide's mesh (world / tp, tp)).
-#include <chrono>
-#include <filesystem>
-
-#include <meshtorch/comm/comm.hpp>
+// Chapter 6's tensor-parallel plan, then chapter 4's fully_shard over the data-parallel ranks:
+// each rank keeps its TP piece of every matrix, and of that piece only its FSDP rows. The mesh
+// is Mesh<DP, FSDP, TP> with every extent given at start-up: `--tp` ranks split each layer,
+// `--dp` replicas each hold a full FSDP copy (HSDP), and the rest of the world is FSDP (the
+// guide's mesh (world / tp, tp) is --dp 1). parallelize() reads the axes from the type and
+// applies TP, then FSDP per layer and the root, then replication over DP; the model is built
+// on the meta device, so no rank ever holds more than its pieces plus one full weight.
 #include <meshtorch/meshtorch.hpp>
-#include <meshtorch/parallel/parallel.hpp>
 
 namespace mt = meshtorch;
+using Mesh = mt::Mesh<mt::DP<mt::dynamic>, mt::FSDP<mt::dynamic>, mt::TP<mt::dynamic>>;
 
 struct Chapter7Args : mt::train::TrainArgs {
   int tp = 2;
+  int dp = 1;
   bool reshard_after_forward = true;
 
   void add_to(CLI::App& app) {
     TrainArgs::add_to(app);
-    app.add_option("--tp", tp, "tensor-parallel size (1, 2, 4 or 8; divides the world); the rest is FSDP")
-        ->capture_default_str();
+    app.add_option("--tp", tp, "tensor-parallel size (divides the world); the rest is FSDP")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
+    app.add_option("--dp", dp, "replicas of the FSDP x TP model (HSDP: shard inside, all-reduce across)")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
     app.add_flag("--reshard-after-forward,!--no-reshard-after-forward", reshard_after_forward,
                  "free each layer's gathered weights after its forward and gather them again for backward")
         ->capture_default_str();
   }
-
-  std::string fingerprint() const {
-    return "-m " + model_name + " -d " + dataset_name + " -s " + std::to_string(seq_length) + " -b " +
-           std::to_string(batch_size) + " --grad-accum " + std::to_string(grad_accum) + " --seed " +
-           std::to_string(seed) + " --dtype " + dtype;
-  }
 };
 
-template <std::size_t Tp>
 int train(const Chapter7Args& args) {
-  using Mesh = mt::Mesh<mt::FSDP<mt::dynamic>, mt::TP<Tp>>;
-  using Plan = mt::llama::Plan<Mesh>;
+  using Plan = mt::llama::Plan<Mesh>;  // the guide's plan: sequence parallel + loss parallel
+  auto [env, device, dtype, mesh, log] = mt::launch<Mesh>(args, {args.dp, mt::from_world_size, args.tp}, Plan::describe());
 
-  if (args.threads > 0) torch::set_num_threads(args.threads);
-  const auto env = mt::comm::launch_env();
-  const auto device = mt::train::resolve_device(args.device, env.local_rank);
-  const auto dtype = mt::train::resolve_dtype(args.dtype, device);
-  auto mesh = mt::comm::init<Mesh>({.device = device.is_cuda() ? mt::comm::Device::cuda : mt::comm::Device::cpu,
-                                    .fingerprint = args.fingerprint() + " | " + Plan::describe(),
-                                    .env = env});
-  const mt::comm::AxisGroup& dp = mesh.template group<mt::FSDP>();
-  const mt::comm::AxisGroup& tp = mesh.template group<mt::TP>();
-  const mt::comm::AxisGroup& world = mesh.world();
-  mt::train::Logger log(mesh.rank());
-  log.info("rank " + std::to_string(mesh.rank()) + " of " + std::to_string(mesh.world_size()) + " on " +
-           device.str() + ": FSDP " + std::to_string(dp.rank()) + " of " + std::to_string(dp.size()) + ", TP " +
-           std::to_string(tp.rank()) + " of " + std::to_string(tp.size()));
-  torch::manual_seed(args.seed);
-
-  // 1. Tensor parallel first, as in chapter 6: every rank keeps its TP piece of each matrix.
+  // The model on the meta device, then the parallel model the mesh type describes.
   const auto config = mt::llama::resolve_model(args.model_name);
-  Plan::validate(config, tp.size(), args.model_name);
-  Plan::validate_sequence(args.seq_length, tp.size());
-  mt::llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype));
-  mt::llama::materialize(model, torch::TensorOptions().device(device).dtype(dtype));
-  mt::llama::load_pretrained_weights_if_present(model, args.model_name);
-  auto tensor_parallel = mt::parallelize<Plan>(model, tp);
+  Plan::validate(config, mesh.size<mt::TP>(), args.model_name);
+  Plan::validate_sequence(args.seq_length, mesh.size<mt::TP>());
+  auto model = mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
+                               mesh,
+                               {.device = device,
+                                .weights_from = mt::pretrained_weights_folder(args.model_name),
+                                .fsdp = {.reshard_after_forward = args.reshard_after_forward}});
+  log.info(fmt::format("{}: {} of the model's {} parameters held by this rank, {}", model.describe(),
+                       model.local_numel(), config.num_parameters(), mt::llama::dtype_name(dtype)));
 
-  // 2. Then FSDP over the other axis: each decoder layer a unit, then the root. The shards are
-  //    filled from the TP pieces, so the model equals chapter 1's.
-  mt::io::NamedTensors tp_pieces;
-  for (const auto& item : model->named_parameters()) tp_pieces.emplace_back(item.key(), item.value().detach().clone());
-  mt::FullyShardedDataParallel fsdp(model, dp, {.reshard_after_forward = args.reshard_after_forward, .device = device});
-  for (auto& layer : model->model->decoder_layers) fsdp.fully_shard(layer);
-  fsdp.fully_shard(model);
-  fsdp.load_full_state_dict(tp_pieces, "the tensor-parallel pieces");
-  tp_pieces.clear();
-  log.info("plan " + Plan::describe());
-  std::int64_t local = 0;
-  for (const auto& [name, shard] : fsdp.named_parameters()) local += shard.numel();
-  log.info("model " + args.model_name + ": " + std::to_string(config.num_parameters()) + " parameters, " +
-           std::to_string(local) + " held by this rank, " + mt::llama::dtype_name(dtype));
-
-  const auto blocks = mt::rank_zero_first(world, [&] { return mt::data::load_dataset(args.dataset_name, args.seq_length); });
-  blocks.check_vocab(config.vocab_size);
-  // The data-parallel axis is FSDP: the TP ranks of an FSDP coordinate read the same batch.
-  const mt::data::DpInvariantSampler sampler({.num_samples = blocks.size(), .batch_size = args.batch_size,
-                                               .dp_size = dp.size(), .dp_rank = dp.rank(),
-                                               .grad_accum = args.grad_accum, .seed = args.seed});
+  // The data-parallel ranks (DP x FSDP) split the global batch; a TP group reads one batch.
+  const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
+  mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
   const mt::train::CosineSchedule schedule(args.lr);
-  mt::train::AdamW optimizer(fsdp.named_parameters(), {.lr = args.lr});
 
-  mt::train::TrainState state;
-  const mt::train::RunIdentity identity{args.seed, args.seq_length, sampler.global_batch(), args.dataset_name,
-                                        args.model_name};
-  const std::filesystem::path exp_dir = std::filesystem::path(args.save_dir) / args.experiment_name;
-  mt::train::MetricsFile metrics;
-  if (!args.experiment_name.empty()) {
-    mt::on_rank_zero(world, [&] { std::filesystem::create_directories(exp_dir); });
-    if (auto resumed = mt::parallel::load_checkpoint(exp_dir, tensor_parallel, fsdp, optimizer, identity, world)) {
-      state = *resumed;
-      log.info("resumed from " + (exp_dir / "checkpoint").string() + " at global_step " +
-               std::to_string(state.global_step));
-    }
-    if (mesh.rank() == 0) metrics = mt::train::MetricsFile(exp_dir / "metrics.jsonl");
-  }
-
+  mt::train::Experiment experiment(args, mesh.rank(), sampler.global_batch(), device);
+  auto state = experiment.resume(model, optimizer);
   mt::train::PhaseTimers timers(device);
-  mt::train::LogWindow window(device, /*tokens_per_step=*/sampler.global_batch() * args.seq_length);
 
   for (; state.epoch < args.num_epochs; ++state.epoch, state.epoch_step = 0) {
     mt::data::PrefetchingLoader loader(blocks, sampler, state.epoch, state.epoch_step, device.is_cuda());
@@ -114,6 +64,9 @@ int train(const Chapter7Args& args) {
 
       torch::Tensor step_loss = torch::zeros({}, torch::TensorOptions().device(device).dtype(torch::kDouble));
       for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
+        // All micro-batches but the last skip the DP all-reduce (FSDP still reduce-scatters).
+        std::optional<decltype(model.no_sync())> no_sync;
+        if (micro + 1 < sampler.micro_batches()) no_sync.emplace(model.no_sync());
         torch::Tensor input_ids;
         {
           auto timer = timers.time("data");
@@ -122,11 +75,11 @@ int train(const Chapter7Args& args) {
         torch::Tensor loss;
         {
           auto timer = timers.time("forward");
-          loss = tensor_parallel.loss(input_ids, /*labels=*/input_ids) / static_cast<double>(sampler.micro_batches());
+          loss = model.loss(input_ids, /*labels=*/input_ids) / static_cast<double>(sampler.micro_batches());
         }
         {
           auto timer = timers.time("backward");
-          loss.backward();  // reduce-scatters each unit's gradients over FSDP as it finishes
+          loss.backward();
         }
         step_loss += loss.detach().to(torch::kDouble);
       }
@@ -136,27 +89,10 @@ int train(const Chapter7Args& args) {
         optimizer.step();
         optimizer.zero_grad();
       }
-      const double global_loss = mt::comm::all_reduce(dp, step_loss, mt::comm::ReduceOp::avg).item<double>();
-      ++state.global_step;
-      ++state.epoch_step;
-      state.running_loss += global_loss;
-      ++state.running_steps;
-      progress.update(state.epoch_step, "loss=" + std::to_string(global_loss));
-
-      if (state.global_step % args.log_freq == 0) {
-        const auto record = window.record(state, sampler.steps_per_epoch(), schedule.lr_at(state.global_step), timers);
-        if (mesh.rank() == 0) {
-          log.info(mt::train::format_metrics(record));
-          metrics.append(record);
-        }
-        window.close(state, timers);
-      }
-      if (!args.experiment_name.empty() && state.global_step % args.ckpt_freq == 0) {
-        const auto save_start = std::chrono::steady_clock::now();
-        mt::parallel::save_checkpoint(exp_dir, tensor_parallel, fsdp, config, optimizer, state, identity, world);
-        log.info("saved checkpoint at global_step " + std::to_string(state.global_step));
-        window.exclude(std::chrono::steady_clock::now() - save_start);
-      }
+      experiment.end_step(state, model.mean_over_data_parallel(step_loss).item<double>(), progress);
+      if (state.global_step % args.log_freq == 0)
+        experiment.log_metrics(state, sampler.steps_per_epoch(), schedule.lr_at(state.global_step), timers);
+      if (state.global_step % args.ckpt_freq == 0) experiment.save(state, model, optimizer);
     }
   }
   return 0;
@@ -167,13 +103,5 @@ int main(int argc, char** argv) {
   Chapter7Args args;
   args.add_to(app);
   CLI11_PARSE(app, argc, argv);
-  return mt::comm::run_recorded([&] {
-    switch (args.tp) {
-      case 1: return train<1>(args);
-      case 2: return train<2>(args);
-      case 4: return train<4>(args);
-      case 8: return train<8>(args);
-    }
-    throw mt::ConfigError("--tp " + std::to_string(args.tp) + ": this binary is built for TP sizes 1, 2, 4 and 8");
-  });
+  return mt::comm::run_recorded([&] { return train(args); });
 }

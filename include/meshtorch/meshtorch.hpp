@@ -28,6 +28,7 @@
 #include "meshtorch/train/args.hpp"
 #include "meshtorch/train/checkpoint.hpp"
 #include "meshtorch/train/device.hpp"
+#include "meshtorch/train/experiment.hpp"
 #include "meshtorch/train/log.hpp"
 #include "meshtorch/train/lr_schedule.hpp"
 #include "meshtorch/train/memory.hpp"

@@ -34,6 +34,10 @@ TEST_CASE("groups of a 3-d mesh hold their slices on 4 ranks", "[multiprocess][c
   require_ranks_succeed(4, "[rank_collectives_3d]");
 }
 
+TEST_CASE("a mesh with every extent dynamic takes them from init and the world size", "[multiprocess][collectives_3d]") {
+  require_ranks_succeed(4, "[rank_collectives_flexible]");
+}
+
 TEST_CASE("differentiable collectives have the adjoint gradients on 4 ranks",
           "[multiprocess][differentiable_4]") {
   require_ranks_succeed(4, "[rank_differentiable]");

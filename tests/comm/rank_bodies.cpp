@@ -170,8 +170,8 @@ template <MeshType M>
 void check_mesh(const DeviceMesh<M>& mesh) {
   INFO(mesh.shape().to_string() << " on rank " << mesh.rank());
   for (std::size_t axis_index = 0; axis_index < M::ndim; ++axis_index) {
-    const AxisGroup& group = mesh.group(axis_index);
-    CHECK(group.ranks() == mesh.shape().slice_ranks(axis_index, mesh.rank()));
+    const AxisGroup& group = mesh.axis_group(axis_index);
+    CHECK(group.ranks() == mesh.shape().axis_slice_ranks(axis_index, mesh.rank()));
     CHECK(group.rank() == mesh.coords()[axis_index]);
     check_collectives(group);
     check_redistribute(group);
@@ -203,6 +203,28 @@ TEST_CASE("rank body: collectives on Mesh<DP<2>, FSDP<dynamic>, TP<1>>", "[.rank
   CHECK(mesh.size<FSDP>() == mesh.world_size() / 2);
   CHECK(mesh.group<TP>().size() == 1);
   check_mesh(mesh);
+  // The merged data-parallel group: every rank at this TP coordinate, DP-major.
+  const AxisGroup& data_parallel = mesh.group<DP, FSDP>();
+  CHECK(data_parallel.ranks() == mesh.shape().slice_ranks<DP, FSDP>(mesh.rank()));
+  CHECK(data_parallel.size() == mesh.world_size());
+  CHECK(data_parallel.rank() == mesh.coord<DP>() * mesh.size<FSDP>() + mesh.coord<FSDP>());
+  check_collectives(data_parallel);
+  barrier(mesh.world());
+}
+
+TEST_CASE("rank body: a mesh whose extents are all dynamic, given at init", "[.rank_collectives_flexible]") {
+  auto options = test_options();
+  options.extents = {1, from_world_size, 2};
+  auto mesh = init<Mesh<DP<dynamic>, FSDP<dynamic>, TP<dynamic>>>(options);
+  CHECK(mesh.size<DP>() == 1);
+  CHECK(mesh.size<TP>() == 2);
+  CHECK(mesh.size<FSDP>() == mesh.world_size() / 2);
+  check_mesh(mesh);
+  const AxisGroup& data_parallel = mesh.group<DP, FSDP>();
+  CHECK(data_parallel.axis_name() == "DP+FSDP");
+  CHECK(data_parallel.ranks() == mesh.shape().slice_ranks<FSDP>(mesh.rank()));
+  CHECK(mesh.group<FSDP, TP>().size() == mesh.world_size());
+  check_collectives(data_parallel);
   barrier(mesh.world());
 }
 
@@ -234,7 +256,7 @@ TEST_CASE("rank body: differentiable collectives over TP", "[.rank_differentiabl
   {
     INFO("scatter: local chunk forward, all-gather backward");
     auto x = leaf(torch::arange(2 * 2 * n, f64).view({2, 2 * n}));
-    auto y = scatter_to_parallel_region(x, tp, -1);
+    auto y = scatter_to_parallel_region<-1>(x, tp);
     expect_equal(y, x.detach().chunk(n, 1)[r], "scatter forward");
     (y * (r + 1.0)).sum().backward();
     std::vector<torch::Tensor> blocks;
@@ -244,7 +266,7 @@ TEST_CASE("rank body: differentiable collectives over TP", "[.rank_differentiabl
   {
     INFO("gather: all-gather forward, local chunk backward");
     auto x = leaf(torch::full({2, 2}, static_cast<double>(r), f64));
-    auto y = gather_from_parallel_region(x, tp, -1);
+    auto y = gather_from_parallel_region<-1>(x, tp);
     std::vector<torch::Tensor> blocks;
     for (int c = 0; c < n; ++c) blocks.push_back(torch::full({2, 2}, static_cast<double>(c), f64));
     expect_equal(y, torch::cat(blocks, 1), "gather forward");
@@ -255,7 +277,7 @@ TEST_CASE("rank body: differentiable collectives over TP", "[.rank_differentiabl
   {
     INFO("sequence gather: all-gather forward, reduce-scatter backward");
     auto x = leaf(torch::full({2, 3}, static_cast<double>(r), f64));
-    auto y = gather_from_sequence_parallel_region(x, tp, 0);
+    auto y = gather_from_sequence_parallel_region<0>(x, tp);
     std::vector<torch::Tensor> blocks;
     for (int c = 0; c < n; ++c) blocks.push_back(torch::full({2, 3}, static_cast<double>(c), f64));
     expect_equal(y, torch::cat(blocks, 0), "sequence gather forward");
@@ -267,7 +289,7 @@ TEST_CASE("rank body: differentiable collectives over TP", "[.rank_differentiabl
     INFO("sequence reduce-scatter: reduce-scatter forward, all-gather backward");
     const auto pattern = torch::arange(2 * n * 3, f64).view({2 * n, 3});
     auto x = leaf(pattern * (r + 1));
-    auto y = reduce_scatter_to_sequence_parallel_region(x, tp, 0);
+    auto y = reduce_scatter_to_sequence_parallel_region<0>(x, tp);
     expect_equal(y, pattern.chunk(n, 0)[r] * s, "sequence reduce-scatter forward");
     (y * (r + 1.0)).sum().backward();
     std::vector<torch::Tensor> blocks;
@@ -316,15 +338,15 @@ TEST_CASE("rank body: rank 1 starts with another mesh type", "[.rank_mesh_mismat
 TEST_CASE("rank body: the last rank starts with other flags", "[.rank_flags_mismatch]") {
   const auto env = launch_env();
   auto options = test_options();
-  options.fingerprint = env.rank == env.world_size - 1 ? "--tp 4" : "--tp 2";
+  // One flag a line, as train::flags_fingerprint writes them: the error names the differing one.
+  options.fingerprint = env.rank == env.world_size - 1 ? "seed=1\ntp=4\nlr=1\n" : "seed=1\ntp=2\nlr=1\n";
   try {
     init<Mesh<DP<dynamic>>>(options);
     FAIL("init succeeded although the last rank has other flags");
   } catch (const CommError& e) {
     std::cout << "rank " << env.rank << " caught: " << e.what() << "\n";
     CHECK_THAT(std::string(e.what()),
-               Catch::Contains("'Mesh<DP<dynamic>> on cpu | --tp 4'") &&
-                   Catch::Contains("'Mesh<DP<dynamic>> on cpu | --tp 2'"));
+               Catch::Contains("was started with 'tp=4' but rank 0 with 'tp=2'"));
   }
 }
 

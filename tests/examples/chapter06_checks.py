@@ -55,7 +55,8 @@ def resume(tools):
 
 def bad_input(tools):
     cases = [
-        (2, ["--tp", "3"], "--tp 3: this binary is built for TP sizes 1, 2, 4 and 8"),
+        (2, ["--tp", "3"], "world size 2 is not a multiple of 3"),
+        (3, ["--tp", "3"], "num_attention_heads is not divisible by the TP size (3)"),
         (3, ["--tp", "2"], "world size 3 is not a multiple of 2"),
         (2, ["--tp", "2", "-s", "63"], "--seq-length 63 is not divisible by the TP size 2"),
         (4, ["--tp", "4", "-m", "llama-tiny"], None),  # llama-tiny splits 4 ways: no error

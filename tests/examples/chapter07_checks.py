@@ -2,7 +2,7 @@
 """End-to-end checks of examples/07-2d-parallel against chapter 1, run by CTest on CPU with Gloo,
 fp32, one thread per rank.
 
-usage: chapter07_checks.py MESHRUN CHAPTER1 CHAPTER7 {fsdp-tp-parity|reshard-parity|resume}
+usage: chapter07_checks.py MESHRUN CHAPTER1 CHAPTER7 {fsdp-tp-parity|reshard-parity|hsdp-parity|3d-parity|resume}
 """
 import sys
 import tempfile
@@ -36,6 +36,16 @@ def reshard_parity(tools):
     parity(tools, 8, 4, ["-b", "2", "--tp", "2", "--no-reshard-after-forward", "--grad-accum", "2"], steps=10)
 
 
+def hsdp_parity(tools):
+    # --dp 2 --tp 1 on 4 ranks: two replicas of an FSDP-2 model (HSDP); 4 data-parallel ranks x 2.
+    parity(tools, 8, 4, ["-b", "2", "--tp", "1", "--dp", "2"], steps=10)
+
+
+def three_d_parity(tools):
+    # --dp 2 --tp 2 on 8 ranks: Mesh<DP=2, FSDP=2, TP=2>; 4 data-parallel ranks x 2 samples.
+    parity(tools, 8, 8, ["-b", "2", "--tp", "2", "--dp", "2"], steps=10)
+
+
 def resume(tools):
     with tempfile.TemporaryDirectory() as tmp:
         check_stop_and_resume(lambda *args: run_2d(tools, 4, *args), tmp,
@@ -50,5 +60,6 @@ def resume(tools):
 
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter7": sys.argv[3]}
-    {"fsdp-tp-parity": fsdp_tp_parity, "reshard-parity": reshard_parity, "resume": resume}[sys.argv[4]](tools)
+    {"fsdp-tp-parity": fsdp_tp_parity, "reshard-parity": reshard_parity, "hsdp-parity": hsdp_parity,
+     "3d-parity": three_d_parity, "resume": resume}[sys.argv[4]](tools)
     print("ok")

@@ -25,10 +25,21 @@ static_assert(!MegatronPlan::sequence_parallel && !MegatronPlan::loss_parallel);
 
 // Style names and the collectives the styles imply.
 static_assert(mt::ColwiseParallel<mt::Shard<1>, mt::Shard<-1>>::name == "ColwiseParallel<Shard<1>, Shard<-1>>");
-static_assert(mt::ColwiseParallel<mt::Shard<1>>::enter == mt::Collective::all_gather);
-static_assert(mt::RowwiseParallel<mt::Shard<-1>, mt::Shard<1>>::leave == mt::Collective::reduce_scatter);
-static_assert(mt::RowwiseParallel<>::leave == mt::Collective::all_reduce);
-static_assert(mt::RowwiseParallel<mt::Replicate, mt::Replicate>::enter == mt::Collective::local_chunk);
+// Each style's collectives, forward and backward, as Megatron-LM pairs them.
+static_assert(mt::ColwiseParallel<mt::Shard<1>>::enter::forward == mt::Collective::all_gather);
+static_assert(mt::ColwiseParallel<mt::Shard<1>>::enter::backward == mt::Collective::reduce_scatter);
+static_assert(mt::ColwiseParallel<>::enter::forward == mt::Collective::none);       // f ...
+static_assert(mt::ColwiseParallel<>::enter::backward == mt::Collective::all_reduce);  // ... its all-reduce
+static_assert(mt::ColwiseParallel<mt::Replicate, mt::Replicate>::leave::forward == mt::Collective::all_gather);
+static_assert(mt::ColwiseParallel<mt::Replicate, mt::Replicate>::leave::backward == mt::Collective::local_chunk);
+static_assert(mt::RowwiseParallel<mt::Shard<-1>, mt::Shard<1>>::leave::forward == mt::Collective::reduce_scatter);
+static_assert(mt::RowwiseParallel<mt::Shard<-1>, mt::Shard<1>>::leave::backward == mt::Collective::all_gather);
+static_assert(mt::RowwiseParallel<>::leave::forward == mt::Collective::all_reduce);  // g ...
+static_assert(mt::RowwiseParallel<>::leave::backward == mt::Collective::none);       // ... identity back
+static_assert(mt::RowwiseParallel<mt::Replicate, mt::Replicate>::enter::forward == mt::Collective::local_chunk);
+static_assert(mt::RowwiseParallel<mt::Replicate, mt::Replicate>::enter::backward == mt::Collective::all_gather);
+static_assert(mt::PrepareModuleInput<mt::Shard<1>, mt::Replicate>::enter::backward == mt::Collective::reduce_scatter);
+static_assert(mt::SequenceParallel<1>::weight::backward == mt::Collective::all_reduce);
 
 TEST_CASE("a plan describes every module's style for logs and fingerprints") {
   const auto text = SpPlan::describe();

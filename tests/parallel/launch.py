@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""usage: launch.py MESHRUN NPROC PROGRAM ARGS...: runs PROGRAM on NPROC ranks on a free port."""
+"""usage: launch.py MESHRUN NPROC PROGRAM ARGS...: runs PROGRAM on NPROC ranks on a free port.
+
+LAUNCH_TIMEOUT (seconds, default 80) bounds the whole run."""
 import os
 import socket
 import subprocess
@@ -11,4 +13,4 @@ with socket.socket() as s:
 meshrun, nproc, *program = sys.argv[1:]
 env = dict(os.environ, OMP_NUM_THREADS="1")
 sys.exit(subprocess.run([meshrun, "--nproc-per-node", nproc, "--master-port", str(port), "--prefix-output", "--",
-                         *program], env=env, timeout=80).returncode)
+                         *program], env=env, timeout=float(os.environ.get("LAUNCH_TIMEOUT", "80"))).returncode)

@@ -43,7 +43,7 @@ void check_parity(const llama::Config& config, int steps) {
   const auto& tp = mesh.group<mt::TP>();
   auto reference = seeded_llama(config, 7);
   auto model = seeded_llama(config, 7);
-  auto parallel = mt::parallelize<Plan>(model, tp);
+  auto parallel = mt::apply_tensor_parallel<Plan>(model, tp);
   mt::train::AdamW reference_opt(mt::train::named_trainable_parameters(*reference), {.lr = 1e-3});
   mt::train::AdamW opt(mt::train::named_trainable_parameters(*model), {.lr = 1e-3});
   auto reference_params = reference->named_parameters();

@@ -1,10 +1,12 @@
 #pragma once
 // DeviceMesh<M>: a Mesh type brought to life on this rank. init<M>() rendezvouses through a
 // TCPStore, checks that every rank runs the same mesh (fingerprint), resolves the dynamic
-// extent from the world size and creates this rank's process group along each axis.
+// extents (given in InitOptions::extents, one of them left to the world size) and creates this
+// rank's process group along each axis and along each set of merged axes (group<DP, FSDP>(),
+// the data-parallel group of an HSDP or 3D mesh).
 //
 // Each slice's group gets its own store prefix ("meshtorch/TP/3/"), so only the slice's members
-// construct it, and every rank creates its groups axis by axis in the mesh's order: each group
+// construct it, and every rank creates its groups in the same order (by axis set): each group
 // waits only for ranks at the same step, which cannot deadlock.
 #include <array>
 #include <chrono>
@@ -38,6 +40,9 @@ struct InitOptions {
   std::string fingerprint;
   // Where this rank sits; read from the launcher's variables when absent.
   std::optional<LaunchEnv> env;
+  // The extents of the mesh's dynamic axes, in axis order, as std::extents takes them; a
+  // missing trailing value or from_world_size takes the ranks the world has left.
+  std::vector<int> extents;
 };
 
 template <MeshType M>
@@ -62,6 +67,17 @@ class DeviceMesh {
 
   std::array<int, ndim> coords() const { return shape_.coord_of(rank()); }
 
+  // "rank 5 of 8 on cpu: DP 1 of 2, FSDP 0 of 2, TP 1 of 2": the banner every rank logs.
+  std::string describe() const {
+    std::string out = "rank " + std::to_string(rank()) + " of " + std::to_string(world_size()) + " on " +
+                      to_string(device_) + ":";
+    const auto mine = coords();
+    for (std::size_t i = 0; i < ndim; ++i)
+      out += std::string(i ? ", " : " ") + std::string(M::axis_names[i]) + " " + std::to_string(mine[i]) + " of " +
+             std::to_string(shape_.extent(i));
+    return out;
+  }
+
   template <template <std::size_t> class Kind>
     requires MeshWithAxis<M, Kind>
   int coord() const {
@@ -74,12 +90,20 @@ class DeviceMesh {
     return shape_.template extent<Kind>();
   }
 
-  template <template <std::size_t> class Kind>
-    requires MeshWithAxis<M, Kind>
+  // The group along one axis, or along several merged axes: group<DP, FSDP>() holds the ranks
+  // that share this rank's other coordinates, ordered row-major over DP and FSDP.
+  template <template <std::size_t> class... Kinds>
   const AxisGroup& group() const {
-    return groups_[M::template index_of<Kind>];
+    return group(M::template mask_of<Kinds...>);
   }
-  const AxisGroup& group(std::size_t axis_index) const { return groups_.at(axis_index); }
+  const AxisGroup& group(unsigned axis_mask) const {
+    if (axis_mask == 0 || axis_mask > MeshShape<M>::all_axes)
+      throw ConfigError("DeviceMesh::group: axis mask " + std::to_string(axis_mask) + " names no axes of " +
+                        std::string(M::name));
+    if (ndim > 1 && axis_mask == MeshShape<M>::all_axes) return world_;
+    return groups_[axis_mask];
+  }
+  const AxisGroup& axis_group(std::size_t axis_index) const { return group(1u << axis_index); }
   // All ranks, for job-wide barriers and broadcasts.
   const AxisGroup& world() const { return world_; }
 
@@ -94,7 +118,8 @@ class DeviceMesh {
   Device device_ = Device::cpu;
   std::string fingerprint_;
   c10::intrusive_ptr<c10d::Store> store_;
-  std::array<AxisGroup, ndim> groups_;
+  // Indexed by axis mask; the mask of every axis is world_.
+  std::array<AxisGroup, (1u << ndim)> groups_;
   AxisGroup world_;
 };
 
@@ -102,7 +127,8 @@ class DeviceMesh {
 template <MeshType M>
 std::string mesh_fingerprint(Device device, const std::string& user) {
   std::string out = std::string(M::name) + " on " + to_string(device);
-  return user.empty() ? out : out + " | " + user;
+  // The mesh on a line of its own: a mismatch names the first line that differs.
+  return user.empty() ? out : out + "\n" + user;
 }
 
 template <MeshType M>
@@ -113,7 +139,7 @@ DeviceMesh<M> init(InitOptions options) {
   // Before anything that depends on the mesh: ranks that disagree about it stop here.
   check_fingerprints(*store, env.rank, env.world_size, fingerprint, options.timeout);
 
-  DeviceMesh<M> mesh(env, MeshShape<M>::resolve(env.world_size));
+  DeviceMesh<M> mesh(env, MeshShape<M>::resolve(env.world_size, options.extents));
   mesh.device_ = options.device;
   mesh.fingerprint_ = fingerprint;
   mesh.store_ = store;
@@ -159,12 +185,13 @@ DeviceMesh<M> init(InitOptions options) {
   };
 
   const auto& shape = mesh.shape_;
-  for (std::size_t axis_index = 0; axis_index < M::ndim; ++axis_index) {
-    const std::string axis_name(M::axis_names[axis_index]);
-    auto ranks = shape.slice_ranks(axis_index, env.rank);
+  for (unsigned mask = 1; mask <= MeshShape<M>::all_axes; ++mask) {
+    if (M::ndim > 1 && mask == MeshShape<M>::all_axes) break;  // that one is the world
+    const std::string axis_name = MeshShape<M>::mask_name(mask);
+    auto ranks = shape.slice_ranks(mask, env.rank);
     // The slice is named by its lowest rank, the same on all its members.
     const std::string prefix = "meshtorch/" + axis_name + "/" + std::to_string(ranks.front()) + "/";
-    mesh.groups_[axis_index] = make_group(axis_name, prefix, std::move(ranks));
+    mesh.groups_[mask] = make_group(axis_name, prefix, std::move(ranks));
   }
   std::vector<int> everyone(static_cast<std::size_t>(env.world_size));
   for (int r = 0; r < env.world_size; ++r) everyone[r] = r;

@@ -1,31 +1,29 @@
 #pragma once
-// Collectives that autograd can differentiate, as torch::autograd::Functions. Each forward
-// collective has the adjoint collective as its backward:
+// Collectives that autograd can differentiate. A layout Redistribution (layout/redistribution.hpp)
+// names an activation's move between placements and its gradient's move back; one
+// torch::autograd::Function runs both, each through redistribute<From, To> (redistribute.hpp),
+// so the collective is the one collective_for<> chose at compile time:
 //
-//   function                                    forward          backward
+//   function (Megatron-LM's name)               forward          backward
 //   copy_to_parallel_region            (f)      identity         all-reduce
 //   reduce_from_parallel_region        (g)      all-reduce       identity
-//   scatter_to_parallel_region                  local chunk      all-gather
-//   gather_from_parallel_region                 all-gather       local chunk
-//   gather_from_sequence_parallel_region        all-gather       reduce-scatter
-//   reduce_scatter_to_sequence_parallel_region  reduce-scatter   all-gather
+//   scatter_to_parallel_region<D>               local chunk      all-gather
+//   gather_from_parallel_region<D>              all-gather       local chunk
+//   gather_from_sequence_parallel_region<D>     all-gather       reduce-scatter
+//   reduce_scatter_to_sequence_parallel_region<D> reduce-scatter all-gather
 //
 // f and g are Megatron-LM's operators around a column- then row-parallel pair; the sequence
-// parallel pair replaces g when activations are sharded along the sequence.
-#include <cstdint>
-
+// parallel pair replaces g when activations are sharded along the sequence. Parallel styles
+// (layout/parallel_style.hpp) carry their own Redistributions, run through redistribute_differentiable.
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
-#include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/comm/redistribute.hpp>
+#include <meshtorch/layout/redistribution.hpp>
 
 namespace meshtorch::comm {
 
 namespace detail {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 // The group rides in the autograd context as a capsule: IValue has no slot for our own types.
 struct GroupCapsule : torch::CustomClassHolder {
@@ -33,125 +31,66 @@ struct GroupCapsule : torch::CustomClassHolder {
   AxisGroup group;
 };
 
-inline void save_group(AutogradContext* ctx, const AxisGroup& group, int64_t dim = 0) {
-  ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupCapsule>(group));
-  ctx->saved_data["dim"] = dim;
-}
-
-inline const AxisGroup& saved_group(AutogradContext* ctx) {
-  return static_cast<GroupCapsule*>(ctx->saved_data["group"].toCapsule().get())->group;
-}
-
-inline int64_t saved_dim(AutogradContext* ctx) { return ctx->saved_data["dim"].toInt(); }
-
-struct CopyToParallelRegion : torch::autograd::Function<CopyToParallelRegion> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const AxisGroup& group) {
-    save_group(ctx, group);
-    return x.view_as(x);
+template <RedistributionType R>
+struct RedistributeFunction : torch::autograd::Function<RedistributeFunction<R>> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const AxisGroup& group) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupCapsule>(group));
+    // An output that is the input itself would not be recorded as this function's output.
+    if constexpr (R::forward == Collective::none)
+      return x.view_as(x);
+    else
+      return redistribute<typename R::from, typename R::to>(x, group);
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_reduce(saved_group(ctx), grads[0].clone()), torch::Tensor()};
-  }
-};
-
-struct ReduceFromParallelRegion : torch::autograd::Function<ReduceFromParallelRegion> {
-  static torch::Tensor forward(AutogradContext*, const torch::Tensor& x, const AxisGroup& group) {
-    return all_reduce(group, x.clone());
-  }
-  static variable_list backward(AutogradContext*, variable_list grads) {
-    return {grads[0], torch::Tensor()};
-  }
-};
-
-struct ScatterToParallelRegion : torch::autograd::Function<ScatterToParallelRegion> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const AxisGroup& group,
-                               int64_t dim) {
-    dim = checked_dim("scatter_to_parallel_region", group, x, dim);
-    save_group(ctx, group, dim);
-    return local_chunk(group, x, dim);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_gather(saved_group(ctx), grads[0], saved_dim(ctx)), torch::Tensor(),
-            torch::Tensor()};
-  }
-};
-
-struct GatherFromParallelRegion : torch::autograd::Function<GatherFromParallelRegion> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const AxisGroup& group,
-                               int64_t dim) {
-    dim = checked_dim("gather_from_parallel_region", group, x, dim);
-    save_group(ctx, group, dim);
-    return all_gather(group, x, dim);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {local_chunk(saved_group(ctx), grads[0], saved_dim(ctx)), torch::Tensor(),
-            torch::Tensor()};
-  }
-};
-
-struct GatherFromSequenceParallelRegion
-    : torch::autograd::Function<GatherFromSequenceParallelRegion> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const AxisGroup& group,
-                               int64_t dim) {
-    dim = checked_dim("gather_from_sequence_parallel_region", group, x, dim);
-    save_group(ctx, group, dim);
-    return all_gather(group, x, dim);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {reduce_scatter(saved_group(ctx), grads[0], saved_dim(ctx)), torch::Tensor(),
-            torch::Tensor()};
-  }
-};
-
-struct ReduceScatterToSequenceParallelRegion
-    : torch::autograd::Function<ReduceScatterToSequenceParallelRegion> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const AxisGroup& group,
-                               int64_t dim) {
-    dim = checked_dim("reduce_scatter_to_sequence_parallel_region", group, x, dim);
-    save_group(ctx, group, dim);
-    return reduce_scatter(group, x, dim);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_gather(saved_group(ctx), grads[0], saved_dim(ctx)), torch::Tensor(),
-            torch::Tensor()};
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto& group = static_cast<GroupCapsule*>(ctx->saved_data["group"].toCapsule().get())->group;
+    return {redistribute<typename R::grad_of_to, typename R::grad_of_from>(grads[0], group), torch::Tensor()};
   }
 };
 
 }  // namespace detail
 
+// Runs R's forward collective on x and, in backward, R's backward collective on its gradient.
+template <RedistributionType R>
+torch::Tensor redistribute_differentiable(const torch::Tensor& x, const AxisGroup& group) {
+  if constexpr (R::forward == Collective::none && R::backward == Collective::none)
+    return x;
+  else
+    return detail::RedistributeFunction<R>::apply(x, group);
+}
+
 // f: identity forward, all-reduce (sum) backward. Enters a tensor-parallel region.
 inline torch::Tensor copy_to_parallel_region(const torch::Tensor& x, const AxisGroup& group) {
-  return detail::CopyToParallelRegion::apply(x, group);
+  return redistribute_differentiable<CopyToParallelRegion>(x, group);
 }
 
 // g: all-reduce (sum) forward, identity backward. Leaves a row-parallel region.
 inline torch::Tensor reduce_from_parallel_region(const torch::Tensor& x, const AxisGroup& group) {
-  return detail::ReduceFromParallelRegion::apply(x, group);
+  return redistribute_differentiable<ReduceFromParallelRegion>(x, group);
 }
 
-// This rank's piece along dim forward; all-gather backward.
-inline torch::Tensor scatter_to_parallel_region(const torch::Tensor& x, const AxisGroup& group,
-                                                int64_t dim = -1) {
-  return detail::ScatterToParallelRegion::apply(x, group, dim);
+// This rank's piece along Dim forward; all-gather backward.
+template <int Dim = -1>
+torch::Tensor scatter_to_parallel_region(const torch::Tensor& x, const AxisGroup& group) {
+  return redistribute_differentiable<ScatterToParallelRegion<Dim>>(x, group);
 }
 
-// All-gather along dim forward; this rank's piece backward.
-inline torch::Tensor gather_from_parallel_region(const torch::Tensor& x, const AxisGroup& group,
-                                                 int64_t dim = -1) {
-  return detail::GatherFromParallelRegion::apply(x, group, dim);
+// All-gather along Dim forward; this rank's piece backward.
+template <int Dim = -1>
+torch::Tensor gather_from_parallel_region(const torch::Tensor& x, const AxisGroup& group) {
+  return redistribute_differentiable<GatherFromParallelRegion<Dim>>(x, group);
 }
 
-// All-gather along dim (the sequence) forward; reduce-scatter (sum) backward.
-inline torch::Tensor gather_from_sequence_parallel_region(const torch::Tensor& x,
-                                                          const AxisGroup& group, int64_t dim = 0) {
-  return detail::GatherFromSequenceParallelRegion::apply(x, group, dim);
+// All-gather along Dim (the sequence) forward; reduce-scatter (sum) backward.
+template <int Dim>
+torch::Tensor gather_from_sequence_parallel_region(const torch::Tensor& x, const AxisGroup& group) {
+  return redistribute_differentiable<GatherFromSequenceParallelRegion<Dim>>(x, group);
 }
 
-// Reduce-scatter (sum) along dim forward; all-gather backward.
-inline torch::Tensor reduce_scatter_to_sequence_parallel_region(const torch::Tensor& x,
-                                                                const AxisGroup& group,
-                                                                int64_t dim = 0) {
-  return detail::ReduceScatterToSequenceParallelRegion::apply(x, group, dim);
+// Reduce-scatter (sum) along Dim forward; all-gather backward.
+template <int Dim>
+torch::Tensor reduce_scatter_to_sequence_parallel_region(const torch::Tensor& x, const AxisGroup& group) {
+  return redistribute_differentiable<ReduceScatterToSequenceParallelRegion<Dim>>(x, group);
 }
 
 }  // namespace meshtorch::comm

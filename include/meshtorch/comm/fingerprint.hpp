@@ -8,7 +8,9 @@
 // the whole exchange is O(world size) store operations and every rank learns of any mismatch.
 #include <chrono>
 #include <exception>
+#include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -22,6 +24,21 @@ namespace detail {
 inline std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), text.end()}; }
 inline std::string from_bytes(const std::vector<uint8_t>& bytes) {
   return {bytes.begin(), bytes.end()};
+}
+
+// The first line on which two fingerprints differ ("lr=0.001" against "lr=0.0003"), so that a
+// flag mismatch names the flag and both values, not two pages of flags.
+inline std::pair<std::string, std::string> first_differing_lines(const std::string& a, const std::string& b) {
+  std::size_t start_a = 0, start_b = 0;
+  while (start_a < a.size() || start_b < b.size()) {
+    const auto end_a = std::min(a.find('\n', start_a), a.size());
+    const auto end_b = std::min(b.find('\n', start_b), b.size());
+    auto line_a = a.substr(start_a, end_a - start_a), line_b = b.substr(start_b, end_b - start_b);
+    if (line_a != line_b) return {line_a, line_b};
+    start_a = end_a + 1;
+    start_b = end_b + 1;
+  }
+  return {a, b};
 }
 
 inline std::string fingerprint_key(int rank) {
@@ -42,10 +59,11 @@ inline void check_fingerprints(c10d::Store& store, int rank, int world_size,
     for (int other = 1; other < world_size && verdict.empty(); ++other) {
       try {
         const std::string theirs = detail::from_bytes(store.get(detail::fingerprint_key(other)));
-        if (theirs != fingerprint)
-          verdict = "rank " + std::to_string(other) + " was started with '" + theirs +
-                    "' but rank 0 with '" + fingerprint +
-                    "'; start every rank with the same program, mesh and flags";
+        if (theirs != fingerprint) {
+          const auto [their_line, our_line] = detail::first_differing_lines(theirs, fingerprint);
+          verdict = "rank " + std::to_string(other) + " was started with '" + their_line + "' but rank 0 with '" +
+                    our_line + "'; start every rank with the same program, mesh and flags";
+        }
       } catch (const std::exception&) {
         verdict = "rank " + std::to_string(other) + " did not report its fingerprint within " +
                   std::to_string(timeout.count()) + " ms; check that it started and did not fail";

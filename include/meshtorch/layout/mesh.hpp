@@ -1,8 +1,9 @@
 #pragma once
 // Mesh<Axes...>: a device mesh as a type. Ranks are laid out row-major, the last axis fastest, as
 // torch's init_device_mesh does, so Mesh<DP<2>, TP<4>> puts ranks 0-3 in one TP group.
-// Everything here is constexpr; the run-time counterpart with resolved dynamic extents is
-// MeshShape (mesh_shape.hpp).
+// Like std::extents, the type holds the static extents and any number of axes may be
+// meshtorch::dynamic; MeshShape (mesh_shape.hpp) holds the resolved extents and is the one
+// implementation of the rank maps (constexpr, so a static mesh's maps are compile-time values).
 #include <array>
 #include <cstddef>
 #include <string_view>
@@ -122,21 +123,13 @@ struct Mesh : detail::MeshStaticSize<detail::dynamic_count<Axes...>() == 0,
   static_assert(detail::kinds_unique<Axes...>(),
                 "Mesh repeats an axis kind (e.g. Mesh<DP<2>, DP<4>>); use each kind once, "
                 "with the product of the extents (DP<8>)");
-  static_assert(detail::dynamic_count<Axes...>() <= 1,
-                "Mesh has more than one meshtorch::dynamic extent, so the world size cannot "
-                "resolve them; make all axes but one static");
 
   static constexpr std::size_t ndim = sizeof...(Axes);
   // meshtorch::dynamic where the extent comes from the world size at init.
   static constexpr std::array<std::size_t, ndim> static_extents{detail::extent_or_one<Axes>()...};
   static constexpr bool is_static = detail::dynamic_count<Axes...>() == 0;
   static constexpr bool has_dynamic = !is_static;
-  // Index of the dynamic axis, or ndim when there is none.
-  static constexpr std::size_t dynamic_index = [] {
-    for (std::size_t i = 0; i < ndim; ++i)
-      if (static_extents[i] == dynamic) return i;
-    return ndim;
-  }();
+  static constexpr std::size_t dynamic_count = detail::dynamic_count<Axes...>();
   // Product of the static extents: the world size must be a multiple of it.
   static constexpr std::size_t static_product = detail::static_product<Axes...>();
   static constexpr std::array<std::string_view, ndim> axis_names{detail::name_or_placeholder<Axes>()...};
@@ -173,7 +166,7 @@ struct Mesh : detail::MeshStaticSize<detail::dynamic_count<Axes...>() == 0,
   // "Mesh<DP<2>, TP<dynamic>>": used in error messages and in the fingerprint ranks compare.
   static constexpr std::string_view name = name_storage.view();
 
-  // The rank maps below need every extent; for a mesh with a dynamic axis use MeshShape.
+  // The extents when all are static (MeshShape<Mesh>{} answers the rank questions).
   static constexpr std::array<int, ndim> extents()
     requires is_static
   {
@@ -182,47 +175,18 @@ struct Mesh : detail::MeshStaticSize<detail::dynamic_count<Axes...>() == 0,
     return e;
   }
 
-  static constexpr std::array<int, ndim> coord_of(int rank)
-    requires is_static
-  {
-    return detail::coord_of(extents(), rank);
-  }
-
-  static constexpr int rank_of(const std::array<int, ndim>& coords)
-    requires is_static
-  {
-    return detail::rank_of(extents(), coords);
-  }
-
-  template <template <std::size_t> class Kind>
-  static constexpr int coord(int rank)
-    requires is_static
-  {
-    return coord_of(rank)[index_of<Kind>];
-  }
-
-  // The ranks of the slice along Kind through `rank`, ordered by their coordinate on Kind.
-  template <template <std::size_t> class Kind>
-  static constexpr std::array<int, static_extent<Kind>> slice_ranks(int rank)
-    requires is_static
-  {
-    std::array<int, static_extent<Kind>> ranks{};
-    for (int p = 0; p < static_cast<int>(ranks.size()); ++p)
-      ranks[p] = detail::slice_member(extents(), index_of<Kind>, rank, p);
-    return ranks;
-  }
-
-  // Every slice along Kind, ordered by its lowest rank.
-  template <template <std::size_t> class Kind>
-  static constexpr auto slices()
-    requires is_static
-  {
-    constexpr std::size_t count = Mesh::size / static_extent<Kind>;
-    std::array<std::array<int, static_extent<Kind>>, count> all{};
-    for (int n = 0; n < static_cast<int>(count); ++n)
-      all[n] = slice_ranks<Kind>(detail::slice_first_rank(extents(), index_of<Kind>, n));
-    return all;
-  }
+  // The set of axes Kinds... as a bit mask over axis indices: what a merged group
+  // (mesh.group<DP, FSDP>()) spans.
+  template <template <std::size_t> class... Kinds>
+  static constexpr unsigned mask_of = [] {
+    static_assert(sizeof...(Kinds) > 0, "name at least one axis kind to merge, e.g. group<DP, FSDP>()");
+    static_assert((has<Kinds> && ...),
+                  "merges an axis the mesh does not have; merge only axes of the Mesh type, or test "
+                  "Mesh::has<Kind> first");
+    static_assert(detail::kinds_unique<Kinds<1>...>(),
+                  "names an axis kind twice in one merged group; name each axis once, e.g. group<DP, FSDP>()");
+    return ((1u << detail::index_of_kind<Kinds, Axes...>()) | ...);
+  }();
 };
 
 namespace detail {

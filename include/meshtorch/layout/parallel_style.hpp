@@ -12,8 +12,10 @@
 //
 //   * on an embedding, RowwiseParallel shards the vocabulary (weight Shard<0>) and ColwiseParallel
 //     the embedding dim, as PyTorch does.
-// The conversions a style makes (In -> what its body sees, what its body returns -> Out) must be
-// ones collective_for<> allows, so a style asking for an impossible one does not compile.
+// The conversions a style makes (In -> what its body sees, what its body returns -> Out) are
+// Redistributions (redistribution.hpp): `enter` and `leave` name the forward collective and
+// the backward one of each, and tensor_parallel.hpp runs exactly those. A style asking for an
+// impossible conversion does not compile.
 #include <string_view>
 #include <type_traits>
 
@@ -49,8 +51,9 @@ struct ColwiseParallel {
   using output = Out;
   using body_input = Replicate;
   using body_output = Shard<-1>;
-  static constexpr Collective enter = collective_for<In, Replicate>;
-  static constexpr Collective leave = collective_for<Shard<-1>, Out>;
+  // The body multiplies by this rank's rows of the weight, so its input's gradient is partial.
+  using enter = Redistribution<In, Replicate, Partial, gradient_placement<In>>;
+  using leave = Redistribution<Shard<-1>, Out, gradient_placement<Out>, Shard<-1>>;
 
  private:
   static constexpr detail::StyleName<64> name_storage{"ColwiseParallel", In::name, Out::name};
@@ -71,8 +74,8 @@ struct RowwiseParallel {
   using output = Out;
   using body_input = Shard<-1>;
   using body_output = Partial;
-  static constexpr Collective enter = collective_for<In, Shard<-1>>;
-  static constexpr Collective leave = collective_for<Partial, Out>;
+  using enter = Redistribution<In, Shard<-1>, Shard<-1>, gradient_placement<In>>;
+  using leave = Redistribution<Partial, Out, gradient_placement<Out>, Replicate>;
 
  private:
   static constexpr detail::StyleName<64> name_storage{"RowwiseParallel", In::name, Out::name};
@@ -89,8 +92,10 @@ struct SequenceParallel {
   using output = Shard<Dim>;
   using body_input = Shard<Dim>;
   using body_output = Shard<Dim>;
-  static constexpr Collective enter = Collective::none;
-  static constexpr Collective leave = Collective::none;
+  using enter = Redistribution<Shard<Dim>, Shard<Dim>, Shard<Dim>, Shard<Dim>>;
+  using leave = enter;
+  // The replicated weight is used on every sequence shard: its gradient is a partial sum.
+  using weight = CopyToParallelRegion;
 
  private:
   static constexpr detail::StyleName<48> name_storage{"SequenceParallel", Shard<Dim>::name, ""};
@@ -107,8 +112,9 @@ struct PrepareModuleInput {
   using output = Want;  // what the module's first children receive
   using body_input = Want;
   using body_output = Want;
-  static constexpr Collective enter = collective_for<In, Want>;
-  static constexpr Collective leave = Collective::none;
+  // The children (q/k/v, gate/up) are column-parallel: a replicated input gets partial gradients.
+  using enter = Redistribution<In, Want, gradient_placement<Want, true>, gradient_placement<In>>;
+  using leave = Redistribution<Want, Want, Want, Want>;
 
  private:
   static constexpr detail::StyleName<64> name_storage{"PrepareModuleInput", In::name, Want::name};
@@ -123,8 +129,8 @@ struct NoParallel {
   using output = Replicate;
   using body_input = Replicate;
   using body_output = Replicate;
-  static constexpr Collective enter = Collective::none;
-  static constexpr Collective leave = Collective::none;
+  using enter = Redistribution<Replicate, Replicate, Replicate, Replicate>;
+  using leave = enter;
   static constexpr std::string_view name = "NoParallel";
 };
 

@@ -6,6 +6,7 @@
 //   Shard<a>     all_gather      none (a == b)             (does not compile)
 //                                all_to_all (a != b)
 //   Partial      all_reduce      reduce_scatter            none
+#include <concepts>
 #include <string_view>
 #include <type_traits>
 
@@ -59,5 +60,48 @@ consteval Collective choose_collective() {
 
 template <Placement From, Placement To>
 inline constexpr Collective collective_for = detail::choose_collective<From, To>();
+
+// An activation's move from one placement to another, and its gradient's move back: what a
+// differentiable collective does. The gradient of a tensor placed P arrives placed GradOfTo
+// and leaves placed GradOfFrom; e.g. Megatron's f (Replicate -> Replicate, feeding sharded
+// weights) gets Partial gradients, which its backward all-reduces to Replicate.
+template <Placement From, Placement To, Placement GradOfTo, Placement GradOfFrom>
+struct Redistribution {
+  using from = From;
+  using to = To;
+  using grad_of_to = GradOfTo;
+  using grad_of_from = GradOfFrom;
+  static constexpr Collective forward = collective_for<From, To>;
+  static constexpr Collective backward = collective_for<GradOfTo, GradOfFrom>;
+};
+
+// The placement of the gradient of an activation placed P. A replicated activation that
+// feeds sharded weights (the input of a column-parallel body) has partial-sum gradients;
+// everywhere else a gradient is placed as its activation, and a partial sum's gradient is the
+// whole (replicated) gradient.
+template <Placement P, bool FeedsShardedWeights = false>
+using gradient_placement =
+    std::conditional_t<std::is_same_v<P, Replicate> && FeedsShardedWeights, Partial,
+                       std::conditional_t<std::is_same_v<P, Partial>, Replicate, P>>;
+
+// The six differentiable collectives of Megatron-LM, as redistributions.
+using CopyToParallelRegion = Redistribution<Replicate, Replicate, Partial, Replicate>;     // f
+using ReduceFromParallelRegion = Redistribution<Partial, Replicate, Replicate, Replicate>;  // g
+template <int Dim>
+using ScatterToParallelRegion = Redistribution<Replicate, Shard<Dim>, Shard<Dim>, Replicate>;
+template <int Dim>
+using GatherFromParallelRegion = Redistribution<Shard<Dim>, Replicate, Replicate, Shard<Dim>>;
+template <int Dim>
+using GatherFromSequenceParallelRegion = Redistribution<Shard<Dim>, Replicate, Partial, Shard<Dim>>;
+template <int Dim>
+using ReduceScatterToSequenceParallelRegion = Redistribution<Partial, Shard<Dim>, Shard<Dim>, Replicate>;
+
+template <class T>
+concept RedistributionType = requires {
+  typename T::from;
+  typename T::to;
+  { T::forward } -> std::convertible_to<Collective>;
+  { T::backward } -> std::convertible_to<Collective>;
+};
 
 }  // namespace meshtorch

@@ -1,7 +1,7 @@
 #pragma once
-// Row-major rank <-> coordinate arithmetic shared by the static Mesh type and the run-time
-// MeshShape: the last axis varies fastest, as in torch's init_device_mesh, so the innermost
-// axis (TP) groups neighbouring ranks, which a launcher places on the same node.
+// Row-major rank <-> coordinate arithmetic of MeshShape: the last axis varies fastest, as in
+// torch's init_device_mesh, so the innermost axis (TP) groups neighbouring ranks, which a
+// launcher places on the same node.
 #include <array>
 #include <cstddef>
 
@@ -12,14 +12,6 @@ constexpr int product(const std::array<int, Ndim>& extents) {
   int total = 1;
   for (int e : extents) total *= e;
   return total;
-}
-
-// Distance in ranks between neighbours along axis i: the product of the extents after it.
-template <std::size_t Ndim>
-constexpr int stride(const std::array<int, Ndim>& extents, std::size_t i) {
-  int s = 1;
-  for (std::size_t j = i + 1; j < Ndim; ++j) s *= extents[j];
-  return s;
 }
 
 template <std::size_t Ndim>
@@ -37,24 +29,6 @@ constexpr int rank_of(const std::array<int, Ndim>& extents, const std::array<int
   int rank = 0;
   for (std::size_t i = 0; i < Ndim; ++i) rank = rank * extents[i] + coords[i];
   return rank;
-}
-
-// The rank at position `position` of the slice along axis i that contains `rank`.
-template <std::size_t Ndim>
-constexpr int slice_member(const std::array<int, Ndim>& extents, std::size_t i, int rank,
-                           int position) {
-  const int s = stride(extents, i);
-  const int coord = (rank / s) % extents[i];
-  return rank + (position - coord) * s;
-}
-
-// The n-th slice along axis i, counting slices by their first (lowest) rank. Every rank walks
-// the slices in this order when it creates process groups, so group creation never deadlocks.
-template <std::size_t Ndim>
-constexpr int slice_first_rank(const std::array<int, Ndim>& extents, std::size_t i, int n) {
-  const int s = stride(extents, i);
-  // Ranks with coordinate 0 on axis i: blocks of s consecutive ranks, every s * extent ranks.
-  return (n / s) * s * extents[i] + n % s;
 }
 
 }  // namespace meshtorch::detail

@@ -103,10 +103,25 @@ class DistributedDataParallel {
  public:
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, const comm::AxisGroup& group,
                           DdpOptions options = {})
-      : module_(std::move(module)), group_(group), options_(options), process_group_(parallel::make_process_group(group)) {
+      : DistributedDataParallel(trainable_parameters(*module), module, group, options) {}
+
+  // Replicates a set of named tensors that are not a module's parameters, e.g. the FSDP shards
+  // of an HSDP mesh, which are all-reduced over the DP axis after FSDP reduce-scattered them.
+  DistributedDataParallel(std::vector<std::pair<std::string, torch::Tensor>> named, const comm::AxisGroup& group,
+                          DdpOptions options = {})
+      : DistributedDataParallel(std::move(named), nullptr, group, options) {}
+
+ private:
+  static std::vector<std::pair<std::string, torch::Tensor>> trainable_parameters(torch::nn::Module& module) {
     std::vector<std::pair<std::string, torch::Tensor>> named;
-    for (const auto& item : module_->named_parameters())
+    for (const auto& item : module.named_parameters())
       if (item.value().requires_grad()) named.emplace_back(item.key(), item.value());
+    return named;
+  }
+
+  DistributedDataParallel(std::vector<std::pair<std::string, torch::Tensor>> named,
+                          std::shared_ptr<torch::nn::Module> module, const comm::AxisGroup& group, DdpOptions options)
+      : module_(std::move(module)), group_(group), options_(options), process_group_(parallel::make_process_group(group)) {
     if (named.empty()) throw ConfigError("DistributedDataParallel: the module has no parameter that requires grad");
     detail::check_same_parameters(group_, named);
 
@@ -115,7 +130,7 @@ class DistributedDataParallel {
       torch::NoGradGuard no_grad;
       std::vector<torch::Tensor> states;
       for (const auto& [name, p] : named) states.push_back(p);
-      if (options_.broadcast_buffers)
+      if (options_.broadcast_buffers && module_)
         for (const auto& item : module_->named_buffers()) states.push_back(item.value());
       if (group_.size() > 1) c10d::broadcast_coalesced(process_group_, states, broadcast_bucket_bytes, 0);
     }
@@ -126,6 +141,7 @@ class DistributedDataParallel {
       params.push_back(named[i].second);
       names[i] = named[i].first;
       names_.push_back(named[i].first);
+      params_.push_back(named[i].second);
     }
     // Backward produces gradients roughly in reverse order of definition, so buckets are filled
     // in that order; the Reducer rebuilds them from the order it observes after the first step.
@@ -144,6 +160,8 @@ class DistributedDataParallel {
                                                /*use_python_reducer=*/false,
                                                /*bucket_bytes_cap_list=*/std::vector<std::int64_t>{});
   }
+
+ public:
 
   template <class Holder>
   DistributedDataParallel(torch::nn::ModuleHolder<Holder>& module, const comm::AxisGroup& group,
@@ -197,7 +215,7 @@ class DistributedDataParallel {
   std::vector<std::vector<std::string>> buckets() const {
     std::vector<std::vector<std::string>> out;
     std::unordered_map<const void*, std::string> by_data;
-    for (const auto& item : module_->named_parameters()) by_data[item.value().unsafeGetTensorImpl()] = item.key();
+    for (std::size_t i = 0; i < params_.size(); ++i) by_data[params_[i].unsafeGetTensorImpl()] = names_[i];
     for (const auto& bucket : reducer_->get_grad_buckets(/*return_zero_tensors=*/true)) {
       std::vector<std::string> names;
       for (const auto& p : bucket.getParameters()) names.push_back(by_data[p.unsafeGetTensorImpl()]);
@@ -206,7 +224,8 @@ class DistributedDataParallel {
     return out;
   }
 
-  torch::nn::Module& module() { return *module_; }
+  // The wrapped module; null when built from named tensors.
+  torch::nn::Module* module() { return module_.get(); }
   const comm::AxisGroup& group() const { return group_; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return process_group_; }
   const DdpOptions& options() const { return options_; }
@@ -219,6 +238,7 @@ class DistributedDataParallel {
   DdpOptions options_;
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   std::vector<std::string> names_;
+  std::vector<torch::Tensor> params_;
   std::unique_ptr<c10d::Reducer> reducer_;
   bool require_sync_ = true;
 };

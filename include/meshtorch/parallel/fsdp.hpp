@@ -495,6 +495,26 @@ class FullyShardedDataParallel {
       if (!loaded.count(name)) throw DataError(source + ": weight '" + name + "' is missing");
   }
 
+  // Copies this rank's rows of one full weight into its shard (for filling the shards one
+  // weight at a time, so no more than one full weight is ever held).
+  void load_full_weight(const std::string& name, const torch::Tensor& full, const std::string& source) {
+    torch::NoGradGuard no_grad;
+    auto* p = find(name);
+    if (!p) throw DataError(source + ": tensor '" + name + "' is not a weight of this model");
+    if (full.sizes().vec() != p->full_shape)
+      throw DataError(source + ": tensor '" + name + "' has shape " + c10::str(full.sizes()) + ", the model needs " +
+                      c10::str(c10::IntArrayRef(p->full_shape)));
+    p->shard.copy_(full.narrow(0, p->first_row, p->local_rows));
+  }
+
+  // This rank's rows of a weight: the first row and the row count (the last ranks may hold
+  // fewer rows, or none).
+  std::pair<std::int64_t, std::int64_t> rows_of(const std::string& name) const {
+    const auto* p = find(name);
+    if (!p) throw ConfigError("FullyShardedDataParallel: no weight named '" + name + "'");
+    return {p->first_row, p->local_rows};
+  }
+
   // Loads an HF folder's model.safetensors (or the shards its index lists) into the shards.
   void load_pretrained_weights(const std::filesystem::path& dir) {
     check_root_sharded_for("load_pretrained_weights");

@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 
 #include <meshtorch/error.hpp>
@@ -83,23 +84,51 @@ struct NoTensorParallelStyles {
   using lm_head = NoParallel;
 };
 
-template <class S>
-concept LlamaStyles = requires {
-  requires ParallelStyle<typename S::embed_tokens>;
-  requires ParallelStyle<typename S::input_layernorm>;
-  requires ParallelStyle<typename S::self_attn>;
-  requires ParallelStyle<typename S::q_proj>;
-  requires ParallelStyle<typename S::k_proj>;
-  requires ParallelStyle<typename S::v_proj>;
-  requires ParallelStyle<typename S::o_proj>;
-  requires ParallelStyle<typename S::post_attention_layernorm>;
-  requires ParallelStyle<typename S::mlp>;
-  requires ParallelStyle<typename S::gate_proj>;
-  requires ParallelStyle<typename S::up_proj>;
-  requires ParallelStyle<typename S::down_proj>;
-  requires ParallelStyle<typename S::norm>;
-  requires ParallelStyle<typename S::lm_head>;
+// A module role of the Llama model (HF's module name) and the style a plan gives it.
+template <std::size_t N>
+struct RoleName {
+  char text[N]{};
+  constexpr RoleName(const char (&name)[N]) {
+    for (std::size_t i = 0; i < N; ++i) text[i] = name[i];
+  }
+  constexpr std::string_view view() const { return {text, N - 1}; }
 };
+
+template <RoleName Name, class Style>
+struct Role {
+  static constexpr std::string_view name = Name.view();
+  using style = Style;
+};
+
+// The one list of the model's module roles, in dataflow order: what a styles struct must
+// define, what describe() prints and what for_each_role() visits.
+template <class S>
+using LlamaRoles =
+    std::tuple<Role<"embed_tokens", typename S::embed_tokens>, Role<"input_layernorm", typename S::input_layernorm>,
+               Role<"self_attn", typename S::self_attn>, Role<"q_proj", typename S::q_proj>,
+               Role<"k_proj", typename S::k_proj>, Role<"v_proj", typename S::v_proj>,
+               Role<"o_proj", typename S::o_proj>,
+               Role<"post_attention_layernorm", typename S::post_attention_layernorm>,
+               Role<"mlp", typename S::mlp>, Role<"gate_proj", typename S::gate_proj>,
+               Role<"up_proj", typename S::up_proj>, Role<"down_proj", typename S::down_proj>,
+               Role<"norm", typename S::norm>, Role<"lm_head", typename S::lm_head>>;
+
+namespace detail {
+template <class Roles>
+struct AllStyles;
+template <class... R>
+struct AllStyles<std::tuple<R...>> : std::bool_constant<(ParallelStyle<typename R::style> && ...)> {};
+}  // namespace detail
+
+template <class S>
+concept LlamaStyles = requires { typename LlamaRoles<S>; } && detail::AllStyles<LlamaRoles<S>>::value;
+
+// Calls f.template operator()<Role>() for every role of S, in dataflow order.
+template <LlamaStyles S, class F>
+constexpr void for_each_role(F&& f) {
+  [&]<class... R>(std::tuple<R...>*) { (f.template operator()<R>(), ...); }(static_cast<LlamaRoles<S>*>(nullptr));
+}
+
 
 namespace detail {
 
@@ -180,26 +209,77 @@ struct RunTimeConfig {};
 
 }  // namespace detail
 
-// The problem a TP size has with a model under a plan, or nothing: the field that TP must divide.
+// What can keep a TP size from sharding a model under a plan. The rules live in tp_problem()
+// alone; Plan checks them at compile time for presets and at run time for loaded configs.
+enum class TpProblem { none, attention_heads, key_value_heads, intermediate_size, vocab_size, hidden_size, tied_embeddings };
+
+constexpr std::string_view to_message(TpProblem p) {
+  switch (p) {
+    case TpProblem::none: return "";
+    case TpProblem::attention_heads: return "num_attention_heads is not divisible by the TP size";
+    case TpProblem::key_value_heads: return "num_key_value_heads is not divisible by the TP size";
+    case TpProblem::intermediate_size: return "intermediate_size is not divisible by the TP size";
+    case TpProblem::vocab_size:
+      return "vocab_size is not divisible by the TP size (pad the vocabulary to a multiple of it)";
+    case TpProblem::hidden_size: return "hidden_size is not divisible by the TP size";
+    case TpProblem::tied_embeddings:
+      return "tie_word_embeddings: embed_tokens and lm_head share one matrix, so both or neither must shard the "
+             "vocabulary (RowwiseParallel embedding with ColwiseParallel lm_head)";
+  }
+  return "?";
+}
+
 template <LlamaStyles S>
-constexpr std::optional<std::string_view> first_tp_problem(const Config& c, std::int64_t tp) {
-  if (tp <= 1) return std::nullopt;
-  if (!std::is_same_v<typename S::q_proj, NoParallel> && c.num_attention_heads % tp != 0)
-    return "num_attention_heads is not divisible by the TP size";
-  if (!std::is_same_v<typename S::k_proj, NoParallel> && c.num_key_value_heads % tp != 0)
-    return "num_key_value_heads is not divisible by the TP size";
-  if (!std::is_same_v<typename S::gate_proj, NoParallel> && c.intermediate_size % tp != 0)
-    return "intermediate_size is not divisible by the TP size";
-  if ((detail::embedding_shards_vocab<typename S::embed_tokens> || detail::head_shards_vocab<typename S::lm_head>) &&
-      c.vocab_size % tp != 0)
-    return "vocab_size is not divisible by the TP size (pad the vocabulary to a multiple of it)";
-  if (ColwiseStyle<typename S::embed_tokens> && c.hidden_size % tp != 0)
-    return "hidden_size is not divisible by the TP size";
+constexpr TpProblem tp_problem(const Config& c, std::int64_t tp) {
   if (c.tie_word_embeddings &&
       detail::embedding_shards_vocab<typename S::embed_tokens> != detail::head_shards_vocab<typename S::lm_head>)
-    return "tie_word_embeddings: embed_tokens and lm_head share one matrix, so both or neither must shard the "
-           "vocabulary (RowwiseParallel embedding with ColwiseParallel lm_head)";
-  return std::nullopt;
+    return TpProblem::tied_embeddings;
+  if (tp <= 1) return TpProblem::none;
+  if (!std::is_same_v<typename S::q_proj, NoParallel> && c.num_attention_heads % tp != 0)
+    return TpProblem::attention_heads;
+  if (!std::is_same_v<typename S::k_proj, NoParallel> && c.num_key_value_heads % tp != 0)
+    return TpProblem::key_value_heads;
+  if (!std::is_same_v<typename S::gate_proj, NoParallel> && c.intermediate_size % tp != 0)
+    return TpProblem::intermediate_size;
+  if ((detail::embedding_shards_vocab<typename S::embed_tokens> || detail::head_shards_vocab<typename S::lm_head>) &&
+      c.vocab_size % tp != 0)
+    return TpProblem::vocab_size;
+  if (ColwiseStyle<typename S::embed_tokens> && c.hidden_size % tp != 0) return TpProblem::hidden_size;
+  return TpProblem::none;
+}
+
+// The problem as text, or nothing.
+template <LlamaStyles S>
+constexpr std::optional<std::string_view> first_tp_problem(const Config& c, std::int64_t tp) {
+  const TpProblem p = tp_problem<S>(c, tp);
+  if (p == TpProblem::none) return std::nullopt;
+  return to_message(p);
+}
+
+// The styles a mesh gets unless told otherwise: the guide's sequence-parallel plan where there is
+// a TP axis, none where there is not.
+template <MeshType M>
+using default_styles = std::conditional_t<M::template has<TP>, SequenceParallelStyles, NoTensorParallelStyles>;
+
+namespace detail {
+template <class A>
+inline constexpr bool wrapped_axis = is_axis_of_kind<A, DP> || is_axis_of_kind<A, FSDP> || is_axis_of_kind<A, TP>;
+template <class M>
+struct AllAxesWrapped;
+template <class... Axes>
+struct AllAxesWrapped<Mesh<Axes...>> : std::bool_constant<(wrapped_axis<Axes> && ...)> {};
+}  // namespace detail
+
+// What parallelize() can build from a mesh type and a plan's styles, checked when it is named.
+template <MeshType M, LlamaStyles Styles>
+consteval bool check_parallelizable() {
+  static_assert(detail::AllAxesWrapped<M>::value,
+                "parallelize: the mesh has an axis that no wrapper applies (parallelize knows DP, FSDP and TP); "
+                "remove that axis from the Mesh, or apply its technique yourself");
+  static_assert(M::template has<TP> || std::is_same_v<Styles, NoTensorParallelStyles>,
+                "parallelize: tensor-parallel styles were given but the mesh has no TP axis; add TP<N> to the Mesh "
+                "(e.g. Mesh<DP<2>, FSDP<2>, TP<2>>), or leave the styles to their default");
+  return true;
 }
 
 template <MeshType M, auto Preset = detail::RunTimeConfig{}, LlamaStyles Styles = SequenceParallelStyles>
@@ -229,26 +309,23 @@ struct Plan {
                     "meshtorch::llama::presets::llama_3_1_8b");
       if constexpr (std::is_same_v<std::remove_cv_t<decltype(Preset)>, Config>) {
         static_assert(!first_invalid_field(Preset), "Plan<Mesh, Preset>: the preset config is invalid");
-        if constexpr (has_tp && tp_extent != dynamic) {
-          constexpr std::int64_t n = static_cast<std::int64_t>(tp_extent);
-          static_assert(std::is_same_v<typename styles::q_proj, NoParallel> || Preset.num_attention_heads % n == 0,
-                        "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's num_attention_heads; "
-                        "choose a TP extent that divides it");
-          static_assert(std::is_same_v<typename styles::k_proj, NoParallel> || Preset.num_key_value_heads % n == 0,
-                        "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's num_key_value_heads; "
-                        "choose a TP extent that divides it (at most num_key_value_heads)");
-          static_assert(std::is_same_v<typename styles::gate_proj, NoParallel> || Preset.intermediate_size % n == 0,
-                        "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's intermediate_size");
-          static_assert(!(detail::embedding_shards_vocab<typename styles::embed_tokens> ||
-                          detail::head_shards_vocab<typename styles::lm_head>) ||
-                            Preset.vocab_size % n == 0,
-                        "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's vocab_size; pad the "
-                        "vocabulary to a multiple of it");
-          static_assert(!ColwiseStyle<typename styles::embed_tokens> || Preset.hidden_size % n == 0,
-                        "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's hidden_size");
-        }
-        static_assert(!Preset.tie_word_embeddings || detail::embedding_shards_vocab<typename styles::embed_tokens> ==
-                                                         detail::head_shards_vocab<typename styles::lm_head>,
+        // One static_assert per problem, so that the compiler prints the one that applies.
+        constexpr TpProblem problem =
+            tp_problem<styles>(Preset, has_tp && tp_extent != dynamic ? static_cast<std::int64_t>(tp_extent) : 1);
+        static_assert(problem != TpProblem::attention_heads,
+                      "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's num_attention_heads; "
+                      "choose a TP extent that divides it");
+        static_assert(problem != TpProblem::key_value_heads,
+                      "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's num_key_value_heads; "
+                      "choose a TP extent that divides it (at most num_key_value_heads)");
+        static_assert(problem != TpProblem::intermediate_size,
+                      "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's intermediate_size");
+        static_assert(problem != TpProblem::vocab_size,
+                      "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's vocab_size; pad the "
+                      "vocabulary to a multiple of it");
+        static_assert(problem != TpProblem::hidden_size,
+                      "Plan<Mesh, Preset>: the mesh's TP extent does not divide the model's hidden_size");
+        static_assert(problem != TpProblem::tied_embeddings,
                       "Plan<Mesh, Preset>: tie_word_embeddings shares one matrix between embed_tokens and lm_head, "
                       "so both or neither must shard the vocabulary");
       }
@@ -279,26 +356,10 @@ struct Plan {
   static std::string describe() { return std::string(M::name) + ": " + describe_styles(); }
 
   static std::string describe_styles() {
-    using S = styles;
     std::string out;
-    auto add = [&](std::string_view module, std::string_view style) {
-      out += std::string(module) + "=" + std::string(style) + " ";
-    };
-    add("embed_tokens", S::embed_tokens::name);
-    add("input_layernorm", S::input_layernorm::name);
-    add("self_attn", S::self_attn::name);
-    add("q_proj", S::q_proj::name);
-    add("k_proj", S::k_proj::name);
-    add("v_proj", S::v_proj::name);
-    add("o_proj", S::o_proj::name);
-    add("post_attention_layernorm", S::post_attention_layernorm::name);
-    add("mlp", S::mlp::name);
-    add("gate_proj", S::gate_proj::name);
-    add("up_proj", S::up_proj::name);
-    add("down_proj", S::down_proj::name);
-    add("norm", S::norm::name);
-    add("lm_head", S::lm_head::name);
-    out.pop_back();
+    for_each_role<styles>([&]<class R>() {
+      out += (out.empty() ? "" : " ") + std::string(R::name) + "=" + std::string(R::style::name);
+    });
     return out;
   }
 };

@@ -2,19 +2,24 @@
 // Tensor (and sequence) parallel for Llama: applies a llama::Plan's styles to a model from
 // outside, through the modules' forward hooks, as torch's parallelize_module does.
 //
-//   auto tp = meshtorch::parallelize<Plan>(model, mesh.group<TP>());   // shards weights in place
+//   auto tp = meshtorch::apply_tensor_parallel<Plan>(model, mesh.group<TP>());   // shards weights in place
 //   auto loss = tp.loss(input_ids, labels);                            // vocab-parallel when the plan says so
 //
 // Each style shards its module's weight (this rank keeps its chunk) and wraps the module's
-// forward in differentiable collectives (comm/differentiable.hpp):
-//   ColwiseParallel  enter the parallel region: Replicate input -> f (identity, all-reduce of the
-//                    gradient); Shard<d> input -> all-gather along d (reduce-scatter backward).
-//                    Leave: Shard<-1> as it is, or all-gather to Replicate.
+// forward in the differentiable collectives its type names (Style::enter, Style::leave: forward
+// and backward collective, chosen by collective_for<> at compile time; comm/differentiable.hpp
+// runs them). Nothing here decides a collective again:
+//   ColwiseParallel  enter: Replicate input -> f (identity, all-reduce of the gradient); Shard<d>
+//                    input -> all-gather along d (reduce-scatter backward). Leave: Shard<-1> as
+//                    it is, or all-gather to Replicate.
 //   RowwiseParallel  Replicate input -> this rank's chunk; the partial sums leave by all-reduce
 //                    (Replicate) or reduce-scatter along the sequence (Shard<1>).
-//   SequenceParallel the norm runs on its sequence shard; its weight's gradient is all-reduced.
+//   SequenceParallel the norm runs on its sequence shard; its weight enters through
+//                    Style::weight (f), so the weight's gradient is all-reduced.
 //   PrepareModuleInput enters the region once for a module whose children (q, k, v) share the
 //                    input, so those children do not enter it again.
+// The one exception is the vocabulary-sharded embedding: token ids are not activations, so it
+// masks the ids outside this rank's rows before its leave collective sums the ranks' rows.
 // The model builds its rotary tables from the token ids, which every TP rank holds whole, so
 // positions stay right while the residual stream is sharded along the sequence.
 #include <cstdint>
@@ -37,41 +42,6 @@
 namespace meshtorch {
 
 namespace tp_detail {
-
-template <Placement In>
-torch::Tensor enter_replicated_region(const torch::Tensor& x, const comm::AxisGroup& group) {
-  if constexpr (std::is_same_v<In, Replicate>)
-    return comm::copy_to_parallel_region(x, group);
-  else
-    return comm::gather_from_sequence_parallel_region(x, group, In::dim);
-}
-
-template <Placement Out>
-torch::Tensor leave_column_region(const torch::Tensor& x, const comm::AxisGroup& group) {
-  if constexpr (std::is_same_v<Out, Replicate>)
-    return comm::gather_from_parallel_region(x, group, -1);
-  else
-    return x;
-}
-
-template <Placement In>
-torch::Tensor enter_row_region(const torch::Tensor& x, const comm::AxisGroup& group) {
-  if constexpr (std::is_same_v<In, Replicate>)
-    return comm::scatter_to_parallel_region(x, group, -1);
-  else {
-    static_assert(std::is_same_v<In, Shard<-1>>,
-                  "RowwiseParallel on a linear takes Shard<-1> (a ColwiseParallel's output) or Replicate");
-    return x;
-  }
-}
-
-template <Placement Out>
-torch::Tensor leave_row_region(const torch::Tensor& partial, const comm::AxisGroup& group) {
-  if constexpr (std::is_same_v<Out, Replicate>)
-    return comm::reduce_from_parallel_region(partial, group);
-  else
-    return comm::reduce_scatter_to_sequence_parallel_region(partial, group, Out::dim);
-}
 
 inline torch::Tensor chunk_of(const torch::Tensor& full, const comm::AxisGroup& group, std::int64_t dim,
                               const std::string& name) {
@@ -192,15 +162,8 @@ class TensorParallel {
         throw ConfigError(name + ": ColwiseParallel on an embedding is not supported; shard the vocabulary with "
                                  "RowwiseParallel<Replicate, ...> (as torchtitan does)");
       shard(name, module, 0);
-      const auto group = group_;
-      if (!entered)
-        module.hooks.pre.push_back([group](const torch::Tensor& x) {
-          return tp_detail::enter_replicated_region<typename Style::input>(x, group);
-        });
-      if constexpr (!std::is_same_v<typename Style::output, Shard<-1>>)
-        module.hooks.post.push_back([group](const torch::Tensor&, const torch::Tensor& y) {
-          return tp_detail::leave_column_region<typename Style::output>(y, group);
-        });
+      if (!entered) add_enter<Style>(module.hooks);
+      add_leave<Style>(module.hooks);
     } else if constexpr (RowwiseStyle<Style>) {
       const auto group = group_;
       if (auto* embedding = dynamic_cast<llama::EmbeddingImpl*>(&module)) {
@@ -218,23 +181,20 @@ class TensorParallel {
         });
         module.hooks.post.push_back([group, first, rows](const torch::Tensor& ids, const torch::Tensor& out) {
           const auto outside = ids.lt(first).logical_or(ids.ge(first + rows)).unsqueeze(-1);
-          return tp_detail::leave_row_region<typename Style::output>(out.masked_fill(outside, 0), group);
+          return comm::redistribute_differentiable<typename Style::leave>(out.masked_fill(outside, 0), group);
         });
       } else {
         shard(name, module, 1);
-        module.hooks.pre.push_back([group](const torch::Tensor& x) {
-          return tp_detail::enter_row_region<typename Style::input>(x, group);
-        });
-        module.hooks.post.push_back([group](const torch::Tensor&, const torch::Tensor& y) {
-          return tp_detail::leave_row_region<typename Style::output>(y, group);
-        });
+        add_enter<Style>(module.hooks);
+        add_leave<Style>(module.hooks);
       }
     } else if constexpr (SequenceParallelStyle<Style>) {
       // Each rank's gradient covers its part of the sequence; the weight's is their sum. The
       // weight enters forward through f (identity; all-reduce of the gradient), which also holds
       // when a wrapper (FSDP) swaps the weight tensor for a gathered one.
       const auto group = group_;
-      module.parametrizations.push_back([group](const torch::Tensor& w) { return comm::copy_to_parallel_region(w, group); });
+      module.parametrizations.push_back(
+          [group](const torch::Tensor& w) { return comm::redistribute_differentiable<typename Style::weight>(w, group); });
     } else {
       static_assert(std::is_same_v<Style, NoParallel>, "this style does not apply to a leaf module");
     }
@@ -243,15 +203,30 @@ class TensorParallel {
   template <class Style>
   void prepare(ForwardHooks& hooks) {
     if constexpr (PrepareModuleInputStyle<Style>) {
-      static_assert(std::is_same_v<typename Style::output, Replicate>,
-                    "PrepareModuleInput on self_attn or mlp must hand its children Replicate");
-      const auto group = group_;
-      hooks.pre.push_back([group](const torch::Tensor& x) {
-        return tp_detail::enter_replicated_region<typename Style::input>(x, group);
-      });
+      add_enter<Style>(hooks);
     } else {
       static_assert(std::is_same_v<Style, NoParallel>,
                     "self_attn and mlp take PrepareModuleInput<In, Replicate> or NoParallel");
+    }
+  }
+
+  // A style's collectives around a module, as the style's type names them.
+  template <class Style>
+  void add_enter(ForwardHooks& hooks) {
+    using R = typename Style::enter;
+    if constexpr (R::forward != Collective::none || R::backward != Collective::none) {
+      const auto group = group_;
+      hooks.pre.push_back([group](const torch::Tensor& x) { return comm::redistribute_differentiable<R>(x, group); });
+    }
+  }
+  template <class Style>
+  void add_leave(ForwardHooks& hooks) {
+    using R = typename Style::leave;
+    if constexpr (R::forward != Collective::none || R::backward != Collective::none) {
+      const auto group = group_;
+      hooks.post.push_back([group](const torch::Tensor&, const torch::Tensor& y) {
+        return comm::redistribute_differentiable<R>(y, group);
+      });
     }
   }
 
@@ -260,16 +235,10 @@ class TensorParallel {
   void apply_head() {
     using Style = typename S::lm_head;
     auto& lm = *model_;
-    const auto group = group_;
     if constexpr (ColwiseStyle<Style>) {
       if (lm.lm_head) shard("lm_head", *lm.lm_head, 0);
-      lm.head_hooks.pre.push_back([group](const torch::Tensor& x) {
-        return tp_detail::enter_replicated_region<typename Style::input>(x, group);
-      });
-      if constexpr (!std::is_same_v<typename Style::output, Shard<-1>>)
-        lm.head_hooks.post.push_back([group](const torch::Tensor&, const torch::Tensor& y) {
-          return tp_detail::leave_column_region<typename Style::output>(y, group);
-        });
+      add_enter<Style>(lm.head_hooks);
+      add_leave<Style>(lm.head_hooks);
     } else {
       static_assert(std::is_same_v<Style, NoParallel>, "lm_head takes ColwiseParallel or NoParallel");
     }
@@ -288,8 +257,9 @@ class TensorParallel {
 };
 
 // Applies Plan's tensor-parallel styles to `model` over the TP group (weights sharded in place).
+// parallelize() (parallelize.hpp) does this for a mesh with a TP axis, with FSDP and DP after it.
 template <class PlanT>
-TensorParallel<PlanT> parallelize(llama::LlamaForCausalLM& model, const comm::AxisGroup& tp_group) {
+TensorParallel<PlanT> apply_tensor_parallel(llama::LlamaForCausalLM& model, const comm::AxisGroup& tp_group) {
   return TensorParallel<PlanT>(model, tp_group);
 }
 

@@ -1,12 +1,33 @@
 #pragma once
 // The guide's command-line flags, shared by every chapter's train_llm.cpp. A chapter adds its
-// own flags (e.g. --cpu-offload, --tp) to the same CLI::App.
+// own flags (e.g. --cpu-offload, --tp) to the same CLI::App. Every flag, the chapter's too, is
+// part of the fingerprint ranks compare at start-up, unless it is added to the per_rank_flags
+// group: a rank started with other values fails at once instead of hanging later.
 #include <cstdint>
+#include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
 namespace meshtorch::train {
+
+// The CLI11 group of flags that may differ between ranks (they change no result).
+inline constexpr const char* per_rank_flags = "Per-rank options";
+
+// Every flag's value but the per-rank ones, one "name=value" per line, in the order the flags
+// were added: what all ranks of a run must agree on.
+inline std::string flags_fingerprint(const CLI::App& app) {
+  std::string per_rank_names;
+  for (const CLI::Option* option : app.get_options())
+    if (option->get_group() == per_rank_flags) per_rank_names += "|" + option->get_single_name() + "=";
+  std::istringstream all(app.config_to_str(/*default_also=*/true, /*write_description=*/false));
+  std::string out, line;
+  while (std::getline(all, line)) {
+    const auto name = line.substr(0, line.find('=') + 1);
+    if (per_rank_names.find("|" + name) == std::string::npos) out += line + "\n";
+  }
+  return out;
+}
 
 struct TrainArgs {
   std::string experiment_name;  // empty: no checkpoints, no metrics file
@@ -26,7 +47,11 @@ struct TrainArgs {
   std::int64_t grad_accum = 1;
   int threads = 0;  // 0: LibTorch's default
 
+  // The flags every rank must share (all that were parsed by the app these were added to).
+  std::string fingerprint() const { return app_ ? flags_fingerprint(*app_) : std::string(); }
+
   void add_to(CLI::App& app) {
+    app_ = &app;
     app.add_option("-e,--experiment-name", experiment_name,
                    "name of the run; checkpoints and metrics.jsonl go to <save-dir>/<name>, and a run with the "
                    "same name resumes");
@@ -60,8 +85,13 @@ struct TrainArgs {
     app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step")
         ->capture_default_str()
         ->check(CLI::PositiveNumber);
-    app.add_option("--threads", threads, "intra-op threads (0: LibTorch's default)")->capture_default_str();
+    app.add_option("--threads", threads, "intra-op threads (0: LibTorch's default)")
+        ->capture_default_str()
+        ->group(per_rank_flags);
   }
+
+ private:
+  const CLI::App* app_ = nullptr;
 };
 
 }  // namespace meshtorch::train

@@ -3,8 +3,12 @@
 // names the file and the field.
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -50,13 +54,131 @@ inline std::int64_t read_token_id(const nlohmann::json& j, std::string_view fiel
 
 }  // namespace detail
 
-inline Config config_from_json(const nlohmann::json& j, const std::string& source = "config.json") {
+// What a config.json says beyond the model's shape: the dtype its weights were saved in, and the
+// fields that were read but do not change the computation here, which callers log once.
+struct ConfigFile {
+  Config config;
+  std::optional<std::string> dtype;         // "float32", "bfloat16" or "float16", from dtype/torch_dtype
+  std::vector<std::string> ignored_fields;  // e.g. "output_attentions", "rope_parameters.attention_factor"
+};
+
+namespace detail {
+
+// Fields every writer adds that say nothing about the computation; not worth a log line.
+inline bool is_bookkeeping_field(std::string_view name) {
+  return name == "architectures" || name == "transformers_version" || name == "use_cache" ||
+         name == "pad_token_id" || name == "_name_or_path" || name == "model_type";
+}
+
+inline std::optional<std::string> read_dtype(const nlohmann::json& j, const std::string& source) {
+  std::optional<std::string> found;
+  std::string found_in;
+  // transformers 5 writes "dtype", earlier versions "torch_dtype"; 5 prefers "dtype" when both are there.
+  for (const char* name : {"dtype", "torch_dtype"}) {
+    const auto it = j.find(name);
+    if (it == j.end() || it->is_null()) continue;
+    if (!it->is_string()) throw ConfigError(where(source, name) + " must be a dtype name, got " + it->dump());
+    auto value = it->get<std::string>();
+    if (value.rfind("torch.", 0) == 0) value = value.substr(6);
+    if (value != "float32" && value != "bfloat16" && value != "float16")
+      throw ConfigError(where(source, name) + " is '" + value + "'; supported: float32, bfloat16, float16");
+    if (found && *found != value)
+      throw ConfigError(source + ": fields '" + found_in + "' ('" + *found + "') and '" + name + "' ('" + value +
+                        "') disagree");
+    found = value;
+    found_in = name;
+  }
+  return found;
+}
+
+// The rotary embedding: transformers 5's rope_parameters {"rope_type", "rope_theta", scaling
+// fields}, or the earlier top-level rope_theta with rope_scaling. Either, both (when they agree),
+// or neither (rope_theta 10000, no scaling). Types other than default and llama3 change the
+// frequencies and are refused.
+inline void read_rope(const nlohmann::json& j, const std::string& source, Config& c, std::vector<std::string>& ignored) {
+  struct Block {
+    std::string name;
+    std::optional<double> theta;
+    RopeScaling scaling;
+  };
+  auto read_block = [&](const char* name) -> std::optional<Block> {
+    const auto it = j.find(name);
+    if (it == j.end() || it->is_null()) return std::nullopt;
+    if (!it->is_object()) throw ConfigError(where(source, name) + " must be an object or null");
+    const std::string block_source = source + ": " + name;
+    Block block{name, std::nullopt, {}};
+    std::string type = "default";
+    for (const auto& [key, value] : it->items()) {
+      const std::string field = std::string(name) + "." + key;
+      if (key == "rope_type" || key == "type") {
+        if (!value.is_string()) throw ConfigError(where(source, field) + " must be a string, got " + value.dump());
+        type = value.get<std::string>();
+      } else if (key == "rope_theta") {
+        block.theta = read_field<double>(*it, "rope_theta", block_source, std::nullopt);
+      } else if (key == "partial_rotary_factor") {
+        if (!value.is_number() || value.get<double>() != 1.0)
+          throw ConfigError(where(source, field) + " is " + value.dump() +
+                            "; rotary embeddings over part of each head are not implemented (only 1.0)");
+      } else if (key != "factor" && key != "low_freq_factor" && key != "high_freq_factor" &&
+                 key != "original_max_position_embeddings") {
+        if (value.is_object()) throw ConfigError(where(source, field) + ": rope parameters per layer type are not supported");
+        ignored.push_back(field);
+      }
+    }
+    if (type == "llama3") {
+      block.scaling.kind = RopeScalingKind::llama3;
+      block.scaling.factor = read_field<double>(*it, "factor", block_source, std::nullopt);
+      block.scaling.low_freq_factor = read_field<double>(*it, "low_freq_factor", block_source, std::nullopt);
+      block.scaling.high_freq_factor = read_field<double>(*it, "high_freq_factor", block_source, std::nullopt);
+      // transformers takes max_position_embeddings when the block leaves it out.
+      block.scaling.original_max_position_embeddings =
+          read_field<std::int64_t>(*it, "original_max_position_embeddings", block_source, c.max_position_embeddings);
+    } else if (type == "default") {
+      for (const char* key : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+        if (it->contains(key)) ignored.push_back(std::string(name) + "." + key);
+    } else {
+      throw ConfigError(where(source, std::string(name) + ".rope_type") + " is '" + type +
+                        "'; supported: 'default', 'llama3' (linear, dynamic, yarn and longrope scaling are not "
+                        "implemented)");
+    }
+    return block;
+  };
+  const auto legacy = read_block("rope_scaling");
+  const auto current = read_block("rope_parameters");
+  std::optional<double> top_theta;
+  if (j.contains("rope_theta") && !j["rope_theta"].is_null()) top_theta = read_field<double>(j, "rope_theta", source, std::nullopt);
+  if (auto it = j.find("partial_rotary_factor"); it != j.end() && !it->is_null() && !(it->is_number() && it->get<double>() == 1.0))
+    throw ConfigError(where(source, "partial_rotary_factor") + " is " + it->dump() +
+                      "; rotary embeddings over part of each head are not implemented (only 1.0)");
+
+  if (legacy && current && legacy->scaling != current->scaling)
+    throw ConfigError(source + ": fields 'rope_scaling' and 'rope_parameters' describe different rope scaling");
+  const auto& block = current ? current : legacy;
+  std::optional<double> theta = top_theta;
+  std::string theta_from = "rope_theta";
+  for (const auto* b : {&legacy, &current}) {
+    if (!*b || !(*b)->theta) continue;
+    const std::string field = (*b)->name + ".rope_theta";
+    if (theta && *theta != *(*b)->theta)
+      throw ConfigError(source + ": fields '" + theta_from + "' (" + std::to_string(*theta) + ") and '" + field +
+                        "' (" + std::to_string(*(*b)->theta) + ") disagree");
+    theta = (*b)->theta;
+    theta_from = field;
+  }
+  c.rope_theta = theta.value_or(10000.0);
+  if (block) c.rope_scaling = block->scaling;
+}
+
+}  // namespace detail
+
+inline ConfigFile read_config_json(const nlohmann::json& j, const std::string& source = "config.json") {
   if (!j.is_object()) throw ConfigError(source + ": expected a JSON object at the top level");
   if (auto mt = j.find("model_type"); mt != j.end() && mt->is_string() && mt->get<std::string>() != "llama")
     throw ConfigError(detail::where(source, "model_type") + " is '" + mt->get<std::string>() +
                       "'; meshtorch's Llama model needs 'llama'");
   using detail::read_field;
-  Config c;
+  ConfigFile file;
+  Config& c = file.config;
   c.hidden_size = read_field<std::int64_t>(j, "hidden_size", source, std::nullopt);
   c.intermediate_size = read_field<std::int64_t>(j, "intermediate_size", source, std::nullopt);
   c.num_hidden_layers = read_field<std::int64_t>(j, "num_hidden_layers", source, std::nullopt);
@@ -65,36 +187,46 @@ inline Config config_from_json(const nlohmann::json& j, const std::string& sourc
   c.head_dim = read_field<std::int64_t>(j, "head_dim", source, std::int64_t{0});
   c.vocab_size = read_field<std::int64_t>(j, "vocab_size", source, std::nullopt);
   c.rms_norm_eps = read_field<double>(j, "rms_norm_eps", source, 1e-6);
-  c.rope_theta = read_field<double>(j, "rope_theta", source, 10000.0);
   c.max_position_embeddings = read_field<std::int64_t>(j, "max_position_embeddings", source, std::int64_t{2048});
   c.tie_word_embeddings = read_field<bool>(j, "tie_word_embeddings", source, false);
   c.initializer_range = read_field<double>(j, "initializer_range", source, 0.02);
   c.bos_token_id = detail::read_token_id(j, "bos_token_id", source, 1);
   c.eos_token_id = detail::read_token_id(j, "eos_token_id", source, 2);
+  detail::read_rope(j, source, c, file.ignored_fields);
+  file.dtype = detail::read_dtype(j, source);
 
-  if (auto rs = j.find("rope_scaling"); rs != j.end() && !rs->is_null()) {
-    const std::string rs_source = source + ": rope_scaling";
-    if (!rs->is_object()) throw ConfigError(detail::where(source, "rope_scaling") + " must be an object or null");
-    auto type_it = rs->find("rope_type");
-    if (type_it == rs->end()) type_it = rs->find("type");
-    const std::string type = (type_it != rs->end() && type_it->is_string()) ? type_it->get<std::string>() : "";
-    if (type == "llama3") {
-      c.rope_scaling.kind = RopeScalingKind::llama3;
-      c.rope_scaling.factor = read_field<double>(*rs, "factor", rs_source, std::nullopt);
-      c.rope_scaling.low_freq_factor = read_field<double>(*rs, "low_freq_factor", rs_source, std::nullopt);
-      c.rope_scaling.high_freq_factor = read_field<double>(*rs, "high_freq_factor", rs_source, std::nullopt);
-      c.rope_scaling.original_max_position_embeddings =
-          read_field<std::int64_t>(*rs, "original_max_position_embeddings", rs_source, std::nullopt);
-    } else if (type != "default") {
-      throw ConfigError(detail::where(source, "rope_scaling.rope_type") + " is '" + type +
-                        "'; supported: 'llama3', 'default'");
-    }
-  }
+  // Fields that would change the computation and that the model does not implement.
+  if (auto act = j.find("hidden_act"); act != j.end() && !act->is_null() && *act != "silu")
+    throw ConfigError(detail::where(source, "hidden_act") + " is " + act->dump() + "; only 'silu' is implemented");
+  for (const char* name : {"attention_bias", "mlp_bias"})
+    if (read_field<bool>(j, name, source, false))
+      throw ConfigError(detail::where(source, name) + " is true; Llama layers without bias are all that is implemented");
+  if (read_field<std::int64_t>(j, "pretraining_tp", source, std::int64_t{1}) > 1)
+    throw ConfigError(detail::where(source, "pretraining_tp") + " is " + j["pretraining_tp"].dump() +
+                      "; only 1 is implemented (the tensor-parallel slicing of Llama 2's pretraining is not)");
+  if (read_field<double>(j, "attention_dropout", source, 0.0) != 0.0)
+    throw ConfigError(detail::where(source, "attention_dropout") + " is " + j["attention_dropout"].dump() +
+                      "; attention dropout is not implemented (only 0)");
+  if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null())
+    throw ConfigError(detail::where(source, "quantization_config") + " is set; quantized weights are not supported");
+
+  static const std::set<std::string, std::less<>> read_here = {
+      "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+      "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+      "initializer_range", "bos_token_id", "eos_token_id", "rope_theta", "rope_scaling", "rope_parameters",
+      "partial_rotary_factor", "dtype", "torch_dtype", "hidden_act", "attention_bias", "mlp_bias", "pretraining_tp",
+      "attention_dropout", "quantization_config"};
+  for (const auto& [key, value] : j.items())
+    if (!read_here.count(key) && !detail::is_bookkeeping_field(key)) file.ignored_fields.push_back(key);
   validate(c, source);
-  return c;
+  return file;
 }
 
-inline Config load_config(const std::filesystem::path& path) {
+inline Config config_from_json(const nlohmann::json& j, const std::string& source = "config.json") {
+  return read_config_json(j, source).config;
+}
+
+inline ConfigFile load_config_file(const std::filesystem::path& path) {
   std::ifstream in(path);
   if (!in) throw ConfigError(path.string() + ": cannot open");
   nlohmann::json j;
@@ -103,11 +235,15 @@ inline Config load_config(const std::filesystem::path& path) {
   } catch (const nlohmann::json::parse_error& e) {
     throw ConfigError(path.string() + ": not valid JSON (" + e.what() + ")");
   }
-  return config_from_json(j, path.string());
+  return read_config_json(j, path.string());
 }
 
-// Writes the fields transformers' LlamaConfig reads, so LlamaForCausalLM.from_pretrained loads it.
-inline nlohmann::json config_to_json(const Config& c, std::string_view torch_dtype = "float32") {
+inline Config load_config(const std::filesystem::path& path) { return load_config_file(path).config; }
+
+// Writes what transformers 5 writes (rope_parameters, dtype) and, for transformers 4 readers, the
+// same values under their earlier names (rope_theta, rope_scaling, torch_dtype); transformers 5
+// reads such a file back to the same LlamaConfig.
+inline nlohmann::json config_to_json(const Config& c, std::string_view dtype = "float32") {
   nlohmann::json j = {
       {"architectures", {"LlamaForCausalLM"}},
       {"model_type", "llama"},
@@ -118,38 +254,51 @@ inline nlohmann::json config_to_json(const Config& c, std::string_view torch_dty
       {"num_key_value_heads", c.num_key_value_heads},
       {"vocab_size", c.vocab_size},
       {"rms_norm_eps", c.rms_norm_eps},
-      {"rope_theta", c.rope_theta},
       {"max_position_embeddings", c.max_position_embeddings},
       {"tie_word_embeddings", c.tie_word_embeddings},
       {"initializer_range", c.initializer_range},
       {"bos_token_id", c.bos_token_id},
       {"eos_token_id", c.eos_token_id},
+      {"pad_token_id", nullptr},
       {"hidden_act", "silu"},
       {"attention_bias", false},
       {"mlp_bias", false},
       {"attention_dropout", 0.0},
-      {"torch_dtype", std::string(torch_dtype)},
+      {"pretraining_tp", 1},
+      {"dtype", std::string(dtype)},
+      {"torch_dtype", std::string(dtype)},
       {"use_cache", true},
+      {"rope_theta", c.rope_theta},
   };
-  if (c.head_dim != 0) j["head_dim"] = c.head_dim;  // absent means hidden_size / heads, as in HF
+  nlohmann::json rope = {{"rope_type", "default"}, {"rope_theta", c.rope_theta}};
   if (c.rope_scaling.kind == RopeScalingKind::llama3) {
-    j["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", c.rope_scaling.factor},
-                         {"low_freq_factor", c.rope_scaling.low_freq_factor},
-                         {"high_freq_factor", c.rope_scaling.high_freq_factor},
-                         {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
+    const nlohmann::json scaling = {{"rope_type", "llama3"},
+                                    {"factor", c.rope_scaling.factor},
+                                    {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                                    {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                                    {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
+    rope.update(scaling);
+    j["rope_scaling"] = scaling;
   } else {
     j["rope_scaling"] = nullptr;
   }
+  j["rope_parameters"] = rope;
+  if (c.head_dim != 0) j["head_dim"] = c.head_dim;  // absent means hidden_size / heads, as in HF
   return j;
 }
 
-// `-m` takes a preset name or a directory holding config.json.
-inline Config resolve_model(const std::string& name_or_dir) {
+// `-m` takes a preset name or a directory holding config.json. `ignored_fields` (if given) receives
+// the file's fields that do not change the computation, for the caller to log once.
+inline Config resolve_model(const std::string& name_or_dir, std::vector<std::string>* ignored_fields = nullptr) {
   if (auto preset = presets::find(name_or_dir)) return *preset;
   const std::filesystem::path dir(name_or_dir);
-  if (std::filesystem::is_directory(dir)) return load_config(dir / "config.json");
-  if (std::filesystem::is_regular_file(dir) && dir.filename() == "config.json") return load_config(dir);
+  auto load = [&](const std::filesystem::path& path) {
+    auto file = load_config_file(path);
+    if (ignored_fields) *ignored_fields = std::move(file.ignored_fields);
+    return file.config;
+  };
+  if (std::filesystem::is_directory(dir)) return load(dir / "config.json");
+  if (std::filesystem::is_regular_file(dir) && dir.filename() == "config.json") return load(dir);
   std::string known;
   for (const auto& p : presets::all) known += (known.empty() ? "" : ", ") + std::string(p.name);
   throw ConfigError("-m/--model-name '" + name_or_dir + "' is neither a preset (" + known +

@@ -99,6 +99,16 @@ inline void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem:
       throw DataError(dir.string() + ": weights lack parameter '" + item.key() + "'");
 }
 
+// The dtype a folder's config.json gives its weights ("dtype", or "torch_dtype" before
+// transformers 5), or nothing for a preset or a file that does not say. transformers 5 loads a
+// model in this dtype unless told otherwise; `--dtype auto` does the same with it.
+inline std::optional<torch::ScalarType> pretrained_dtype(const std::filesystem::path& model_name_or_dir) {
+  if (!std::filesystem::is_regular_file(model_name_or_dir / "config.json")) return std::nullopt;
+  const auto name = load_config_file(model_name_or_dir / "config.json").dtype;
+  if (!name) return std::nullopt;
+  return *name == "bfloat16" ? torch::kBFloat16 : *name == "float16" ? torch::kHalf : torch::kFloat;
+}
+
 // `-m` names a preset or a folder: a folder's weights, if it holds any, replace the
 // initialisation. Returns whether weights were loaded.
 inline bool load_pretrained_weights_if_present(LlamaForCausalLM& lm, const std::filesystem::path& model_name_or_dir) {

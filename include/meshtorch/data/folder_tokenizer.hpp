@@ -1,0 +1,138 @@
+#pragma once
+// The tokenizer of an HF model folder, chosen by what the folder holds: tokenizer.json (byte-level
+// BPE), else tokenizer.model (SentencePiece). A folder with both whose tokenizer.json is not
+// byte-level BPE (Llama 2's, converted from SentencePiece) uses tokenizer.model. <bos>/<eos> come
+// from tokenizer_config.json ("bos_token"/"eos_token", "add_bos_token"), else from
+// generation_config.json ("bos_token_id"/"eos_token_id"), else from the tokenizer itself.
+//
+// Link requirements: PCRE2 and libsentencepiece (CMake target meshtorch::tokenizers).
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "meshtorch/data/bpe_tokenizer.hpp"
+#include "meshtorch/data/sentencepiece_tokenizer.hpp"
+#include "meshtorch/data/text_tokenizer.hpp"
+#include "meshtorch/error.hpp"
+
+namespace meshtorch::data {
+
+inline bool folder_has_tokenizer(const std::filesystem::path& dir) {
+  return std::filesystem::is_directory(dir) &&
+         (std::filesystem::exists(dir / "tokenizer.json") || std::filesystem::exists(dir / "tokenizer.model"));
+}
+
+namespace folder_detail {
+
+inline std::optional<nlohmann::json> read_json_if_present(const std::filesystem::path& path) {
+  if (!std::filesystem::exists(path)) return std::nullopt;
+  std::ifstream in(path);
+  if (!in) throw DataError(path.string() + ": cannot open");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw DataError(path.string() + ": not valid JSON (" + e.what() + ")");
+  }
+}
+
+struct ConfigToken {
+  bool present = false;           // the field is there (null says: no such token)
+  std::optional<std::int32_t> id;
+};
+
+// tokenizer_config.json's "bos_token": a string, {"content": "..."} (AddedToken), or null for none.
+inline ConfigToken token_from_config(const nlohmann::json& config, const std::string& field,
+                                     const TextTokenizer& tokenizer, const std::filesystem::path& path) {
+  const auto it = config.find(field);
+  if (it == config.end()) return {};
+  if (it->is_null()) return {true, std::nullopt};
+  std::string content;
+  if (it->is_string())
+    content = it->get<std::string>();
+  else if (it->is_object() && it->contains("content") && (*it)["content"].is_string())
+    content = (*it)["content"].get<std::string>();
+  else
+    throw ConfigError(path.string() + ": field '" + field + "' must be a token string, got " + it->dump());
+  const auto id = tokenizer.token_to_id(content);
+  if (!id)
+    throw ConfigError(path.string() + ": field '" + field + "' names " + nlohmann::json(content).dump() +
+                      ", which is not a token of " + tokenizer.describe());
+  return {true, id};
+}
+
+// generation_config.json's "eos_token_id": an id or a list of ids (Llama 3 instruct); the first is
+// the one appended to documents.
+inline std::optional<std::int32_t> id_from_generation_config(const nlohmann::json& config, const std::string& field,
+                                                             const TextTokenizer& tokenizer,
+                                                             const std::filesystem::path& path) {
+  const auto it = config.find(field);
+  if (it == config.end() || it->is_null()) return std::nullopt;
+  const nlohmann::json* value = &*it;
+  if (it->is_array() && !it->empty()) value = &(*it)[0];
+  if (!value->is_number_integer() || value->get<std::int64_t>() < 0 ||
+      value->get<std::int64_t>() >= tokenizer.vocab_size())
+    throw ConfigError(path.string() + ": field '" + field + "' is " + it->dump() + ", not an id below the vocabulary size " +
+                      std::to_string(tokenizer.vocab_size()));
+  return static_cast<std::int32_t>(value->get<std::int64_t>());
+}
+
+}  // namespace folder_detail
+
+// The folder's tokenizer with its <bos>/<eos>; `note` (if given) receives what was chosen and why,
+// for the caller's log.
+inline std::unique_ptr<TextTokenizer> load_tokenizer(const std::filesystem::path& dir, std::string* note = nullptr) {
+  const auto json_path = dir / "tokenizer.json", model_path = dir / "tokenizer.model";
+  std::unique_ptr<TextTokenizer> tokenizer;
+  std::string why;
+  if (std::filesystem::exists(json_path)) {
+    try {
+      tokenizer = std::make_unique<BpeTokenizer>(BpeTokenizer::from_file(json_path));
+    } catch (const ConfigError& e) {
+      if (!std::filesystem::exists(model_path)) throw;
+      why = std::string(e.what()) + "; using tokenizer.model instead";
+    }
+  }
+  if (!tokenizer && std::filesystem::exists(model_path)) tokenizer = std::make_unique<SentencePieceTokenizer>(model_path);
+  if (!tokenizer) throw DataError(dir.string() + ": holds no tokenizer.json or tokenizer.model");
+
+  std::string bos_from = "the tokenizer", eos_from = "the tokenizer";
+  const auto generation_path = dir / "generation_config.json";
+  if (const auto generation = folder_detail::read_json_if_present(generation_path)) {
+    if (auto id = folder_detail::id_from_generation_config(*generation, "bos_token_id", *tokenizer, generation_path)) {
+      tokenizer->bos_id = id;
+      bos_from = "generation_config.json";
+    }
+    if (auto id = folder_detail::id_from_generation_config(*generation, "eos_token_id", *tokenizer, generation_path)) {
+      tokenizer->eos_id = id;
+      eos_from = "generation_config.json";
+    }
+  }
+  // tokenizer_config.json is what HF's tokenizer classes read, so it wins over generation_config.json.
+  const auto config_path = dir / "tokenizer_config.json";
+  if (const auto config = folder_detail::read_json_if_present(config_path)) {
+    if (const auto token = folder_detail::token_from_config(*config, "bos_token", *tokenizer, config_path); token.present) {
+      tokenizer->bos_id = token.id;
+      bos_from = "tokenizer_config.json";
+    }
+    if (const auto token = folder_detail::token_from_config(*config, "eos_token", *tokenizer, config_path); token.present) {
+      tokenizer->eos_id = token.id;
+      eos_from = "tokenizer_config.json";
+    }
+    if (auto add = config->find("add_bos_token"); add != config->end() && add->is_boolean() && !add->get<bool>()) {
+      tokenizer->bos_id.reset();
+      bos_from = "tokenizer_config.json (add_bos_token false)";
+    }
+  }
+  if (note) {
+    auto id_text = [](const std::optional<std::int32_t>& id) { return id ? std::to_string(*id) : std::string("none"); };
+    *note = tokenizer->describe() + "; bos " + id_text(tokenizer->bos_id) + " from " + bos_from + ", eos " +
+            id_text(tokenizer->eos_id) + " from " + eos_from + (why.empty() ? "" : "; " + why);
+  }
+  return tokenizer;
+}
+
+}  // namespace meshtorch::data

@@ -1,0 +1,74 @@
+#pragma once
+// A tokenizer.model (Llama 2 style SentencePiece) through libsentencepiece itself, so ids are the
+// `sentencepiece` package's. <bos>/<eos> default to the model's own and may be replaced from
+// tokenizer_config.json by load_tokenizer (folder_tokenizer.hpp).
+//
+// Link requirement: libsentencepiece (CMake target meshtorch::tokenizers).
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <sentencepiece_processor.h>
+
+#include "meshtorch/data/text_tokenizer.hpp"
+#include "meshtorch/error.hpp"
+
+namespace meshtorch::data {
+
+class SentencePieceTokenizer final : public TextTokenizer {
+ public:
+  explicit SentencePieceTokenizer(const std::filesystem::path& path)
+      : source_(path.string()), processor_(std::make_unique<sentencepiece::SentencePieceProcessor>()) {
+    if (!std::filesystem::is_regular_file(path)) throw DataError(source_ + ": cannot open");
+    if (const auto status = processor_->Load(source_); !status.ok())
+      throw DataError(source_ + ": not a SentencePiece model (" + status.ToString() + ")");
+    if (processor_->bos_id() >= 0) bos_id = processor_->bos_id();
+    if (processor_->eos_id() >= 0) eos_id = processor_->eos_id();
+  }
+
+  std::vector<std::int32_t> encode(std::string_view text) const override {
+    std::vector<int> ids;
+    if (const auto status = processor_->Encode(text, &ids); !status.ok())
+      throw DataError(source_ + ": cannot encode the text (" + status.ToString() + ")");
+    return {ids.begin(), ids.end()};
+  }
+
+  // SentencePiece's own decoding: control tokens (<s>, </s>) decode to nothing.
+  std::string decode(std::span<const std::int32_t> ids) const override {
+    std::vector<int> plain;
+    plain.reserve(ids.size());
+    for (const auto id : ids) {
+      if (id < 0 || id >= processor_->GetPieceSize())
+        throw DataError(source_ + ": token id " + std::to_string(id) + " is not in the vocabulary");
+      plain.push_back(id);
+    }
+    std::string text;
+    if (const auto status = processor_->Decode(plain, &text); !status.ok())
+      throw DataError(source_ + ": cannot decode (" + status.ToString() + ")");
+    return text;
+  }
+
+  std::int64_t vocab_size() const override { return processor_->GetPieceSize(); }
+
+  std::optional<std::int32_t> token_to_id(std::string_view token) const override {
+    const int id = processor_->PieceToId(token);
+    // PieceToId answers unk_id for an unknown piece; only the unk piece itself may map there.
+    if (processor_->IsUnknown(id) && processor_->IdToPiece(id) != token) return std::nullopt;
+    return id;
+  }
+
+  std::string describe() const override {
+    return "SentencePiece (" + source_ + ", " + std::to_string(vocab_size()) + " pieces)";
+  }
+
+ private:
+  std::string source_;
+  std::shared_ptr<sentencepiece::SentencePieceProcessor> processor_;  // Encode/Decode are const and thread-safe
+};
+
+}  // namespace meshtorch::data

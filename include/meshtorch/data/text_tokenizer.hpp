@@ -1,0 +1,134 @@
+#pragma once
+// What every tokenizer of a model folder offers (tokenizer.json's byte-level BPE, tokenizer.model's
+// SentencePiece): text -> ids, ids -> text, the document boundary tokens, and batch encoding on
+// several threads. No LibTorch here, and no regex or SentencePiece library either: those are the
+// implementations' link requirements, not the interface's.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "meshtorch/error.hpp"
+
+namespace meshtorch::data {
+
+class TextTokenizer {
+ public:
+  virtual ~TextTokenizer() = default;
+
+  // The ids of `text` without any added <bos>/<eos> (HF's add_special_tokens=False); special
+  // tokens written in the text are recognised as such.
+  virtual std::vector<std::int32_t> encode(std::string_view text) const = 0;
+  // The text of `ids`, special tokens included, so decode(encode(x)) == x.
+  virtual std::string decode(std::span<const std::int32_t> ids) const = 0;
+  // One more than the largest id the tokenizer can produce.
+  virtual std::int64_t vocab_size() const = 0;
+  virtual std::optional<std::int32_t> token_to_id(std::string_view token) const = 0;
+  // "byte-level BPE (tokenizer.json, 1234 tokens)": what a log line names.
+  virtual std::string describe() const = 0;
+
+  // The document boundaries that packing keeps; set from tokenizer_config.json or
+  // generation_config.json by load_tokenizer (folder_tokenizer.hpp).
+  std::optional<std::int32_t> bos_id;
+  std::optional<std::int32_t> eos_id;
+
+  // Appends [<bos>] ids <eos>, as the byte tokenizer does for the built-in corpus.
+  void encode_document(std::string_view text, std::vector<std::int32_t>& out) const {
+    const auto ids = encode(text);
+    append_document(ids, out);
+  }
+
+  // Each text's ids, in order, computed on `threads` threads (0: one per core).
+  std::vector<std::vector<std::int32_t>> encode_batch(std::span<const std::string> texts, unsigned threads = 0) const {
+    std::vector<std::vector<std::int32_t>> out(texts.size());
+    run_on_threads(texts.size(), threads, [&](const auto& next_range) {
+      const auto session = start_session();
+      for (auto range = next_range(); range.first < range.second; range = next_range())
+        for (auto i = range.first; i < range.second; ++i) out[i] = session->encode(texts[i]);
+    });
+    return out;
+  }
+
+  // The documents encoded on `threads` threads and concatenated in order, each as [<bos>] ids <eos>.
+  std::vector<std::int32_t> encode_documents(std::span<const std::string> documents, unsigned threads = 0) const {
+    const auto batch = encode_batch(documents, threads);
+    std::size_t total = 0;
+    for (const auto& ids : batch) total += ids.size() + 2;
+    std::vector<std::int32_t> out;
+    out.reserve(total);
+    for (const auto& ids : batch) append_document(ids, out);
+    return out;
+  }
+
+ protected:
+  // What one thread keeps between the texts it encodes (a word cache, regex match data); the
+  // default keeps nothing.
+  struct Session {
+    virtual ~Session() = default;
+    virtual std::vector<std::int32_t> encode(std::string_view text) = 0;
+  };
+  virtual std::unique_ptr<Session> start_session() const {
+    struct Stateless final : Session {
+      explicit Stateless(const TextTokenizer& t) : tokenizer(t) {}
+      std::vector<std::int32_t> encode(std::string_view text) override { return tokenizer.encode(text); }
+      const TextTokenizer& tokenizer;
+    };
+    return std::make_unique<Stateless>(*this);
+  }
+
+ private:
+  void append_document(const std::vector<std::int32_t>& ids, std::vector<std::int32_t>& out) const {
+    if (!eos_id)
+      throw ConfigError(describe() + ": no end-of-text token is known (tokenizer_config.json 'eos_token' or "
+                        "generation_config.json 'eos_token_id'), so documents cannot be packed with a boundary");
+    if (bos_id) out.push_back(*bos_id);
+    out.insert(out.end(), ids.begin(), ids.end());
+    out.push_back(*eos_id);
+  }
+
+  // Each thread runs `work(next_range)`, where next_range() hands out the next chunk of indices
+  // in order (an empty range at the end); the first exception of any thread is rethrown here.
+  template <class Work>
+  static void run_on_threads(std::size_t count, unsigned threads, const Work& work) {
+    if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+    constexpr std::size_t chunk = 16;
+    const auto chunks = (count + chunk - 1) / chunk;
+    threads = static_cast<unsigned>(std::min<std::size_t>(threads, chunks));
+    std::atomic<std::size_t> next{0};
+    auto next_range = [&] {
+      const auto c = next.fetch_add(1);
+      return c < chunks ? std::pair{c * chunk, std::min(count, (c + 1) * chunk)} : std::pair{count, count};
+    };
+    if (threads <= 1) {
+      work(next_range);
+      return;
+    }
+    std::exception_ptr failure;
+    std::mutex failure_mutex;
+    auto body = [&] {
+      try {
+        work(next_range);
+      } catch (...) {
+        std::lock_guard lock(failure_mutex);
+        if (!failure) failure = std::current_exception();
+        next = chunks;
+      }
+    };
+    std::vector<std::thread> pool;
+    for (unsigned t = 1; t < threads; ++t) pool.emplace_back(body);
+    body();
+    for (auto& thread : pool) thread.join();
+    if (failure) std::rethrow_exception(failure);
+  }
+};
+
+}  // namespace meshtorch::data

@@ -1,0 +1,319 @@
+#pragma once
+// parallelize(model, mesh, options): the mesh type builds the parallel model. The axes of the
+// Mesh type decide, at compile time, which wrappers exist, and they are applied in torchtitan's
+// order:
+//
+//   axis in the mesh type   applied                                                   over
+//   TP                      the plan's styles: tensor + sequence + loss parallel      group<TP>()
+//   FSDP                    fully_shard per decoder layer, then the root               group<FSDP>()
+//   DP                      replication: gradients all-reduced in buckets (DDP)        group<DP>()
+//                           (with FSDP: HSDP, the shards' gradients all-reduced)
+//
+// The data-parallel group (the sampler's and the loss') is DP and FSDP merged. The model comes
+// in on the meta device; no rank materialises more than its own pieces plus one full weight at a
+// time: each weight is drawn whole (the same random numbers chapter 1 draws, so every layout
+// starts from the same model) or read from the model folder, and only this rank's piece is kept.
+//
+//   using Mesh = meshtorch::Mesh<meshtorch::FSDP<meshtorch::dynamic>, meshtorch::TP<meshtorch::dynamic>>;
+//   auto mesh = meshtorch::comm::init<Mesh>({.extents = {meshtorch::from_world_size, tp}});
+//   llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta));
+//   auto parallel = meshtorch::parallelize(model, mesh, {.device = device});
+//   train::AdamW optimizer(parallel.named_parameters(), {.lr = lr});
+//   parallel.loss(ids, ids).backward();            // every collective is in the wrappers
+//
+// The object owns the wrappers, whose hooks live in the model: keep it alive while the model runs.
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/comm/device_mesh.hpp>
+#include <meshtorch/error.hpp>
+#include <meshtorch/io/safetensors.hpp>
+#include <meshtorch/layout/mesh.hpp>
+#include <meshtorch/models/llama/model.hpp>
+#include <meshtorch/models/llama/weights.hpp>
+#include <meshtorch/parallel/ddp.hpp>
+#include <meshtorch/parallel/fsdp.hpp>
+#include <meshtorch/parallel/llama_plan.hpp>
+#include <meshtorch/parallel/tensor_parallel.hpp>
+
+namespace meshtorch {
+
+struct ParallelizeOptions {
+  // Where forward and backward compute (the shards live there too unless fsdp.cpu_offload).
+  torch::Device device = torch::kCPU;
+  // An HF model folder whose weights fill this rank's pieces; empty: initialise them as
+  // chapter 1 does (HF's _init_weights from the current seed).
+  std::filesystem::path weights_from;
+  // For the FSDP axis (device is taken from above).
+  FsdpOptions fsdp;
+  // For the DP axis.
+  DdpOptions ddp;
+};
+
+template <MeshType M, llama::LlamaStyles Styles = llama::default_styles<M>>
+class ParallelLlama {
+  static_assert(llama::check_parallelizable<M, Styles>());
+
+ public:
+  using mesh_type = M;
+  using plan = llama::Plan<M, llama::detail::RunTimeConfig{}, Styles>;
+  static constexpr bool has_tp = M::template has<TP>;
+  static constexpr bool has_fsdp = M::template has<FSDP>;
+  static constexpr bool has_dp = M::template has<DP>;
+
+  ParallelLlama(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, ParallelizeOptions options)
+      : model_(std::move(model)), options_(std::move(options)), world_(mesh.world()) {
+    options_.fsdp.device = options_.device;
+    if constexpr (has_dp || has_fsdp) data_parallel_ = data_parallel_group(mesh);
+    const auto dtype = model_->parameters().front().scalar_type();
+    for (auto& [name, leaf] : llama::weight_modules(*model_)) {
+      if (!leaf->weight.is_meta())
+        throw ConfigError("parallelize: '" + name + ".weight' is not on the meta device; build the model with "
+                          "torch::TensorOptions().device(torch::kMeta) so that no rank holds it whole");
+      global_shapes_.emplace_back(name + ".weight", leaf->weight.sizes().vec());
+    }
+
+    // 1. Tensor parallel: each rank keeps its TP chunk of every matrix (still on meta).
+    if constexpr (has_tp) tp_ = std::make_unique<TensorParallel<plan>>(model_, mesh.template group<TP>());
+
+    // 2. FSDP: a unit per decoder layer, then the root; the shards are allocated, the rest not.
+    if constexpr (has_fsdp) {
+      fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, mesh.template group<FSDP>(), options_.fsdp);
+      for (auto& layer : model_->model->decoder_layers) fsdp_->fully_shard(layer);
+      fsdp_->fully_shard(model_);
+    } else {
+      for (auto& [name, leaf] : llama::weight_modules(*model_))
+        leaf->materialize(torch::TensorOptions().device(options_.device).dtype(dtype));
+    }
+
+    // 3. Fill this rank's pieces, one full weight at a time.
+    if (options_.weights_from.empty())
+      initialise(dtype);
+    else
+      load_weights(options_.weights_from);
+
+    // 4. Replication over DP: DDP's bucketed all-reduce of whatever this rank trains (nothing to
+    //    do for a DP axis of one rank).
+    if constexpr (has_dp) {
+      if (mesh.template size<DP>() == 1) return;
+      std::vector<std::pair<std::string, torch::Tensor>> replicated;
+      for (auto& [name, tensor] : named_parameters())
+        if (tensor.numel() > 0) replicated.emplace_back(name, tensor);
+      if constexpr (has_fsdp) {
+        if (options_.fsdp.cpu_offload && options_.device.is_cuda())
+          throw ConfigError("parallelize: cpu_offload on an HSDP mesh (DP and FSDP) is not supported yet: the "
+                            "offloaded shards cannot be all-reduced over the DP axis's NCCL group");
+      }
+      ddp_ = std::make_unique<DistributedDataParallel>(std::move(replicated), mesh.template group<DP>(), options_.ddp);
+    }
+  }
+
+  ParallelLlama(ParallelLlama&&) noexcept = default;
+  ParallelLlama& operator=(ParallelLlama&&) noexcept = default;
+
+  // Mean next-token cross entropy of this rank's batch (vocab-parallel under loss parallel);
+  // its backward runs every gradient collective of the layout.
+  torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
+    auto compute = [&] {
+      if constexpr (has_tp)
+        return tp_->loss(input_ids, labels);
+      else
+        return model_->loss(input_ids, labels);
+    };
+    if (ddp_) return (*ddp_)(compute);
+    return compute();
+  }
+
+  // While the guard lives, backward accumulates gradients without the DP all-reduce (DDP's
+  // no_sync): use it on all micro-batches of a step but the last. FSDP still reduce-scatters
+  // each micro-batch, as FSDP2 does by default.
+  class NoSync {
+   public:
+    explicit NoSync(ParallelLlama& parallel) {
+      if (parallel.ddp_) ddp_guard_.emplace(parallel.ddp_->no_sync());
+    }
+
+   private:
+    std::optional<DistributedDataParallel::NoSync> ddp_guard_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+
+  // What the optimizer steps: the FSDP shards, or the (TP-sharded) weights.
+  std::vector<std::pair<std::string, torch::Tensor>> named_parameters() const {
+    if constexpr (has_fsdp) {
+      return fsdp_->named_parameters();
+    } else {
+      std::vector<std::pair<std::string, torch::Tensor>> named;
+      for (const auto& item : model_->named_parameters()) named.emplace_back(item.key(), item.value());
+      return named;
+    }
+  }
+
+  // The data-parallel coordinate and size (DP and FSDP merged): what the sampler splits the
+  // global batch by. 0 and 1 on a mesh without either.
+  int data_parallel_rank() const { return data_parallel_ ? data_parallel_->rank() : 0; }
+  int data_parallel_size() const { return data_parallel_ ? data_parallel_->size() : 1; }
+  const std::optional<comm::AxisGroup>& data_parallel() const { return data_parallel_; }
+  // The mean of a per-rank value over the data-parallel group (e.g. the step's loss); TP ranks
+  // of a data-parallel coordinate hold the same value already.
+  torch::Tensor mean_over_data_parallel(torch::Tensor value) const {
+    if (!data_parallel_) return value;
+    return comm::all_reduce(*data_parallel_, std::move(value), comm::ReduceOp::avg);
+  }
+
+  // This rank's piece of a full (HF-named) weight: its TP chunk, then its FSDP rows.
+  torch::Tensor piece_of(const std::string& name, const torch::Tensor& full) const {
+    torch::Tensor piece = full;
+    if constexpr (has_tp) piece = tp_->shard_of(name, piece);
+    if constexpr (has_fsdp) {
+      const auto [first_row, rows] = fsdp_->rows_of(name);
+      piece = piece.narrow(0, first_row, rows);
+    }
+    return piece;
+  }
+
+  // The global (unsharded) shape of every weight, by HF name, in the model's order.
+  const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& global_shapes() const {
+    return global_shapes_;
+  }
+  // Elements of weights this rank holds.
+  std::int64_t local_numel() const {
+    std::int64_t n = 0;
+    for (const auto& [name, tensor] : named_parameters()) n += tensor.numel();
+    return n;
+  }
+
+  llama::LlamaForCausalLM& module() { return model_; }
+  const comm::AxisGroup& world() const { return world_; }
+  TensorParallel<plan>* tensor_parallel() const { return tp_.get(); }
+  FullyShardedDataParallel* fully_sharded() const { return fsdp_.get(); }
+  DistributedDataParallel* data_parallel_replication() const { return ddp_.get(); }
+  const ParallelizeOptions& options() const { return options_; }
+
+  // "TP(styles) -> FSDP per layer + root -> DDP": the wrappers this mesh type applied, for logs.
+  static std::string describe() {
+    std::string out;
+    auto add = [&](const std::string& step) { out += (out.empty() ? "" : " -> ") + step; };
+    if constexpr (has_tp) add("tensor parallel over TP (" + plan::describe_styles() + ")");
+    if constexpr (has_fsdp) add("fully_shard per decoder layer, then the root, over FSDP");
+    if constexpr (has_dp) add(has_fsdp ? "HSDP: shard gradients all-reduced over DP" : "DDP over DP");
+    return out.empty() ? "no wrapper (one rank)" : out;
+  }
+
+ private:
+  static comm::AxisGroup data_parallel_group(const comm::DeviceMesh<M>& mesh) {
+    if constexpr (has_dp && has_fsdp)
+      return mesh.template group<DP, FSDP>();
+    else if constexpr (has_dp)
+      return mesh.template group<DP>();
+    else
+      return mesh.template group<FSDP>();
+  }
+
+  // This rank's piece of a full weight: its TP chunk, then (with FSDP) written into its rows.
+  void keep_piece(const std::string& name, const torch::Tensor& full, const std::string& source) {
+    torch::NoGradGuard no_grad;
+    torch::Tensor piece = full;
+    if constexpr (has_tp) piece = tp_->shard_of(name, full);
+    if constexpr (has_fsdp) {
+      fsdp_->load_full_weight(name, piece, source);
+    } else {
+      auto* leaf = leaf_named(name);
+      if (piece.sizes() != leaf->weight.sizes())
+        throw DataError(source + ": tensor '" + name + "' gives a piece of shape " + c10::str(piece.sizes()) +
+                        ", this rank holds " + c10::str(leaf->weight.sizes()));
+      leaf->weight.copy_(piece);
+    }
+  }
+
+  // HF's _init_weights over the global shapes, in chapter 1's order and with its random numbers.
+  void initialise(torch::ScalarType dtype) {
+    torch::NoGradGuard no_grad;
+    const double std = model_->config.initializer_range;
+    std::set<std::string> norms;
+    for (auto& [name, leaf] : llama::weight_modules(*model_))
+      if (dynamic_cast<llama::RMSNormImpl*>(leaf)) norms.insert(name + ".weight");
+    for (const auto& [name, shape] : global_shapes_) {
+      auto full = torch::empty(shape, torch::TensorOptions().device(options_.device).dtype(dtype));
+      if (norms.count(name))
+        full.fill_(1.0);
+      else
+        full.normal_(0.0, std);
+      keep_piece(name, full, "initialisation");
+    }
+  }
+
+  // An HF folder's weights, file by file; each tensor is cut to this rank's piece at once.
+  void load_weights(const std::filesystem::path& dir) {
+    std::set<std::string> loaded;
+    for (const auto& file : llama::weight_files(dir)) {
+      auto contents = io::load_safetensors(file);
+      for (auto& [name, tensor] : contents.tensors) {
+        if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
+        if (name == "lm_head.weight" && model_->config.tie_word_embeddings) continue;
+        if (!shape_of(name)) throw DataError(file.string() + ": tensor '" + name + "' is not a weight of this model");
+        if (tensor.sizes().vec() != *shape_of(name))
+          throw DataError(file.string() + ": tensor '" + name + "' has shape " + c10::str(tensor.sizes()) +
+                          ", the model needs " + c10::str(c10::IntArrayRef(*shape_of(name))));
+        keep_piece(name, tensor.to(options_.device), file.string());
+        loaded.insert(name);
+        tensor = torch::Tensor();  // this file's copy of the weight is no longer needed
+      }
+    }
+    for (const auto& [name, shape] : global_shapes_)
+      if (!loaded.count(name)) throw DataError(dir.string() + ": weight '" + name + "' is missing");
+  }
+
+  const std::vector<std::int64_t>* shape_of(const std::string& name) const {
+    for (const auto& [n, shape] : global_shapes_)
+      if (n == name) return &shape;
+    return nullptr;
+  }
+
+  llama::WeightModule* leaf_named(const std::string& name) {
+    for (auto& [n, leaf] : llama::weight_modules(*model_))
+      if (n + ".weight" == name) return leaf;
+    throw ConfigError("parallelize: no weight named '" + name + "'");
+  }
+
+  llama::LlamaForCausalLM model_;
+  ParallelizeOptions options_;
+  comm::AxisGroup world_;
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> global_shapes_;
+  std::optional<comm::AxisGroup> data_parallel_;
+  std::unique_ptr<TensorParallel<plan>> tp_;
+  std::unique_ptr<FullyShardedDataParallel> fsdp_;
+  std::unique_ptr<DistributedDataParallel> ddp_;
+};
+
+// The folder to read weights from when -m names a model folder that holds weights; empty for a
+// preset or a folder with only a config.json.
+inline std::filesystem::path pretrained_weights_folder(const std::string& model_name_or_dir) {
+  if (std::filesystem::is_directory(model_name_or_dir) && llama::has_pretrained_weights(model_name_or_dir))
+    return model_name_or_dir;
+  return {};
+}
+
+// Builds the parallel model for the mesh type M from a model on the meta device.
+template <llama::LlamaStyles Styles, MeshType M>
+ParallelLlama<M, Styles> parallelize(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh,
+                                     ParallelizeOptions options = {}) {
+  return ParallelLlama<M, Styles>(std::move(model), mesh, std::move(options));
+}
+template <MeshType M>
+ParallelLlama<M> parallelize(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh,
+                             ParallelizeOptions options = {}) {
+  return ParallelLlama<M>(std::move(model), mesh, std::move(options));
+}
+
+}  // namespace meshtorch

@@ -1,0 +1,51 @@
+#pragma once
+// The data of a training run, as every chapter prepares it: the dataset of -d tokenised and
+// packed into -s blocks (rank 0 of the job first, so that a download or a tokeniser cache is
+// made once on shared storage), checked against the model's vocabulary, and the
+// data-parallel-invariant sampler that gives data-parallel rank r its part of each global batch
+// (every TP rank of a data-parallel coordinate the same part).
+#include <cstdint>
+#include <optional>
+
+#include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/data/dataset.hpp>
+#include <meshtorch/data/sampler.hpp>
+#include <meshtorch/parallel/rank.hpp>
+#include <meshtorch/train/args.hpp>
+
+namespace meshtorch {
+
+struct TrainingData {
+  data::TokenBlocks blocks;
+  data::DpInvariantSampler sampler;
+};
+
+struct DataParallelCoordinate {
+  std::int64_t size = 1;
+  std::int64_t rank = 0;
+};
+
+// `world`: every rank of the job (rank 0 loads first); nothing on one process.
+inline TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size,
+                                       DataParallelCoordinate data_parallel = {},
+                                       const comm::AxisGroup* world = nullptr) {
+  auto load = [&] { return data::load_dataset(args.dataset_name, args.seq_length); };
+  auto blocks = world ? rank_zero_first(*world, load) : load();
+  blocks.check_vocab(vocab_size);
+  data::DpInvariantSampler sampler({.num_samples = blocks.size(),
+                                    .batch_size = args.batch_size,
+                                    .dp_size = data_parallel.size,
+                                    .dp_rank = data_parallel.rank,
+                                    .grad_accum = args.grad_accum,
+                                    .seed = args.seed});
+  return {std::move(blocks), sampler};
+}
+
+// For a model parallelize() built: its data-parallel group (DP and FSDP merged) splits the batch.
+template <class ParallelModel>
+  requires requires(const ParallelModel& m) { m.data_parallel_size(); m.world(); }
+TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size, const ParallelModel& model) {
+  return load_training_data(args, vocab_size, {model.data_parallel_size(), model.data_parallel_rank()}, &model.world());
+}
+
+}  // namespace meshtorch

@@ -1,0 +1,134 @@
+#pragma once
+// The experiment around a training loop, as the guide's scripts keep it: the folder
+// <save-dir>/<experiment-name>, resuming from its checkpoint, a metrics line every --log-freq
+// steps (printed by rank 0 and appended to metrics.jsonl) and a checkpoint every --ckpt-freq
+// steps. Every chapter's loop calls the same four functions:
+//
+//   mt::train::Experiment experiment(args, rank, sampler.global_batch(), device);
+//   auto state = experiment.resume(model, optimizer);                 // or a fresh state
+//   ...
+//       experiment.end_step(state, loss, progress);                   // after optimizer.step()
+//       if (state.global_step % args.log_freq == 0) experiment.log_metrics(state, steps_per_epoch, lr, timers);
+//       if (state.global_step % args.ckpt_freq == 0) experiment.save(state, model, optimizer);
+//
+// How a model is saved and loaded is the model type's business: Checkpointing<Model> says
+// (train/checkpoint.hpp for a plain model, parallel/parallelize.hpp for a parallel one).
+#include <chrono>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <meshtorch/train/args.hpp>
+#include <meshtorch/train/checkpoint.hpp>
+#include <meshtorch/train/log.hpp>
+#include <meshtorch/train/metrics.hpp>
+#include <meshtorch/train/state.hpp>
+#include <meshtorch/train/timers.hpp>
+
+namespace meshtorch::train {
+
+// Saving and resuming one kind of model with its optimizer. Specialisations provide
+//   static void save(const std::filesystem::path& exp_dir, Model&, const Optimizer&, const TrainState&,
+//                    const RunIdentity&);
+//   static std::optional<TrainState> load(const std::filesystem::path& exp_dir, Model&, Optimizer&,
+//                                         const RunIdentity&);
+template <class Model>
+struct Checkpointing;
+
+template <>
+struct Checkpointing<llama::LlamaForCausalLM> {
+  template <class Optimizer>
+  static void save(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model, const Optimizer& optimizer,
+                   const TrainState& state, const RunIdentity& identity) {
+    save_checkpoint(exp_dir, model, optimizer, state, identity);
+  }
+  template <class Optimizer>
+  static std::optional<TrainState> load(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model,
+                                        Optimizer& optimizer, const RunIdentity& identity) {
+    return load_checkpoint(exp_dir, model, optimizer, identity);
+  }
+};
+
+// The flags a resumed run must share with the run that saved it.
+inline RunIdentity run_identity(const TrainArgs& args, std::int64_t global_batch) {
+  return {args.seed, args.seq_length, global_batch, args.dataset_name, args.model_name};
+}
+
+class Experiment {
+ public:
+  // `global_batch`: samples per optimizer step over all data-parallel ranks and micro-batches;
+  // tokens_per_s counts them all.
+  Experiment(const TrainArgs& args, int rank, std::int64_t global_batch, torch::Device device)
+      : log_(rank),
+        rank_(rank),
+        identity_(run_identity(args, global_batch)),
+        window_(device, /*tokens_per_step=*/global_batch * args.seq_length) {
+    if (!args.experiment_name.empty()) {
+      dir_ = std::filesystem::path(args.save_dir) / args.experiment_name;
+      // Every rank may create it: create_directories is a no-op when the folder exists.
+      std::filesystem::create_directories(*dir_);
+      if (rank_ == 0) metrics_ = MetricsFile(*dir_ / "metrics.jsonl");
+    }
+  }
+
+  const Logger& log() const { return log_; }
+  bool enabled() const { return dir_.has_value(); }
+  // <save-dir>/<experiment-name>; only when -e was given.
+  const std::filesystem::path& dir() const { return dir_.value(); }
+
+  // The state saved in the experiment's checkpoint, with the model and optimizer restored, or
+  // a fresh state when there is none (or no -e).
+  template <class Model, class Optimizer>
+  TrainState resume(Model& model, Optimizer& optimizer) {
+    if (!dir_) return {};
+    auto resumed = Checkpointing<Model>::load(*dir_, model, optimizer, identity_);
+    if (!resumed) return {};
+    log_.info(fmt::format("resumed from {} at global_step {}", (*dir_ / "checkpoint").string(), resumed->global_step));
+    return *resumed;
+  }
+
+  // One optimizer step is done; `loss` is its mean over the whole global batch.
+  void end_step(TrainState& state, double loss, ProgressBar& progress) const {
+    ++state.global_step;
+    ++state.epoch_step;
+    state.running_loss += loss;
+    ++state.running_steps;
+    progress.update(state.epoch_step, fmt::format("loss={:.6f}", loss));
+  }
+
+  // The guide's metrics since the last line: printed and appended by rank 0 (every rank must
+  // call it, since closing the window resets each rank's timers and peak memory).
+  void log_metrics(TrainState& state, std::int64_t steps_per_epoch, double lr, PhaseTimers& timers) {
+    const auto record = window_.record(state, steps_per_epoch, lr, timers);
+    if (rank_ == 0) {
+      log_.info(format_metrics(record));
+      if (metrics_) metrics_->append(record);
+    }
+    window_.close(state, timers);
+  }
+
+  // A checkpoint of the model, optimizer, RNG and state (a collective for parallel models:
+  // every rank calls it). Without -e nothing is saved. The save's time is not training time.
+  template <class Model, class Optimizer>
+  void save(const TrainState& state, Model& model, const Optimizer& optimizer) {
+    if (!dir_) return;
+    const auto start = std::chrono::steady_clock::now();
+    Checkpointing<Model>::save(*dir_, model, optimizer, state, identity_);
+    log_.info(fmt::format("saved checkpoint at global_step {}", state.global_step));
+    window_.exclude(std::chrono::steady_clock::now() - start);
+  }
+
+ private:
+  Logger log_;
+  int rank_;
+  RunIdentity identity_;
+  std::optional<std::filesystem::path> dir_;
+  std::optional<MetricsFile> metrics_;
+  LogWindow window_;
+};
+
+}  // namespace meshtorch::train

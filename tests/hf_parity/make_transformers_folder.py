@@ -1,0 +1,54 @@
+"""Writes a model folder the way transformers itself does: a random tiny Llama (grouped-query
+attention, head_dim not hidden_size / heads, llama3 rope scaling whose frequencies fall in all three
+bands, rope_theta not 10000) saved with save_pretrained into sharded safetensors.
+
+    python make_transformers_folder.py OUT [--legacy-config]
+
+With --legacy-config, config.json is then rewritten in the earlier generation's fields (top-level
+rope_theta and rope_scaling, torch_dtype), which transformers still reads to the same model.
+"""
+import argparse
+import json
+import os
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out")
+    parser.add_argument("--legacy-config", action="store_true")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        dtype="float32")
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():  # norms away from 1, so a weight read into the wrong norm shows
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(args.out, max_shard_size="100KB")
+    written = json.load(open(os.path.join(args.out, "config.json")))
+    assert "rope_parameters" in written and "rope_theta" not in written, written
+    shards = [f for f in os.listdir(args.out) if f.endswith(".safetensors")]
+    assert len(shards) > 1 and os.path.exists(os.path.join(args.out, "model.safetensors.index.json")), shards
+
+    if args.legacy_config:
+        rope = written.pop("rope_parameters")
+        written["rope_theta"] = rope.pop("rope_theta")
+        written["rope_scaling"] = rope
+        written["torch_dtype"] = written.pop("dtype")
+        written["transformers_version"] = "4.46.0"
+        with open(os.path.join(args.out, "config.json"), "w") as f:
+            json.dump(written, f, indent=2)
+        assert LlamaConfig.from_pretrained(args.out).rope_parameters == config.rope_parameters
+    print(f"{args.out}: {len(shards)} safetensors shards, config.json {'legacy' if args.legacy_config else 'transformers 5'}")
+
+
+if __name__ == "__main__":
+    main()

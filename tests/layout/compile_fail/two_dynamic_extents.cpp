@@ -1,2 +1,0 @@
-#include <meshtorch/layout/mesh.hpp>
-meshtorch::Mesh<meshtorch::DP<meshtorch::dynamic>, meshtorch::TP<meshtorch::dynamic>> mesh;

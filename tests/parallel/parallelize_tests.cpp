@@ -1,0 +1,122 @@
+// parallelize() against one process, for every layout the mesh type can describe: DDP, FSDP,
+// HSDP, TP, 2D and 3D. Every rank also trains the one-process reference on the whole global
+// batch; the layout's loss (averaged over its data-parallel group) must equal the reference's
+// step by step (fp32, Gloo), and its trained pieces must equal the reference's weights' pieces.
+// The rank bodies are tagged and run by CTest on the mesh's rank count (see CMakeLists.txt).
+#include <catch2/catch.hpp>
+
+#include <meshtorch/comm/comm.hpp>
+#include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/parallelize.hpp>
+
+namespace mt = meshtorch;
+namespace llama = meshtorch::llama;
+
+namespace {
+
+constexpr std::int64_t global_batch = 8;
+constexpr std::int64_t seq_length = 32;
+constexpr int steps = 30;
+
+double relative_difference(double actual, double expected) { return std::abs(actual - expected) / std::abs(expected); }
+
+// Trains the layout M and the reference side by side and compares losses and final weights.
+template <mt::MeshType M>
+void check_layout_against_one_process(std::vector<int> extents = {}) {
+  auto mesh = mt::comm::init<M>({.timeout = std::chrono::seconds(60), .extents = std::move(extents)});
+  const auto config = llama::presets::llama_tiny;
+
+  torch::manual_seed(7);
+  llama::LlamaForCausalLM reference(config, torch::TensorOptions().device(torch::kMeta));
+  llama::materialize(reference, torch::TensorOptions());
+  torch::manual_seed(7);
+  auto parallel = mt::parallelize(llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta)), mesh);
+  INFO(mesh.shape().to_string() << " on rank " << mesh.rank() << ": " << parallel.describe());
+
+  mt::train::AdamW reference_optimizer(mt::train::named_trainable_parameters(*reference), {.lr = 1e-3});
+  mt::train::AdamW optimizer(parallel.named_parameters(), {.lr = 1e-3});
+  const std::int64_t local_batch = global_batch / parallel.data_parallel_size();
+  REQUIRE(local_batch * parallel.data_parallel_size() == global_batch);
+
+  torch::manual_seed(11);  // the same global batches on every rank
+  double worst = 0;
+  for (int step = 0; step < steps; ++step) {
+    const auto ids = torch::randint(0, config.vocab_size, {global_batch, seq_length}, torch::kLong);
+    auto expected = reference->loss(ids, ids);
+    expected.backward();
+    reference_optimizer.step();
+    reference_optimizer.zero_grad();
+
+    const auto local = ids.narrow(0, parallel.data_parallel_rank() * local_batch, local_batch);
+    auto loss = parallel.loss(local, local);
+    loss.backward();
+    optimizer.step();
+    optimizer.zero_grad();
+    const double actual = parallel.mean_over_data_parallel(loss.detach()).template item<double>();
+    INFO("step " << step << ": " << actual << " against one process's " << expected.template item<double>());
+    CHECK(relative_difference(actual, expected.template item<double>()) < 1e-5);
+    worst = std::max(worst, relative_difference(actual, expected.template item<double>()));
+  }
+  WARN(mesh.shape().to_string() << ": largest relative loss difference over " << steps << " steps: " << worst);
+
+  // The trained pieces are the reference's weights' pieces, and together no more than the model.
+  auto reference_weights = reference->named_parameters();
+  std::int64_t held = 0;
+  double worst_weight = 0;
+  for (const auto& [name, piece] : parallel.named_parameters()) {
+    INFO(name);
+    held += piece.numel();
+    const auto expected = parallel.piece_of(name, reference_weights[name].detach());
+    REQUIRE(piece.sizes() == expected.sizes());
+    if (piece.numel() == 0) continue;
+    const double difference = ((piece.detach() - expected).abs().max() / expected.abs().max()).template item<double>();
+    // Adam's normalised updates let fp32 rounding differences of the sums grow a little.
+    CHECK(difference < 2e-3);
+    worst_weight = std::max(worst_weight, difference);
+  }
+  WARN(mesh.shape().to_string() << ": largest relative weight difference after " << steps << " steps: " << worst_weight);
+  std::int64_t whole = 0;
+  for (const auto& p : reference->parameters()) whole += p.numel();
+  if constexpr (M::template has<mt::TP> || M::template has<mt::FSDP>) {
+    CHECK(held < whole);
+  } else {
+    CHECK(held == whole);
+  }
+  CHECK(held == parallel.local_numel());
+  mt::comm::barrier(mesh.world());
+}
+
+}  // namespace
+
+TEST_CASE("rank body: DDP built by parallelize", "[.][parallelize_ddp]") {
+  check_layout_against_one_process<mt::Mesh<mt::DP<mt::dynamic>>>();
+}
+
+TEST_CASE("rank body: FSDP built by parallelize", "[.][parallelize_fsdp]") {
+  check_layout_against_one_process<mt::Mesh<mt::FSDP<mt::dynamic>>>();
+}
+
+TEST_CASE("rank body: HSDP (DP x FSDP) built by parallelize", "[.][parallelize_hsdp]") {
+  check_layout_against_one_process<mt::Mesh<mt::DP<2>, mt::FSDP<2>>>();
+}
+
+TEST_CASE("rank body: TP built by parallelize", "[.][parallelize_tp]") {
+  check_layout_against_one_process<mt::Mesh<mt::TP<mt::dynamic>>>();
+}
+
+TEST_CASE("rank body: 2D (FSDP x TP) built by parallelize", "[.][parallelize_2d]") {
+  check_layout_against_one_process<mt::Mesh<mt::FSDP<mt::dynamic>, mt::TP<mt::dynamic>>>({mt::from_world_size, 2});
+}
+
+TEST_CASE("rank body: 3D (DP x FSDP x TP) built by parallelize", "[.][parallelize_3d]") {
+  check_layout_against_one_process<mt::Mesh<mt::DP<2>, mt::FSDP<2>, mt::TP<2>>>();
+}
+
+TEST_CASE("parallelize refuses a model that is not on the meta device", "[single][parallelize]") {
+  mt::comm::LaunchEnv alone;
+  alone.master_port = 0;  // the store picks a free port
+  auto mesh = mt::comm::init<mt::Mesh<mt::DP<1>>>({.timeout = std::chrono::seconds(10), .env = alone});
+  llama::LlamaForCausalLM model(llama::presets::llama_tiny);
+  CHECK_THROWS_WITH(mt::parallelize(model, mesh),
+                    Catch::Contains("'model.embed_tokens.weight' is not on the meta device"));
+}

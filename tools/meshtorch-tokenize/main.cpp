@@ -1,0 +1,108 @@
+// meshtorch-tokenize: a model folder's tokenizer (tokenizer.json or tokenizer.model) from the
+// shell. Each line of standard input becomes one line of output: its ids as a JSON array
+// (without added <bos>/<eos>, as HF's add_special_tokens=False), or with --decode, a JSON array of
+// ids becomes its text. With --json, texts are JSON strings on both sides, so they may hold newlines.
+#include <chrono>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <meshtorch/data/folder_tokenizer.hpp>
+
+namespace mt = meshtorch;
+
+namespace {
+
+// Lines are encoded in batches, so that several threads work while output stays in input order.
+void encode_lines(const mt::data::TextTokenizer& tokenizer, unsigned threads, bool json) {
+  constexpr std::size_t batch_lines = 4096;
+  std::vector<std::string> lines;
+  std::size_t number = 0;
+  auto flush = [&] {
+    for (const auto& ids : tokenizer.encode_batch(lines, threads)) std::cout << nlohmann::json(ids).dump() << '\n';
+    lines.clear();
+  };
+  for (std::string line; std::getline(std::cin, line);) {
+    ++number;
+    if (json) {
+      try {
+        line = nlohmann::json::parse(line).get<std::string>();
+      } catch (const nlohmann::json::exception& e) {
+        throw mt::DataError("standard input line " + std::to_string(number) + ": not a JSON string (" + e.what() + ")");
+      }
+    }
+    lines.push_back(std::move(line));
+    if (lines.size() == batch_lines) flush();
+  }
+  flush();
+}
+
+// All of standard input's lines encoded in one batch, timed without the reading and printing, for
+// bench/tokenizer_throughput.py: {"lines", "bytes", "tokens", "seconds"} on one line.
+void benchmark(const mt::data::TextTokenizer& tokenizer, unsigned threads) {
+  std::vector<std::string> lines;
+  std::size_t bytes = 0;
+  for (std::string line; std::getline(std::cin, line);) {
+    bytes += line.size();
+    lines.push_back(std::move(line));
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const auto ids = tokenizer.encode_batch(lines, threads);
+  const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
+  std::size_t tokens = 0;
+  for (const auto& row : ids) tokens += row.size();
+  std::cout << nlohmann::json{{"lines", lines.size()}, {"bytes", bytes}, {"tokens", tokens}, {"seconds", seconds.count()}}.dump()
+            << '\n';
+}
+
+void decode_lines(const mt::data::TextTokenizer& tokenizer, bool json) {
+  std::string line;
+  for (std::size_t number = 1; std::getline(std::cin, line); ++number) {
+    std::vector<std::int32_t> ids;
+    try {
+      ids = nlohmann::json::parse(line).get<std::vector<std::int32_t>>();
+    } catch (const nlohmann::json::exception& e) {
+      throw mt::DataError("standard input line " + std::to_string(number) + ": not a JSON array of ids (" + e.what() + ")");
+    }
+    const auto text = tokenizer.decode(ids);
+    if (json)
+      std::cout << nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+    else
+      std::cout << text << '\n';
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Encode text lines to token ids (or decode ids) with a model folder's tokenizer"};
+  std::string model_dir;
+  bool decode = false, verbose = false, json = false, time_only = false;
+  unsigned threads = 0;
+  app.add_option("model_dir", model_dir, "folder holding tokenizer.json or tokenizer.model")->required();
+  app.add_flag("--decode", decode, "read JSON arrays of ids, print their text");
+  app.add_flag("--json", json, "texts are JSON strings (one a line), so they may hold newlines");
+  app.add_flag("--benchmark", time_only, "encode all input lines at once and print only the count and time, as JSON");
+  app.add_option("-t,--threads", threads, "encoding threads (0: one per core)")->capture_default_str();
+  app.add_flag("-v,--verbose", verbose, "print which tokenizer was chosen, and its <bos>/<eos>, on standard error");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    std::ios::sync_with_stdio(false);
+    std::string note;
+    const auto tokenizer = mt::data::load_tokenizer(model_dir, &note);
+    if (verbose) std::cerr << note << '\n';
+    if (time_only)
+      benchmark(*tokenizer, threads);
+    else if (decode)
+      decode_lines(*tokenizer, json);
+    else
+      encode_lines(*tokenizer, threads, json);
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "meshtorch-tokenize: " << e.what() << '\n';
+    return 1;
+  }
+}
