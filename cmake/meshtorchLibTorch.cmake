@@ -4,6 +4,8 @@
 # (scripts/setup unpacks one from the pinned torch wheel; an official CPU LibTorch works too).
 # The wheel's CUDA libraries are not needed, and its TorchConfig would go looking for them.
 # CUDA build (MESHTORCH_CUDA=ON): uses the prefix's full TorchConfig (find_package(Torch)).
+# A CPU build against a CUDA LibTorch (one with lib/libtorch_cuda.so) is refused: it would build a
+# program that silently never uses the GPU. MESHTORCH_ALLOW_CPU_BUILD_OF_CUDA_LIBTORCH=ON allows it.
 function(meshtorch_find_libtorch)
   if(TARGET meshtorch::torch)
     return()
@@ -15,6 +17,12 @@ function(meshtorch_find_libtorch)
   set(MESHTORCH_LIBTORCH "${default_prefix}" CACHE PATH "LibTorch prefix (include/, lib/, share/cmake)")
 
   if(MESHTORCH_CUDA)
+    # Caffe2's CMake files otherwise compile and run a CUDA program to detect the GPUs' archs,
+    # which fails without a GPU and under CMAKE_CXX_STANDARD 20 (no CUDA20 dialect); meshtorch
+    # compiles no CUDA code, so the list only has to be valid. Ampere and Hopper by default.
+    if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+      set(TORCH_CUDA_ARCH_LIST "8.0;9.0" CACHE STRING "CUDA archs for Caffe2's CMake files")
+    endif()
     find_package(Torch REQUIRED HINTS "${MESHTORCH_LIBTORCH}/share/cmake/Torch")
     add_library(meshtorch::torch INTERFACE IMPORTED GLOBAL)
     target_link_libraries(meshtorch::torch INTERFACE ${TORCH_LIBRARIES})
@@ -27,6 +35,14 @@ function(meshtorch_find_libtorch)
       "meshtorch: no LibTorch at MESHTORCH_LIBTORCH='${MESHTORCH_LIBTORCH}' "
       "(include/torch/csrc/api/include/torch/torch.h is missing). Run scripts/setup, or pass "
       "-DMESHTORCH_LIBTORCH=/path/to/libtorch.")
+  endif()
+  if(EXISTS "${MESHTORCH_LIBTORCH}/lib/libtorch_cuda.so" AND NOT MESHTORCH_ALLOW_CPU_BUILD_OF_CUDA_LIBTORCH)
+    message(FATAL_ERROR
+      "meshtorch: MESHTORCH_LIBTORCH='${MESHTORCH_LIBTORCH}' is a CUDA LibTorch (it has "
+      "lib/libtorch_cuda.so), but this is a CPU-only build, whose programs would never use the GPU. "
+      "Configure with -DMESHTORCH_CUDA=ON (scripts/setup does so when it finds a GPU and a CUDA "
+      "LibTorch), or point MESHTORCH_LIBTORCH at a CPU LibTorch; to build CPU-only against it "
+      "anyway, pass -DMESHTORCH_ALLOW_CPU_BUILD_OF_CUDA_LIBTORCH=ON.")
   endif()
   foreach(lib torch_cpu c10)
     find_library(MESHTORCH_${lib}_LIBRARY ${lib} PATHS "${MESHTORCH_LIBTORCH}/lib" NO_DEFAULT_PATH REQUIRED)

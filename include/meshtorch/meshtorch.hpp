@@ -34,6 +34,7 @@
 #include "meshtorch/train/lr_schedule.hpp"
 #include "meshtorch/train/memory.hpp"
 #include "meshtorch/train/metrics.hpp"
+#include "meshtorch/train/rng.hpp"
 #include "meshtorch/train/state.hpp"
 #include "meshtorch/train/timers.hpp"
 

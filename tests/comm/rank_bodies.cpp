@@ -128,6 +128,15 @@ void check_collectives(const AxisGroup& group) {
       broadcast_coalesced(group, {torch::full({2}, rank, f64), torch::full({1, 3}, rank, f64)}, 0);
   expect_equal(broadcast_many[1], torch::full({1, 3}, group.ranks().front(), f64),
                "broadcast_coalesced");
+
+  // Metadata over the group's CPU side: strings of different lengths, values of several types.
+  std::vector<std::string> names;
+  for (int r : group.ranks()) names.push_back("rank-" + std::string(static_cast<std::size_t>(r + 1), '*'));
+  CHECK(all_gather_object(group, names[me]) == names);
+  CHECK(broadcast_value(group, rank, n - 1) == group.ranks().back());
+  CHECK(broadcast_value(group, std::int64_t{1} << 60 | rank, 0) == (std::int64_t{1} << 60 | group.ranks().front()));
+  CHECK(broadcast_value(group, rank == group.ranks().front(), 0));
+  CHECK(broadcast_value(group, 0.5 + rank, 0) == 0.5 + group.ranks().front());
 }
 
 // Every placement pair, checked against slicing the full tensor.
@@ -389,5 +398,62 @@ TEST_CASE("a cuda mesh in a CPU build is a ConfigError naming the fix", "[comm][
   options.env = env;
   options.device = Device::cuda;
   CHECK_THROWS_WITH(init<Mesh<TP<1>>>(options), Catch::Contains("-DMESHTORCH_CUDA=ON"));
+#endif
+}
+
+TEST_CASE("a collective refuses a tensor on another device than its group's, naming both",
+          "[comm][single]") {
+  LaunchEnv env;
+  env.master_port = 0;
+  auto options = test_options(10s);
+  options.env = env;
+  auto mesh = init<Mesh<DP<dynamic>, TP<1>>>(options);
+  const auto& dp = mesh.group<DP>();
+  const auto on_meta = torch::empty({4}, torch::TensorOptions().device(torch::kMeta).dtype(f64));
+  // Checked in a group of one rank too, where nothing is sent: a CPU tensor on an NCCL group
+  // would otherwise pass every single-process run and fail on the first multi-GPU one.
+  const auto refused = [](const std::string& collective) {
+    return Catch::Contains(collective + " over the DP group [0] on rank 0 failed: it was handed a tensor on "
+                           "meta but the group moves cpu tensors");
+  };
+  CHECK_THROWS_AS(all_reduce(dp, on_meta), CommError);
+  CHECK_THROWS_WITH(all_reduce(dp, on_meta), refused("all_reduce"));
+  CHECK_THROWS_WITH(all_gather(dp, on_meta), refused("all_gather"));
+  CHECK_THROWS_WITH(reduce_scatter(dp, on_meta), refused("reduce_scatter"));
+  CHECK_THROWS_WITH(broadcast(dp, on_meta), refused("broadcast"));
+  CHECK_THROWS_WITH(all_to_all(dp, on_meta, 0, 0), refused("all_to_all"));
+  CHECK_THROWS_WITH(all_reduce_coalesced(dp, {on_meta}), refused("all_reduce_coalesced"));
+  CHECK_THROWS_WITH(all_gather_coalesced(dp, {on_meta}), refused("all_gather_coalesced"));
+  CHECK_THROWS_WITH(reduce_scatter_coalesced(dp, {on_meta}), refused("reduce_scatter_coalesced"));
+  CHECK_THROWS_WITH(broadcast_coalesced(dp, {on_meta}), refused("broadcast_coalesced"));
+  // A CPU group's metadata side is the group itself.
+  CHECK(dp.metadata().backend().get() == dp.backend().get());
+  CHECK(all_gather_object(dp, "only") == std::vector<std::string>{"only"});
+}
+
+TEST_CASE("a group of a CUDA mesh refuses CPU tensors and points at its metadata side", "[comm][single]") {
+  // Built as comm::init builds a CUDA group, bound to GPU 0; with one rank no backend is reached.
+  const AxisGroup tp("TP", {0}, 0, /*backend=*/{}, 10s, Device::cuda, /*metadata_backend=*/{}, /*cuda_device=*/0);
+  CHECK(tp.device_name() == "cuda:0");
+  CHECK_THROWS_WITH(all_reduce(tp, torch::ones({2})),
+                    Catch::Contains("all_reduce over the TP group [0] on rank 0 failed: it was handed a tensor "
+                                    "on cpu but the group moves cuda:0 tensors; move the tensor to cuda:0, or send "
+                                    "CPU metadata through group.metadata()"));
+  CHECK_THROWS_WITH(broadcast(tp, torch::ones({2})), Catch::Contains("broadcast over the TP group [0]"));
+  const AxisGroup metadata = tp.metadata();
+  CHECK(metadata.device() == Device::cpu);
+  CHECK(metadata.ranks() == tp.ranks());
+  CHECK(broadcast_value(tp, 7) == 7);
+  CHECK(all_gather_object(tp, "meta") == std::vector<std::string>{"meta"});
+  // With more ranks the companion is needed, and a group made without one says so.
+  const AxisGroup wide("TP", {0, 1}, 0, {}, 10s, Device::cuda, {}, 0);
+  CHECK_THROWS_WITH(wide.metadata(), Catch::Contains("has no CPU companion group for metadata"));
+}
+
+TEST_CASE("--device cuda in a CPU build is a ConfigError naming the fix", "[comm][single]") {
+#if !defined(MESHTORCH_WITH_CUDA)
+  CHECK_THROWS_AS(local_cuda_device(0), ConfigError);
+  CHECK_THROWS_WITH(local_cuda_device(0), Catch::Contains("--device cuda: this program was built without CUDA") &&
+                                              Catch::Contains("-DMESHTORCH_CUDA=ON"));
 #endif
 }

@@ -1,6 +1,11 @@
 #pragma once
 // AxisGroup: this rank's process group along one mesh axis (or the whole world), with the global
 // ranks it holds and the timeout its collectives use. Copies are cheap and share the backend.
+//
+// A group of a CUDA mesh moves CUDA tensors only (NCCL). Metadata that lives on the CPU (parameter
+// signatures, a resume decision, a step count) goes through metadata(): the same ranks over a
+// companion Gloo backend created beside the NCCL one, as PyTorch does for its object collectives.
+// On a CPU mesh metadata() is the group itself.
 #include <chrono>
 #include <string>
 #include <utility>
@@ -9,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <meshtorch/comm/backend.hpp>
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::comm {
 
@@ -17,13 +23,16 @@ class AxisGroup {
   AxisGroup() = default;
   AxisGroup(std::string axis_name, std::vector<int> ranks, int global_rank,
             c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout,
-            Device device)
+            Device device, c10::intrusive_ptr<c10d::Backend> metadata_backend = {},
+            int cuda_device = -1)
       : axis_name_(std::move(axis_name)),
         ranks_(std::move(ranks)),
         global_rank_(global_rank),
         backend_(std::move(backend)),
+        metadata_backend_(std::move(metadata_backend)),
         timeout_(timeout),
-        device_(device) {
+        device_(device),
+        cuda_device_(cuda_device) {
     for (std::size_t i = 0; i < ranks_.size(); ++i)
       if (ranks_[i] == global_rank_) rank_ = static_cast<int>(i);
   }
@@ -40,6 +49,27 @@ class AxisGroup {
   const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   Device device() const { return device_; }
+  // The GPU an NCCL group is bound to; -1 on a CPU group (or one made without a bound GPU).
+  int cuda_device() const { return cuda_device_; }
+  // "cpu" or "cuda:1": the tensors this group's collectives take.
+  std::string device_name() const {
+    return device_ == Device::cpu || cuda_device_ < 0 ? to_string(device_)
+                                                      : "cuda:" + std::to_string(cuda_device_);
+  }
+
+  // The same ranks over a CPU (Gloo) backend, for metadata; the group itself on a CPU mesh.
+  AxisGroup metadata() const {
+    if (device_ == Device::cpu) return *this;
+    if (!metadata_backend_ && size() > 1)
+      throw CommError("the " + describe() + " has no CPU companion group for metadata; create the "
+                      "group with comm::init, which makes one beside every NCCL group");
+    AxisGroup copy = *this;
+    copy.backend_ = metadata_backend_;
+    copy.metadata_backend_ = {};
+    copy.device_ = Device::cpu;
+    copy.cuda_device_ = -1;
+    return copy;
+  }
 
   // The same group with another timeout for the collectives issued through the copy.
   AxisGroup with_timeout(std::chrono::milliseconds timeout) const {
@@ -62,8 +92,10 @@ class AxisGroup {
   int global_rank_ = 0;
   int rank_ = 0;
   c10::intrusive_ptr<c10d::Backend> backend_;
+  c10::intrusive_ptr<c10d::Backend> metadata_backend_;
   std::chrono::milliseconds timeout_{600'000};
   Device device_ = Device::cpu;
+  int cuda_device_ = -1;
 };
 
 }  // namespace meshtorch::comm

@@ -1,6 +1,10 @@
 #pragma once
 // Creating one c10d backend: Gloo for CPU tensors, NCCL for CUDA tensors. The NCCL path compiles
 // only in a CUDA build (MESHTORCH_WITH_CUDA, set by -DMESHTORCH_CUDA=ON).
+//
+// An NCCL backend is bound to the rank's GPU and connected at once (PyTorch's
+// init_process_group(device_id=...)): left unbound, ProcessGroupNCCL guesses the GPU from the
+// group rank at the first collective, which in an axis group is a mesh coordinate, not a GPU.
 #include <chrono>
 #include <cstdlib>
 #include <memory>
@@ -42,6 +46,7 @@ struct BackendRequest {
   int size = 1;
   std::chrono::milliseconds timeout{600'000};
   std::shared_ptr<::gloo::transport::Device> gloo_device;  // shared by all Gloo groups
+  int cuda_device = -1;  // the rank's GPU, for an NCCL backend
 };
 
 inline c10::intrusive_ptr<c10d::Backend> make_backend(const BackendRequest& request) {
@@ -55,10 +60,18 @@ inline c10::intrusive_ptr<c10d::Backend> make_backend(const BackendRequest& requ
                                                        options);
   }
 #if defined(MESHTORCH_WITH_CUDA)
+  if (request.cuda_device < 0)
+    throw ConfigError("an NCCL group needs the rank's GPU (BackendRequest::cuda_device); comm::init "
+                      "sets it from comm::local_cuda_device");
+  const at::Device gpu(at::kCUDA, static_cast<c10::DeviceIndex>(request.cuda_device));
   auto options = c10d::ProcessGroupNCCL::Options::create();
+  // The watchdog's limit: a collective that does not finish in time aborts the communicator.
   options->timeout = request.timeout;
-  return c10::make_intrusive<c10d::ProcessGroupNCCL>(request.store, request.rank, request.size,
-                                                     options);
+  auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(request.store, request.rank, request.size,
+                                                          options);
+  nccl->setBoundDeviceId(gpu);
+  nccl->eagerConnectSingleDevice(gpu);
+  return nccl;
 #else
   throw ConfigError(
       "device cuda asked of a meshtorch built without CUDA; configure with -DMESHTORCH_CUDA=ON, "

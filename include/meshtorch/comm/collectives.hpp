@@ -10,13 +10,22 @@
 //   all_to_all      split along `split_dim`, piece j to group rank j, received pieces
 //                   concatenated along `concat_dim`
 //   *_coalesced     the same for many tensors in one message (one dtype and device)
+//
+// Every collective checks first, even in a group of one rank, that its tensors are on the group's
+// device (CPU for Gloo, the bound GPU for NCCL): NCCL rejects a CPU tensor only on a multi-GPU
+// run, so without the check that mistake would pass every single-process test. Metadata that
+// lives on the CPU goes through the metadata helpers at the end of this file, which use the
+// group's CPU companion (AxisGroup::metadata()).
+#include <algorithm>
 #include <concepts>
+#include <type_traits>
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <variant>
 #include <vector>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -74,6 +83,22 @@ inline void check_same_kind(std::string_view collective, const AxisGroup& group,
                              "per dtype");
 }
 
+inline void check_device(std::string_view collective, const AxisGroup& group, const torch::Tensor& tensor) {
+  const torch::Device device = tensor.device();
+  const bool right = group.device() == Device::cpu
+                         ? device.is_cpu()
+                         : device.is_cuda() && (group.cuda_device() < 0 || device.index() == group.cuda_device());
+  if (!right)
+    throw collective_error(
+        collective, group,
+        fmt::format("it was handed a tensor on {} but the group moves {} tensors; move the tensor to {}{}", device.str(),
+                    group.device_name(), group.device_name(),
+                    group.device() == Device::cuda && device.is_cpu()
+                        ? ", or send CPU metadata through group.metadata() (comm::broadcast_value, "
+                          "comm::all_gather_object)"
+                        : ""));
+}
+
 inline torch::Tensor flatten_all(const std::vector<torch::Tensor>& tensors) {
   std::vector<torch::Tensor> flat;
   flat.reserve(tensors.size());
@@ -85,6 +110,7 @@ inline torch::Tensor flatten_all(const std::vector<torch::Tensor>& tensors) {
 
 inline Work<torch::Tensor> all_reduce_async(const AxisGroup& group, torch::Tensor tensor,
                                             ReduceOp op = ReduceOp::sum) {
+  detail::check_device("all_reduce", group, tensor);
   if (group.size() == 1) return Work<torch::Tensor>::ready(tensor);
   torch::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
   std::vector<torch::Tensor> buffers{buffer};
@@ -109,6 +135,7 @@ inline torch::Tensor all_reduce(const AxisGroup& group, torch::Tensor tensor,
 
 inline Work<torch::Tensor> all_gather_async(const AxisGroup& group, const torch::Tensor& tensor,
                                             int64_t dim = 0) {
+  detail::check_device("all_gather", group, tensor);
   const int64_t d = detail::checked_dim("all_gather", group, tensor, dim);
   if (group.size() == 1) return Work<torch::Tensor>::ready(tensor);
   torch::Tensor input = tensor.contiguous();
@@ -130,6 +157,7 @@ inline torch::Tensor all_gather(const AxisGroup& group, const torch::Tensor& ten
 
 inline Work<torch::Tensor> reduce_scatter_async(const AxisGroup& group, const torch::Tensor& tensor,
                                                 int64_t dim = 0, ReduceOp op = ReduceOp::sum) {
+  detail::check_device("reduce_scatter", group, tensor);
   const int64_t d = detail::checked_dim("reduce_scatter", group, tensor, dim);
   detail::check_divisible("reduce_scatter", group, tensor, d);
   if (group.size() == 1) return Work<torch::Tensor>::ready(tensor.clone());
@@ -157,6 +185,7 @@ inline torch::Tensor reduce_scatter(const AxisGroup& group, const torch::Tensor&
 
 inline Work<torch::Tensor> broadcast_async(const AxisGroup& group, torch::Tensor tensor,
                                            int source = 0) {
+  detail::check_device("broadcast", group, tensor);
   if (source < 0 || source >= group.size())
     throw detail::collective_error("broadcast", group,
                                    "source " + std::to_string(source) +
@@ -184,6 +213,7 @@ inline torch::Tensor broadcast(const AxisGroup& group, torch::Tensor tensor, int
 
 inline Work<torch::Tensor> all_to_all_async(const AxisGroup& group, const torch::Tensor& tensor,
                                             int64_t split_dim, int64_t concat_dim) {
+  detail::check_device("all_to_all", group, tensor);
   const int64_t split = detail::checked_dim("all_to_all", group, tensor, split_dim);
   const int64_t concat = detail::checked_dim("all_to_all", group, tensor, concat_dim);
   detail::check_divisible("all_to_all", group, tensor, split);
@@ -224,6 +254,7 @@ inline Work<std::vector<torch::Tensor>> all_reduce_coalesced_async(
     const AxisGroup& group, std::vector<torch::Tensor> tensors, ReduceOp op = ReduceOp::sum) {
   if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
   detail::check_same_kind("all_reduce_coalesced", group, tensors);
+  detail::check_device("all_reduce_coalesced", group, tensors.front());
   auto flat = all_reduce_async(group, detail::flatten_all(tensors), op);
   return {nullptr,
           [flat = std::move(flat), tensors]() mutable {
@@ -248,6 +279,7 @@ inline Work<std::vector<torch::Tensor>> all_gather_coalesced_async(
     const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim = 0) {
   if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
   detail::check_same_kind("all_gather_coalesced", group, tensors);
+  detail::check_device("all_gather_coalesced", group, tensors.front());
   std::vector<int64_t> dims;
   for (const auto& t : tensors) dims.push_back(detail::checked_dim("all_gather_coalesced", group, t, dim));
   auto gathered = all_gather_async(group, detail::flatten_all(tensors), 0);
@@ -280,6 +312,7 @@ inline Work<std::vector<torch::Tensor>> reduce_scatter_coalesced_async(
     ReduceOp op = ReduceOp::sum) {
   if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
   detail::check_same_kind("reduce_scatter_coalesced", group, tensors);
+  detail::check_device("reduce_scatter_coalesced", group, tensors.front());
   const int n = group.size();
   // Block j of the packed message holds, for every tensor, the piece that group rank j keeps.
   std::vector<torch::Tensor> blocks(n);
@@ -323,6 +356,7 @@ inline Work<std::vector<torch::Tensor>> broadcast_coalesced_async(
     const AxisGroup& group, std::vector<torch::Tensor> tensors, int source = 0) {
   if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
   detail::check_same_kind("broadcast_coalesced", group, tensors);
+  detail::check_device("broadcast_coalesced", group, tensors.front());
   auto flat = broadcast_async(group, detail::flatten_all(tensors), source);
   return {nullptr,
           [flat = std::move(flat), tensors]() mutable {
@@ -341,6 +375,36 @@ inline std::vector<torch::Tensor> broadcast_coalesced(const AxisGroup& group,
                                                       std::vector<torch::Tensor> tensors,
                                                       int source = 0) {
   return broadcast_coalesced_async(group, std::move(tensors), source).wait();
+}
+
+// Metadata collectives: CPU values exchanged over the group's CPU companion (AxisGroup::metadata),
+// whatever the group's device, as torch's broadcast_object_list and all_gather_object do.
+
+// `value` of the group rank `source`, on every rank of the group.
+template <class T>
+  requires std::is_arithmetic_v<T>
+T broadcast_value(const AxisGroup& group, T value, int source = 0) {
+  torch::Tensor buffer = std::is_integral_v<T> ? torch::tensor({static_cast<std::int64_t>(value)}, torch::kLong)
+                                                : torch::tensor({static_cast<double>(value)}, torch::kDouble);
+  broadcast(group.metadata(), buffer, source);
+  return buffer.item().to<T>();
+}
+
+// Every group rank's string (any bytes), in group rank order.
+inline std::vector<std::string> all_gather_object(const AxisGroup& group, const std::string& object) {
+  const AxisGroup metadata = group.metadata();
+  const torch::Tensor lengths =
+      all_gather(metadata, torch::tensor({static_cast<std::int64_t>(object.size())}, torch::kLong));
+  const std::int64_t longest = lengths.max().item<std::int64_t>();
+  torch::Tensor bytes = torch::zeros({1, std::max<std::int64_t>(longest, 1)}, torch::kUInt8);
+  std::copy(object.begin(), object.end(), bytes.data_ptr<std::uint8_t>());
+  const torch::Tensor all = all_gather(metadata, bytes, 0).contiguous();
+  std::vector<std::string> objects;
+  for (int r = 0; r < group.size(); ++r) {
+    const auto* row = all[r].data_ptr<std::uint8_t>();
+    objects.emplace_back(reinterpret_cast<const char*>(row), static_cast<std::size_t>(lengths[r].item<std::int64_t>()));
+  }
+  return objects;
 }
 
 // The same collectives addressed by mesh and axis kind: all_reduce(mesh, axis<TP>, t).

@@ -8,6 +8,7 @@
 #include <meshtorch/comm/differentiable.hpp>
 #include <meshtorch/comm/env.hpp>
 #include <meshtorch/comm/fingerprint.hpp>
+#include <meshtorch/comm/local_device.hpp>
 #include <meshtorch/comm/redistribute.hpp>
 #include <meshtorch/comm/rendezvous.hpp>
 #include <meshtorch/comm/work.hpp>

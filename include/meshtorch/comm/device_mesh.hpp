@@ -22,6 +22,7 @@
 #include <meshtorch/comm/backend.hpp>
 #include <meshtorch/comm/env.hpp>
 #include <meshtorch/comm/fingerprint.hpp>
+#include <meshtorch/comm/local_device.hpp>
 #include <meshtorch/comm/rendezvous.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/mesh.hpp>
@@ -143,11 +144,16 @@ DeviceMesh<M> init(InitOptions options) {
   mesh.fingerprint_ = fingerprint;
   mesh.store_ = store;
 
+  int cuda_device = -1;
+  if (options.device == Device::cuda) {
+    cuda_device = local_cuda_device(env.local_rank, "comm::init with Device::cuda");
 #if defined(MESHTORCH_WITH_CUDA)
-  if (options.device == Device::cuda) c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.local_rank));
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(cuda_device));
 #endif
+  }
   const bool single_node = env.local_world_size == env.world_size;
-  auto gloo_device = options.device == Device::cpu ? make_gloo_device(single_node) : nullptr;
+  // Gloo serves CPU meshes and, on CUDA meshes, each group's CPU companion for metadata.
+  auto gloo_device = make_gloo_device(single_node);
   auto make_group = [&](const std::string& axis_name, const std::string& prefix,
                         std::vector<int> ranks) {
     int group_rank = 0;
@@ -158,10 +164,18 @@ DeviceMesh<M> init(InitOptions options) {
                            group_rank,
                            static_cast<int>(ranks.size()),
                            options.timeout,
-                           gloo_device};
+                           gloo_device,
+                           cuda_device};
     try {
+      c10::intrusive_ptr<c10d::Backend> metadata_backend;
+      if (options.device == Device::cuda) {
+        BackendRequest metadata_request = request;
+        metadata_request.device = Device::cpu;
+        metadata_request.store = c10::make_intrusive<c10d::PrefixStore>(prefix + "metadata/", store);
+        metadata_backend = make_backend(metadata_request);
+      }
       return AxisGroup(axis_name, std::move(ranks), env.rank, make_backend(request),
-                       options.timeout, options.device);
+                       options.timeout, options.device, std::move(metadata_backend), cuda_device);
     } catch (const ConfigError&) {
       throw;
     } catch (const std::exception& e) {

@@ -1,7 +1,13 @@
 #pragma once
-// Work<Result>: a collective in flight. wait() blocks up to the group's timeout, finishes the
-// result (divides an average, concatenates gathered pieces) and returns it; a failure or timeout
-// becomes a CommError naming the collective, the group and the rank.
+// Work<Result>: a collective in flight. wait() finishes the result (divides an average,
+// concatenates gathered pieces) and returns it; a failure or timeout becomes a CommError naming
+// the collective, the group and the rank.
+//
+// On Gloo (CPU) wait() blocks the host up to the group's timeout. On NCCL it orders the current
+// CUDA stream after the collective and returns at once, as torch's work.wait() does: an explicit
+// timeout there would make ProcessGroupNCCL block the host until the collective ends, making TP
+// and FSDP host-synchronous. NCCL's limit is the process group's own timeout, enforced by its
+// watchdog.
 #include <chrono>
 #include <exception>
 #include <functional>
@@ -60,8 +66,11 @@ class Work {
     if (result_) return *result_;
     if (work_) {
       try {
-        // c10d's wait throws once the timeout passes without completion.
-        work_->wait(group_.timeout());
+        // Gloo's wait throws once the timeout passes without completion.
+        if (group_.device() == Device::cpu)
+          work_->wait(group_.timeout());
+        else
+          work_->wait();
       } catch (const std::exception& e) {
         throw detail::collective_error(
             collective_, group_,

@@ -33,13 +33,12 @@ inline std::string optimizer_shard_name(int rank, int world_size) {
 
 // The checkpoint folder every rank of `group` resumes from, or nothing: rank 0's view decides,
 // so ranks never disagree about resuming; the link is resolved once, so a faster rank's next
-// save cannot swap it mid-load.
+// save cannot swap it mid-load. The decision is CPU metadata: it travels over the group's CPU
+// companion, whatever the mesh's device.
 inline std::optional<std::filesystem::path> checkpoint_to_resume(const std::filesystem::path& exp_dir,
                                                                  const comm::AxisGroup& group) {
   const auto dir = train::latest_checkpoint(exp_dir);
-  torch::Tensor exists = torch::tensor({std::filesystem::exists(dir / "state.json") ? 1 : 0}, torch::kInt);
-  comm::broadcast(group, exists, 0);
-  if (exists.item<int>() == 0) return std::nullopt;
+  if (!comm::broadcast_value(group, std::filesystem::exists(dir / "state.json"), 0)) return std::nullopt;
   return std::filesystem::canonical(dir);
 }
 
@@ -54,7 +53,7 @@ void save_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaForCausal
     std::filesystem::create_directories(partial_dir);
   });
   auto optimizer_state = optimizer.state();
-  optimizer_state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  for (auto& rng : train::capture_rng_states()) optimizer_state.push_back(std::move(rng));
   if constexpr (is_sharded_optimizer<Optimizer>)
     io::save_safetensors(partial_dir / optimizer_shard_name(group.rank(), group.size()), optimizer_state);
   comm::barrier(group);  // every shard is on disk before rank 0 publishes the folder
@@ -95,7 +94,7 @@ std::optional<train::TrainState> load_checkpoint(const std::filesystem::path& ex
   }
   auto contents = io::load_safetensors(file);
   optimizer.load_state(contents, file.string());
-  train::restore_cpu_rng(contents, file);
+  train::restore_rng_states(contents, file);
   comm::barrier(group);
   return state;
 }

@@ -64,13 +64,15 @@ inline std::string describe_tensor(const std::string& name, const torch::Tensor&
 
 // Every rank must hold the same parameters (names, shapes, dtypes, order), or the bucketed
 // all-reduces would pair different tensors, or wait forever for one that does not exist. Two
-// all-gathers of fixed size compare them; a mismatch is an error on every rank that names the
-// first differing parameter as this rank holds it.
+// all-gathers of fixed size compare them, over the group's CPU companion (the signatures are CPU
+// metadata; an NCCL group takes only GPU tensors); a mismatch is an error on every rank that
+// names the first differing parameter as this rank holds it.
 inline void check_same_parameters(const comm::AxisGroup& group,
                                   const std::vector<std::pair<std::string, torch::Tensor>>& named) {
   if (group.size() == 1) return;
   const auto n = static_cast<std::int64_t>(named.size());
-  const torch::Tensor counts = comm::all_gather(group, torch::tensor({n}, torch::kLong), 0);
+  const comm::AxisGroup metadata = group.metadata();
+  const torch::Tensor counts = comm::all_gather(metadata, torch::tensor({n}, torch::kLong), 0);
   const std::int64_t most = counts.max().item<std::int64_t>();
   torch::Tensor hashes = torch::zeros({most}, torch::kLong);
   for (std::int64_t i = 0; i < n; ++i) {
@@ -79,7 +81,7 @@ inline void check_same_parameters(const comm::AxisGroup& group,
     signature << name << "|" << t.sizes() << "|" << t.dtype();
     hashes[i] = stable_hash(signature.str());
   }
-  const torch::Tensor all = comm::all_gather(group, hashes, 0).view({group.size(), most});
+  const torch::Tensor all = comm::all_gather(metadata, hashes, 0).view({group.size(), most});
   const torch::Tensor differs = (all != all[0]).any(0);
   const bool counts_differ = (counts != counts[0]).any().item<bool>();
   if (!differs.any().item<bool>() && !counts_differ) return;

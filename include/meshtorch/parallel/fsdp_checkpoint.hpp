@@ -51,7 +51,7 @@ inline void save_sharded_checkpoint(const std::filesystem::path& exp_dir, const 
                                                     {"fsdp_world_size", std::to_string(group.size())}};
   io::save_safetensors(partial_dir / model_shard_name(group.rank(), group.size()), fsdp.sharded_state_dict(), metadata);
   auto optimizer_state = optimizer.state();
-  optimizer_state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  for (auto& rng : train::capture_rng_states()) optimizer_state.push_back(std::move(rng));
   io::save_safetensors(partial_dir / optimizer_shard_name(group.rank(), group.size()), optimizer_state, metadata);
   comm::barrier(group);  // every rank's files are on disk before rank 0 publishes the folder
   on_rank_zero(group, [&] {
@@ -87,7 +87,7 @@ inline std::optional<train::TrainState> load_sharded_checkpoint(const std::files
   const auto optimizer_file = resolved / optimizer_shard_name(group.rank(), group.size());
   auto contents = io::load_safetensors(optimizer_file);
   optimizer.load_state(contents, optimizer_file.string());
-  train::restore_cpu_rng(contents, optimizer_file);
+  train::restore_rng_states(contents, optimizer_file);
   comm::barrier(group);
   return state;
 }

@@ -55,7 +55,7 @@ void save_checkpoint(const std::filesystem::path& exp_dir, const TensorParallel<
     std::filesystem::create_directories(partial_dir);
   });
   auto optimizer_state = optimizer.state();
-  optimizer_state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  for (auto& rng : train::capture_rng_states()) optimizer_state.push_back(std::move(rng));
   io::save_safetensors(partial_dir / optimizer_shard_name(world.rank(), world.size()), optimizer_state);
   comm::barrier(world);
   on_rank_zero(world, [&] {
@@ -86,7 +86,7 @@ std::optional<train::TrainState> load_checkpoint(const std::filesystem::path& ex
                       resolved.string());
   auto contents = io::load_safetensors(file);
   optimizer.load_state(contents, file.string());
-  train::restore_cpu_rng(contents, file);
+  train::restore_rng_states(contents, file);
   comm::barrier(world);
   return state;
 }

@@ -46,7 +46,7 @@ void save_checkpoint(const std::filesystem::path& exp_dir, const TensorParallel<
   });
   if (dp_coordinate == 0) {
     auto optimizer_state = optimizer.state();
-    optimizer_state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+    for (auto& rng : train::capture_rng_states()) optimizer_state.push_back(std::move(rng));
     io::save_safetensors(partial_dir / tp_optimizer_name(tp.group().rank(), tp.group().size()), optimizer_state);
   }
   comm::barrier(world);  // every shard is on disk before rank 0 publishes the folder
@@ -74,7 +74,7 @@ std::optional<train::TrainState> load_checkpoint(const std::filesystem::path& ex
                       "through -m " + resolved.string());
   auto contents = io::load_safetensors(file);
   optimizer.load_state(contents, file.string());
-  train::restore_cpu_rng(contents, file);
+  train::restore_rng_states(contents, file);
   comm::barrier(world);
   return state;
 }

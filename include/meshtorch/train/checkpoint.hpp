@@ -20,6 +20,7 @@
 #include "meshtorch/io/safetensors.hpp"
 #include "meshtorch/models/llama/weights.hpp"
 #include "meshtorch/train/adamw.hpp"
+#include "meshtorch/train/rng.hpp"
 #include "meshtorch/train/state.hpp"
 
 namespace meshtorch::train {
@@ -90,7 +91,7 @@ inline void save_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaFo
 
   llama::save_pretrained(model, partial_dir);
   auto optimizer_state = optimizer.state();
-  optimizer_state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  for (auto& rng : capture_rng_states()) optimizer_state.push_back(std::move(rng));
   io::save_safetensors(partial_dir / "optimizer.safetensors", optimizer_state);
   io::write_file_atomically(partial_dir / "state.json", to_json(state, identity).dump(2) + "\n");
   publish_checkpoint(exp_dir, name);
@@ -159,13 +160,6 @@ inline TrainState read_train_state(const std::filesystem::path& dir, const RunId
   return state;
 }
 
-inline void restore_cpu_rng(const io::SafetensorsFile& contents, const std::filesystem::path& file) {
-  const auto* rng = contents.find("rng.cpu");
-  if (!rng) throw DataError(file.string() + ": 'rng.cpu' is missing");
-  auto generator = at::detail::getDefaultCPUGenerator();
-  generator.set_state(*rng);
-}
-
 // Restores model, optimizer and RNG from <exp>/checkpoint if it exists, and returns the state.
 inline std::optional<TrainState> load_checkpoint(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model,
                                                  AdamW& optimizer, const RunIdentity& identity) {
@@ -176,7 +170,7 @@ inline std::optional<TrainState> load_checkpoint(const std::filesystem::path& ex
   const auto optimizer_file = dir / "optimizer.safetensors";
   auto contents = io::load_safetensors(optimizer_file);
   optimizer.load_state(contents, optimizer_file.string());
-  restore_cpu_rng(contents, optimizer_file);
+  restore_rng_states(contents, optimizer_file);
   return state;
 }
 

@@ -1,21 +1,22 @@
 #pragma once
 // --device and --dtype as the guide uses them: a GPU in bf16 where there is one, else the CPU
-// in fp32.
+// in fp32. The GPU of a rank is comm::local_cuda_device's, the one its NCCL groups are bound to.
 #include <string>
 
 #include <torch/torch.h>
 
+#include "meshtorch/comm/local_device.hpp"
 #include "meshtorch/error.hpp"
 
 namespace meshtorch::train {
 
 inline torch::Device resolve_device(const std::string& flag, int local_rank = 0) {
-  const bool want_cuda = flag == "cuda" || (flag == "auto" && torch::cuda::is_available());
+  if (flag != "cpu" && flag != "cuda" && flag != "auto")
+    throw ConfigError("--device " + flag + ": expected cpu, cuda or auto");
+  const bool want_cuda =
+      flag == "cuda" || (flag == "auto" && comm::built_with_cuda && torch::cuda::is_available());
   if (!want_cuda) return torch::Device(torch::kCPU);
-  if (!torch::cuda::is_available())
-    throw ConfigError("--device cuda: no CUDA device is visible to this process (or LibTorch was built without CUDA)");
-  const auto count = static_cast<int>(torch::cuda::device_count());
-  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % count));
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(comm::local_cuda_device(local_rank)));
 }
 
 inline torch::ScalarType resolve_dtype(const std::string& flag, const torch::Device& device) {

@@ -7,7 +7,9 @@
 
 #include <torch/torch.h>
 #if defined(MESHTORCH_WITH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #endif
 
 namespace meshtorch::train {
@@ -27,14 +29,18 @@ inline double kib_field_from_proc_status(const std::string& field) {
   return 0;
 }
 
-// GiB figures under the guide's names.
+// GiB figures under the guide's names: on CUDA the device's total memory and the caching
+// allocator's current and peak allocated and reserved bytes (torch.cuda.memory_stats), peaks
+// since the last reset_peak_memory().
 inline std::map<std::string, double> memory_figures(const torch::Device& device) {
   constexpr double gib = 1024.0 * 1024.0 * 1024.0;
   std::map<std::string, double> figures;
 #if defined(MESHTORCH_WITH_CUDA)
   if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+    const auto index = device.index() < 0 ? c10::cuda::current_device() : device.index();
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
     const auto all = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    figures["total_gb"] = static_cast<double>(at::cuda::getDeviceProperties(index)->totalGlobalMem) / gib;
     figures["curr_alloc_gb"] = stats.allocated_bytes[all].current / gib;
     figures["peak_alloc_gb"] = stats.allocated_bytes[all].peak / gib;
     figures["curr_resv_gb"] = stats.reserved_bytes[all].current / gib;
@@ -50,7 +56,8 @@ inline std::map<std::string, double> memory_figures(const torch::Device& device)
 
 inline void reset_peak_memory(const torch::Device& device) {
 #if defined(MESHTORCH_WITH_CUDA)
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+  if (device.is_cuda())
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? c10::cuda::current_device() : device.index());
 #else
   (void)device;
 #endif

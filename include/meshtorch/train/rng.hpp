@@ -1,0 +1,62 @@
+#pragma once
+// The random number generators' states in a checkpoint, so a resumed run draws the same numbers
+// (init, dropout, sampling) as one that never stopped: the CPU generator's, as "rng.cpu", and on
+// a machine with GPUs the generator of every GPU this process sees, as "rng.cuda.<index>" (torch's
+// get_rng_state_all). Resuming on fewer visible GPUs restores those it sees; a checkpoint without
+// CUDA states resumed where GPUs are visible is an error, since that run's GPU draws would start
+// from the seed instead of where the saved run left off.
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/Context.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include "meshtorch/error.hpp"
+#include "meshtorch/io/safetensors.hpp"
+
+namespace meshtorch::train {
+
+inline std::string cuda_rng_key(int device) { return "rng.cuda." + std::to_string(device); }
+
+// GPUs whose generators are saved: all this process sees (none in a CPU-only build).
+inline int rng_cuda_devices() { return static_cast<int>(torch::cuda::device_count()); }
+
+inline std::vector<std::pair<std::string, torch::Tensor>> capture_rng_states() {
+  std::vector<std::pair<std::string, torch::Tensor>> states;
+  states.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  for (int device = 0; device < rng_cuda_devices(); ++device) {
+    auto generator = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    states.emplace_back(cuda_rng_key(device), generator.get_state());
+  }
+  return states;
+}
+
+// Restores what capture_rng_states() saved into `file`.
+inline void restore_rng_states(const io::SafetensorsFile& contents, const std::filesystem::path& file) {
+  const auto* cpu = contents.find("rng.cpu");
+  if (!cpu) throw DataError(file.string() + ": 'rng.cpu' is missing");
+  {
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(*cpu);
+  }
+  const int devices = rng_cuda_devices();
+  if (devices > 0 && !contents.find(cuda_rng_key(0)))
+    throw DataError(file.string() + ": '" + cuda_rng_key(0) +
+                    "' is missing: the checkpoint was saved where no GPU was visible, and this process sees " +
+                    std::to_string(devices) +
+                    "; resume where it was saved, or start a new run (-e) to draw GPU numbers from the seed");
+  for (int device = 0; device < devices; ++device) {
+    const auto* state = contents.find(cuda_rng_key(device));
+    if (!state) continue;  // saved where fewer GPUs were visible: those it saw are restored
+    auto generator = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(*state);
+  }
+}
+
+}  // namespace meshtorch::train
