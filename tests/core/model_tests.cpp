@@ -217,8 +217,17 @@ TEST_CASE("bad config.json files name the field at fault", "[config]") {
              Catch::Contains("rope_scaling.rope_type"));
   CHECK_THAT(error_for("{" + base + R"(, "num_attention_heads": 8, "model_type": "gpt2"})"),
              Catch::Contains("model_type"));
-  CHECK_THAT(error_for("{" + base + R"(, "num_attention_heads": 8, "hidden_size": -64})"),
+  CHECK_THAT(error_for(R"({"hidden_size": -64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 300,
+                           "num_attention_heads": 8})"),
              Catch::Contains("hidden_size must be positive"));
+  // A field given twice is refused, not silently the last one.
+  CHECK_THAT(error_for("{" + base + R"(, "num_attention_heads": 8, "hidden_size": 128})"),
+             Catch::Contains("names 'hidden_size' twice"));
+  // A directory named config.json is a ConfigError naming it, not a raw stream error.
+  std::filesystem::remove(path);
+  std::filesystem::create_directory(path);
+  CHECK_THROWS_WITH(mt::llama::load_config(path), Catch::Contains("not a regular file"));
+  std::filesystem::remove(path);
   CHECK_THAT(error_for(R"({"hidden_size": 64,)"), Catch::Contains("not valid JSON"));
   CHECK_THAT(error_for("{" + base + R"(, "num_attention_heads": 8})"), Catch::Contains("no error"));
   CHECK_THROWS_WITH(mt::llama::resolve_model("no-such-model"), Catch::Contains("neither a preset"));

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from array import array
 
 from ports import free_port
@@ -157,6 +158,29 @@ def resume(tools):
         assert bad.returncode != 0 and "same number of ranks" in bad.stdout + bad.stderr, bad.stdout + bad.stderr
 
 
+def flag_mismatch(tools):
+    """Ranks started with different values of a flag fail at start-up, naming the flag and both values."""
+    cases = [("--ckpt-freq", "10", "20", "ckpt-freq"), ("--lr", "0.001", "0.0003", "lr"),
+             ("--bucket-cap-mb", "25", "50", "bucket-cap-mb"), ("--max-steps", "10", "20", "max-steps"),
+             ("-e", "left", "right", "experiment-name")]
+    with tempfile.TemporaryDirectory() as tmp:
+        for flag, rank0_value, rank1_value, name in cases:
+            # The same command on both ranks, but for the one flag: rank 1 takes another value.
+            program = " ".join([tools["chapter2"], *COMMON, "-b", "2", "--save-dir", tmp])
+            script = (f'if [ "$RANK" = 1 ]; then exec {program} {flag} {rank1_value}; '
+                      f'else exec {program} {flag} {rank0_value}; fi')
+            start = time.monotonic()
+            proc = subprocess.run([tools["meshrun"], "--nproc-per-node", "2", "--master-port", str(free_port()), "--",
+                                   "bash", "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
+            seconds = time.monotonic() - start
+            text = proc.stdout + proc.stderr
+            print(f"{flag} {rank0_value} / {rank1_value}: exit {proc.returncode} after {seconds:.1f} s")
+            assert proc.returncode != 0, text
+            assert f"rank 1 was started with '{name}=" in text and f"but rank 0 with '{name}=" in text, text
+            assert rank1_value in text and rank0_value in text, text
+            assert seconds < 10, f"{flag}: the mismatch took {seconds:.1f} s to stop the run"
+
+
 def two_nodes(tools):
     """Two meshruns on loopback, as two nodes of one job, against one meshrun with two ranks."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,5 +203,5 @@ def two_nodes(tools):
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter2": sys.argv[3]}
     {"ddp-parity": ddp_parity, "grad-accum-parity": grad_accum_parity, "zero-parity": zero_parity,
-     "resume": resume, "two-nodes": two_nodes}[sys.argv[4]](tools)
+     "resume": resume, "two-nodes": two_nodes, "flag-mismatch": flag_mismatch}[sys.argv[4]](tools)
     print("ok")

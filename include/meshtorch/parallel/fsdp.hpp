@@ -122,6 +122,8 @@ inline void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& 
 // The group's flat buffers concatenated in rank order: output has group.size() x input.numel().
 inline void all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
                             const std::string& what) {
+  comm::detail::check_device(what, group, input);
+  comm::detail::check_device(what, group, output);
   if (group.size() == 1) {
     output.copy_(input);
     return;
@@ -135,6 +137,8 @@ inline void all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output,
 // The sum over the group of input's rank()-th block, divided by the group size.
 inline void reduce_scatter_mean_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
                                      const std::string& what) {
+  comm::detail::check_device(what, group, input);
+  comm::detail::check_device(what, group, output);
   if (group.size() == 1) {
     output.copy_(input);
     return;
