@@ -499,18 +499,6 @@ class FullyShardedDataParallel {
       if (!loaded.count(name)) throw DataError(source + ": weight '" + name + "' is missing");
   }
 
-  // Copies this rank's rows of one full weight into its shard (for filling the shards one
-  // weight at a time, so no more than one full weight is ever held).
-  void load_full_weight(const std::string& name, const torch::Tensor& full, const std::string& source) {
-    torch::NoGradGuard no_grad;
-    auto* p = find(name);
-    if (!p) throw DataError(source + ": tensor '" + name + "' is not a weight of this model");
-    if (full.sizes().vec() != p->full_shape)
-      throw DataError(source + ": tensor '" + name + "' has shape " + c10::str(full.sizes()) + ", the model needs " +
-                      c10::str(c10::IntArrayRef(p->full_shape)));
-    p->shard.copy_(full.narrow(0, p->first_row, p->local_rows));
-  }
-
   // This rank's rows of a weight: the first row and the row count (the last ranks may hold
   // fewer rows, or none).
   std::pair<std::int64_t, std::int64_t> rows_of(const std::string& name) const {

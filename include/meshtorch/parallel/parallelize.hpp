@@ -220,20 +220,21 @@ class ParallelLlama {
       return mesh.template group<FSDP>();
   }
 
-  // This rank's piece of a full weight: its TP chunk, then (with FSDP) written into its rows.
-  void keep_piece(const std::string& name, const torch::Tensor& full, const std::string& source) {
+  // Copies this rank's piece of a full weight (piece_of) into the tensor it trains.
+  void keep_piece(const std::map<std::string, torch::Tensor>& trained, const std::string& name,
+                  const torch::Tensor& full, const std::string& source) {
     torch::NoGradGuard no_grad;
-    torch::Tensor piece = full;
-    if constexpr (has_tp) piece = tp_->shard_of(name, full);
-    if constexpr (has_fsdp) {
-      fsdp_->load_full_weight(name, piece, source);
-    } else {
-      auto* leaf = leaf_named(name);
-      if (piece.sizes() != leaf->weight.sizes())
-        throw DataError(source + ": tensor '" + name + "' gives a piece of shape " + c10::str(piece.sizes()) +
-                        ", this rank holds " + c10::str(leaf->weight.sizes()));
-      leaf->weight.copy_(piece);
-    }
+    const auto piece = piece_of(name, full);
+    auto target = trained.at(name);
+    if (piece.sizes() != target.sizes())
+      throw DataError(source + ": tensor '" + name + "' gives a piece of shape " + c10::str(piece.sizes()) +
+                      ", this rank holds " + c10::str(target.sizes()));
+    target.copy_(piece);
+  }
+
+  std::map<std::string, torch::Tensor> trained_by_name() const {
+    const auto named = named_parameters();
+    return {named.begin(), named.end()};
   }
 
   // HF's _init_weights over the global shapes, in chapter 1's order and with its random numbers.
@@ -243,29 +244,32 @@ class ParallelLlama {
     std::set<std::string> norms;
     for (auto& [name, leaf] : llama::weight_modules(*model_))
       if (dynamic_cast<llama::RMSNormImpl*>(leaf)) norms.insert(name + ".weight");
+    const auto trained = trained_by_name();
     for (const auto& [name, shape] : global_shapes_) {
       auto full = torch::empty(shape, torch::TensorOptions().device(options_.device).dtype(dtype));
       if (norms.count(name))
         full.fill_(1.0);
       else
         full.normal_(0.0, std);
-      keep_piece(name, full, "initialisation");
+      keep_piece(trained, name, full, "initialisation");
     }
   }
 
   // An HF folder's weights, file by file; each tensor is cut to this rank's piece at once.
   void load_weights(const std::filesystem::path& dir) {
     std::set<std::string> loaded;
+    const auto trained = trained_by_name();
     for (const auto& file : llama::weight_files(dir)) {
       auto contents = io::load_safetensors(file);
       for (auto& [name, tensor] : contents.tensors) {
         if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
         if (name == "lm_head.weight" && model_->config.tie_word_embeddings) continue;
-        if (!shape_of(name)) throw DataError(file.string() + ": tensor '" + name + "' is not a weight of this model");
-        if (tensor.sizes().vec() != *shape_of(name))
+        const auto* shape = shape_of(name);
+        if (!shape) throw DataError(file.string() + ": tensor '" + name + "' is not a weight of this model");
+        if (tensor.sizes().vec() != *shape)
           throw DataError(file.string() + ": tensor '" + name + "' has shape " + c10::str(tensor.sizes()) +
-                          ", the model needs " + c10::str(c10::IntArrayRef(*shape_of(name))));
-        keep_piece(name, tensor.to(options_.device), file.string());
+                          ", the model needs " + c10::str(c10::IntArrayRef(*shape)));
+        keep_piece(trained, name, tensor.to(options_.device), file.string());
         loaded.insert(name);
         tensor = torch::Tensor();  // this file's copy of the weight is no longer needed
       }
@@ -278,12 +282,6 @@ class ParallelLlama {
     for (const auto& [n, shape] : global_shapes_)
       if (n == name) return &shape;
     return nullptr;
-  }
-
-  llama::WeightModule* leaf_named(const std::string& name) {
-    for (auto& [n, leaf] : llama::weight_modules(*model_))
-      if (n + ".weight" == name) return leaf;
-    throw ConfigError("parallelize: no weight named '" + name + "'");
   }
 
   llama::LlamaForCausalLM model_;
