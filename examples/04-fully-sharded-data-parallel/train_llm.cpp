@@ -113,9 +113,11 @@ int main(int argc, char** argv) {
   if (!args.consolidate_to.empty()) {
     // The sharded checkpoint as one HF folder that chapter 1 and transformers load.
     return mt::comm::run_recorded([&] {
-      const auto checkpoint = std::filesystem::path(args.save_dir) / args.experiment_name / "checkpoint";
-      mt::parallel::consolidate_checkpoint(checkpoint, args.consolidate_to);
-      fmt::print("wrote {}/model.safetensors from {}\n", args.consolidate_to, checkpoint.string());
+      const auto exp_dir = std::filesystem::path(args.save_dir) / args.experiment_name;
+      const auto checkpoint = mt::parallel::find_checkpoint_to_resume(exp_dir).checkpoint;
+      if (!checkpoint) throw mt::ConfigError(fmt::format("--consolidate-to: {} holds no checkpoint", exp_dir.string()));
+      const auto written = mt::parallel::consolidate_sharded_checkpoint(*checkpoint, args.consolidate_to);
+      fmt::print("wrote {} tensors into {} from {}\n", written.tensors, args.consolidate_to, checkpoint->string());
       return 0;
     });
   }

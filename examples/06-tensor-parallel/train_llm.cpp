@@ -30,12 +30,12 @@ int train(const Chapter6Args& args) {
 
   // The model on the meta device; each rank materialises only its piece of every matrix.
   const auto config = mt::llama::resolve_model(args.model_name);
-  Plan::validate(config, mesh.size<mt::TP>(), args.model_name);
-  Plan::validate_sequence(args.seq_length, mesh.size<mt::TP>());
   auto model = mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
-                               mesh, {.device = device, .weights_from = mt::pretrained_weights_folder(args.model_name)});
-  log.info(fmt::format("{}: {} of the model's {} parameters held by this rank, {}", model.describe(),
-                       model.local_numel(), config.num_parameters(), mt::llama::dtype_name(dtype)));
+                               mesh,
+                               {.device = device,
+                                .weights_from = mt::pretrained_weights_folder(args.model_name),
+                                .model_name = args.model_name});
+  log.info(model.summary());
 
   // The DP ranks split the global batch; all TP ranks of a DP coordinate read the same samples.
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);

@@ -38,15 +38,13 @@ int train(const Chapter7Args& args) {
 
   // The model on the meta device, then the parallel model the mesh type describes.
   const auto config = mt::llama::resolve_model(args.model_name);
-  Plan::validate(config, mesh.size<mt::TP>(), args.model_name);
-  Plan::validate_sequence(args.seq_length, mesh.size<mt::TP>());
   auto model = mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
                                mesh,
                                {.device = device,
                                 .weights_from = mt::pretrained_weights_folder(args.model_name),
+                                .model_name = args.model_name,
                                 .fsdp = {.reshard_after_forward = args.reshard_after_forward}});
-  log.info(fmt::format("{}: {} of the model's {} parameters held by this rank, {}", model.describe(),
-                       model.local_numel(), config.num_parameters(), mt::llama::dtype_name(dtype)));
+  log.info(model.summary());
 
   // The data-parallel ranks (DP x FSDP) split the global batch; a TP group reads one batch.
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);

@@ -17,6 +17,8 @@ using meshtorch::testing::fresh_dir;
 
 namespace {
 
+using PlainCheckpointing = mt::train::Checkpointing<mt::llama::LlamaForCausalLM>;
+
 std::string error_of(const auto& body) {
   try {
     body();
@@ -179,14 +181,14 @@ TEST_CASE("a checkpoint restores weights, optimizer state, RNG and train state",
   optimizer.step();
   const mt::train::TrainState state{.epoch = 1, .global_step = 20, .epoch_step = 3, .running_loss = 2.5, .running_steps = 1};
   const mt::train::RunIdentity identity{.seed = 4, .seq_length = 8, .global_batch = 2, .dataset = "builtin", .model = "m"};
-  mt::train::save_checkpoint(dir, model, optimizer, state, identity);
+  PlainCheckpointing::save(dir, model, optimizer, state, identity);
   const auto rng_after_save = torch::rand({3});
 
   torch::manual_seed(99);
   mt::llama::LlamaForCausalLM restored(config);
   mt::llama::init_weights(restored);
   mt::train::AdamW restored_optimizer(mt::train::named_trainable_parameters(*restored), {});
-  const auto loaded = mt::train::load_checkpoint(dir, restored, restored_optimizer, identity);
+  const auto loaded = PlainCheckpointing::load(dir, restored, restored_optimizer, identity);
   REQUIRE(loaded);
   CHECK(loaded->global_step == 20);
   CHECK(loaded->epoch == 1);
@@ -199,13 +201,13 @@ TEST_CASE("a checkpoint restores weights, optimizer state, RNG and train state",
   for (std::size_t i = 0; i < sa.size(); ++i) CHECK(torch::equal(sa[i].second, sb[i].second));
 
   // A second save replaces the first; the link always points to a complete folder.
-  mt::train::save_checkpoint(dir, model, optimizer, {.global_step = 40}, identity);
+  PlainCheckpointing::save(dir, model, optimizer, {.global_step = 40}, identity);
   CHECK(fs::read_symlink(dir / "checkpoint") == "ckpt-00000040");
   CHECK_FALSE(fs::exists(dir / "ckpt-00000020"));
 
   auto other = identity;
   other.seed = 5;
-  CHECK_THAT(error_of([&] { mt::train::load_checkpoint(dir, restored, restored_optimizer, other); }),
+  CHECK_THAT(error_of([&] { PlainCheckpointing::load(dir, restored, restored_optimizer, other); }),
              Catch::Contains("seed = 4") && Catch::Contains("this run has 5"));
   fs::remove_all(dir);
 }
@@ -218,19 +220,52 @@ TEST_CASE("a save that dies half-way leaves the previous checkpoint loadable", "
   mt::llama::init_weights(model);
   mt::train::AdamW optimizer(mt::train::named_trainable_parameters(*model), {});
   const mt::train::RunIdentity identity{.seed = 0, .seq_length = 8, .global_batch = 2, .dataset = "d", .model = "m"};
-  mt::train::save_checkpoint(dir, model, optimizer, {.global_step = 10}, identity);
+  PlainCheckpointing::save(dir, model, optimizer, {.global_step = 10}, identity);
 
   // A crash after the new folder's files were partly written: the folder stays ".partial"
   // and the link still names step 10.
   fs::create_directories(dir / "ckpt-00000020.partial");
-  std::ofstream(dir / "ckpt-00000020.partial" / "model.safetensors") << "truncat";
+  std::ofstream(dir / "ckpt-00000020.partial" / "rank0.safetensors") << "truncat";
   // A crash while a file was being written leaves only its temporary name.
   std::ofstream(dir / "ckpt-00000010" / "state.json.tmp.12345") << "{";
 
   mt::llama::LlamaForCausalLM restored(config);
   mt::train::AdamW restored_optimizer(mt::train::named_trainable_parameters(*restored), {});
-  const auto loaded = mt::train::load_checkpoint(dir, restored, restored_optimizer, identity);
+  const auto loaded = PlainCheckpointing::load(dir, restored, restored_optimizer, identity);
   REQUIRE(loaded);
   CHECK(loaded->global_step == 10);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a checkpoint that lost a file or its link is an error, never a fresh start", "[checkpoint]") {
+  const auto dir = fresh_dir("ckpt-damaged");
+  auto config = mt::llama::presets::llama_tiny;
+  config.num_hidden_layers = 1;
+  mt::llama::LlamaForCausalLM model(config);
+  mt::llama::init_weights(model);
+  mt::train::AdamW optimizer(mt::train::named_trainable_parameters(*model), {});
+  const mt::train::RunIdentity identity{.seed = 0, .seq_length = 8, .global_batch = 2, .dataset = "d", .model = "m"};
+  PlainCheckpointing::save(dir, model, optimizer, {.global_step = 10, .running_loss = 1.0}, identity);
+
+  // Without state.json (the defect: the next run started from step 1 and deleted this folder).
+  fs::rename(dir / "ckpt-00000010" / "state.json", dir / "state.json.away");
+  CHECK_THAT(error_of([&] { PlainCheckpointing::load(dir, model, optimizer, identity); }),
+             Catch::Contains("state.json") && Catch::Contains("ckpt-00000010"));
+  fs::rename(dir / "state.json.away", dir / "ckpt-00000010" / "state.json");
+
+  // Copied without the link (rsync without -l): the folder is named, with the command to restore it.
+  fs::remove(dir / "checkpoint");
+  CHECK_THAT(error_of([&] { PlainCheckpointing::load(dir, model, optimizer, identity); }),
+             Catch::Contains("ckpt-00000010") && Catch::Contains("ln -sfn"));
+  fs::create_directory_symlink("ckpt-00000010", dir / "checkpoint");
+  CHECK(PlainCheckpointing::load(dir, model, optimizer, identity)->global_step == 10);
+
+  // A non-finite running loss is not saved: the step-10 checkpoint stays the latest.
+  CHECK_THAT(error_of([&] {
+               PlainCheckpointing::save(dir, model, optimizer,
+                                        {.global_step = 20, .running_loss = std::nan(""), .running_steps = 1}, identity);
+             }),
+             Catch::Contains("global_step 20") && Catch::Contains("nan") && Catch::Contains("stays"));
+  CHECK(fs::read_symlink(dir / "checkpoint") == "ckpt-00000010");
   fs::remove_all(dir);
 }

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """End-to-end checks of examples/01-single-gpu, run by CTest.
 
-usage: chapter01_checks.py BINARY {loss-falls|resume|bad-input|folder-tokenizer}
+usage: chapter01_checks.py BINARY CONSOLIDATE {loss-falls|resume|bad-input|folder-tokenizer}
+
+CONSOLIDATE is the meshtorch-consolidate tool, which turns a checkpoint into an HF folder.
 """
 import json
 import pathlib
@@ -40,7 +42,7 @@ def loss_falls(binary):
         assert last <= 0.7 * first, f"loss fell only from {first} to {last}"
 
 
-def resume(binary):
+def resume(binary, consolidate):
     common = ["-m", "llama-tiny", "-d", "builtin", "--log-freq", "10", "--ckpt-freq", "20", "-b", "4", "-s", "128"]
     with tempfile.TemporaryDirectory() as tmp:
         run(binary, *common, "-e", "straight", "--save-dir", tmp, "--max-steps", "40")
@@ -53,16 +55,41 @@ def resume(binary):
             print(f"step {a['global_step']}: straight {a['running_loss']:.9f} resumed {b['running_loss']:.9f}")
             assert abs(a["running_loss"] - b["running_loss"]) <= 1e-6, (a, b)
             assert a["lr"] == b["lr"], (a, b)
-        # The saved folder is a complete HF checkpoint.
+        # The checkpoint is the sharded format (one rank here), with its manifest and state.
         ckpt = pathlib.Path(tmp) / "stopped" / "checkpoint"
-        for name in ["config.json", "model.safetensors", "optimizer.safetensors", "state.json"]:
+        for name in ["config.json", "manifest.json", "rank0.safetensors", "state.json"]:
             assert (ckpt / name).exists(), name
         state = json.loads((ckpt / "state.json").read_text())
         assert state["global_step"] == 40, state
+        # Consolidated, it is an HF folder that chapter 1 starts from: its first loss is the
+        # loss the saved weights give, below the untrained model's.
+        subprocess.run([consolidate, str(ckpt), f"{tmp}/hf"], check=True, capture_output=True, text=True)
+        assert sorted(p.name for p in pathlib.Path(f"{tmp}/hf").iterdir()) == ["config.json", "model.safetensors"]
+        again = run(binary, *common_except(common, ["-m"]), "-m", f"{tmp}/hf", "-e", "from-hf", "--save-dir", tmp,
+                    "--max-steps", "10")
+        fresh = run(binary, *common, "-e", "fresh", "--save-dir", tmp, "--max-steps", "10")
+        trained_loss = metrics(tmp, "from-hf")[0]["running_loss"]
+        untrained_loss = metrics(tmp, "fresh")[0]["running_loss"]
+        print(f"first 10 steps from the consolidated folder {trained_loss:.4f}, from scratch {untrained_loss:.4f}")
+        assert trained_loss < 0.9 * untrained_loss, (trained_loss, untrained_loss)
         # Resuming with flags that change the data order is refused, naming the flag.
         bad = run(binary, *common[:-4], "-b", "2", "-s", "128", "-e", "stopped", "--save-dir", tmp,
                   "--max-steps", "60", expect_ok=False)
         assert bad.returncode != 0 and "global_batch" in bad.stderr, bad.stderr
+
+
+def common_except(common, flags):
+    """`common` without the given flags and their values."""
+    out, skip = [], False
+    for i, arg in enumerate(common):
+        if skip:
+            skip = False
+            continue
+        if arg in flags:
+            skip = True
+            continue
+        out.append(arg)
+    return out
 
 
 def folder_tokenizer(binary):
@@ -110,8 +137,19 @@ def bad_input(binary):
             assert proc.returncode != 0, args
             assert message in proc.stderr, f"{args}: expected '{message}' in:\n{proc.stderr}"
             print(f"{' '.join(args)} -> {proc.stderr.strip().splitlines()[-1]}")
+        # A loss that turns non-finite stops the run at once, with an error, and saves nothing
+        # (it used to exit 0 with NaN weights and a checkpoint whose running_loss was null).
+        proc = run(binary, "--lr", "nan", "-e", "nan", "--save-dir", tmp, "--max-steps", "5", "--ckpt-freq", "2",
+                   expect_ok=False)
+        assert proc.returncode != 0 and "the loss of global_step 2 is nan" in proc.stderr, proc.stderr
+        assert not list((pathlib.Path(tmp) / "nan").glob("ckpt-*")), list((pathlib.Path(tmp) / "nan").iterdir())
+        print(f"--lr nan -> {proc.stderr.strip().splitlines()[-1]}")
 
 
 if __name__ == "__main__":
-    {"folder-tokenizer": folder_tokenizer, "loss-falls": loss_falls, "resume": resume, "bad-input": bad_input}[sys.argv[2]](sys.argv[1])
+    binary, consolidate, check = sys.argv[1:4]
+    if check == "resume":
+        resume(binary, consolidate)
+    else:
+        {"folder-tokenizer": folder_tokenizer, "loss-falls": loss_falls, "bad-input": bad_input}[check](binary)
     print("ok")

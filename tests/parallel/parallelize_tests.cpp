@@ -83,7 +83,53 @@ void check_layout_against_one_process(std::vector<int> extents = {}) {
     CHECK(held == whole);
   }
   CHECK(held == parallel.local_numel());
+
+  // Saved, each rank writes only its own pieces, straight from the tensors it trains: no rank
+  // copies anything (the peak of elements held during the save is what training holds), and in
+  // a sharded layout no rank writes a whole weight matrix.
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("meshtorch-parallelize-{}", mesh.env().master_port);
+  if (mesh.rank() == 0) std::filesystem::remove_all(dir);
   mt::comm::barrier(mesh.world());
+  auto pieces = parallel.sharded_parameters();
+  for (auto& piece : mt::parallel::optimizer_state_pieces(optimizer, pieces)) pieces.push_back(std::move(piece));
+  const auto saved = mt::parallel::save_training_checkpoint(dir, pieces, {.global_step = steps, .running_loss = 1.0},
+                                                            {}, mesh.world(), {.layout = parallel.layout()});
+  CHECK(saved.written.largest_staging_numel == 0);
+  for (const auto& piece : pieces) {
+    const bool matrix = piece.global_shape.size() == 2 && piece.name.rfind("optimizer/", 0) != 0;
+    if (!matrix || !piece.writer) continue;
+    INFO(piece.name << " " << mt::io::to_string(piece.box));
+    if constexpr (M::template has<mt::TP> || M::template has<mt::FSDP>)
+      CHECK(piece.local.numel() < piece.global_shape[0] * piece.global_shape[1]);
+  }
+
+  // Loaded into one process (a world of one, other boxes than were saved), the checkpoint is the
+  // reference's weights and AdamW state.
+  llama::LlamaForCausalLM restored(config, torch::TensorOptions().device(torch::kMeta));
+  llama::materialize(restored, torch::TensorOptions());
+  mt::train::AdamW restored_optimizer(mt::train::named_trainable_parameters(*restored), {.lr = 1e-3});
+  std::vector<mt::io::ShardedTensor> one_process;
+  for (const auto& item : restored->named_parameters())
+    one_process.push_back(mt::io::replicated(item.key(), item.value(), /*writer=*/true));
+  for (auto& piece : mt::parallel::optimizer_state_pieces(restored_optimizer, one_process))
+    one_process.push_back(std::move(piece));
+  mt::parallel::load_sharded_checkpoint(saved.folder, one_process);
+  const auto expected_state = reference_optimizer.state();
+  std::map<std::string, torch::Tensor> restored_state;
+  for (const auto& [name, tensor] : restored_optimizer.state()) restored_state[name] = tensor;
+  for (const auto& [name, tensor] : expected_state) {
+    INFO(name);
+    const auto difference = ((restored_state.at(name) - tensor).abs().max() / tensor.abs().max().clamp_min(1e-30));
+    CHECK(difference.template item<double>() < 2e-3);
+  }
+  const auto restored_weights = restored->named_parameters();
+  for (const auto& item : reference_weights) {
+    INFO(item.key());
+    CHECK(((restored_weights[item.key()] - item.value()).abs().max() / item.value().abs().max()).template item<double>() <
+          2e-3);
+  }
+  mt::comm::barrier(mesh.world());
+  if (mesh.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 }  // namespace

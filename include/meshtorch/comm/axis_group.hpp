@@ -98,4 +98,10 @@ class AxisGroup {
   int cuda_device_ = -1;
 };
 
+// The group of a process that runs alone (chapter 1): collectives over it return their input,
+// so code written for a mesh (checkpoints) runs unchanged without one.
+inline AxisGroup single_process_group() {
+  return AxisGroup("world", {0}, 0, {}, std::chrono::milliseconds(600'000), Device::cpu);
+}
+
 }  // namespace meshtorch::comm

@@ -1,65 +1,198 @@
 #pragma once
-// Checkpointing<ParallelLlama<M>>: how an Experiment (train/experiment.hpp) saves and resumes a
-// model that parallelize() built, chosen from the mesh type's axes. Every rank calls save and
-// load: both are collectives.
+// How an Experiment (train/experiment.hpp) saves and resumes a model: one path for every layout.
+// Each rank hands the sharded checkpoint (parallel/sharded_checkpoint.hpp) its own pieces of the
+// weights and of AdamW's state, as boxes of the global tensors, plus its RNG states; a load fills
+// this rank's boxes from whatever pieces were saved, so a run resumes on another mesh or world
+// size. No rank gathers a full weight to save; the format is docs/checkpoints.md's.
+//
+//   model                           pieces                             writer of identical copies
+//   LlamaForCausalLM (chapter 1)    whole weights                      the one process
+//   ParallelLlama<Mesh>             TP chunk, then FSDP rows           DP coordinate 0, TP rank 0
+//   + ZeroRedundancyOptimizer       AdamW state of the owned weights   the owner
+//
+// Every rank calls save and load: both are collectives over the whole job.
+#include <cmath>
+#include <exception>
 #include <filesystem>
+#include <map>
 #include <optional>
+#include <set>
+#include <string>
+#include <vector>
 
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/error.hpp>
-#include <meshtorch/parallel/checkpoint.hpp>
-#include <meshtorch/parallel/fsdp_checkpoint.hpp>
-#include <meshtorch/parallel/fsdp_tp_checkpoint.hpp>
+#include <meshtorch/io/sharded_tensor.hpp>
+#include <meshtorch/models/llama/config_json.hpp>
+#include <meshtorch/models/llama/model.hpp>
+#include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/parallel/parallelize.hpp>
-#include <meshtorch/parallel/tensor_parallel_checkpoint.hpp>
+#include <meshtorch/parallel/sharded_checkpoint.hpp>
+#include <meshtorch/parallel/zero.hpp>
+#include <meshtorch/train/adamw.hpp>
+#include <meshtorch/train/checkpoint.hpp>
 #include <meshtorch/train/experiment.hpp>
+#include <meshtorch/train/log.hpp>
+#include <meshtorch/train/rng.hpp>
+#include <meshtorch/train/state.hpp>
+
+namespace meshtorch::parallel {
+
+// AdamW's state with the boxes of the weights it steps.
+inline std::vector<io::ShardedTensor> optimizer_state_pieces(const train::AdamW& optimizer,
+                                                             const std::vector<io::ShardedTensor>& weights) {
+  return adamw_state_tensors(optimizer, weights);
+}
+
+// ZeRO-1's state: each rank holds (and writes) the state of the weights it owns, whole. A load on
+// another world size fills each rank's new share from whichever rank saved it.
+inline std::vector<io::ShardedTensor> optimizer_state_pieces(const ZeroRedundancyOptimizer& optimizer,
+                                                             const std::vector<io::ShardedTensor>& weights) {
+  std::set<std::string> owned;
+  for (const auto& [name, parameter] : optimizer.owned_parameters()) owned.insert(name);
+  std::vector<io::ShardedTensor> mine;
+  for (const auto& weight : weights) {
+    if (!owned.contains(weight.name)) continue;
+    if (weight.box != io::whole(weight.global_shape))
+      throw ConfigError(fmt::format("checkpoint: ZeroRedundancyOptimizer steps '{}', of which this rank holds only "
+                                    "{}; ZeRO-1 shards whole weights over a DP-only mesh (use AdamW with FSDP or TP)",
+                                    weight.name, io::to_string(weight.box)));
+    auto piece = weight;
+    piece.writer = true;  // the owner is the one rank of its DP group holding this state
+    mine.push_back(std::move(piece));
+  }
+  return adamw_state_tensors(optimizer, mine);
+}
+
+// Saves <exp_dir>/ckpt-<step> from every rank's pieces, with this rank's RNG states and
+// state.json. A non-finite running loss is never saved: the previous checkpoint stays the latest.
+inline SavedCheckpoint save_training_checkpoint(const std::filesystem::path& exp_dir, const std::vector<io::ShardedTensor>& tensors,
+                                     const train::TrainState& state, const train::RunIdentity& identity,
+                                     const comm::AxisGroup& world, const SaveOptions& options) {
+  if (!std::isfinite(state.running_loss))
+    throw DataError(fmt::format("not saving the checkpoint of global_step {} into {}: the running loss is {}; the "
+                                "previous checkpoint stays the latest",
+                                state.global_step, exp_dir.string(), state.running_loss));
+  return save_sharded_checkpoint(exp_dir, state.global_step, tensors, train::to_json(state, identity),
+                                 train::capture_rng_states(), world, options);
+}
+
+// Fills every rank's pieces from the checkpoint <exp_dir>/checkpoint links to and returns its
+// training state, or nothing for a fresh experiment. All ranks must find the same folder (one
+// save directory they all see); when any rank cannot, every rank throws.
+inline std::optional<train::TrainState> load_training_checkpoint(const std::filesystem::path& exp_dir,
+                                                                 std::vector<io::ShardedTensor>& tensors,
+                                                                 const train::RunIdentity& identity,
+                                                                 const comm::AxisGroup& world) {
+  const train::Logger log(world.global_rank());
+  ResumePoint point;
+  std::exception_ptr failure;
+  try {
+    point = find_checkpoint_to_resume(exp_dir);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  const auto failed = sharded_detail::failed_ranks(world, failure != nullptr);
+  if (failure) std::rethrow_exception(failure);
+  if (!failed.empty())
+    throw DataError(fmt::format("rank(s) {} could not tell which checkpoint of {} to resume from (see their logs)",
+                                fmt::join(failed, ", "), exp_dir.string()));
+  const auto found = point.checkpoint ? point.checkpoint->string() : std::string("no checkpoint");
+  const auto seen = comm::all_gather_object(world, found);
+  for (int r = 0; r < world.size(); ++r)
+    if (seen[static_cast<std::size_t>(r)] != seen[0])
+      throw ConfigError(fmt::format("rank {} resumes from '{}' but rank {} from '{}': --save-dir must be one folder "
+                                    "that every rank sees (a shared file system)",
+                                    world.global_rank_of(r), seen[static_cast<std::size_t>(r)], world.global_rank_of(0),
+                                    seen[0]));
+  if (world.rank() == 0)
+    for (const auto& partial : point.ignored_partial)
+      log.warning(fmt::format("ignoring {}: a save that did not finish", partial.string()));
+  if (!point.checkpoint) return std::nullopt;
+
+  const auto& dir = *point.checkpoint;
+  const auto loaded = load_sharded_checkpoint(dir, tensors, world);
+  auto state = train::read_train_state(nlohmann::json::parse(loaded.state.dump()), (dir / state_file_name).string(), identity);
+  if (loaded.rank_state)
+    train::restore_rng_states(io::SafetensorsFile{*loaded.rank_state, {}}, dir / rank_file_name(world.rank()));
+  else if (world.rank() == 0)
+    log.warning(loaded.rank_state_note);
+  if (world.rank() == 0 && loaded.manifest.world_size != world.size())
+    log.info(fmt::format("resharded {} from {} ranks ({}) onto {}", dir.string(), loaded.manifest.world_size,
+                         loaded.manifest.layout, world.size()));
+  return state;
+}
+
+// config.json of the model as saved: consolidation turns the checkpoint into an HF folder with it.
+inline std::map<std::string, std::string> config_file(const llama::Config& config, torch::ScalarType dtype) {
+  return {{"config.json", llama::config_to_json(config, llama::dtype_name(dtype)).dump(2) + "\n"}};
+}
+
+}  // namespace meshtorch::parallel
 
 namespace meshtorch::train {
 
+// Chapter 1's model: one process saves every weight whole.
+template <>
+struct Checkpointing<llama::LlamaForCausalLM> {
+  static std::vector<io::ShardedTensor> weights(llama::LlamaForCausalLM& model) {
+    std::vector<io::ShardedTensor> pieces;
+    for (const auto& item : model->named_parameters())
+      pieces.push_back(io::replicated(item.key(), item.value(), /*writer=*/true));
+    return pieces;
+  }
+
+  template <class Optimizer>
+  static void save(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model, const Optimizer& optimizer,
+                   const TrainState& state, const RunIdentity& identity) {
+    auto tensors = weights(model);
+    for (auto& piece : parallel::optimizer_state_pieces(optimizer, tensors)) tensors.push_back(std::move(piece));
+    parallel::save_training_checkpoint(
+        exp_dir, tensors, state, identity, comm::single_process_group(),
+        {.layout = "one process",
+         .extra_files = parallel::config_file(model->config, model->parameters().front().scalar_type())});
+  }
+
+  template <class Optimizer>
+  static std::optional<TrainState> load(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model,
+                                        Optimizer& optimizer, const RunIdentity& identity) {
+    auto tensors = weights(model);
+    for (auto& piece : parallel::optimizer_state_pieces(optimizer, tensors)) tensors.push_back(std::move(piece));
+    return parallel::load_training_checkpoint(exp_dir, tensors, identity, comm::single_process_group());
+  }
+};
+
+// A model parallelize() built: its pieces as the mesh type cut them.
 template <MeshType M, llama::LlamaStyles Styles>
 struct Checkpointing<ParallelLlama<M, Styles>> {
   using Model = ParallelLlama<M, Styles>;
 
   template <class Optimizer>
+  static std::vector<io::ShardedTensor> pieces(const Model& model, const Optimizer& optimizer) {
+    auto tensors = model.sharded_parameters();
+    for (auto& piece : parallel::optimizer_state_pieces(optimizer, tensors)) tensors.push_back(std::move(piece));
+    return tensors;
+  }
+
+  template <class Optimizer>
   static void save(const std::filesystem::path& exp_dir, Model& model, const Optimizer& optimizer,
                    const TrainState& state, const RunIdentity& identity) {
-    if constexpr (Model::has_fsdp && Model::has_tp) {
-      parallel::save_checkpoint(exp_dir, *model.tensor_parallel(), *model.fully_sharded(), model.module()->config,
-                                optimizer, state, identity, model.world());
-    } else if constexpr (Model::has_fsdp) {
-      refuse_replicated_shards(model);
-      parallel::save_sharded_checkpoint(exp_dir, model.module()->config, *model.fully_sharded(), optimizer, state,
-                                        identity);
-    } else if constexpr (Model::has_tp) {
-      parallel::save_checkpoint(exp_dir, *model.tensor_parallel(), model.module(), optimizer, state, identity,
-                                model.world(), model.data_parallel_rank());
-    } else {
-      parallel::save_checkpoint(exp_dir, model.module(), optimizer, state, identity, model.world());
-    }
+    const auto dtype = model.named_parameters().front().second.scalar_type();
+    parallel::save_training_checkpoint(exp_dir, pieces(model, optimizer), state, identity, model.world(),
+                                       {.layout = Model::layout(),
+                                        .extra_files = parallel::config_file(model.module()->config, dtype),
+                                        .coordinate = model.coordinate()});
   }
 
   template <class Optimizer>
   static std::optional<TrainState> load(const std::filesystem::path& exp_dir, Model& model, Optimizer& optimizer,
                                         const RunIdentity& identity) {
-    if constexpr (Model::has_fsdp && Model::has_tp) {
-      return parallel::load_checkpoint(exp_dir, *model.tensor_parallel(), *model.fully_sharded(), optimizer, identity,
-                                       model.world());
-    } else if constexpr (Model::has_fsdp) {
-      refuse_replicated_shards(model);
-      return parallel::load_sharded_checkpoint(exp_dir, *model.fully_sharded(), optimizer, identity);
-    } else if constexpr (Model::has_tp) {
-      return parallel::load_checkpoint(exp_dir, *model.tensor_parallel(), model.module(), optimizer, identity,
-                                       model.world());
-    } else {
-      return parallel::load_checkpoint(exp_dir, model.module(), optimizer, identity, model.world());
-    }
-  }
-
- private:
-  // The per-FSDP-rank shard files name the FSDP rank only: replicas over DP would write the same names.
-  static void refuse_replicated_shards(const Model& model) {
-    if (model.data_parallel_size() != model.fully_sharded()->group().size())
-      throw ConfigError("checkpoints of an HSDP mesh without TP (" + std::string(M::name) +
-                        ") are not supported yet; add a TP axis of extent 1 (Mesh<DP, FSDP, TP>) to save them");
+    auto tensors = pieces(model, optimizer);
+    return parallel::load_training_checkpoint(exp_dir, tensors, identity, model.world());
   }
 };
 

@@ -540,24 +540,6 @@ class FullyShardedDataParallel {
     return out;
   }
 
-  // This rank's rows of every weight, named as the weights.
-  io::NamedTensors sharded_state_dict() const {
-    io::NamedTensors out;
-    for (const auto& [name, shard] : named_parameters()) out.emplace_back(name, shard.detach());
-    return out;
-  }
-  void load_sharded_state_dict(const io::SafetensorsFile& file, const std::string& source) {
-    torch::NoGradGuard no_grad;
-    for (auto& [name, shard] : named_parameters()) {
-      const auto* t = file.find(name);
-      if (!t) throw DataError(source + ": shard of '" + name + "' is missing");
-      if (t->sizes() != shard.sizes())
-        throw DataError(source + ": shard of '" + name + "' has shape " + c10::str(t->sizes()) + ", this rank holds " +
-                        c10::str(shard.sizes()) + " (was it saved with another number of ranks?)");
-      shard.copy_(*t);
-    }
-  }
-
   const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
   const comm::AxisGroup& group() const { return group_; }
   const FsdpOptions& options() const { return options_; }

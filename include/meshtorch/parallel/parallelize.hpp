@@ -38,6 +38,7 @@
 #include <meshtorch/comm/device_mesh.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/safetensors.hpp>
+#include <meshtorch/io/sharded_tensor.hpp>
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/models/llama/weights.hpp>
@@ -54,6 +55,9 @@ struct ParallelizeOptions {
   // An HF model folder whose weights fill this rank's pieces; empty: initialise them as
   // chapter 1 does (HF's _init_weights from the current seed).
   std::filesystem::path weights_from;
+  // How errors name the model (the -m value): a config the TP plan cannot split is refused
+  // before anything is built.
+  std::string model_name = "model config";
   // For the FSDP axis (device is taken from above).
   FsdpOptions fsdp;
   // For the DP axis.
@@ -72,9 +76,11 @@ class ParallelLlama {
   static constexpr bool has_dp = M::template has<DP>;
 
   ParallelLlama(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, ParallelizeOptions options)
-      : model_(std::move(model)), options_(std::move(options)), world_(mesh.world()) {
+      : model_(std::move(model)), options_(std::move(options)), world_(mesh.world()), coordinate_(mesh.describe()) {
     options_.fsdp.device = options_.device;
+    if constexpr (has_dp) replica_ = mesh.template coord<DP>();
     if constexpr (has_dp || has_fsdp) data_parallel_ = data_parallel_group(mesh);
+    if constexpr (has_tp) plan::validate(model_->config, mesh.template size<TP>(), options_.model_name);
     const auto dtype = model_->parameters().front().scalar_type();
     for (auto& [name, leaf] : llama::weight_modules(*model_)) {
       if (!leaf->weight.is_meta())
@@ -182,6 +188,48 @@ class ParallelLlama {
     return piece;
   }
 
+  // Every weight this rank trains as a box of the global weight, for checkpoints: its TP chunk,
+  // then its FSDP rows. Of identical copies (DP replicas, weights TP leaves whole) exactly one
+  // rank is the writer: DP coordinate 0, TP rank 0.
+  std::vector<io::ShardedTensor> sharded_parameters() const {
+    const auto trained = trained_by_name();
+    std::vector<io::ShardedTensor> pieces;
+    for (const auto& [name, shape] : global_shapes_) {
+      auto box = io::whole(shape);
+      bool writer = replica_ == 0;
+      if constexpr (has_tp) {
+        const auto& tp = tp_->group();
+        if (const auto dim = tp_->shard_dim(name))
+          box = io::chunk(box, *dim, tp.rank(), tp.size());
+        else
+          writer = writer && tp.rank() == 0;
+      }
+      if constexpr (has_fsdp) {
+        const auto [first_row, rows] = fsdp_->rows_of(name);
+        box = io::rows(box, first_row, first_row + rows);
+      }
+      pieces.push_back(io::sharded(name, trained.at(name), shape, std::move(box), writer));
+    }
+    return pieces;
+  }
+  // "Mesh<...>: tensor parallel over TP (...) -> ...", recorded in checkpoints.
+  static std::string layout() { return std::string(M::name) + ": " + describe(); }
+  // "rank 5 of 8 on cpu: DP 1 of 2, FSDP 0 of 2, TP 1 of 2".
+  const std::string& coordinate() const { return coordinate_; }
+
+  // Refuses a sequence length the layout cannot split (sequence parallel cuts every sequence over
+  // TP); the data loader asks before it packs the data.
+  void validate_sequence(std::int64_t seq_length) const {
+    if constexpr (has_tp) plan::validate_sequence(seq_length, tp_->group().size());
+  }
+
+  // "<describe()>: 3145728 of the model's 12582912 parameters held by this rank, float32".
+  std::string summary() const {
+    return describe() + ": " + std::to_string(local_numel()) + " of the model's " +
+           std::to_string(model_->config.num_parameters()) + " parameters held by this rank, " +
+           llama::dtype_name(model_->parameters().front().scalar_type());
+  }
+
   // The global (unsharded) shape of every weight, by HF name, in the model's order.
   const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& global_shapes() const {
     return global_shapes_;
@@ -287,6 +335,8 @@ class ParallelLlama {
   llama::LlamaForCausalLM model_;
   ParallelizeOptions options_;
   comm::AxisGroup world_;
+  std::string coordinate_;
+  int replica_ = 0;  // the DP coordinate: replicas other than 0 write nothing
   std::vector<std::pair<std::string, std::vector<std::int64_t>>> global_shapes_;
   std::optional<comm::AxisGroup> data_parallel_;
   std::unique_ptr<TensorParallel<plan>> tp_;

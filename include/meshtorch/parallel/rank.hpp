@@ -1,6 +1,6 @@
 #pragma once
 // Rank-aware helpers of the guide's chapter 2: rank 0 first around downloads and preprocessing,
-// rank-0-only work between barriers, the effective batch and the learning-rate scaling rules.
+// the effective batch and the learning-rate scaling rules.
 #include <cmath>
 #include <cstdint>
 #include <exception>
@@ -38,22 +38,6 @@ decltype(auto) rank_zero_first(const comm::AxisGroup& group, Work&& work) {
     comm::barrier(group);
     throw;
   }
-}
-
-// `work` on rank 0 only, with every rank leaving only after it is done (directory creation,
-// writing files the others then read).
-template <class Work>
-void on_rank_zero(const comm::AxisGroup& group, Work&& work) {
-  std::exception_ptr failure;
-  if (group.rank() == 0) {
-    try {
-      std::forward<Work>(work)();
-    } catch (...) {
-      failure = std::current_exception();
-    }
-  }
-  comm::barrier(group);
-  if (failure) std::rethrow_exception(failure);
 }
 
 // How the learning rate follows the effective batch: `--lr` is tuned for one rank's batch, and

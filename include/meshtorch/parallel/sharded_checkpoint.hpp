@@ -830,9 +830,11 @@ inline LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& che
 // AdamW's state for `parameters` as pieces with the same boxes, so optimizer state reshards like
 // the weights: "optimizer/<name>.exp_avg" and ".exp_avg_sq" share the parameter's box, and
 // ".step" is a replicated scalar written by the rank holding the parameter's first element. The
-// tensors alias the optimizer's own, so a load fills the optimizer in place.
-inline std::vector<io::ShardedTensor> adamw_state_tensors(const train::AdamW& optimizer,
-                                                          const std::vector<io::ShardedTensor>& parameters) {
+// tensors alias the optimizer's own, so a load fills the optimizer in place. Any optimizer whose
+// state() names AdamW's state so (AdamW, ZeroRedundancyOptimizer for the parameters it owns).
+template <class Optimizer>
+std::vector<io::ShardedTensor> adamw_state_tensors(const Optimizer& optimizer,
+                                                   const std::vector<io::ShardedTensor>& parameters) {
   const auto state = optimizer.state();
   std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
   auto take = [&](const std::string& name) {

@@ -48,10 +48,12 @@ inline TrainingData load_training_data(const train::TrainArgs& args, std::int64_
   return {std::move(blocks), sampler};
 }
 
-// For a model parallelize() built: its data-parallel group (DP and FSDP merged) splits the batch.
+// For a model parallelize() built: its data-parallel group (DP and FSDP merged) splits the batch,
+// and the sequence length must be one its layout can split.
 template <class ParallelModel>
-  requires requires(const ParallelModel& m) { m.data_parallel_size(); m.world(); }
+  requires requires(const ParallelModel& m) { m.data_parallel_size(); m.world(); m.validate_sequence(1); }
 TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size, const ParallelModel& model) {
+  model.validate_sequence(args.seq_length);
   return load_training_data(args, vocab_size, {model.data_parallel_size(), model.data_parallel_rank()}, &model.world());
 }
 

@@ -12,8 +12,9 @@
 //       if (state.global_step % args.ckpt_freq == 0) experiment.save(state, model, optimizer);
 //
 // How a model is saved and loaded is the model type's business: Checkpointing<Model> says
-// (train/checkpoint.hpp for a plain model, parallel/parallelize.hpp for a parallel one).
+// (parallel/checkpointing.hpp, for chapter 1's model and for every model parallelize() builds).
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -22,6 +23,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include <meshtorch/error.hpp>
 #include <meshtorch/train/args.hpp>
 #include <meshtorch/train/checkpoint.hpp>
 #include <meshtorch/train/log.hpp>
@@ -38,20 +40,6 @@ namespace meshtorch::train {
 //                                         const RunIdentity&);
 template <class Model>
 struct Checkpointing;
-
-template <>
-struct Checkpointing<llama::LlamaForCausalLM> {
-  template <class Optimizer>
-  static void save(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model, const Optimizer& optimizer,
-                   const TrainState& state, const RunIdentity& identity) {
-    save_checkpoint(exp_dir, model, optimizer, state, identity);
-  }
-  template <class Optimizer>
-  static std::optional<TrainState> load(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model,
-                                        Optimizer& optimizer, const RunIdentity& identity) {
-    return load_checkpoint(exp_dir, model, optimizer, identity);
-  }
-};
 
 // The flags a resumed run must share with the run that saved it.
 inline RunIdentity run_identity(const TrainArgs& args, std::int64_t global_batch) {
@@ -91,8 +79,14 @@ class Experiment {
     return *resumed;
   }
 
-  // One optimizer step is done; `loss` is its mean over the whole global batch.
+  // One optimizer step is done; `loss` is its mean over the whole global batch. A non-finite loss
+  // stops the run here, before anything of it is logged or saved (every rank sees the same mean).
   void end_step(TrainState& state, double loss, ProgressBar& progress) const {
+    if (!std::isfinite(loss))
+      throw DataError(fmt::format("the loss of global_step {} is {}: stopping before it is logged or saved{}",
+                                  state.global_step + 1, std::isnan(loss) ? "nan" : fmt::format("{}", loss),
+                                  dir_ ? fmt::format(" ({} keeps the checkpoints of earlier steps)", dir_->string())
+                                       : ""));
     ++state.global_step;
     ++state.epoch_step;
     state.running_loss += loss;
