@@ -290,6 +290,13 @@ TEST_CASE("a damaged, truncated or missing file or manifest is an error naming i
     fs::remove(file);
     CHECK_THAT(load_error(dir), Catch::Contains(file.string() + " is missing"));
   }
+  SECTION("two ranks' files swapped (they used to load into the wrong ranks)") {
+    fs::rename(dir / "rank0.safetensors", dir / "swap");
+    fs::rename(file, dir / "rank0.safetensors");
+    fs::rename(dir / "swap", file);
+    const auto error = load_error(dir);
+    CHECK_THAT(error, Catch::Contains((dir / "rank0.safetensors").string()) && Catch::Contains(file.string()));
+  }
   SECTION("a missing state.json") {
     fs::remove(dir / "state.json");
     CHECK_THAT(load_error(dir), Catch::Contains((dir / "state.json").string() + " is missing"));

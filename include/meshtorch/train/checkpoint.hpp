@@ -3,6 +3,7 @@
 // epoch_step, the running loss, and the flags that fix the data order, which a resumed run must
 // share. The tensors and the folder are parallel/checkpointing.hpp's business.
 #include <cstdint>
+#include <filesystem>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -11,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/io/json_file.hpp>
 #include <meshtorch/train/state.hpp>
 
 namespace meshtorch::train {
@@ -95,6 +97,12 @@ inline TrainState read_train_state(const nlohmann::json& j, const std::string& s
   same("dataset", identity.dataset);
   same("model", identity.model);
   return state;
+}
+
+// The same from <dir>/state.json.
+inline TrainState read_train_state(const std::filesystem::path& dir, const RunIdentity& identity) {
+  const auto path = dir / "state.json";
+  return read_train_state(io::read_json_file(path), path.string(), identity);
 }
 
 }  // namespace meshtorch::train
