@@ -6,6 +6,7 @@
 // same -e resumes where the last checkpoint left off.
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/training_data.hpp>
+#include <meshtorch/train/args.hpp>
 
 namespace mt = meshtorch;
 

@@ -6,12 +6,10 @@
 #include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/fsdp_checkpoint.hpp>
 #include <meshtorch/parallel/fsdp_tp_checkpoint.hpp>
-#include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/parallel/llama_plan.hpp>
 #include <meshtorch/parallel/parallelize.hpp>
 #include <meshtorch/parallel/process_group.hpp>
 #include <meshtorch/parallel/rank.hpp>
-#include <meshtorch/parallel/sharded_checkpoint.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/tensor_parallel_checkpoint.hpp>
 #include <meshtorch/parallel/zero.hpp>

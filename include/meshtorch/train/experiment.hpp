@@ -22,12 +22,12 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
-#include <meshtorch/train/args.hpp>
 #include <meshtorch/train/checkpoint.hpp>
 #include <meshtorch/train/log.hpp>
 #include <meshtorch/train/metrics.hpp>
 #include <meshtorch/train/state.hpp>
 #include <meshtorch/train/timers.hpp>
+#include <meshtorch/train/train_args.hpp>
 
 namespace meshtorch::train {
 
