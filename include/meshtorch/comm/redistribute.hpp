@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -23,8 +24,7 @@ inline int64_t shard_dim(const AxisGroup& group, const torch::Tensor& tensor, in
   const int d = normalize_dim(dim, static_cast<int>(tensor.dim()));
   if (d < 0)
     throw collective_error("redistribute", group,
-                           std::string(placement) + " names dim " + std::to_string(dim) +
-                               " of a tensor with " + std::to_string(tensor.dim()) + " dims");
+                           fmt::format("{} names dim {} of a tensor with {} dims", placement, dim, tensor.dim()));
   return d;
 }
 

@@ -8,8 +8,8 @@
 #include <vector>
 #include <torch/torch.h>
 
-#include "meshtorch/models/forward_hooks.hpp"
-#include "meshtorch/models/llama/config.hpp"
+#include <meshtorch/models/forward_hooks.hpp>
+#include <meshtorch/models/llama/config.hpp>
 
 namespace meshtorch::llama {
 
