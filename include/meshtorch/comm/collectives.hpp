@@ -18,9 +18,9 @@
 // group's CPU companion (AxisGroup::metadata()).
 #include <algorithm>
 #include <concepts>
-#include <type_traits>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -30,7 +30,6 @@
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/work.hpp>
-#include <meshtorch/error.hpp>
 #include <meshtorch/layout/axis.hpp>
 #include <meshtorch/layout/placement.hpp>
 

@@ -3,14 +3,12 @@
 // picks at compile time, so an impossible pair (Shard -> Partial) does not compile.
 // Shards are equal pieces: the sharded dim must divide by the axis size.
 #include <cstdint>
-#include <string>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/collectives.hpp>
-#include <meshtorch/error.hpp>
 #include <meshtorch/layout/axis.hpp>
 #include <meshtorch/layout/placement.hpp>
 #include <meshtorch/layout/redistribution.hpp>

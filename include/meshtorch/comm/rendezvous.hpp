@@ -3,7 +3,6 @@
 // and nobody waits longer than the timeout for a rank that never comes.
 #include <chrono>
 #include <exception>
-#include <string>
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>

@@ -18,7 +18,6 @@
 #include <limits>
 #include <memory>
 #include <optional>
-#include <queue>
 #include <span>
 #include <string>
 #include <string_view>

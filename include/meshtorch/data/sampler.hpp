@@ -8,7 +8,6 @@
 // dp_rank and get the same rows. The remainder of an epoch is dropped.
 #include <cstdint>
 #include <numeric>
-#include <string>
 #include <vector>
 
 #include <fmt/format.h>

@@ -7,7 +7,6 @@
 // (every TP rank of a data-parallel coordinate the same part). Needs meshtorch::tokenizers
 // (PCRE2, sentencepiece), so the umbrella header leaves it out.
 #include <cstdint>
-#include <optional>
 
 #include <fmt/format.h>
 

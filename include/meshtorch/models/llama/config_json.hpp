@@ -2,11 +2,9 @@
 // HF config.json <-> llama::Config. A malformed or inconsistent file gives a ConfigError that
 // names the file and the field.
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <optional>
 #include <set>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>

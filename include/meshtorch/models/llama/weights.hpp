@@ -4,7 +4,6 @@
 // folder saved here loads in transformers' from_pretrained and the other way round.
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <set>
