@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compile time of meshtorch over plain LibTorch: each translation unit in bench/compile_time/
 is compiled to an object file, without a precompiled header and without ccache, in turns
-(A/B/C, A/B/C, ...), and the median wall time and the compiler's peak memory are reported.
+(A/B/C, A/B/C, ...), and the median wall time, CPU time (user + system: it holds when other
+jobs share the cores, where wall time does not) and the compiler's peak memory are reported.
 
     python3 bench/compile_time.py [--reps 3] [--out bench/out/compile-time.md]
 
@@ -87,7 +88,7 @@ def compile_once(compiler, flags, source, obj):
     output = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return time.perf_counter() - start, usage.ru_maxrss / 1024**2, proc.returncode, output
+    return time.perf_counter() - start, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024**2, proc.returncode, output
 
 
 def main():
@@ -112,6 +113,7 @@ def main():
     print(f"[compile-time] {compiler} {' '.join(flags)}", file=sys.stderr)
     print(f"[compile-time] flags from {origin}; {args.reps} run(s) per unit", file=sys.stderr)
     times = {name: [] for name, _ in UNITS}
+    cpu = {name: [] for name, _ in UNITS}
     memory = {name: [] for name, _ in UNITS}
     errors = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,29 +121,35 @@ def main():
             for name, _ in UNITS:
                 if name in errors:
                     continue
-                seconds, gib, rc, output = compile_once(compiler, flags, SOURCES / name, Path(tmp) / "unit.o")
+                seconds, cpu_seconds, gib, rc, output = compile_once(compiler, flags, SOURCES / name, Path(tmp) / "unit.o")
                 if rc != 0:
                     first = [l for l in output.splitlines() if "error" in l][:3] or output.splitlines()[:3]
                     errors[name] = " / ".join(l.strip() for l in first).replace(str(ROOT) + "/", "")
                     print(f"[compile-time] {name}: does not compile: {errors[name]}", file=sys.stderr)
                     continue
                 times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
                 memory[name].append(gib)
-                print(f"[compile-time] {name}: {seconds:.1f} s, {gib:.2f} GiB", file=sys.stderr)
+                print(f"[compile-time] {name}: {seconds:.1f} s, {cpu_seconds:.1f} s CPU, {gib:.2f} GiB", file=sys.stderr)
 
     base = statistics.median(times[UNITS[0][0]]) if times[UNITS[0][0]] else None
+    cpu_base = statistics.median(cpu[UNITS[0][0]]) if cpu[UNITS[0][0]] else None
+    load = os.getloadavg()[0]
     lines = ["## Compile time", "",
              f"One translation unit compiled to an object file, no precompiled header, no ccache; "
-             f"median of {args.reps} run(s); flags from {origin}.", "",
-             "| translation unit | seconds | over `<torch/torch.h>` | compiler peak memory GiB |",
-             "| --- | ---: | ---: | ---: |"]
+             f"median of {args.reps} run(s); flags from {origin}; load average {load:.1f} on {os.cpu_count()} "
+             f"cores at the end.", "",
+             "| translation unit | seconds | over `<torch/torch.h>` | CPU seconds | CPU over `<torch/torch.h>` | compiler peak memory GiB |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, label in UNITS:
         if name in errors:
-            lines.append(f"| {label} | does not compile yet | | |")
+            lines.append(f"| {label} | does not compile yet | | | | |")
             continue
         t = statistics.median(times[name])
         over = f"+{t - base:.1f} s ({(t / base - 1) * 100:+.0f}%)" if base and name != UNITS[0][0] else ""
-        lines.append(f"| {label} | {t:.1f} | {over} | {statistics.median(memory[name]):.2f} |")
+        c = statistics.median(cpu[name])
+        cpu_over = f"{c / cpu_base:.2f}x" if cpu_base and name != UNITS[0][0] else ""
+        lines.append(f"| {label} | {t:.1f} | {over} | {c:.1f} | {cpu_over} | {statistics.median(memory[name]):.2f} |")
     if errors:
         lines += ["", "Not compiled: " + "; ".join(f"{n}: {e}" for n, e in errors.items())]
     report = "\n".join(lines) + "\n"

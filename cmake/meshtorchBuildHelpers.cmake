@@ -1,13 +1,9 @@
 # Build helpers for meshtorch's own tests, examples, tools and benchmarks.
 
-find_package(nlohmann_json 3 REQUIRED)
-find_package(CLI11 REQUIRED)
-
 # One precompiled header for every translation unit that includes LibTorch: parsing
 # <torch/torch.h> dominates their compile time.
 add_library(meshtorch_pch OBJECT ${PROJECT_SOURCE_DIR}/cmake/pch.cpp)
-target_link_libraries(meshtorch_pch PUBLIC meshtorch::meshtorch meshtorch::torch nlohmann_json::nlohmann_json CLI11::CLI11)
-target_compile_definitions(meshtorch_pch PUBLIC FMT_HEADER_ONLY)
+target_link_libraries(meshtorch_pch PUBLIC meshtorch::meshtorch meshtorch::torch)
 target_precompile_headers(meshtorch_pch PRIVATE
   <torch/torch.h>
   <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>

@@ -5,7 +5,9 @@
 // every --log-freq steps and a checkpoint every --ckpt-freq steps; a run started again with the
 // same -e resumes where the last checkpoint left off.
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/training_data.hpp>
+#include <meshtorch/train/args.hpp>
 
 namespace mt = meshtorch;
 

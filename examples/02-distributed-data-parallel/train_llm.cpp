@@ -10,7 +10,10 @@
 #include <variant>
 
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/checkpointing.hpp>
+#include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/parallel/training_data.hpp>
+#include <meshtorch/train/args.hpp>
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::DP<mt::dynamic>>;

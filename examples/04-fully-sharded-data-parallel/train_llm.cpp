@@ -10,7 +10,10 @@
 // --dtype bfloat16 computes in bf16 while shards and gradient reduction stay fp32. Checkpoints
 // are sharded: one file per rank.
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/checkpointing.hpp>
+#include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/parallel/training_data.hpp>
+#include <meshtorch/train/args.hpp>
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::FSDP<mt::dynamic>>;

@@ -8,7 +8,10 @@
 // The plan is a type, llama::Plan<Mesh>, checked at compile time; parallelize() applies it and
 // then DDP across TP groups; all TP ranks of a DP coordinate read the same batch.
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/checkpointing.hpp>
+#include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/parallel/training_data.hpp>
+#include <meshtorch/train/args.hpp>
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::DP<mt::dynamic>, mt::TP<mt::dynamic>>;

@@ -8,7 +8,10 @@
 // applies TP, then FSDP per layer and the root, then replication over DP; the model is built
 // on the meta device, so no rank ever holds more than its pieces plus one full weight.
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/checkpointing.hpp>
+#include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/parallel/training_data.hpp>
+#include <meshtorch/train/args.hpp>
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::DP<mt::dynamic>, mt::FSDP<mt::dynamic>, mt::TP<mt::dynamic>>;

@@ -8,6 +8,7 @@
 #include <set>
 
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/checkpointing.hpp>
 
 #include "test_support.hpp"
 

@@ -3,8 +3,8 @@
 #include <map>
 #include <string>
 
-#include "meshtorch/comm/env.hpp"
-#include "meshtorch/comm/error_file.hpp"
+#include <meshtorch/comm/env.hpp>
+#include <meshtorch/comm/error_file.hpp>
 
 using meshtorch::EnvError;
 using meshtorch::comm::expand_slurm_nodelist;

@@ -9,8 +9,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "meshtorch/comm/env.hpp"
-#include "meshtorch/comm/error_file.hpp"
+#include <meshtorch/comm/env.hpp>
+#include <meshtorch/comm/error_file.hpp>
 
 namespace {
 

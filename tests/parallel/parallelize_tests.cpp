@@ -7,6 +7,7 @@
 
 #include <meshtorch/comm/comm.hpp>
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/parallelize.hpp>
 
 namespace mt = meshtorch;

@@ -4,6 +4,8 @@
 #include <fstream>
 #include <iostream>
 
+#include <CLI/CLI.hpp>
+
 #include <meshtorch/meshtorch.hpp>
 
 namespace mt = meshtorch;

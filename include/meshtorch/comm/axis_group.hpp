@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <meshtorch/comm/backend.hpp>
@@ -54,15 +56,16 @@ class AxisGroup {
   // "cpu" or "cuda:1": the tensors this group's collectives take.
   std::string device_name() const {
     return device_ == Device::cpu || cuda_device_ < 0 ? to_string(device_)
-                                                      : "cuda:" + std::to_string(cuda_device_);
+                                                      : fmt::format("cuda:{}", cuda_device_);
   }
 
   // The same ranks over a CPU (Gloo) backend, for metadata; the group itself on a CPU mesh.
   AxisGroup metadata() const {
     if (device_ == Device::cpu) return *this;
     if (!metadata_backend_ && size() > 1)
-      throw CommError("the " + describe() + " has no CPU companion group for metadata; create the "
-                      "group with comm::init, which makes one beside every NCCL group");
+      throw CommError(fmt::format("the {} has no CPU companion group for metadata; create the group with "
+                                  "comm::init, which makes one beside every NCCL group",
+                                  describe()));
     AxisGroup copy = *this;
     copy.backend_ = metadata_backend_;
     copy.metadata_backend_ = {};
@@ -80,10 +83,7 @@ class AxisGroup {
 
   // "TP group [2, 3] on rank 3": how errors name the group.
   std::string describe() const {
-    std::string out = axis_name_ + " group [";
-    for (std::size_t i = 0; i < ranks_.size(); ++i)
-      out += (i ? ", " : "") + std::to_string(ranks_[i]);
-    return out + "] on rank " + std::to_string(global_rank_);
+    return fmt::format("{} group [{}] on rank {}", axis_name_, fmt::join(ranks_, ", "), global_rank_);
   }
 
  private:

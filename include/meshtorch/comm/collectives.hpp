@@ -18,9 +18,9 @@
 // group's CPU companion (AxisGroup::metadata()).
 #include <algorithm>
 #include <concepts>
-#include <type_traits>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -30,7 +30,6 @@
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/work.hpp>
-#include <meshtorch/error.hpp>
 #include <meshtorch/layout/axis.hpp>
 #include <meshtorch/layout/placement.hpp>
 
@@ -59,8 +58,7 @@ inline int64_t checked_dim(std::string_view collective, const AxisGroup& group,
   const int d = normalize_dim(static_cast<int>(dim), static_cast<int>(tensor.dim()));
   if (d < 0)
     throw collective_error(collective, group,
-                           "dim " + std::to_string(dim) + " is out of range for a tensor of " +
-                               std::to_string(tensor.dim()) + " dims");
+                           fmt::format("dim {} is out of range for a tensor of {} dims", dim, tensor.dim()));
   return d;
 }
 
@@ -68,10 +66,9 @@ inline void check_divisible(std::string_view collective, const AxisGroup& group,
                             const torch::Tensor& tensor, int64_t dim) {
   if (tensor.size(dim) % group.size() != 0)
     throw collective_error(collective, group,
-                           "dim " + std::to_string(dim) + " has size " +
-                               std::to_string(tensor.size(dim)) + ", which the group size " +
-                               std::to_string(group.size()) +
-                               " does not divide; pad the tensor or choose another dim");
+                           fmt::format("dim {} has size {}, which the group size {} does not divide; pad the "
+                                       "tensor or choose another dim",
+                                       dim, tensor.size(dim), group.size()));
 }
 
 inline void check_same_kind(std::string_view collective, const AxisGroup& group,
@@ -188,9 +185,8 @@ inline Work<torch::Tensor> broadcast_async(const AxisGroup& group, torch::Tensor
   detail::check_device("broadcast", group, tensor);
   if (source < 0 || source >= group.size())
     throw detail::collective_error("broadcast", group,
-                                   "source " + std::to_string(source) +
-                                       " is not a rank of the group (0 to " +
-                                       std::to_string(group.size() - 1) + ")");
+                                   fmt::format("source {} is not a rank of the group (0 to {})", source,
+                                               group.size() - 1));
   if (group.size() == 1) return Work<torch::Tensor>::ready(tensor);
   torch::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
   std::vector<torch::Tensor> buffers{buffer};

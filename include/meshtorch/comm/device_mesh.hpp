@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -69,12 +70,10 @@ class DeviceMesh {
 
   // "rank 5 of 8 on cpu: DP 1 of 2, FSDP 0 of 2, TP 1 of 2": the banner every rank logs.
   std::string describe() const {
-    std::string out = "rank " + std::to_string(rank()) + " of " + std::to_string(world_size()) + " on " +
-                      to_string(device_) + ":";
+    std::string out = fmt::format("rank {} of {} on {}:", rank(), world_size(), to_string(device_));
     const auto mine = coords();
     for (std::size_t i = 0; i < ndim; ++i)
-      out += std::string(i ? ", " : " ") + std::string(M::axis_names[i]) + " " + std::to_string(mine[i]) + " of " +
-             std::to_string(shape_.extent(i));
+      out += fmt::format("{}{} {} of {}", i ? ", " : " ", M::axis_names[i], mine[i], shape_.extent(i));
     return out;
   }
 
@@ -98,8 +97,7 @@ class DeviceMesh {
   }
   const AxisGroup& group(unsigned axis_mask) const {
     if (axis_mask == 0 || axis_mask > MeshShape<M>::all_axes)
-      throw ConfigError("DeviceMesh::group: axis mask " + std::to_string(axis_mask) + " names no axes of " +
-                        std::string(M::name));
+      throw ConfigError(fmt::format("DeviceMesh::group: axis mask {} names no axes of {}", axis_mask, M::name));
     if (ndim > 1 && axis_mask == MeshShape<M>::all_axes) return world_;
     return groups_[axis_mask];
   }
@@ -179,8 +177,8 @@ DeviceMesh<M> init(InitOptions options) {
     } catch (const ConfigError&) {
       throw;
     } catch (const std::exception& e) {
-      throw CommError("rank " + std::to_string(env.rank) + ": creating its " + axis_name +
-                      " group of " + std::string(M::name) + " failed: " + e.what());
+      throw CommError(fmt::format("rank {}: creating its {} group of {} failed: {}",
+                                  env.rank, axis_name, M::name, e.what()));
     }
   };
 

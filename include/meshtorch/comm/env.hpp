@@ -10,7 +10,9 @@
 #include <string_view>
 #include <vector>
 
-#include "meshtorch/error.hpp"
+#include <fmt/format.h>
+
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::comm {
 
@@ -36,16 +38,15 @@ inline int integer_variable(std::string_view name, const std::string& text, long
                             long long max_value = 1 << 30) {
   auto value = parse_integer(text);
   if (!value)
-    throw EnvError(std::string(name) + "='" + text + "' is not an integer");
+    throw EnvError(fmt::format("{}='{}' is not an integer", name, text));
   if (*value < min_value || *value > max_value)
-    throw EnvError(std::string(name) + "=" + text + " is out of range [" + std::to_string(min_value) +
-                   ", " + std::to_string(max_value) + "]");
+    throw EnvError(fmt::format("{}={} is out of range [{}, {}]", name, text, min_value, max_value));
   return static_cast<int>(*value);
 }
 
 inline std::string required(const EnvLookup& lookup, std::string_view name, std::string_view why) {
   if (auto value = lookup(name)) return *value;
-  throw EnvError(std::string(name) + " is not set, but " + std::string(why));
+  throw EnvError(fmt::format("{} is not set, but {}", name, why));
 }
 
 inline int required_integer(const EnvLookup& lookup, std::string_view name, std::string_view why,
@@ -75,7 +76,7 @@ inline std::vector<std::string_view> split_top_level(std::string_view list) {
 // Expands a Slurm host list such as "node[01-04,07],gpu[1-2]-ib" into host names, keeping
 // zero padding. Written by hand because `scontrol show hostnames` may not exist where ranks run.
 inline std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist) {
-  auto malformed = [&] { return EnvError("SLURM_JOB_NODELIST='" + std::string(nodelist) + "' is malformed"); };
+  auto malformed = [&] { return EnvError(fmt::format("SLURM_JOB_NODELIST='{}' is malformed", nodelist)); };
   std::vector<std::string> hosts;
   for (auto entry : detail::split_top_level(nodelist)) {
     if (entry.empty()) throw malformed();
@@ -119,7 +120,7 @@ inline std::vector<int> expand_slurm_tasks_per_node(std::string_view name, std::
     int tasks = detail::integer_variable(name, std::string(entry.substr(0, paren)), 1);
     int repeat = 1;
     if (paren != std::string_view::npos) {
-      if (entry.back() != ')') throw EnvError(std::string(name) + "='" + std::string(counts) + "' is malformed");
+      if (entry.back() != ')') throw EnvError(fmt::format("{}='{}' is malformed", name, counts));
       repeat = detail::integer_variable(name, std::string(entry.substr(paren + 2, entry.size() - paren - 3)), 1);
     }
     per_node.insert(per_node.end(), repeat, tasks);
@@ -133,12 +134,13 @@ inline void check_consistent(const LaunchEnv& env, std::string_view rank_name, s
                              std::string_view local_rank_name, std::string_view local_world_name) {
   auto say = [](std::string_view name, int value) { return std::string(name) + "=" + std::to_string(value); };
   if (env.rank >= env.world_size)
-    throw EnvError(say(rank_name, env.rank) + " is not below " + say(world_name, env.world_size));
+    throw EnvError(fmt::format("{} is not below {}", say(rank_name, env.rank), say(world_name, env.world_size)));
   if (env.local_rank >= env.local_world_size)
-    throw EnvError(say(local_rank_name, env.local_rank) + " is not below " +
-                   say(local_world_name, env.local_world_size));
+    throw EnvError(fmt::format("{} is not below {}",
+                               say(local_rank_name, env.local_rank), say(local_world_name, env.local_world_size)));
   if (env.local_world_size > env.world_size)
-    throw EnvError(say(local_world_name, env.local_world_size) + " exceeds " + say(world_name, env.world_size));
+    throw EnvError(fmt::format("{} exceeds {}",
+                               say(local_world_name, env.local_world_size), say(world_name, env.world_size)));
 }
 
 // MASTER_ADDR may be left out only when every rank runs on this host; MASTER_PORT defaults to
@@ -147,8 +149,9 @@ inline void read_master(const EnvLookup& lookup, LaunchEnv& env, std::string_vie
   if (auto addr = lookup("MASTER_ADDR"))
     env.master_addr = *addr;
   else if (env.local_world_size != env.world_size)
-    throw EnvError("MASTER_ADDR is not set, but " + std::string(launcher_variables) + " place ranks on " +
-                   "more than one node; set it to the host of rank 0");
+    throw EnvError(fmt::format("MASTER_ADDR is not set, but {} place ranks on more than one node; set it to the host "
+                               "of rank 0",
+                               launcher_variables));
   if (auto port = lookup("MASTER_PORT")) env.master_port = integer_variable("MASTER_PORT", *port, 1, 65535);
 }
 
@@ -181,11 +184,10 @@ inline LaunchEnv slurm_env(const EnvLookup& lookup) {
     int node = 0;
     if (auto node_id = lookup("SLURM_NODEID")) node = integer_variable("SLURM_NODEID", *node_id);
     if (node >= static_cast<int>(per_node_counts.size()))
-      throw EnvError("SLURM_NODEID=" + std::to_string(node) + " has no entry in SLURM_TASKS_PER_NODE='" +
-                     *counts + "'");
+      throw EnvError(fmt::format("SLURM_NODEID={} has no entry in SLURM_TASKS_PER_NODE='{}'", node, *counts));
     env.local_world_size = per_node_counts[node];
   } else {
-    throw EnvError("neither SLURM_NTASKS_PER_NODE nor SLURM_TASKS_PER_NODE is set, but " + std::string(why));
+    throw EnvError(fmt::format("neither SLURM_NTASKS_PER_NODE nor SLURM_TASKS_PER_NODE is set, but {}", why));
   }
   check_consistent(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE");
   if (auto addr = lookup("MASTER_ADDR")) {
@@ -193,7 +195,7 @@ inline LaunchEnv slurm_env(const EnvLookup& lookup) {
   } else {
     auto nodelist = lookup("SLURM_JOB_NODELIST");
     if (!nodelist) nodelist = lookup("SLURM_NODELIST");
-    if (!nodelist) throw EnvError("SLURM_JOB_NODELIST is not set, but " + std::string(why) + " and MASTER_ADDR is not");
+    if (!nodelist) throw EnvError(fmt::format("SLURM_JOB_NODELIST is not set, but {} and MASTER_ADDR is not", why));
     env.master_addr = expand_slurm_nodelist(*nodelist).front();
   }
   if (auto port = lookup("MASTER_PORT")) {

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <meshtorch/error.hpp>
@@ -61,12 +62,14 @@ inline void check_fingerprints(c10d::Store& store, int rank, int world_size,
         const std::string theirs = detail::from_bytes(store.get(detail::fingerprint_key(other)));
         if (theirs != fingerprint) {
           const auto [their_line, our_line] = detail::first_differing_lines(theirs, fingerprint);
-          verdict = "rank " + std::to_string(other) + " was started with '" + their_line + "' but rank 0 with '" +
-                    our_line + "'; start every rank with the same program, mesh and flags";
+          verdict = fmt::format("rank {} was started with '{}' but rank 0 with '{}'; start every rank with the same "
+                                "program, mesh and flags",
+                                other, their_line, our_line);
         }
       } catch (const std::exception&) {
-        verdict = "rank " + std::to_string(other) + " did not report its fingerprint within " +
-                  std::to_string(timeout.count()) + " ms; check that it started and did not fail";
+        verdict = fmt::format("rank {} did not report its fingerprint within {} ms; check that it started and did "
+                              "not fail",
+                              other, timeout.count());
       }
     }
     store.set(verdict_key, detail::to_bytes(verdict.empty() ? "ok" : verdict));
@@ -78,22 +81,22 @@ inline void check_fingerprints(c10d::Store& store, int rank, int world_size,
     } catch (const std::exception&) {
       all_read = false;
     }
-    if (!verdict.empty()) throw CommError("mesh init on rank 0: " + verdict);
+    if (!verdict.empty()) throw CommError(fmt::format("mesh init on rank 0: {}", verdict));
     if (!all_read)
-      throw CommError("mesh init on rank 0: not every rank read the fingerprint verdict within " +
-                      std::to_string(timeout.count()) + " ms; check that no rank failed");
+      throw CommError(fmt::format("mesh init on rank 0: not every rank read the fingerprint verdict within {} ms; "
+                                  "check that no rank failed",
+                                  timeout.count()));
     return;
   }
   try {
     verdict = detail::from_bytes(store.get(verdict_key));
   } catch (const std::exception& e) {
-    throw CommError("mesh init on rank " + std::to_string(rank) +
-                    ": rank 0 gave no fingerprint verdict within " +
-                    std::to_string(timeout.count()) + " ms: " + e.what());
+    throw CommError(fmt::format("mesh init on rank {}: rank 0 gave no fingerprint verdict within {} ms: {}",
+                                rank, timeout.count(), e.what()));
   }
   if (store.add(readers_key, 1) == world_size - 1) store.set(read_key, detail::to_bytes("1"));
   if (verdict != "ok")
-    throw CommError("mesh init on rank " + std::to_string(rank) + ": " + verdict);
+    throw CommError(fmt::format("mesh init on rank {}: {}", rank, verdict));
 }
 
 }  // namespace meshtorch::comm

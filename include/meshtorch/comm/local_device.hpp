@@ -6,6 +6,7 @@
 // --gpus-per-task=1, CUDA_VISIBLE_DEVICES set per rank).
 #include <string>
 
+#include <fmt/format.h>
 #include <torch/cuda.h>
 
 #include <meshtorch/error.hpp>
@@ -24,17 +25,17 @@ inline constexpr bool built_with_cuda =
 // program cannot use a GPU.
 inline int local_cuda_device(int local_rank, const std::string& asked_by = "--device cuda") {
   if (!built_with_cuda)
-    throw ConfigError(asked_by +
-                      ": this program was built without CUDA; build it with scripts/setup on a machine "
-                      "with a GPU and a CUDA LibTorch (or configure with -DMESHTORCH_CUDA=ON), or use "
-                      "--device cpu");
+    throw ConfigError(fmt::format("{}: this program was built without CUDA; build it with scripts/setup on a machine "
+                                  "with a GPU and a CUDA LibTorch (or configure with -DMESHTORCH_CUDA=ON), or use "
+                                  "--device cpu",
+                                  asked_by));
   const auto count = static_cast<int>(torch::cuda::device_count());
   if (count == 0)
-    throw ConfigError(asked_by +
-                      ": no CUDA device is visible to this process (nvidia-smi lists the GPUs; check "
-                      "CUDA_VISIBLE_DEVICES and the driver), or use --device cpu");
+    throw ConfigError(fmt::format("{}: no CUDA device is visible to this process (nvidia-smi lists the GPUs; check "
+                                  "CUDA_VISIBLE_DEVICES and the driver), or use --device cpu",
+                                  asked_by));
   if (local_rank < 0)
-    throw ConfigError(asked_by + ": local rank " + std::to_string(local_rank) + " is negative");
+    throw ConfigError(fmt::format("{}: local rank {} is negative", asked_by, local_rank));
   return local_rank % count;
 }
 

@@ -3,13 +3,12 @@
 // picks at compile time, so an impossible pair (Shard -> Partial) does not compile.
 // Shards are equal pieces: the sharded dim must divide by the axis size.
 #include <cstdint>
-#include <string>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/collectives.hpp>
-#include <meshtorch/error.hpp>
 #include <meshtorch/layout/axis.hpp>
 #include <meshtorch/layout/placement.hpp>
 #include <meshtorch/layout/redistribution.hpp>
@@ -23,8 +22,7 @@ inline int64_t shard_dim(const AxisGroup& group, const torch::Tensor& tensor, in
   const int d = normalize_dim(dim, static_cast<int>(tensor.dim()));
   if (d < 0)
     throw collective_error("redistribute", group,
-                           std::string(placement) + " names dim " + std::to_string(dim) +
-                               " of a tensor with " + std::to_string(tensor.dim()) + " dims");
+                           fmt::format("{} names dim {} of a tensor with {} dims", placement, dim, tensor.dim()));
   return d;
 }
 

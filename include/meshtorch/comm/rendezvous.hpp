@@ -3,8 +3,8 @@
 // and nobody waits longer than the timeout for a rank that never comes.
 #include <chrono>
 #include <exception>
-#include <string>
 
+#include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <meshtorch/comm/env.hpp>
@@ -24,11 +24,10 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env,
   try {
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
   } catch (const std::exception& e) {
-    throw CommError("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
-                    ": rendezvous at " + env.master_addr + ":" + std::to_string(env.master_port) +
-                    " failed within " + std::to_string(timeout.count()) +
-                    " ms (is every rank started, and MASTER_ADDR/MASTER_PORT the same on all?): " +
-                    e.what());
+    throw CommError(fmt::format("rank {} of {}: rendezvous at {}:{} failed within {} ms (is every rank started, and "
+                                "MASTER_ADDR/MASTER_PORT the same on all?): {}",
+                                env.rank, env.world_size, env.master_addr, env.master_port, timeout.count(),
+                                e.what()));
   }
 }
 

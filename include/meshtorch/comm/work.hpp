@@ -15,6 +15,7 @@
 #include <string>
 #include <utility>
 
+#include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -26,8 +27,7 @@ namespace detail {
 
 inline CommError collective_error(std::string_view collective, const AxisGroup& group,
                                   std::string_view why) {
-  return CommError(std::string(collective) + " over the " + group.describe() + " failed: " +
-                   std::string(why));
+  return CommError(fmt::format("{} over the {} failed: {}", collective, group.describe(), why));
 }
 
 // Issues a c10d call, turning its synchronous errors into CommErrors.
@@ -74,7 +74,7 @@ class Work {
       } catch (const std::exception& e) {
         throw detail::collective_error(
             collective_, group_,
-            std::string(e.what()) + " (timeout " + std::to_string(group_.timeout().count()) + " ms)");
+            fmt::format("{} (timeout {} ms)", e.what(), group_.timeout().count()));
       }
     }
     result_ = finish_();

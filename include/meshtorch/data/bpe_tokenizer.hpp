@@ -18,7 +18,6 @@
 #include <limits>
 #include <memory>
 #include <optional>
-#include <queue>
 #include <span>
 #include <string>
 #include <string_view>
@@ -31,10 +30,11 @@
 #endif
 #include <pcre2.h>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "meshtorch/data/text_tokenizer.hpp"
-#include "meshtorch/error.hpp"
+#include <meshtorch/data/text_tokenizer.hpp>
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::data {
 
@@ -125,8 +125,8 @@ class Regex {
     if (!code_) {
       std::array<PCRE2_UCHAR, 256> message{};
       pcre2_get_error_message(error, message.data(), message.size());
-      throw ConfigError(where + ": regex does not compile at offset " + std::to_string(offset) + ": " +
-                        reinterpret_cast<const char*>(message.data()));
+      throw ConfigError(fmt::format("{}: regex does not compile at offset {}: {}",
+                                    where, offset, reinterpret_cast<const char*>(message.data())));
     }
     pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // without JIT (unsupported CPU) matching still works
   }
@@ -162,22 +162,22 @@ class BpeTokenizer final : public TextTokenizer {
 
   static BpeTokenizer from_file(const std::filesystem::path& path) {
     std::ifstream in(path);
-    if (!in) throw DataError(path.string() + ": cannot open");
+    if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
     nlohmann::json j;
     try {
       j = nlohmann::json::parse(in);
     } catch (const nlohmann::json::parse_error& e) {
-      throw DataError(path.string() + ": not valid JSON (" + e.what() + ")");
+      throw DataError(fmt::format("{}: not valid JSON ({})", path.string(), e.what()));
     }
     return BpeTokenizer(j, path.string());
   }
 
   BpeTokenizer(const nlohmann::json& j, std::string source) : source_(std::move(source)) {
-    if (!j.is_object()) throw ConfigError(source_ + ": expected a JSON object at the top level");
+    if (!j.is_object()) throw ConfigError(fmt::format("{}: expected a JSON object at the top level", source_));
     read_model(field(j, "model"));
     if (auto n = j.find("normalizer"); n != j.end() && !n->is_null())
-      throw ConfigError(where("normalizer") + " is " + type_of(*n) +
-                        "; only byte-level BPE without a normalizer is supported (null)");
+      throw ConfigError(fmt::format("{} is {}; only byte-level BPE without a normalizer is supported (null)",
+                                    where("normalizer"), type_of(*n)));
     read_pre_tokenizer(j.contains("pre_tokenizer") ? j["pre_tokenizer"] : nlohmann::json());
     read_decoder(j.contains("decoder") ? j["decoder"] : nlohmann::json());
     if (auto added = j.find("added_tokens"); added != j.end() && !added->is_null()) read_added_tokens(*added);
@@ -192,7 +192,7 @@ class BpeTokenizer final : public TextTokenizer {
     std::string text;
     for (const auto id : ids) {
       if (id < 0 || static_cast<std::size_t>(id) >= id_bytes_.size() || !id_known_[id])
-        throw DataError(source_ + ": token id " + std::to_string(id) + " is not in the vocabulary");
+        throw DataError(fmt::format("{}: token id {} is not in the vocabulary", source_, id));
       text += id_bytes_[id];
     }
     return text;
@@ -208,8 +208,8 @@ class BpeTokenizer final : public TextTokenizer {
   }
 
   std::string describe() const override {
-    return "byte-level BPE (" + source_ + ", " + std::to_string(vocab_.size()) + " tokens, " +
-           std::to_string(merges_.size()) + " merges, " + std::to_string(added_.size()) + " added)";
+    return fmt::format("byte-level BPE ({}, {} tokens, {} merges, {} added)", source_, vocab_.size(), merges_.size(),
+                       added_.size());
   }
 
   const std::vector<AddedToken>& added_tokens() const { return added_; }
@@ -295,8 +295,8 @@ class BpeTokenizer final : public TextTokenizer {
         if (rc < 0) {
           std::array<PCRE2_UCHAR, 256> message{};
           pcre2_get_error_message(rc, message.data(), message.size());
-          throw DataError(tokenizer_.source_ + ": cannot pre-tokenize the text (" +
-                          reinterpret_cast<const char*>(message.data()) + "); is it valid UTF-8?");
+          throw DataError(fmt::format("{}: cannot pre-tokenize the text ({}); is it valid UTF-8?",
+                                      tokenizer_.source_, reinterpret_cast<const char*>(message.data())));
         }
         options = PCRE2_NO_UTF_CHECK;  // checked once by the first call
         const auto* ovector = pcre2_get_ovector_pointer(md.data);
@@ -344,38 +344,43 @@ class BpeTokenizer final : public TextTokenizer {
 
   const nlohmann::json& field(const nlohmann::json& j, const std::string& name, const std::string& path = "") const {
     const auto it = j.find(name);
-    if (it == j.end() || it->is_null()) throw ConfigError(where(path + name) + " is missing");
+    if (it == j.end() || it->is_null()) throw ConfigError(fmt::format("{} is missing", where(path + name)));
     return *it;
   }
 
   bool flag(const nlohmann::json& j, const std::string& name, bool fallback, const std::string& path) const {
     const auto it = j.find(name);
     if (it == j.end() || it->is_null()) return fallback;
-    if (!it->is_boolean()) throw ConfigError(where(path + name) + " must be true or false, got " + it->dump());
+    if (!it->is_boolean()) throw ConfigError(fmt::format("{} must be true or false, got {}",
+                                                         where(path + name), it->dump()));
     return it->get<bool>();
   }
 
   void read_model(const nlohmann::json& model) {
     if (model.value("type", std::string("BPE")) != "BPE")
-      throw ConfigError(where("model.type") + " is " + type_of(model) + "; only 'BPE' is supported here");
+      throw ConfigError(fmt::format("{} is {}; only 'BPE' is supported here", where("model.type"), type_of(model)));
     if (auto d = model.find("dropout"); d != model.end() && !d->is_null() && !(d->is_number() && d->get<double>() == 0))
-      throw ConfigError(where("model.dropout") + " is " + d->dump() + "; BPE dropout (random merges) is not supported");
+      throw ConfigError(fmt::format("{} is {}; BPE dropout (random merges) is not supported",
+                                    where("model.dropout"), d->dump()));
     for (const auto* name : {"continuing_subword_prefix", "end_of_word_suffix"})
       if (auto it = model.find(name); it != model.end() && !it->is_null() && !(it->is_string() && it->get<std::string>().empty()))
-        throw ConfigError(where(std::string("model.") + name) + " is " + it->dump() + "; not supported by byte-level BPE here");
+        throw ConfigError(fmt::format("{} is {}; not supported by byte-level BPE here",
+                                      where(std::string("model.") + name), it->dump()));
     if (flag(model, "byte_fallback", false, "model."))
-      throw ConfigError(where("model.byte_fallback") +
-                        " is true (a SentencePiece-style BPE); only byte-level BPE is supported from tokenizer.json, "
-                        "use the folder's tokenizer.model");
+      throw ConfigError(fmt::format("{} is true (a SentencePiece-style BPE); only byte-level BPE is supported from "
+                                    "tokenizer.json, use the folder's tokenizer.model",
+                                    where("model.byte_fallback")));
     ignore_merges_ = flag(model, "ignore_merges", false, "model.");
     fuse_unk_ = flag(model, "fuse_unk", false, "model.");
 
     const auto& vocab = field(model, "vocab", "model.");
-    if (!vocab.is_object()) throw ConfigError(where("model.vocab") + " must be an object of token -> id");
+    if (!vocab.is_object()) throw ConfigError(fmt::format("{} must be an object of token -> id",
+                                                          where("model.vocab")));
     std::int32_t max_id = -1;
     for (const auto& [token, id] : vocab.items()) {
       if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() > std::numeric_limits<std::int32_t>::max())
-        throw ConfigError(where("model.vocab") + " gives token " + nlohmann::json(token).dump() + " the id " + id.dump());
+        throw ConfigError(fmt::format("{} gives token {} the id {}",
+                                      where("model.vocab"), nlohmann::json(token).dump(), id.dump()));
       vocab_.emplace(token, id.get<std::int32_t>());
       max_id = std::max(max_id, id.get<std::int32_t>());
     }
@@ -393,12 +398,13 @@ class BpeTokenizer final : public TextTokenizer {
     }
     if (auto unk = model.find("unk_token"); unk != model.end() && !unk->is_null()) {
       const auto it = vocab_.find(unk->get<std::string>());
-      if (it == vocab_.end()) throw ConfigError(where("model.unk_token") + " " + unk->dump() + " is not in the vocabulary");
+      if (it == vocab_.end()) throw ConfigError(fmt::format("{} {} is not in the vocabulary",
+                                                            where("model.unk_token"), unk->dump()));
       unk_id_ = it->second;
     }
 
     const auto& merges = field(model, "merges", "model.");
-    if (!merges.is_array()) throw ConfigError(where("model.merges") + " must be a list");
+    if (!merges.is_array()) throw ConfigError(fmt::format("{} must be a list", where("model.merges")));
     merges_.reserve(merges.size());
     for (std::size_t rank = 0; rank < merges.size(); ++rank) {
       const auto& m = merges[rank];
@@ -408,25 +414,28 @@ class BpeTokenizer final : public TextTokenizer {
         const auto s = m.get<std::string>();
         const auto space = s.find(' ');
         if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos)
-          throw ConfigError(where("model.merges[" + std::to_string(rank) + "]") + " " + m.dump() + " is not two tokens");
+          throw ConfigError(fmt::format("{} {} is not two tokens",
+                                        where("model.merges[" + std::to_string(rank) + "]"), m.dump()));
         left = s.substr(0, space);
         right = s.substr(space + 1);
       } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
         left = m[0].get<std::string>();
         right = m[1].get<std::string>();
       } else {
-        throw ConfigError(where("model.merges[" + std::to_string(rank) + "]") + " " + m.dump() + " is not two tokens");
+        throw ConfigError(fmt::format("{} {} is not two tokens",
+                                      where("model.merges[" + std::to_string(rank) + "]"), m.dump()));
       }
       const auto l = vocab_.find(left), r = vocab_.find(right), merged = vocab_.find(left + right);
       if (l == vocab_.end() || r == vocab_.end() || merged == vocab_.end())
-        throw ConfigError(where("model.merges[" + std::to_string(rank) + "]") + " " + m.dump() +
-                          " names a token that is not in the vocabulary");
+        throw ConfigError(fmt::format("{} {} names a token that is not in the vocabulary",
+                                      where("model.merges[" + std::to_string(rank) + "]"), m.dump()));
       merges_.emplace(pair_key(l->second, r->second), Merge{static_cast<std::int32_t>(rank), merged->second});
     }
   }
 
   void read_pre_tokenizer(const nlohmann::json& pre) {
-    if (pre.is_null()) throw ConfigError(where("pre_tokenizer") + " is missing; byte-level BPE needs a ByteLevel step");
+    if (pre.is_null()) throw ConfigError(fmt::format("{} is missing; byte-level BPE needs a ByteLevel step",
+                                                     where("pre_tokenizer")));
     const std::vector<nlohmann::json> steps =
         pre.value("type", std::string()) == "Sequence" ? field(pre, "pretokenizers", "pre_tokenizer.").get<std::vector<nlohmann::json>>()
                                                        : std::vector<nlohmann::json>{pre};
@@ -438,13 +447,15 @@ class BpeTokenizer final : public TextTokenizer {
                                    : "pre_tokenizer.";
       const auto type = step.value("type", std::string());
       if (byte_level)
-        throw ConfigError(where(path + "type") + " is '" + type + "' after the ByteLevel step; only Split steps before one ByteLevel step are supported");
+        throw ConfigError(fmt::format("{} is '{}' after the ByteLevel step; only Split steps before one ByteLevel "
+                                      "step are supported",
+                                      where(path + "type"), type));
       if (type == "Split") {
         if (step.value("behavior", std::string()) != "Isolated")
-          throw ConfigError(where(path + "behavior") + " is " + step.value("behavior", nlohmann::json()).dump() +
-                            "; only 'Isolated' is supported");
+          throw ConfigError(fmt::format("{} is {}; only 'Isolated' is supported",
+                                        where(path + "behavior"), step.value("behavior", nlohmann::json()).dump()));
         if (flag(step, "invert", false, path))
-          throw ConfigError(where(path + "invert") + " is true; not supported");
+          throw ConfigError(fmt::format("{} is true; not supported", where(path + "invert")));
         const auto& pattern = field(step, "pattern", path);
         std::string regex;
         if (pattern.contains("Regex")) {
@@ -452,7 +463,8 @@ class BpeTokenizer final : public TextTokenizer {
         } else if (pattern.contains("String")) {
           regex = "\\Q" + pattern["String"].get<std::string>() + "\\E";
         } else {
-          throw ConfigError(where(path + "pattern") + " must hold 'Regex' or 'String', got " + pattern.dump());
+          throw ConfigError(fmt::format("{} must hold 'Regex' or 'String', got {}",
+                                        where(path + "pattern"), pattern.dump()));
         }
         steps_.push_back({StepKind::split, std::make_shared<bpe_detail::Regex>(regex, where(path + "pattern")), false});
       } else if (type == "ByteLevel") {
@@ -464,33 +476,35 @@ class BpeTokenizer final : public TextTokenizer {
                           use_regex ? std::make_shared<bpe_detail::Regex>(gpt2, where(path + "use_regex")) : nullptr,
                           flag(step, "add_prefix_space", false, path)});
       } else {
-        throw ConfigError(where(path + "type") + " is '" + type + "'; supported: Split (Isolated) steps and one ByteLevel step");
+        throw ConfigError(fmt::format("{} is '{}'; supported: Split (Isolated) steps and one ByteLevel step",
+                                      where(path + "type"), type));
       }
     }
-    if (!byte_level) throw ConfigError(where("pre_tokenizer") + " has no ByteLevel step; only byte-level BPE is supported");
+    if (!byte_level) throw ConfigError(fmt::format("{} has no ByteLevel step; only byte-level BPE is supported",
+                                                   where("pre_tokenizer")));
   }
 
   void read_decoder(const nlohmann::json& decoder) {
     if (decoder.is_null() || decoder.value("type", std::string()) != "ByteLevel")
-      throw ConfigError(where("decoder") + " is " + (decoder.is_null() ? std::string("missing") : type_of(decoder)) +
-                        "; byte-level BPE needs the 'ByteLevel' decoder");
+      throw ConfigError(fmt::format("{} is {}; byte-level BPE needs the 'ByteLevel' decoder",
+                                    where("decoder"), (decoder.is_null() ? std::string("missing") : type_of(decoder))));
   }
 
   void read_added_tokens(const nlohmann::json& added) {
-    if (!added.is_array()) throw ConfigError(where("added_tokens") + " must be a list");
+    if (!added.is_array()) throw ConfigError(fmt::format("{} must be a list", where("added_tokens")));
     for (std::size_t i = 0; i < added.size(); ++i) {
       const auto& a = added[i];
       const std::string path = "added_tokens[" + std::to_string(i) + "].";
       if (flag(a, "single_word", false, path))
-        throw ConfigError(where(path + "single_word") + " is true for " + field(a, "content", path).dump() +
-                          "; single-word added tokens are not supported");
+        throw ConfigError(fmt::format("{} is true for {}; single-word added tokens are not supported",
+                                      where(path + "single_word"), field(a, "content", path).dump()));
       const auto id = field(a, "id", path).get<std::int64_t>();
       if (id < 0 || id > std::numeric_limits<std::int32_t>::max())
-        throw ConfigError(where(path + "id") + " is " + std::to_string(id));
+        throw ConfigError(fmt::format("{} is {}", where(path + "id"), id));
       AddedToken token{static_cast<std::int32_t>(id), field(a, "content", path).get<std::string>(),
                        flag(a, "special", false, path), flag(a, "lstrip", false, path), flag(a, "rstrip", false, path),
                        flag(a, "normalized", !flag(a, "special", false, path), path)};
-      if (token.content.empty()) throw ConfigError(where(path + "content") + " is empty");
+      if (token.content.empty()) throw ConfigError(fmt::format("{} is empty", where(path + "content")));
       if (token.id >= static_cast<std::int32_t>(id_bytes_.size())) resize_ids(token.id + 1);
       set_id(token.id, token.content);
       added_by_first_byte_[token.normalized][static_cast<unsigned char>(token.content[0])].push_back(added_.size());
@@ -575,7 +589,8 @@ class BpeTokenizer final : public TextTokenizer {
       auto id = byte_id_[byte];
       if (id < 0) {
         if (!unk_id_)
-          throw DataError(source_ + ": byte 0x" + hex(byte) + " has no token and the model has no unk_token");
+          throw DataError(fmt::format("{}: byte 0x{} has no token and the model has no unk_token",
+                                      source_, hex(byte)));
         if (fuse_unk_ && !s.id.empty() && s.id.back() == *unk_id_) continue;
         id = *unk_id_;
       }

@@ -7,16 +7,16 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include "meshtorch/data/builtin_corpus.hpp"
-#include "meshtorch/data/tokenizer.hpp"
-#include "meshtorch/error.hpp"
+#include <meshtorch/data/builtin_corpus.hpp>
+#include <meshtorch/data/tokenizer.hpp>
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::data {
 
@@ -32,7 +32,7 @@ inline std::string format_alpaca(const std::string& instruction, const std::stri
 
 inline std::vector<std::string> read_text_documents(const std::filesystem::path& path) {
   std::ifstream in(path);
-  if (!in) throw DataError(path.string() + ": cannot open");
+  if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
   std::vector<std::string> documents;
   std::string line, current;
   while (std::getline(in, line)) {
@@ -50,7 +50,7 @@ inline std::vector<std::string> read_text_documents(const std::filesystem::path&
 
 inline std::vector<std::string> read_jsonl_documents(const std::filesystem::path& path) {
   std::ifstream in(path);
-  if (!in) throw DataError(path.string() + ": cannot open");
+  if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
   std::vector<std::string> documents;
   std::string line;
   for (std::size_t number = 1; std::getline(in, line); ++number) {
@@ -60,21 +60,21 @@ inline std::vector<std::string> read_jsonl_documents(const std::filesystem::path
     try {
       record = nlohmann::json::parse(line);
     } catch (const nlohmann::json::parse_error& e) {
-      throw DataError(where + ": not valid JSON (" + e.what() + ")");
+      throw DataError(fmt::format("{}: not valid JSON ({})", where, e.what()));
     }
     auto string_field = [&](const char* name) -> std::string {
       auto it = record.find(name);
       if (it == record.end() || it->is_null()) return {};
-      if (!it->is_string()) throw DataError(where + ": field '" + name + "' must be a string");
+      if (!it->is_string()) throw DataError(fmt::format("{}: field '{}' must be a string", where, name));
       return it->get<std::string>();
     };
-    if (!record.is_object()) throw DataError(where + ": each line must be a JSON object");
+    if (!record.is_object()) throw DataError(fmt::format("{}: each line must be a JSON object", where));
     if (record.contains("text")) {
       documents.push_back(string_field("text"));
     } else if (record.contains("instruction") && record.contains("output")) {
       documents.push_back(format_alpaca(string_field("instruction"), string_field("input"), string_field("output")));
     } else {
-      throw DataError(where + ": needs a 'text' field or 'instruction' and 'output' fields");
+      throw DataError(fmt::format("{}: needs a 'text' field or 'instruction' and 'output' fields", where));
     }
   }
   return documents;
@@ -87,34 +87,34 @@ inline std::vector<std::int32_t> read_llmc_tokens(const std::filesystem::path& p
   constexpr std::int32_t magic = 20240520;
   constexpr std::uint64_t header_bytes = 256 * sizeof(std::int32_t);
   std::error_code error;
-  if (!std::filesystem::is_regular_file(path, error)) throw DataError(where + ": not a regular file");
+  if (!std::filesystem::is_regular_file(path, error)) throw DataError(fmt::format("{}: not a regular file", where));
   const std::uint64_t file_size = std::filesystem::file_size(path, error);
-  if (error) throw DataError(where + ": cannot read its size (" + error.message() + ")");
+  if (error) throw DataError(fmt::format("{}: cannot read its size ({})", where, error.message()));
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError(where + ": cannot open");
+  if (!in) throw DataError(fmt::format("{}: cannot open", where));
   std::int32_t header[256] = {};
   in.read(reinterpret_cast<char*>(header), static_cast<std::streamsize>(std::min(file_size, header_bytes)));
-  if (!in) throw DataError(where + ": the header could not be read");
+  if (!in) throw DataError(fmt::format("{}: the header could not be read", where));
   // Another format is named as such; a cut-off llm.c file (right magic number) as truncated.
   if (file_size < sizeof(std::int32_t) || header[0] != magic)
-    throw DataError(where + ": not an llm.c token file (magic number " +
-                    (file_size < sizeof(std::int32_t) ? std::string("missing") : std::to_string(header[0])) +
-                    ", expected " + std::to_string(magic) + ")");
+    throw DataError(fmt::format("{}: not an llm.c token file (magic number {}, expected {})", where,
+                                file_size < sizeof(std::int32_t) ? std::string("missing") : std::to_string(header[0]),
+                                magic));
   if (file_size < header_bytes)
-    throw DataError(where + ": " + std::to_string(file_size) + " bytes, shorter than the " +
-                    std::to_string(header_bytes) + "-byte header of an llm.c token file (truncated?)");
-  if (header[1] != 1) throw DataError(where + ": unsupported llm.c token file version " + std::to_string(header[1]));
+    throw DataError(fmt::format("{}: {} bytes, shorter than the {}-byte header of an llm.c token file (truncated?)",
+                                where, file_size, header_bytes));
+  if (header[1] != 1) throw DataError(fmt::format("{}: unsupported llm.c token file version {}", where, header[1]));
   if (header[2] < 0)
-    throw DataError(where + ": the header's token count is negative (" + std::to_string(header[2]) + ")");
+    throw DataError(fmt::format("{}: the header's token count is negative ({})", where, header[2]));
   const auto count = static_cast<std::uint64_t>(header[2]);
   const std::uint64_t token_bytes = file_size - header_bytes;
   if (count * sizeof(std::uint16_t) > token_bytes)
-    throw DataError(where + ": the header says " + std::to_string(count) + " tokens (" +
-                    std::to_string(count * sizeof(std::uint16_t)) + " bytes) but the file holds " +
-                    std::to_string(token_bytes) + " bytes after the header (truncated?)");
+    throw DataError(fmt::format("{}: the header says {} tokens ({} bytes) but the file holds {} bytes after the "
+                                "header (truncated?)",
+                                where, count, count * sizeof(std::uint16_t), token_bytes));
   std::vector<std::uint16_t> raw(count);
   in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(count * sizeof(std::uint16_t)));
-  if (!in) throw DataError(where + ": " + std::to_string(count) + " tokens could not be read");
+  if (!in) throw DataError(fmt::format("{}: {} tokens could not be read", where, count));
   return {raw.begin(), raw.end()};
 }
 
@@ -125,8 +125,7 @@ class TokenBlocks {
     if (seq_length <= 0) throw ConfigError("-s/--seq-length must be positive");
     const auto count = static_cast<std::int64_t>(tokens.size()) / seq_length;
     if (count == 0)
-      throw DataError(source_ + ": " + std::to_string(tokens.size()) + " tokens do not fill one block of " +
-                      std::to_string(seq_length));
+      throw DataError(fmt::format("{}: {} tokens do not fill one block of {}", source_, tokens.size(), seq_length));
     blocks_ = torch::from_blob(const_cast<std::int32_t*>(tokens.data()), {count, seq_length}, torch::kInt).clone();
   }
 
@@ -143,7 +142,7 @@ class TokenBlocks {
     const auto* tokens = blocks_.data_ptr<std::int32_t>();
     for (const auto row : indices) {
       if (row < 0 || row >= size())
-        throw DataError(source_ + ": block " + std::to_string(row) + " requested of " + std::to_string(size()));
+        throw DataError(fmt::format("{}: block {} requested of {}", source_, row, size()));
       out = std::copy_n(tokens + row * seq_length_, seq_length_, out);
     }
     return rows;
@@ -154,8 +153,8 @@ class TokenBlocks {
     const auto max_id = blocks_.max().item<std::int64_t>();
     const auto min_id = blocks_.min().item<std::int64_t>();
     if (min_id < 0 || max_id >= vocab_size)
-      throw DataError(source_ + ": token id " + std::to_string(min_id < 0 ? min_id : max_id) +
-                      " lies outside the model's vocab_size " + std::to_string(vocab_size));
+      throw DataError(fmt::format("{}: token id {} lies outside the model's vocab_size {}", source_,
+                                  min_id < 0 ? min_id : max_id, vocab_size));
   }
 
  private:
@@ -174,9 +173,9 @@ inline TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length
   } else {
     const std::filesystem::path path(name);
     if (!std::filesystem::exists(path))
-      throw DataError("-d/--dataset-name '" + name + "' is neither 'builtin' nor an existing file");
+      throw DataError(fmt::format("-d/--dataset-name '{}' is neither 'builtin' nor an existing file", name));
     if (!std::filesystem::is_regular_file(path))
-      throw DataError("-d/--dataset-name '" + name + "' is not a regular file (a directory, device or pipe)");
+      throw DataError(fmt::format("-d/--dataset-name '{}' is not a regular file (a directory, device or pipe)", name));
     const auto ext = path.extension().string();
     if (ext == ".jsonl" || ext == ".json")
       documents = read_jsonl_documents(path);

@@ -8,8 +8,10 @@
 #include <memory>
 #include <string>
 
-#include "meshtorch/data/dataset.hpp"
-#include "meshtorch/data/folder_tokenizer.hpp"
+#include <fmt/format.h>
+
+#include <meshtorch/data/dataset.hpp>
+#include <meshtorch/data/folder_tokenizer.hpp>
 
 namespace meshtorch::data {
 
@@ -22,8 +24,9 @@ inline std::unique_ptr<TextTokenizer> tokenizer_for_dataset(const std::string& d
   const bool text_data = dataset_name != "builtin" && ext != ".bin";
   if (!text_data || !folder_has_tokenizer(model_name_or_dir)) {
     if (note)
-      *note = dataset_name == "builtin" || ext == ".bin" ? "byte tokenizer (built-in corpus) or the file's own ids"
-                                                         : "byte tokenizer (" + model_name_or_dir + " holds no tokenizer)";
+      *note = dataset_name == "builtin" || ext == ".bin"
+                  ? "byte tokenizer (built-in corpus) or the file's own ids"
+                  : fmt::format("byte tokenizer ({} holds no tokenizer)", model_name_or_dir);
     return nullptr;
   }
   return load_tokenizer(model_name_or_dir, note);
@@ -35,7 +38,7 @@ inline TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length
                                 unsigned threads = 0) {
   const std::filesystem::path path(name);
   if (!std::filesystem::is_regular_file(path))
-    throw DataError("-d/--dataset-name '" + name + "' is not an existing text or JSONL file");
+    throw DataError(fmt::format("-d/--dataset-name '{}' is not an existing text or JSONL file", name));
   const auto ext = path.extension().string();
   const auto documents = ext == ".jsonl" || ext == ".json" ? read_jsonl_documents(path) : read_text_documents(path);
   return TokenBlocks(tokenizer.encode_documents(documents, threads), seq_length, name);

@@ -12,12 +12,13 @@
 #include <optional>
 #include <string>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "meshtorch/data/bpe_tokenizer.hpp"
-#include "meshtorch/data/sentencepiece_tokenizer.hpp"
-#include "meshtorch/data/text_tokenizer.hpp"
-#include "meshtorch/error.hpp"
+#include <meshtorch/data/bpe_tokenizer.hpp>
+#include <meshtorch/data/sentencepiece_tokenizer.hpp>
+#include <meshtorch/data/text_tokenizer.hpp>
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::data {
 
@@ -31,11 +32,11 @@ namespace folder_detail {
 inline std::optional<nlohmann::json> read_json_if_present(const std::filesystem::path& path) {
   if (!std::filesystem::exists(path)) return std::nullopt;
   std::ifstream in(path);
-  if (!in) throw DataError(path.string() + ": cannot open");
+  if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
   try {
     return nlohmann::json::parse(in);
   } catch (const nlohmann::json::parse_error& e) {
-    throw DataError(path.string() + ": not valid JSON (" + e.what() + ")");
+    throw DataError(fmt::format("{}: not valid JSON ({})", path.string(), e.what()));
   }
 }
 
@@ -56,11 +57,11 @@ inline ConfigToken token_from_config(const nlohmann::json& config, const std::st
   else if (it->is_object() && it->contains("content") && (*it)["content"].is_string())
     content = (*it)["content"].get<std::string>();
   else
-    throw ConfigError(path.string() + ": field '" + field + "' must be a token string, got " + it->dump());
+    throw ConfigError(fmt::format("{}: field '{}' must be a token string, got {}", path.string(), field, it->dump()));
   const auto id = tokenizer.token_to_id(content);
   if (!id)
-    throw ConfigError(path.string() + ": field '" + field + "' names " + nlohmann::json(content).dump() +
-                      ", which is not a token of " + tokenizer.describe());
+    throw ConfigError(fmt::format("{}: field '{}' names {}, which is not a token of {}",
+                                  path.string(), field, nlohmann::json(content).dump(), tokenizer.describe()));
   return {true, id};
 }
 
@@ -75,8 +76,8 @@ inline std::optional<std::int32_t> id_from_generation_config(const nlohmann::jso
   if (it->is_array() && !it->empty()) value = &(*it)[0];
   if (!value->is_number_integer() || value->get<std::int64_t>() < 0 ||
       value->get<std::int64_t>() >= tokenizer.vocab_size())
-    throw ConfigError(path.string() + ": field '" + field + "' is " + it->dump() + ", not an id below the vocabulary size " +
-                      std::to_string(tokenizer.vocab_size()));
+    throw ConfigError(fmt::format("{}: field '{}' is {}, not an id below the vocabulary size {}",
+                                  path.string(), field, it->dump(), tokenizer.vocab_size()));
   return static_cast<std::int32_t>(value->get<std::int64_t>());
 }
 
@@ -97,7 +98,7 @@ inline std::unique_ptr<TextTokenizer> load_tokenizer(const std::filesystem::path
     }
   }
   if (!tokenizer && std::filesystem::exists(model_path)) tokenizer = std::make_unique<SentencePieceTokenizer>(model_path);
-  if (!tokenizer) throw DataError(dir.string() + ": holds no tokenizer.json or tokenizer.model");
+  if (!tokenizer) throw DataError(fmt::format("{}: holds no tokenizer.json or tokenizer.model", dir.string()));
 
   std::string bos_from = "the tokenizer", eos_from = "the tokenizer";
   const auto generation_path = dir / "generation_config.json";
@@ -129,8 +130,8 @@ inline std::unique_ptr<TextTokenizer> load_tokenizer(const std::filesystem::path
   }
   if (note) {
     auto id_text = [](const std::optional<std::int32_t>& id) { return id ? std::to_string(*id) : std::string("none"); };
-    *note = tokenizer->describe() + "; bos " + id_text(tokenizer->bos_id) + " from " + bos_from + ", eos " +
-            id_text(tokenizer->eos_id) + " from " + eos_from + (why.empty() ? "" : "; " + why);
+    *note = fmt::format("{}; bos {} from {}, eos {} from {}{}", tokenizer->describe(), id_text(tokenizer->bos_id),
+                        bos_from, id_text(tokenizer->eos_id), eos_from, why.empty() ? "" : "; " + why);
   }
   return tokenizer;
 }

@@ -10,8 +10,8 @@
 
 #include <torch/torch.h>
 
-#include "meshtorch/data/dataset.hpp"
-#include "meshtorch/data/sampler.hpp"
+#include <meshtorch/data/dataset.hpp>
+#include <meshtorch/data/sampler.hpp>
 
 namespace meshtorch::data {
 

@@ -8,10 +8,11 @@
 // dp_rank and get the same rows. The remainder of an epoch is dropped.
 #include <cstdint>
 #include <numeric>
-#include <string>
 #include <vector>
 
-#include "meshtorch/error.hpp"
+#include <fmt/format.h>
+
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::data {
 
@@ -30,12 +31,12 @@ class DpInvariantSampler {
     if (o_.batch_size <= 0) throw ConfigError("-b/--batch-size must be positive");
     if (o_.grad_accum <= 0) throw ConfigError("--grad-accum must be positive");
     if (o_.dp_size <= 0 || o_.dp_rank < 0 || o_.dp_rank >= o_.dp_size)
-      throw ConfigError("data-parallel rank " + std::to_string(o_.dp_rank) + " is outside [0, " +
-                        std::to_string(o_.dp_size) + ")");
+      throw ConfigError(fmt::format("data-parallel rank {} is outside [0, {})", o_.dp_rank, o_.dp_size));
     if (steps_per_epoch() == 0)
-      throw ConfigError("the dataset's " + std::to_string(o_.num_samples) + " blocks do not fill one global batch of " +
-                        std::to_string(global_batch()) + " (batch x data-parallel size x grad-accum); use a smaller "
-                        "-b/--batch-size or -s/--seq-length");
+      throw ConfigError(fmt::format("the dataset's {} blocks do not fill one global batch of {} (batch x "
+                                    "data-parallel size x grad-accum); use a smaller -b/--batch-size or "
+                                    "-s/--seq-length",
+                                    o_.num_samples, global_batch()));
   }
 
   std::int64_t global_batch() const { return o_.batch_size * o_.dp_size * o_.grad_accum; }

@@ -15,8 +15,10 @@
 
 #include <sentencepiece_processor.h>
 
-#include "meshtorch/data/text_tokenizer.hpp"
-#include "meshtorch/error.hpp"
+#include <fmt/format.h>
+
+#include <meshtorch/data/text_tokenizer.hpp>
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::data {
 
@@ -24,9 +26,9 @@ class SentencePieceTokenizer final : public TextTokenizer {
  public:
   explicit SentencePieceTokenizer(const std::filesystem::path& path)
       : source_(path.string()), processor_(std::make_unique<sentencepiece::SentencePieceProcessor>()) {
-    if (!std::filesystem::is_regular_file(path)) throw DataError(source_ + ": cannot open");
+    if (!std::filesystem::is_regular_file(path)) throw DataError(fmt::format("{}: cannot open", source_));
     if (const auto status = processor_->Load(source_); !status.ok())
-      throw DataError(source_ + ": not a SentencePiece model (" + status.ToString() + ")");
+      throw DataError(fmt::format("{}: not a SentencePiece model ({})", source_, status.ToString()));
     if (processor_->bos_id() >= 0) bos_id = processor_->bos_id();
     if (processor_->eos_id() >= 0) eos_id = processor_->eos_id();
   }
@@ -34,7 +36,7 @@ class SentencePieceTokenizer final : public TextTokenizer {
   std::vector<std::int32_t> encode(std::string_view text) const override {
     std::vector<int> ids;
     if (const auto status = processor_->Encode(text, &ids); !status.ok())
-      throw DataError(source_ + ": cannot encode the text (" + status.ToString() + ")");
+      throw DataError(fmt::format("{}: cannot encode the text ({})", source_, status.ToString()));
     return {ids.begin(), ids.end()};
   }
 
@@ -44,12 +46,12 @@ class SentencePieceTokenizer final : public TextTokenizer {
     plain.reserve(ids.size());
     for (const auto id : ids) {
       if (id < 0 || id >= processor_->GetPieceSize())
-        throw DataError(source_ + ": token id " + std::to_string(id) + " is not in the vocabulary");
+        throw DataError(fmt::format("{}: token id {} is not in the vocabulary", source_, id));
       plain.push_back(id);
     }
     std::string text;
     if (const auto status = processor_->Decode(plain, &text); !status.ok())
-      throw DataError(source_ + ": cannot decode (" + status.ToString() + ")");
+      throw DataError(fmt::format("{}: cannot decode ({})", source_, status.ToString()));
     return text;
   }
 
@@ -63,7 +65,7 @@ class SentencePieceTokenizer final : public TextTokenizer {
   }
 
   std::string describe() const override {
-    return "SentencePiece (" + source_ + ", " + std::to_string(vocab_size()) + " pieces)";
+    return fmt::format("SentencePiece ({}, {} pieces)", source_, vocab_size());
   }
 
  private:

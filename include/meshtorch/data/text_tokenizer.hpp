@@ -17,7 +17,9 @@
 #include <utility>
 #include <vector>
 
-#include "meshtorch/error.hpp"
+#include <fmt/format.h>
+
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::data {
 
@@ -88,8 +90,10 @@ class TextTokenizer {
  private:
   void append_document(const std::vector<std::int32_t>& ids, std::vector<std::int32_t>& out) const {
     if (!eos_id)
-      throw ConfigError(describe() + ": no end-of-text token is known (tokenizer_config.json 'eos_token' or "
-                        "generation_config.json 'eos_token_id'), so documents cannot be packed with a boundary");
+      throw ConfigError(fmt::format("{}: no end-of-text token is known (tokenizer_config.json 'eos_token' or "
+                                    "generation_config.json 'eos_token_id'), so documents cannot be packed with a "
+                                    "boundary",
+                                    describe()));
     if (bos_id) out.push_back(*bos_id);
     out.insert(out.end(), ids.begin(), ids.end());
     out.push_back(*eos_id);

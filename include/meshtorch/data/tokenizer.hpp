@@ -6,7 +6,9 @@
 #include <string_view>
 #include <vector>
 
-#include "meshtorch/error.hpp"
+#include <fmt/format.h>
+
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::data {
 
@@ -32,8 +34,8 @@ class ByteTokenizer {
 
   static void check_vocab(std::int64_t vocab_size) {
     if (vocab_size < min_vocab_size)
-      throw ConfigError("the byte tokenizer needs vocab_size >= " + std::to_string(min_vocab_size) +
-                        ", the model has " + std::to_string(vocab_size));
+      throw ConfigError(
+          fmt::format("the byte tokenizer needs vocab_size >= {}, the model has {}", min_vocab_size, vocab_size));
   }
 };
 

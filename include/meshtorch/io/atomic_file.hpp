@@ -10,7 +10,9 @@
 #include <string>
 #include <string_view>
 
-#include "meshtorch/error.hpp"
+#include <fmt/format.h>
+
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::io {
 
@@ -24,9 +26,9 @@ inline void fsync_path(const std::filesystem::path& path) {
 class AtomicFile {
  public:
   explicit AtomicFile(std::filesystem::path target)
-      : target_(std::move(target)), temporary_(target_.string() + ".tmp." + std::to_string(::getpid())) {
+      : target_(std::move(target)), temporary_(fmt::format("{}.tmp.{}", target_.string(), ::getpid())) {
     fd_ = ::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd_ < 0) throw DataError(temporary_.string() + ": cannot create (" + std::strerror(errno) + ")");
+    if (fd_ < 0) throw DataError(fmt::format("{}: cannot create ({})", temporary_.string(), std::strerror(errno)));
   }
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
@@ -44,7 +46,7 @@ class AtomicFile {
       const ssize_t n = ::write(fd_, bytes, size);
       if (n < 0) {
         if (errno == EINTR) continue;
-        throw DataError(temporary_.string() + ": write failed (" + std::strerror(errno) + ")");
+        throw DataError(fmt::format("{}: write failed ({})", temporary_.string(), std::strerror(errno)));
       }
       bytes += n;
       size -= static_cast<std::size_t>(n);
@@ -53,7 +55,8 @@ class AtomicFile {
   void write(std::string_view text) { write(text.data(), text.size()); }
 
   void commit() {
-    if (::fsync(fd_) != 0) throw DataError(temporary_.string() + ": fsync failed (" + std::strerror(errno) + ")");
+    if (::fsync(fd_) != 0)
+      throw DataError(fmt::format("{}: fsync failed ({})", temporary_.string(), std::strerror(errno)));
     ::close(fd_);
     fd_ = -1;
     std::filesystem::rename(temporary_, target_);

@@ -15,9 +15,10 @@
 #include <string_view>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "meshtorch/error.hpp"
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::io {
 
@@ -41,24 +42,24 @@ nlohmann::json parse_json(std::string_view text, const std::string& where, std::
     using Event = nlohmann::json::parse_event_t;
     if (event == Event::object_start || event == Event::array_start) {
       if (depth >= max_json_depth)
-        throw Error(where + ": nested deeper than " + std::to_string(max_json_depth) + " levels");
+        throw Error(fmt::format("{}: nested deeper than {} levels", where, max_json_depth));
       const std::string name = open.empty()            ? std::string(document)
-                               : open.back().is_object ? "'" + last_key + "'"
-                                                       : "an element of " + open.back().name;
+                               : open.back().is_object ? fmt::format("'{}'", last_key)
+                                                       : fmt::format("an element of {}", open.back().name);
       open.push_back({event == Event::object_start, name, {}});
     } else if (event == Event::object_end || event == Event::array_end) {
       open.pop_back();
     } else if (event == Event::key) {
       last_key = parsed.get<std::string>();
       if (!open.back().keys.insert(last_key).second)
-        throw Error(where + ": " + open.back().name + " names '" + last_key + "' twice");
+        throw Error(fmt::format("{}: {} names '{}' twice", where, open.back().name, last_key));
     }
     return true;
   };
   try {
     return nlohmann::json::parse(text.begin(), text.end(), check);
   } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
-    throw Error(where + ": not valid JSON (" + e.what() + ")");
+    throw Error(fmt::format("{}: not valid JSON ({})", where, e.what()));
   }
 }
 
@@ -69,19 +70,19 @@ nlohmann::json read_json_file(const std::filesystem::path& path, std::string_vie
   const std::string where = path.string();
   std::error_code error;
   const auto status = std::filesystem::status(path, error);
-  if (!std::filesystem::exists(status)) throw Error(where + ": missing");
+  if (!std::filesystem::exists(status)) throw Error(fmt::format("{}: missing", where));
   if (!std::filesystem::is_regular_file(status))
-    throw Error(where + ": not a regular file (a directory, device or pipe)");
+    throw Error(fmt::format("{}: not a regular file (a directory, device or pipe)", where));
   const auto size = std::filesystem::file_size(path, error);
-  if (error) throw Error(where + ": cannot read its size (" + error.message() + ")");
+  if (error) throw Error(fmt::format("{}: cannot read its size ({})", where, error.message()));
   if (size > max_json_bytes)
-    throw Error(where + ": " + std::to_string(size) + " bytes, more than the " + std::to_string(max_json_bytes) +
-                " a JSON file may have here");
+    throw Error(fmt::format("{}: {} bytes, more than the {} a JSON file may have here", where, size, max_json_bytes));
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(where + ": cannot open");
+  if (!in) throw Error(fmt::format("{}: cannot open", where));
   std::string text(size, '\0');
   in.read(text.data(), static_cast<std::streamsize>(size));
-  if (!in || in.gcount() != static_cast<std::streamsize>(size)) throw Error(where + ": could not be read whole");
+  if (!in || in.gcount() != static_cast<std::streamsize>(size))
+    throw Error(fmt::format("{}: could not be read whole", where));
   return parse_json<Error>(text, where, document);
 }
 

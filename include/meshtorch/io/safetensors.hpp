@@ -15,12 +15,13 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include "meshtorch/error.hpp"
-#include "meshtorch/io/atomic_file.hpp"
-#include "meshtorch/io/json_file.hpp"
+#include <meshtorch/error.hpp>
+#include <meshtorch/io/atomic_file.hpp>
+#include <meshtorch/io/json_file.hpp>
 
 namespace meshtorch::io {
 
@@ -59,7 +60,7 @@ inline void save_safetensors(const std::filesystem::path& path, const NamedTenso
   cpu.reserve(tensors.size());
   std::uint64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
-    if (header.contains(name)) throw DataError(path.string() + ": tensor name '" + name + "' appears twice");
+    if (header.contains(name)) throw DataError(fmt::format("{}: tensor name '{}' appears twice", path.string(), name));
     auto t = tensor.detach().to(torch::kCPU).contiguous();
     const std::uint64_t bytes = t.numel() * t.element_size();
     header[name] = {{"dtype", safetensors_detail::dtype_name(t.scalar_type())},
@@ -122,56 +123,57 @@ inline constexpr std::uint64_t max_header_bytes = 100'000'000;
 inline std::ifstream open_regular_file(const std::filesystem::path& path, std::uint64_t& size) {
   std::error_code error;
   const auto status = std::filesystem::status(path, error);
-  if (!std::filesystem::exists(status)) throw DataError(path.string() + ": no such file");
+  if (!std::filesystem::exists(status)) throw DataError(fmt::format("{}: no such file", path.string()));
   if (!std::filesystem::is_regular_file(status))
-    throw DataError(path.string() + ": not a regular file (a directory, device or pipe)");
+    throw DataError(fmt::format("{}: not a regular file (a directory, device or pipe)", path.string()));
   size = std::filesystem::file_size(path, error);
-  if (error) throw DataError(path.string() + ": cannot read its size (" + error.message() + ")");
+  if (error) throw DataError(fmt::format("{}: cannot read its size ({})", path.string(), error.message()));
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError(path.string() + ": cannot open");
+  if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
   return in;
 }
 
 inline SafetensorsHeader parse_header(std::istream& in, std::uint64_t file_size, const std::string& where) {
-  if (file_size < 8) throw DataError(where + ": too short to be safetensors (" + std::to_string(file_size) + " bytes)");
+  if (file_size < 8) throw DataError(fmt::format("{}: too short to be safetensors ({} bytes)", where, file_size));
   unsigned char size_bytes[8];
   in.read(reinterpret_cast<char*>(size_bytes), 8);
   std::uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | size_bytes[i];
   if (!in || header_size > file_size - 8 || header_size > max_header_bytes)
-    throw DataError(where + ": header length " + std::to_string(header_size) + " exceeds the file (" +
-                    std::to_string(file_size) + " bytes) or the format's limit of " + std::to_string(max_header_bytes) +
-                    " bytes; not a safetensors file or truncated");
+    throw DataError(fmt::format("{}: header length {} exceeds the file ({} bytes) or the format's limit of {} bytes; "
+                                "not a safetensors file or truncated",
+                                where, header_size, file_size, max_header_bytes));
   std::string text(header_size, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_size));
-  if (!in) throw DataError(where + ": the header could not be read (truncated file?)");
+  if (!in) throw DataError(fmt::format("{}: the header could not be read (truncated file?)", where));
 
   // A tensor named twice is refused, as HF refuses it (nlohmann alone would keep the last).
   const auto header = parse_json(text, where, "the header");
-  if (!header.is_object()) throw DataError(where + ": header is not a JSON object");
+  if (!header.is_object()) throw DataError(fmt::format("{}: header is not a JSON object", where));
 
   SafetensorsHeader result;
   result.data_start = 8 + header_size;
   result.data_size = file_size - result.data_start;
   for (const auto& [name, info] : header.items()) {
     if (name == "__metadata__") {
-      if (!info.is_object()) throw DataError(where + ": __metadata__ must be an object of strings");
+      if (!info.is_object()) throw DataError(fmt::format("{}: __metadata__ must be an object of strings", where));
       for (const auto& [key, value] : info.items()) {
-        if (!value.is_string()) throw DataError(where + ": __metadata__." + key + " must be a string");
+        if (!value.is_string()) throw DataError(fmt::format("{}: __metadata__.{} must be a string", where, key));
         result.metadata[key] = value.get<std::string>();
       }
       continue;
     }
     const std::string tensor_where = where + ": tensor '" + name + "'";
     if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") || !info.contains("data_offsets"))
-      throw DataError(tensor_where + " needs dtype, shape and data_offsets");
+      throw DataError(fmt::format("{} needs dtype, shape and data_offsets", tensor_where));
     const auto& dtype_field = info.at("dtype");
-    if (!dtype_field.is_string()) throw DataError(tensor_where + ": dtype must be a string");
+    if (!dtype_field.is_string()) throw DataError(fmt::format("{}: dtype must be a string", tensor_where));
     const auto dtype = dtype_from_name(dtype_field.get<std::string>());
-    if (!dtype) throw DataError(tensor_where + ": unsupported dtype '" + dtype_field.get<std::string>() + "'");
+    if (!dtype) throw DataError(fmt::format("{}: unsupported dtype '{}'",
+                                            tensor_where, dtype_field.get<std::string>()));
     SafetensorsEntry entry{name, *dtype, {}, 0, 0};
     const auto& shape = info.at("shape");
-    if (!shape.is_array()) throw DataError(tensor_where + ": shape must be a list of integers");
+    if (!shape.is_array()) throw DataError(fmt::format("{}: shape must be a list of integers", tensor_where));
     // Computed without overflow, so that a huge shape cannot wrap around to match a small size.
     // The strides too: LibTorch computes them as products of max(dim, 1), so [0, 2^62, 2^62]
     // holds no bytes yet cannot be allocated.
@@ -180,34 +182,35 @@ inline SafetensorsHeader parse_header(std::istream& in, std::uint64_t file_size,
     for (const auto& d : shape) {
       if (!d.is_number_unsigned() ||
           d.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-        throw DataError(tensor_where + ": shape " + shape.dump() + " must be a list of non-negative 64-bit integers");
+        throw DataError(fmt::format("{}: shape {} must be a list of non-negative 64-bit integers",
+                                    tensor_where, shape.dump()));
       entry.shape.push_back(d.get<std::int64_t>());
       if (__builtin_mul_overflow(bytes, d.get<std::uint64_t>(), &bytes))
-        throw DataError(tensor_where + ": shape " + shape.dump() + " holds more than 2^64 bytes");
+        throw DataError(fmt::format("{}: shape {} holds more than 2^64 bytes", tensor_where, shape.dump()));
       if (__builtin_mul_overflow(stride_span, std::max<std::int64_t>(entry.shape.back(), 1), &stride_span))
-        throw DataError(tensor_where + ": shape " + shape.dump() + " is too large: its strides overflow 64 bits");
+        throw DataError(fmt::format("{}: shape {} is too large: its strides overflow 64 bits",
+                                    tensor_where, shape.dump()));
     }
     const auto& offsets = info.at("data_offsets");
     if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
         !offsets[1].is_number_unsigned())
-      throw DataError(tensor_where + ": data_offsets must be [begin, end]");
+      throw DataError(fmt::format("{}: data_offsets must be [begin, end]", tensor_where));
     entry.begin = offsets[0].get<std::uint64_t>();
     entry.end = offsets[1].get<std::uint64_t>();
     if (entry.begin > entry.end || entry.end > result.data_size)
-      throw DataError(tensor_where + ": data_offsets [" + std::to_string(entry.begin) + ", " +
-                      std::to_string(entry.end) + "] lie outside the data section of " +
-                      std::to_string(result.data_size) + " bytes");
+      throw DataError(fmt::format("{}: data_offsets [{}, {}] lie outside the data section of {} bytes",
+                                  tensor_where, entry.begin, entry.end, result.data_size));
     if (entry.end - entry.begin != bytes)
-      throw DataError(tensor_where + ": " + std::to_string(entry.end - entry.begin) +
-                      " bytes do not match shape and dtype (" + std::to_string(bytes) + " expected)");
+      throw DataError(fmt::format("{}: {} bytes do not match shape and dtype ({} expected)",
+                                  tensor_where, entry.end - entry.begin, bytes));
     result.entries.push_back(std::move(entry));
   }
   std::sort(result.entries.begin(), result.entries.end(),
             [](const SafetensorsEntry& a, const SafetensorsEntry& b) { return a.begin < b.begin; });
   for (std::size_t i = 1; i < result.entries.size(); ++i)
     if (result.entries[i].begin < result.entries[i - 1].end)
-      throw DataError(where + ": tensors '" + result.entries[i - 1].name + "' and '" + result.entries[i].name +
-                      "' overlap");
+      throw DataError(fmt::format("{}: tensors '{}' and '{}' overlap",
+                                  where, result.entries[i - 1].name, result.entries[i].name));
   return result;
 }
 
@@ -231,7 +234,7 @@ inline SafetensorsFile load_safetensors(const std::filesystem::path& path) {
     auto t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
     in.seekg(static_cast<std::streamoff>(header.data_start + e.begin));
     in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin));
-    if (!in) throw DataError(where + ": tensor '" + e.name + "' could not be read (truncated file?)");
+    if (!in) throw DataError(fmt::format("{}: tensor '{}' could not be read (truncated file?)", where, e.name));
     result.tensors.emplace_back(std::move(e.name), std::move(t));
   }
   return result;

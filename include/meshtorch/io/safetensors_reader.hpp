@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
@@ -36,9 +37,9 @@
 #undef MESHTORCH_UNDEF_XXH_INLINE_ALL
 #endif
 
-#include "meshtorch/error.hpp"
-#include "meshtorch/io/atomic_file.hpp"
-#include "meshtorch/io/safetensors.hpp"
+#include <meshtorch/error.hpp>
+#include <meshtorch/io/atomic_file.hpp>
+#include <meshtorch/io/safetensors.hpp>
 
 namespace meshtorch::io {
 

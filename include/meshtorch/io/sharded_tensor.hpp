@@ -14,7 +14,7 @@
 #include <fmt/ranges.h>
 #include <torch/torch.h>
 
-#include "meshtorch/error.hpp"
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::io {
 

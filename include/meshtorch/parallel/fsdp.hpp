@@ -37,7 +37,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
@@ -48,6 +47,7 @@
 #include <vector>
 
 #include <c10/core/DeviceGuard.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
@@ -180,10 +180,11 @@ class FsdpUnit {
     for (auto& [leaf_name, leaf] : leaves) {
       const auto& w = leaf->weight;
       if (w.scalar_type() != shard_dtype_)
-        throw ConfigError("fully_shard(" + describe() + "): '" + leaf_name + "' is " + c10::toString(w.scalar_type()) +
-                          " but '" + leaves.front().first + "' is " + c10::toString(shard_dtype_) +
-                          "; build the model in one dtype (mixed precision is FsdpOptions::mixed_precision)");
-      if (w.dim() == 0) throw ConfigError("fully_shard(" + describe() + "): '" + leaf_name + "' is a scalar");
+        throw ConfigError(fmt::format("fully_shard({}): '{}' is {} but '{}' is {}; build the model in one dtype "
+                                      "(mixed precision is FsdpOptions::mixed_precision)",
+                                      describe(), leaf_name, c10::toString(w.scalar_type()), leaves.front().first,
+                                      c10::toString(shard_dtype_)));
+      if (w.dim() == 0) throw ConfigError(fmt::format("fully_shard({}): '{}' is a scalar", describe(), leaf_name));
       Parameter p;
       p.name = leaf_name;
       p.leaf = leaf;
@@ -309,7 +310,8 @@ class FsdpUnit {
   }
 
   std::string describe() const {
-    return (is_root_ ? std::string("the root") : "'" + name_ + "'") + " on rank " + std::to_string(group_.global_rank());
+    return fmt::format("{} on rank {}", is_root_ ? std::string("the root") : fmt::format("'{}'", name_),
+                       group_.global_rank());
   }
 
  private:
@@ -405,8 +407,8 @@ class FullyShardedDataParallel {
       : root_(std::static_pointer_cast<torch::nn::Module>(root.ptr())), group_(group), options_(options) {
     for (auto& [name, leaf] : llama::weight_modules(*root_)) all_leaves_.emplace_back(name + ".weight", leaf);
     if (options_.cpu_offload && options_.device.is_cuda() && !torch::cuda::is_available())
-      throw ConfigError("FullyShardedDataParallel: cpu_offload with device " + options_.device.str() +
-                        ", but CUDA is not available");
+      throw ConfigError(fmt::format("FullyShardedDataParallel: cpu_offload with device {}, but CUDA is not available",
+                                    options_.device.str()));
   }
 
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
@@ -420,20 +422,22 @@ class FullyShardedDataParallel {
     const bool is_root = module.ptr().get() == root_.get();
     const std::string name = module_name(module.ptr().get());
     if (root_sharded_)
-      throw ConfigError("fully_shard('" + name + "'): the root is already sharded; shard the layers first, then the "
-                        "root (rank " + std::to_string(group_.global_rank()) + ")");
+      throw ConfigError(fmt::format("fully_shard('{}'): the root is already sharded; shard the layers first, then "
+                                    "the root (rank {})",
+                                    name, group_.global_rank()));
     if (name.empty() && !is_root)
-      throw ConfigError("fully_shard: the module is not part of the model this FullyShardedDataParallel was built "
-                        "for (rank " + std::to_string(group_.global_rank()) + ")");
+      throw ConfigError(fmt::format("fully_shard: the module is not part of the model this FullyShardedDataParallel "
+                                    "was built for (rank {})",
+                                    group_.global_rank()));
     std::set<const llama::WeightModule*> inside;
     for (auto& [n, leaf] : llama::weight_modules(*module)) inside.insert(leaf);
     std::vector<std::pair<std::string, llama::WeightModule*>> leaves;
     for (auto& [n, leaf] : all_leaves_)
       if (inside.count(leaf) && !claimed_.count(leaf)) leaves.emplace_back(n, leaf);
     if (leaves.empty())
-      throw ConfigError("fully_shard(" + (is_root ? std::string("the root") : "'" + name + "'") +
-                        "): it holds no weight that an earlier fully_shard did not take (rank " +
-                        std::to_string(group_.global_rank()) + ")");
+      throw ConfigError(fmt::format("fully_shard({}): it holds no weight that an earlier fully_shard did not take "
+                                    "(rank {})",
+                                    (is_root ? std::string("the root") : "'" + name + "'"), group_.global_rank()));
     for (auto& [n, leaf] : leaves) claimed_.insert(leaf);
     units_.push_back(std::make_unique<FsdpUnit>(is_root ? std::string("root") : name, is_root, std::move(leaves), group_,
                                                 options_));
@@ -487,23 +491,23 @@ class FullyShardedDataParallel {
       if (!p) {
         if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
         if (name == "lm_head.weight" && lm && lm->config.tie_word_embeddings) continue;
-        throw DataError(source + ": tensor '" + name + "' is not a weight of this model");
+        throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", source, name));
       }
       if (tensor.sizes().vec() != p->full_shape)
-        throw DataError(source + ": tensor '" + name + "' has shape " + c10::str(tensor.sizes()) + ", the model needs " +
-                        c10::str(c10::IntArrayRef(p->full_shape)));
+        throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}",
+                                    source, name, c10::str(tensor.sizes()), c10::str(c10::IntArrayRef(p->full_shape))));
       p->shard.copy_(tensor.narrow(0, p->first_row, p->local_rows));
       loaded.insert(name);
     }
     for (const auto& [name, leaf] : all_leaves_)
-      if (!loaded.count(name)) throw DataError(source + ": weight '" + name + "' is missing");
+      if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", source, name));
   }
 
   // This rank's rows of a weight: the first row and the row count (the last ranks may hold
   // fewer rows, or none).
   std::pair<std::int64_t, std::int64_t> rows_of(const std::string& name) const {
     const auto* p = find(name);
-    if (!p) throw ConfigError("FullyShardedDataParallel: no weight named '" + name + "'");
+    if (!p) throw ConfigError(fmt::format("FullyShardedDataParallel: no weight named '{}'", name));
     return {p->first_row, p->local_rows};
   }
 
@@ -580,13 +584,15 @@ class FullyShardedDataParallel {
 
   void check_root_sharded(const FsdpUnit& unit) const {
     if (!root_sharded_)
-      throw ConfigError("FullyShardedDataParallel: forward of " + unit.describe() +
-                        " before the root was sharded; call fully_shard(model) after the layers");
+      throw ConfigError(fmt::format("FullyShardedDataParallel: forward of {} before the root was sharded; call "
+                                    "fully_shard(model) after the layers",
+                                    unit.describe()));
   }
   void check_root_sharded_for(const std::string& what) const {
     if (!root_sharded_)
-      throw ConfigError("FullyShardedDataParallel::" + what + " on rank " + std::to_string(group_.global_rank()) +
-                        ": call fully_shard on the layers and then on the root (the model) first");
+      throw ConfigError(fmt::format("FullyShardedDataParallel::{} on rank {}: call fully_shard on the layers and "
+                                    "then on the root (the model) first",
+                                    what, group_.global_rank()));
   }
 
   std::shared_ptr<torch::nn::Module> root_;

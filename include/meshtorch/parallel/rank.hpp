@@ -7,6 +7,8 @@
 #include <string>
 #include <type_traits>
 
+#include <fmt/format.h>
+
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/error.hpp>
@@ -50,7 +52,7 @@ inline LrScaling parse_lr_scaling(const std::string& name) {
   if (name == "none") return LrScaling::none;
   if (name == "linear") return LrScaling::linear;
   if (name == "sqrt") return LrScaling::sqrt;
-  throw ConfigError("--lr-scaling '" + name + "': use none, linear or sqrt");
+  throw ConfigError(fmt::format("--lr-scaling '{}': use none, linear or sqrt", name));
 }
 
 inline double scaled_lr(double lr, LrScaling rule, std::int64_t factor) {

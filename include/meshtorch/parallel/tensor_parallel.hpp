@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -46,8 +47,8 @@ namespace tp_detail {
 inline torch::Tensor chunk_of(const torch::Tensor& full, const comm::AxisGroup& group, std::int64_t dim,
                               const std::string& name) {
   if (full.size(dim) % group.size() != 0)
-    throw ConfigError(name + ": dim " + std::to_string(dim) + " of size " + std::to_string(full.size(dim)) +
-                      " is not divisible by the TP size " + std::to_string(group.size()));
+    throw ConfigError(fmt::format("{}: dim {} of size {} is not divisible by the TP size {}",
+                                  name, dim, full.size(dim), group.size()));
   return full.chunk(group.size(), dim)[group.rank()].contiguous();
 }
 
@@ -61,8 +62,8 @@ class TensorParallel {
   TensorParallel(llama::LlamaForCausalLM& model, const comm::AxisGroup& group) : model_(model), group_(group) {
     PlanT::validate(model->config, group.size());
     if (PlanT::tp_extent != dynamic && static_cast<int>(PlanT::tp_extent) != group.size())
-      throw ConfigError("TensorParallel: the plan's TP extent is " + std::to_string(PlanT::tp_extent) +
-                        " but the group " + group.describe() + " has " + std::to_string(group.size()) + " ranks");
+      throw ConfigError(fmt::format("TensorParallel: the plan's TP extent is {} but the group {} has {} ranks",
+                                    PlanT::tp_extent, group.describe(), group.size()));
     if (group.size() == 1) return;  // a TP axis of one rank: nothing to split
     auto& lm = *model;
     auto& inner = *lm.model;
@@ -159,8 +160,9 @@ class TensorParallel {
     if constexpr (ColwiseStyle<Style>) {
       const bool is_embedding = dynamic_cast<llama::EmbeddingImpl*>(&module) != nullptr;
       if (is_embedding)
-        throw ConfigError(name + ": ColwiseParallel on an embedding is not supported; shard the vocabulary with "
-                                 "RowwiseParallel<Replicate, ...> (as torchtitan does)");
+        throw ConfigError(fmt::format("{}: ColwiseParallel on an embedding is not supported; shard the vocabulary "
+                                      "with RowwiseParallel<Replicate, ...> (as torchtitan does)",
+                                      name));
       shard(name, module, 0);
       if (!entered) add_enter<Style>(module.hooks);
       add_leave<Style>(module.hooks);
@@ -168,8 +170,9 @@ class TensorParallel {
       const auto group = group_;
       if (auto* embedding = dynamic_cast<llama::EmbeddingImpl*>(&module)) {
         if (!std::is_same_v<typename Style::input, Replicate>)
-          throw ConfigError(name + ": RowwiseParallel on an embedding takes the token ids whole: use "
-                                   "RowwiseParallel<Replicate, ...>");
+          throw ConfigError(fmt::format("{}: RowwiseParallel on an embedding takes the token ids whole: use "
+                                        "RowwiseParallel<Replicate, ...>",
+                                        name));
         shard(name, module, 0);
         const std::int64_t rows = embedding->weight.size(0);
         const std::int64_t first = rows * group.rank();

@@ -7,15 +7,16 @@
 // (every TP rank of a data-parallel coordinate the same part). Needs meshtorch::tokenizers
 // (PCRE2, sentencepiece), so the umbrella header leaves it out.
 #include <cstdint>
-#include <optional>
+
+#include <fmt/format.h>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/data/dataset.hpp>
 #include <meshtorch/data/dataset_tokenizer.hpp>
 #include <meshtorch/data/sampler.hpp>
 #include <meshtorch/parallel/rank.hpp>
-#include <meshtorch/train/args.hpp>
 #include <meshtorch/train/log.hpp>
+#include <meshtorch/train/train_args.hpp>
 
 namespace meshtorch {
 
@@ -37,7 +38,7 @@ inline TrainingData load_training_data(const train::TrainArgs& args, std::int64_
   auto load = [&] { return data::load_dataset(args.dataset_name, args.seq_length, args.model_name, &tokenizer_note); };
   auto blocks = world ? rank_zero_first(*world, load) : load();
   if (!tokenizer_note.empty() && (!world || world->rank() == 0))
-    train::Logger(world ? world->global_rank() : 0).info("tokenizer: " + tokenizer_note);
+    train::Logger(world ? world->global_rank() : 0).info(fmt::format("tokenizer: {}", tokenizer_note));
   blocks.check_vocab(vocab_size);
   data::DpInvariantSampler sampler({.num_samples = blocks.size(),
                                     .batch_size = args.batch_size,

@@ -8,10 +8,11 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
-#include "meshtorch/error.hpp"
-#include "meshtorch/io/safetensors.hpp"
+#include <meshtorch/error.hpp>
+#include <meshtorch/io/safetensors.hpp>
 
 namespace meshtorch::train {
 
@@ -90,10 +91,10 @@ class AdamW {
     torch::NoGradGuard no_grad;
     auto load = [&](const std::string& name, torch::Tensor& into) {
       const auto* t = file.find(name);
-      if (!t) throw DataError(source + ": optimizer state '" + name + "' is missing");
+      if (!t) throw DataError(fmt::format("{}: optimizer state '{}' is missing", source, name));
       if (t->sizes() != into.sizes())
-        throw DataError(source + ": optimizer state '" + name + "' has shape " + c10::str(t->sizes()) +
-                        ", the model needs " + c10::str(into.sizes()));
+        throw DataError(fmt::format("{}: optimizer state '{}' has shape {}, the model needs {}",
+                                    source, name, c10::str(t->sizes()), c10::str(into.sizes())));
       into.copy_(*t);
     };
     for (std::size_t i = 0; i < params_.size(); ++i) {

@@ -3,16 +3,17 @@
 // in fp32. The GPU of a rank is comm::local_cuda_device's, the one its NCCL groups are bound to.
 #include <string>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
-#include "meshtorch/comm/local_device.hpp"
-#include "meshtorch/error.hpp"
+#include <meshtorch/comm/local_device.hpp>
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::train {
 
 inline torch::Device resolve_device(const std::string& flag, int local_rank = 0) {
   if (flag != "cpu" && flag != "cuda" && flag != "auto")
-    throw ConfigError("--device " + flag + ": expected cpu, cuda or auto");
+    throw ConfigError(fmt::format("--device {}: expected cpu, cuda or auto", flag));
   const bool want_cuda =
       flag == "cuda" || (flag == "auto" && comm::built_with_cuda && torch::cuda::is_available());
   if (!want_cuda) return torch::Device(torch::kCPU);

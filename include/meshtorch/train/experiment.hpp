@@ -24,12 +24,12 @@
 #include <torch/torch.h>
 
 #include <meshtorch/error.hpp>
-#include <meshtorch/train/args.hpp>
 #include <meshtorch/train/checkpoint.hpp>
 #include <meshtorch/train/log.hpp>
 #include <meshtorch/train/metrics.hpp>
 #include <meshtorch/train/state.hpp>
 #include <meshtorch/train/timers.hpp>
+#include <meshtorch/train/train_args.hpp>
 
 namespace meshtorch::train {
 
@@ -39,7 +39,11 @@ namespace meshtorch::train {
 //   static std::optional<TrainState> load(const std::filesystem::path& exp_dir, Model&, Optimizer&,
 //                                         const RunIdentity&);
 template <class Model>
-struct Checkpointing;
+struct Checkpointing {
+  static_assert(sizeof(Model) == 0,
+                "Checkpointing<Model>: no checkpoint path is visible for this model type; include "
+                "<meshtorch/parallel/checkpointing.hpp> (chapter 1's model and every model parallelize() builds)");
+};
 
 // The flags a resumed run must share with the run that saved it.
 inline RunIdentity run_identity(const TrainArgs& args, std::int64_t global_batch) {

@@ -6,13 +6,14 @@
 #include <fstream>
 #include <string>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include "meshtorch/error.hpp"
-#include "meshtorch/train/memory.hpp"
-#include "meshtorch/train/state.hpp"
-#include "meshtorch/train/timers.hpp"
+#include <meshtorch/error.hpp>
+#include <meshtorch/train/memory.hpp>
+#include <meshtorch/train/state.hpp>
+#include <meshtorch/train/timers.hpp>
 
 namespace meshtorch::train {
 
@@ -20,7 +21,7 @@ class MetricsFile {
  public:
   MetricsFile() = default;
   explicit MetricsFile(const std::filesystem::path& path) : path_(path), out_(path, std::ios::app) {
-    if (!out_) throw DataError(path.string() + ": cannot open for appending metrics");
+    if (!out_) throw DataError(fmt::format("{}: cannot open for appending metrics", path.string()));
   }
   void append(const nlohmann::ordered_json& record) {
     if (!out_.is_open()) return;

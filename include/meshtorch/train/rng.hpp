@@ -11,15 +11,16 @@
 #include <vector>
 
 #include <ATen/Context.h>
+#include <fmt/format.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
-#include "meshtorch/error.hpp"
-#include "meshtorch/io/safetensors.hpp"
+#include <meshtorch/error.hpp>
+#include <meshtorch/io/safetensors.hpp>
 
 namespace meshtorch::train {
 
-inline std::string cuda_rng_key(int device) { return "rng.cuda." + std::to_string(device); }
+inline std::string cuda_rng_key(int device) { return fmt::format("rng.cuda.{}", device); }
 
 // GPUs whose generators are saved: all this process sees (none in a CPU-only build).
 inline int rng_cuda_devices() { return static_cast<int>(torch::cuda::device_count()); }
@@ -38,7 +39,7 @@ inline std::vector<std::pair<std::string, torch::Tensor>> capture_rng_states() {
 // Restores what capture_rng_states() saved into `file`.
 inline void restore_rng_states(const io::SafetensorsFile& contents, const std::filesystem::path& file) {
   const auto* cpu = contents.find("rng.cpu");
-  if (!cpu) throw DataError(file.string() + ": 'rng.cpu' is missing");
+  if (!cpu) throw DataError(fmt::format("{}: 'rng.cpu' is missing", file.string()));
   {
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
@@ -46,10 +47,10 @@ inline void restore_rng_states(const io::SafetensorsFile& contents, const std::f
   }
   const int devices = rng_cuda_devices();
   if (devices > 0 && !contents.find(cuda_rng_key(0)))
-    throw DataError(file.string() + ": '" + cuda_rng_key(0) +
-                    "' is missing: the checkpoint was saved where no GPU was visible, and this process sees " +
-                    std::to_string(devices) +
-                    "; resume where it was saved, or start a new run (-e) to draw GPU numbers from the seed");
+    throw DataError(fmt::format("{}: '{}' is missing: the checkpoint was saved where no GPU was visible, and this "
+                                "process sees {}; resume where it was saved, or start a new run (-e) to draw GPU "
+                                "numbers from the seed",
+                                file.string(), cuda_rng_key(0), devices));
   for (int device = 0; device < devices; ++device) {
     const auto* state = contents.find(cuda_rng_key(device));
     if (!state) continue;  // saved where fewer GPUs were visible: those it saw are restored

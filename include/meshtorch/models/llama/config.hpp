@@ -12,7 +12,7 @@
 #include <string>
 #include <string_view>
 
-#include "meshtorch/error.hpp"
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::llama {
 

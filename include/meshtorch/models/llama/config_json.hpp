@@ -2,26 +2,27 @@
 // HF config.json <-> llama::Config. A malformed or inconsistent file gives a ConfigError that
 // names the file and the field.
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <optional>
 #include <set>
-#include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
-#include "meshtorch/io/json_file.hpp"
+#include <meshtorch/io/json_file.hpp>
 
-#include "meshtorch/models/llama/config.hpp"
+#include <meshtorch/models/llama/config.hpp>
 
 namespace meshtorch::llama {
 
 namespace detail {
 
 inline std::string where(const std::string& source, std::string_view field) {
-  return source + ": field '" + std::string(field) + "'";
+  return fmt::format("{}: field '{}'", source, field);
 }
 
 template <class T>
@@ -29,17 +30,19 @@ T read_field(const nlohmann::json& j, std::string_view field, const std::string&
   const auto it = j.find(std::string(field));
   if (it == j.end() || it->is_null()) {
     if (fallback) return *fallback;
-    throw ConfigError(where(source, field) + " is missing");
+    throw ConfigError(fmt::format("{} is missing", where(source, field)));
   }
   if constexpr (std::is_same_v<T, bool>) {
-    if (!it->is_boolean()) throw ConfigError(where(source, field) + " must be true or false, got " + it->dump());
+    if (!it->is_boolean())
+      throw ConfigError(fmt::format("{} must be true or false, got {}", where(source, field), it->dump()));
     return it->get<bool>();
   } else if constexpr (std::is_integral_v<T>) {
     if (!it->is_number_integer())
-      throw ConfigError(where(source, field) + " must be an integer, got " + it->dump());
+      throw ConfigError(fmt::format("{} must be an integer, got {}", where(source, field), it->dump()));
     return it->get<T>();
   } else {
-    if (!it->is_number()) throw ConfigError(where(source, field) + " must be a number, got " + it->dump());
+    if (!it->is_number())
+      throw ConfigError(fmt::format("{} must be a number, got {}", where(source, field), it->dump()));
     return it->get<T>();
   }
 }
@@ -51,7 +54,8 @@ inline std::int64_t read_token_id(const nlohmann::json& j, std::string_view fiel
   if (it == j.end() || it->is_null()) return fallback;
   if (it->is_number_integer()) return it->get<std::int64_t>();
   if (it->is_array() && !it->empty() && (*it)[0].is_number_integer()) return (*it)[0].get<std::int64_t>();
-  throw ConfigError(where(source, field) + " must be an integer or a list of integers, got " + it->dump());
+  throw ConfigError(
+      fmt::format("{} must be an integer or a list of integers, got {}", where(source, field), it->dump()));
 }
 
 }  // namespace detail
@@ -79,14 +83,15 @@ inline std::optional<std::string> read_dtype(const nlohmann::json& j, const std:
   for (const char* name : {"dtype", "torch_dtype"}) {
     const auto it = j.find(name);
     if (it == j.end() || it->is_null()) continue;
-    if (!it->is_string()) throw ConfigError(where(source, name) + " must be a dtype name, got " + it->dump());
+    if (!it->is_string())
+      throw ConfigError(fmt::format("{} must be a dtype name, got {}", where(source, name), it->dump()));
     auto value = it->get<std::string>();
     if (value.rfind("torch.", 0) == 0) value = value.substr(6);
     if (value != "float32" && value != "bfloat16" && value != "float16")
-      throw ConfigError(where(source, name) + " is '" + value + "'; supported: float32, bfloat16, float16");
+      throw ConfigError(fmt::format("{} is '{}'; supported: float32, bfloat16, float16", where(source, name), value));
     if (found && *found != value)
-      throw ConfigError(source + ": fields '" + found_in + "' ('" + *found + "') and '" + name + "' ('" + value +
-                        "') disagree");
+      throw ConfigError(
+          fmt::format("{}: fields '{}' ('{}') and '{}' ('{}') disagree", source, found_in, *found, name, value));
     found = value;
     found_in = name;
   }
@@ -106,24 +111,27 @@ inline void read_rope(const nlohmann::json& j, const std::string& source, Config
   auto read_block = [&](const char* name) -> std::optional<Block> {
     const auto it = j.find(name);
     if (it == j.end() || it->is_null()) return std::nullopt;
-    if (!it->is_object()) throw ConfigError(where(source, name) + " must be an object or null");
-    const std::string block_source = source + ": " + name;
+    if (!it->is_object()) throw ConfigError(fmt::format("{} must be an object or null", where(source, name)));
+    const std::string block_source = fmt::format("{}: {}", source, name);
     Block block{name, std::nullopt, {}};
     std::string type = "default";
     for (const auto& [key, value] : it->items()) {
-      const std::string field = std::string(name) + "." + key;
+      const std::string field = fmt::format("{}.{}", name, key);
       if (key == "rope_type" || key == "type") {
-        if (!value.is_string()) throw ConfigError(where(source, field) + " must be a string, got " + value.dump());
+        if (!value.is_string())
+          throw ConfigError(fmt::format("{} must be a string, got {}", where(source, field), value.dump()));
         type = value.get<std::string>();
       } else if (key == "rope_theta") {
         block.theta = read_field<double>(*it, "rope_theta", block_source, std::nullopt);
       } else if (key == "partial_rotary_factor") {
         if (!value.is_number() || value.get<double>() != 1.0)
-          throw ConfigError(where(source, field) + " is " + value.dump() +
-                            "; rotary embeddings over part of each head are not implemented (only 1.0)");
+          throw ConfigError(fmt::format("{} is {}; rotary embeddings over part of each head are not implemented "
+                                        "(only 1.0)",
+                                        where(source, field), value.dump()));
       } else if (key != "factor" && key != "low_freq_factor" && key != "high_freq_factor" &&
                  key != "original_max_position_embeddings") {
-        if (value.is_object()) throw ConfigError(where(source, field) + ": rope parameters per layer type are not supported");
+        if (value.is_object())
+          throw ConfigError(fmt::format("{}: rope parameters per layer type are not supported", where(source, field)));
         ignored.push_back(field);
       }
     }
@@ -137,11 +145,11 @@ inline void read_rope(const nlohmann::json& j, const std::string& source, Config
           read_field<std::int64_t>(*it, "original_max_position_embeddings", block_source, c.max_position_embeddings);
     } else if (type == "default") {
       for (const char* key : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
-        if (it->contains(key)) ignored.push_back(std::string(name) + "." + key);
+        if (it->contains(key)) ignored.push_back(fmt::format("{}.{}", name, key));
     } else {
-      throw ConfigError(where(source, std::string(name) + ".rope_type") + " is '" + type +
-                        "'; supported: 'default', 'llama3' (linear, dynamic, yarn and longrope scaling are not "
-                        "implemented)");
+      throw ConfigError(fmt::format("{} is '{}'; supported: 'default', 'llama3' (linear, dynamic, yarn and longrope "
+                                    "scaling are not implemented)",
+                                    where(source, fmt::format("{}.rope_type", name)), type));
     }
     return block;
   };
@@ -150,20 +158,21 @@ inline void read_rope(const nlohmann::json& j, const std::string& source, Config
   std::optional<double> top_theta;
   if (j.contains("rope_theta") && !j["rope_theta"].is_null()) top_theta = read_field<double>(j, "rope_theta", source, std::nullopt);
   if (auto it = j.find("partial_rotary_factor"); it != j.end() && !it->is_null() && !(it->is_number() && it->get<double>() == 1.0))
-    throw ConfigError(where(source, "partial_rotary_factor") + " is " + it->dump() +
-                      "; rotary embeddings over part of each head are not implemented (only 1.0)");
+    throw ConfigError(fmt::format("{} is {}; rotary embeddings over part of each head are not implemented (only 1.0)",
+                                  where(source, "partial_rotary_factor"), it->dump()));
 
   if (legacy && current && legacy->scaling != current->scaling)
-    throw ConfigError(source + ": fields 'rope_scaling' and 'rope_parameters' describe different rope scaling");
+    throw ConfigError(
+        fmt::format("{}: fields 'rope_scaling' and 'rope_parameters' describe different rope scaling", source));
   const auto& block = current ? current : legacy;
   std::optional<double> theta = top_theta;
   std::string theta_from = "rope_theta";
   for (const auto* b : {&legacy, &current}) {
     if (!*b || !(*b)->theta) continue;
-    const std::string field = (*b)->name + ".rope_theta";
+    const std::string field = fmt::format("{}.rope_theta", (*b)->name);
     if (theta && *theta != *(*b)->theta)
-      throw ConfigError(source + ": fields '" + theta_from + "' (" + std::to_string(*theta) + ") and '" + field +
-                        "' (" + std::to_string(*(*b)->theta) + ") disagree");
+      throw ConfigError(fmt::format("{}: fields '{}' ({}) and '{}' ({}) disagree", source, theta_from, *theta, field,
+                                    *(*b)->theta));
     theta = (*b)->theta;
     theta_from = field;
   }
@@ -174,10 +183,10 @@ inline void read_rope(const nlohmann::json& j, const std::string& source, Config
 }  // namespace detail
 
 inline ConfigFile read_config_json(const nlohmann::json& j, const std::string& source = "config.json") {
-  if (!j.is_object()) throw ConfigError(source + ": expected a JSON object at the top level");
+  if (!j.is_object()) throw ConfigError(fmt::format("{}: expected a JSON object at the top level", source));
   if (auto mt = j.find("model_type"); mt != j.end() && mt->is_string() && mt->get<std::string>() != "llama")
-    throw ConfigError(detail::where(source, "model_type") + " is '" + mt->get<std::string>() +
-                      "'; meshtorch's Llama model needs 'llama'");
+    throw ConfigError(fmt::format("{} is '{}'; meshtorch's Llama model needs 'llama'",
+                                  detail::where(source, "model_type"), mt->get<std::string>()));
   using detail::read_field;
   ConfigFile file;
   Config& c = file.config;
@@ -199,18 +208,23 @@ inline ConfigFile read_config_json(const nlohmann::json& j, const std::string& s
 
   // Fields that would change the computation and that the model does not implement.
   if (auto act = j.find("hidden_act"); act != j.end() && !act->is_null() && *act != "silu")
-    throw ConfigError(detail::where(source, "hidden_act") + " is " + act->dump() + "; only 'silu' is implemented");
+    throw ConfigError(
+        fmt::format("{} is {}; only 'silu' is implemented", detail::where(source, "hidden_act"), act->dump()));
   for (const char* name : {"attention_bias", "mlp_bias"})
     if (read_field<bool>(j, name, source, false))
-      throw ConfigError(detail::where(source, name) + " is true; Llama layers without bias are all that is implemented");
+      throw ConfigError(
+          fmt::format("{} is true; Llama layers without bias are all that is implemented",
+                      detail::where(source, name)));
   if (read_field<std::int64_t>(j, "pretraining_tp", source, std::int64_t{1}) > 1)
-    throw ConfigError(detail::where(source, "pretraining_tp") + " is " + j["pretraining_tp"].dump() +
-                      "; only 1 is implemented (the tensor-parallel slicing of Llama 2's pretraining is not)");
+    throw ConfigError(fmt::format("{} is {}; only 1 is implemented (the tensor-parallel slicing of Llama 2's "
+                                  "pretraining is not)",
+                                  detail::where(source, "pretraining_tp"), j["pretraining_tp"].dump()));
   if (read_field<double>(j, "attention_dropout", source, 0.0) != 0.0)
-    throw ConfigError(detail::where(source, "attention_dropout") + " is " + j["attention_dropout"].dump() +
-                      "; attention dropout is not implemented (only 0)");
+    throw ConfigError(fmt::format("{} is {}; attention dropout is not implemented (only 0)",
+                                  detail::where(source, "attention_dropout"), j["attention_dropout"].dump()));
   if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null())
-    throw ConfigError(detail::where(source, "quantization_config") + " is set; quantized weights are not supported");
+    throw ConfigError(
+        fmt::format("{} is set; quantized weights are not supported", detail::where(source, "quantization_config")));
 
   static const std::set<std::string, std::less<>> read_here = {
       "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -295,10 +309,10 @@ inline Config resolve_model(const std::string& name_or_dir, std::vector<std::str
   };
   if (std::filesystem::is_directory(dir)) return load(dir / "config.json");
   if (std::filesystem::is_regular_file(dir) && dir.filename() == "config.json") return load(dir);
-  std::string known;
-  for (const auto& p : presets::all) known += (known.empty() ? "" : ", ") + std::string(p.name);
-  throw ConfigError("-m/--model-name '" + name_or_dir + "' is neither a preset (" + known +
-                    ") nor a directory with a config.json");
+  std::vector<std::string_view> known;
+  for (const auto& p : presets::all) known.push_back(p.name);
+  throw ConfigError(fmt::format("-m/--model-name '{}' is neither a preset ({}) nor a directory with a config.json",
+                                name_or_dir, fmt::join(known, ", ")));
 }
 
 }  // namespace meshtorch::llama

@@ -2,14 +2,13 @@
 // The leaf layers of the Llama family, each holding one weight and no bias. Their parameters
 // can be created on the meta device (shapes only, no memory) and given real storage later,
 // which LibTorch's own modules cannot do: set_data refuses to move a meta tensor.
-#include <cmath>
 #include <functional>
 #include <numbers>
 #include <vector>
 #include <torch/torch.h>
 
-#include "meshtorch/models/forward_hooks.hpp"
-#include "meshtorch/models/llama/config.hpp"
+#include <meshtorch/models/forward_hooks.hpp>
+#include <meshtorch/models/llama/config.hpp>
 
 namespace meshtorch::llama {
 

@@ -6,8 +6,8 @@
 #include <optional>
 #include <torch/torch.h>
 
-#include "meshtorch/models/llama/config.hpp"
-#include "meshtorch/models/llama/layers.hpp"
+#include <meshtorch/models/llama/config.hpp>
+#include <meshtorch/models/llama/layers.hpp>
 
 namespace meshtorch::llama {
 

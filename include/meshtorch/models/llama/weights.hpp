@@ -4,20 +4,20 @@
 // folder saved here loads in transformers' from_pretrained and the other way round.
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include "meshtorch/io/json_file.hpp"
-#include "meshtorch/io/safetensors.hpp"
-#include "meshtorch/models/llama/config_json.hpp"
-#include "meshtorch/models/llama/model.hpp"
+#include <meshtorch/io/json_file.hpp>
+#include <meshtorch/io/safetensors.hpp>
+#include <meshtorch/models/llama/config_json.hpp>
+#include <meshtorch/models/llama/model.hpp>
 
 namespace meshtorch::llama {
 
@@ -84,22 +84,23 @@ inline std::filesystem::path model_file(const std::filesystem::path& dir, const 
                                         const std::string& named_by) {
   namespace fs = std::filesystem;
   if (name.empty() || name == "." || name == ".." || name.find_first_of(std::string("/\\\0", 3)) != std::string::npos)
-    throw DataError(named_by + " is '" + name +
-                    "', not a plain file name; a model folder's files must lie in the folder itself, named without "
-                    "'/', '\\' or '..'");
+    throw DataError(fmt::format("{} is '{}', not a plain file name; a model folder's files must lie in the folder "
+                                "itself, named without '/', '\\' or '..'",
+                                named_by, name));
   const fs::path path = dir / name;
   if (!weights_detail::present(path))
-    throw DataError(named_by + " is '" + name + "', which does not exist in " + dir.string());
+    throw DataError(fmt::format("{} is '{}', which does not exist in {}", named_by, name, dir.string()));
   std::error_code error;
   const auto resolved_dir = fs::canonical(dir, error);
-  if (error) throw DataError(dir.string() + ": cannot resolve the folder (" + error.message() + ")");
+  if (error) throw DataError(fmt::format("{}: cannot resolve the folder ({})", dir.string(), error.message()));
   const auto target = fs::canonical(path, error);
-  if (error) throw DataError(named_by + " is '" + name + "', a link that leads nowhere (" + error.message() + ")");
+  if (error) throw DataError(fmt::format("{} is '{}', a link that leads nowhere ({})",
+                                         named_by, name, error.message()));
   if (!weights_detail::allowed_target(target, resolved_dir))
-    throw DataError(named_by + " is '" + name + "', a link to " + target.string() + ", outside the model folder " +
-                    resolved_dir.string() + "; refused");
+    throw DataError(fmt::format("{} is '{}', a link to {}, outside the model folder {}; refused",
+                                named_by, name, target.string(), resolved_dir.string()));
   if (!fs::is_regular_file(target, error))
-    throw DataError(named_by + " is '" + name + "', which is not a regular file");
+    throw DataError(fmt::format("{} is '{}', which is not a regular file", named_by, name));
   return path;
 }
 
@@ -111,20 +112,22 @@ inline std::vector<std::filesystem::path> weight_files(const std::filesystem::pa
   if (weights_detail::present(dir / "model.safetensors"))
     return {model_file(dir, "model.safetensors", dir.string() + ": the weights file")};
   if (!weights_detail::present(dir / "model.safetensors.index.json"))
-    throw DataError(dir.string() + ": no model.safetensors or model.safetensors.index.json");
+    throw DataError(fmt::format("{}: no model.safetensors or model.safetensors.index.json", dir.string()));
   const auto index_path = model_file(dir, "model.safetensors.index.json", dir.string() + ": the index file");
   const std::string index_name = index_path.string();
   // A tensor listed twice in weight_map is refused (nlohmann alone would keep the last).
   auto index = io::read_json_file(index_path);
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-    throw DataError(index_name + ": field 'weight_map' (an object of tensor name -> shard file) is missing");
-  if (index["weight_map"].empty()) throw DataError(index_name + ": weight_map lists no tensors");
+    throw DataError(fmt::format("{}: field 'weight_map' (an object of tensor name -> shard file) is missing",
+                                index_name));
+  if (index["weight_map"].empty()) throw DataError(fmt::format("{}: weight_map lists no tensors", index_name));
 
   std::map<std::string, std::string> shard_of_tensor;
   std::map<std::string, std::set<std::string>> tensors_of_shard;
   for (const auto& [tensor, shard] : index["weight_map"].items()) {
     if (!shard.is_string())
-      throw DataError(index_name + ": weight_map['" + tensor + "'] must be a shard's file name, got " + shard.dump());
+      throw DataError(fmt::format("{}: weight_map['{}'] must be a shard's file name, got {}",
+                                  index_name, tensor, shard.dump()));
     shard_of_tensor[tensor] = shard.get<std::string>();
     tensors_of_shard[shard.get<std::string>()].insert(tensor);
   }
@@ -135,16 +138,16 @@ inline std::vector<std::filesystem::path> weight_files(const std::filesystem::pa
     for (const auto& entry : header.entries) {
       const auto it = shard_of_tensor.find(entry.name);
       if (it == shard_of_tensor.end())
-        throw DataError(file.string() + ": holds tensor '" + entry.name + "', which the weight_map of " + index_name +
-                        " does not list");
+        throw DataError(fmt::format("{}: holds tensor '{}', which the weight_map of {} does not list",
+                                    file.string(), entry.name, index_name));
       if (it->second != shard)
-        throw DataError(file.string() + ": holds tensor '" + entry.name + "', which the weight_map of " + index_name +
-                        " places in '" + it->second + "'");
+        throw DataError(fmt::format("{}: holds tensor '{}', which the weight_map of {} places in '{}'",
+                                    file.string(), entry.name, index_name, it->second));
     }
     for (const auto& tensor : tensors)
       if (!header.contains(tensor))
-        throw DataError(index_name + ": weight_map places tensor '" + tensor + "' in '" + shard +
-                        "', which does not hold it");
+        throw DataError(fmt::format("{}: weight_map places tensor '{}' in '{}', which does not hold it",
+                                    index_name, tensor, shard));
     files.push_back(file);
   }
   return files;
@@ -166,20 +169,22 @@ inline void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem:
       if (!target) {
         if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
         if (name == "lm_head.weight" && lm->config.tie_word_embeddings) continue;
-        throw DataError(file.string() + ": tensor '" + name + "' is not a parameter of this Llama config");
+        throw DataError(fmt::format("{}: tensor '{}' is not a parameter of this Llama config", file.string(), name));
       }
       const auto piece = shard_of ? shard_of(name, tensor) : tensor;
       if (piece.sizes() != target->sizes())
-        throw DataError(file.string() + ": tensor '" + name + "' has shape " + c10::str(tensor.sizes()) +
-                        (shard_of ? ", whose piece here has shape " + c10::str(piece.sizes()) : std::string()) +
-                        ", config.json implies " + c10::str(target->sizes()));
+        throw DataError(fmt::format("{}: tensor '{}' has shape {}{}, config.json implies {}",
+                                    file.string(), name, c10::str(tensor.sizes()),
+                                    shard_of ? fmt::format(", whose piece here has shape {}", c10::str(piece.sizes()))
+                                             : std::string(),
+                                    c10::str(target->sizes())));
       target->copy_(piece);
       loaded.insert(name);
     }
   }
   for (const auto& item : params)
     if (!loaded.count(item.key()))
-      throw DataError(dir.string() + ": weights lack parameter '" + item.key() + "'");
+      throw DataError(fmt::format("{}: weights lack parameter '{}'", dir.string(), item.key()));
 }
 
 // The dtype a folder's config.json gives its weights ("dtype", or "torch_dtype" before

@@ -1,0 +1,41 @@
+#pragma once
+// The guide's flags as plain values: what the library's training scaffolding (experiment folder,
+// training data) reads. Parsing them is the program's business: train/args.hpp adds them to a
+// CLI::App and defines add_to() and fingerprint(), so that this header does not pull in CLI11.
+#include <cstdint>
+#include <string>
+
+namespace CLI {
+class App;
+}  // namespace CLI
+
+namespace meshtorch::train {
+
+struct TrainArgs {
+  std::string experiment_name;  // empty: no checkpoints, no metrics file
+  std::string dataset_name = "builtin";
+  std::string model_name = "llama-tiny";
+  std::string save_dir = "runs";
+  std::uint64_t seed = 0;
+  std::int64_t num_epochs = 100;
+  double lr = 3e-4;
+  std::int64_t batch_size = 8;
+  std::int64_t log_freq = 10;
+  std::int64_t ckpt_freq = 500;
+  std::int64_t seq_length = 256;
+  std::int64_t max_steps = 0;  // 0: until num_epochs are done
+  std::string device = "auto";
+  std::string dtype = "auto";
+  std::int64_t grad_accum = 1;
+  int threads = 0;  // 0: LibTorch's default
+
+  // Both defined in train/args.hpp.
+  // The flags every rank must share (all that were parsed by the app these were added to).
+  inline std::string fingerprint() const;
+  inline void add_to(CLI::App& app);
+
+ private:
+  const CLI::App* app_ = nullptr;
+};
+
+}  // namespace meshtorch::train
