@@ -32,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/collectives.hpp>
@@ -84,8 +85,9 @@ class ParallelLlama {
     const auto dtype = model_->parameters().front().scalar_type();
     for (auto& [name, leaf] : llama::weight_modules(*model_)) {
       if (!leaf->weight.is_meta())
-        throw ConfigError("parallelize: '" + name + ".weight' is not on the meta device; build the model with "
-                          "torch::TensorOptions().device(torch::kMeta) so that no rank holds it whole");
+        throw ConfigError(fmt::format("parallelize: '{}.weight' is not on the meta device; build the model with "
+                                      "torch::TensorOptions().device(torch::kMeta) so that no rank holds it whole",
+                                      name));
       global_shapes_.emplace_back(name + ".weight", leaf->weight.sizes().vec());
     }
 
@@ -225,9 +227,8 @@ class ParallelLlama {
 
   // "<describe()>: 3145728 of the model's 12582912 parameters held by this rank, float32".
   std::string summary() const {
-    return describe() + ": " + std::to_string(local_numel()) + " of the model's " +
-           std::to_string(model_->config.num_parameters()) + " parameters held by this rank, " +
-           llama::dtype_name(model_->parameters().front().scalar_type());
+    return fmt::format("{}: {} of the model's {} parameters held by this rank, {}", describe(), local_numel(),
+                       model_->config.num_parameters(), llama::dtype_name(model_->parameters().front().scalar_type()));
   }
 
   // The global (unsharded) shape of every weight, by HF name, in the model's order.
@@ -275,8 +276,8 @@ class ParallelLlama {
     const auto piece = piece_of(name, full);
     auto target = trained.at(name);
     if (piece.sizes() != target.sizes())
-      throw DataError(source + ": tensor '" + name + "' gives a piece of shape " + c10::str(piece.sizes()) +
-                      ", this rank holds " + c10::str(target.sizes()));
+      throw DataError(fmt::format("{}: tensor '{}' gives a piece of shape {}, this rank holds {}", source, name,
+                                  c10::str(piece.sizes()), c10::str(target.sizes())));
     target.copy_(piece);
   }
 
@@ -313,17 +314,17 @@ class ParallelLlama {
         if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
         if (name == "lm_head.weight" && model_->config.tie_word_embeddings) continue;
         const auto* shape = shape_of(name);
-        if (!shape) throw DataError(file.string() + ": tensor '" + name + "' is not a weight of this model");
+        if (!shape) throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", file.string(), name));
         if (tensor.sizes().vec() != *shape)
-          throw DataError(file.string() + ": tensor '" + name + "' has shape " + c10::str(tensor.sizes()) +
-                          ", the model needs " + c10::str(c10::IntArrayRef(*shape)));
+          throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", file.string(), name,
+                                      c10::str(tensor.sizes()), c10::str(c10::IntArrayRef(*shape))));
         keep_piece(trained, name, tensor.to(options_.device), file.string());
         loaded.insert(name);
         tensor = torch::Tensor();  // this file's copy of the weight is no longer needed
       }
     }
     for (const auto& [name, shape] : global_shapes_)
-      if (!loaded.count(name)) throw DataError(dir.string() + ": weight '" + name + "' is missing");
+      if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", dir.string(), name));
   }
 
   const std::vector<std::int64_t>* shape_of(const std::string& name) const {

@@ -34,14 +34,14 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include "meshtorch/comm/axis_group.hpp"
-#include "meshtorch/comm/collectives.hpp"
-#include "meshtorch/error.hpp"
-#include "meshtorch/io/atomic_file.hpp"
-#include "meshtorch/io/safetensors.hpp"
-#include "meshtorch/io/safetensors_reader.hpp"
-#include "meshtorch/io/sharded_tensor.hpp"
-#include "meshtorch/train/adamw.hpp"
+#include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/error.hpp>
+#include <meshtorch/io/atomic_file.hpp>
+#include <meshtorch/io/safetensors.hpp>
+#include <meshtorch/io/safetensors_reader.hpp>
+#include <meshtorch/io/sharded_tensor.hpp>
+#include <meshtorch/train/adamw.hpp>
 
 namespace meshtorch::parallel {
 
