@@ -49,8 +49,9 @@ std::vector<nlohmann::json> read_dumps(const fs::path& dir, std::vector<std::str
 }
 
 std::string describe(const nlohmann::json& entry) {
-  return fmt::format("{} #{} over the {} ({})", entry.value("op", "?"), entry.value("seq", 0), entry.value("group", "?"),
-                     entry.value("state", "?"));
+  const std::string detail = entry.value("detail", "");
+  return fmt::format("{} #{} over the {} ({}){}", entry.value("op", "?"), entry.value("seq", 0), entry.value("group", "?"),
+                     entry.value("state", "?"), detail.empty() ? "" : ": " + detail);
 }
 
 }  // namespace

@@ -37,6 +37,14 @@ inline const char* to_string(CollectiveState state) {
   }
 }
 
+// The collective a caller's description names ("FSDP all_gather of 'model.layers.3' on rank 0"
+// is an all_gather): what ranks compare, since descriptions may name the rank.
+inline std::string_view collective_kind(std::string_view op) {
+  for (std::string_view kind : {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier"})
+    if (op.find(kind) != std::string_view::npos) return kind;
+  return op;
+}
+
 // One process group as the recorder knows it: its name (the same on every member, so dumps of
 // different ranks can be matched) and its collective counters.
 struct RecordedGroup {
@@ -52,7 +60,8 @@ struct FlightEntry {
   std::uint64_t id = 0;  // 1, 2, ... over all groups of this process
   const RecordedGroup* group = nullptr;
   std::uint64_t seq = 0;
-  std::string op;
+  std::string op;      // all_reduce, all_gather, ...
+  std::string detail;  // the caller's description when it says more than the op
   std::vector<std::int64_t> shape;
   const char* dtype = "";
   std::chrono::steady_clock::time_point issued, wait_started, ended;
@@ -85,6 +94,7 @@ class FlightRecorder {
 
   // Records a collective being issued on the group `backend` (any pointer unique to the group's
   // communicator); returns its id, 0 when the recorder is off.
+  // `op` is the collective or the caller's description of it.
   std::uint64_t record(const void* backend, std::string_view axis, const std::vector<int>& ranks,
                        std::string_view backend_name, std::string_view op, std::span<const std::int64_t> shape,
                        const char* dtype) {
@@ -97,13 +107,18 @@ class FlightRecorder {
     entry.id = id;
     entry.group = &group;
     entry.seq = ++group.issued;
-    entry.op.assign(op);
+    const std::string_view kind = collective_kind(op);
+    entry.op.assign(kind);
+    if (kind.size() == op.size())
+      entry.detail.clear();
+    else
+      entry.detail.assign(op);
     entry.shape.assign(shape.begin(), shape.end());
     entry.dtype = dtype ? dtype : "";
     entry.issued = now;
     entry.wait_started = entry.ended = {};
     entry.state = CollectiveState::scheduled;
-    if (group.last_op != op) group.last_op.assign(op);
+    if (group.last_op != kind) group.last_op.assign(kind);
     last_ = id;
     return id;
   }
@@ -167,6 +182,7 @@ class FlightRecorder {
       entry["ranks"] = e.group->ranks;
       entry["shape"] = e.shape;
       entry["dtype"] = e.dtype;
+      if (!e.detail.empty()) entry["detail"] = e.detail;
       entry["issued_s"] = wall(e.issued);
       entry["wait_started_s"] = wall(e.wait_started);
       entry["ended_s"] = wall(e.ended);

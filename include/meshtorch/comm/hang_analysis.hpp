@@ -142,8 +142,7 @@ inline std::map<int, RankReport> rank_reports_from_dumps(const std::vector<nlohm
       if (found != reports.end() && found->second.dumped) continue;
       const bool responsive = peer.value("responsive", true);
       if (found == reports.end()) {
-        if (!peer.contains("progress")) continue;
-        RankReport report = rank_report_from_progress(rank, peer["progress"]);
+        RankReport report = rank_report_from_progress(rank, peer.value("progress", nlohmann::json()));
         report.responsive = responsive;
         reports[rank] = std::move(report);
       } else {

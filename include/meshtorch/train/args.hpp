@@ -46,6 +46,7 @@ struct TrainArgs {
   std::string dtype = "auto";
   std::int64_t grad_accum = 1;
   int threads = 0;  // 0: LibTorch's default
+  double timeout_s = 0;  // rendezvous and collectives; 0: MESHTORCH_TIMEOUT, else 600 s
 
   // The flags every rank must share (all that were parsed by the app these were added to).
   std::string fingerprint() const { return app_ ? flags_fingerprint(*app_) : std::string(); }
@@ -85,6 +86,12 @@ struct TrainArgs {
     app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step")
         ->capture_default_str()
         ->check(CLI::PositiveNumber);
+    app.add_option("--timeout", timeout_s,
+                   "seconds a rendezvous or collective may wait before the run ends naming the rank that did not "
+                   "arrive (0: MESHTORCH_TIMEOUT, else 600)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber)
+        ->group(per_rank_flags);
     app.add_option("--threads", threads, "intra-op threads (0: LibTorch's default)")
         ->capture_default_str()
         ->group(per_rank_flags);
