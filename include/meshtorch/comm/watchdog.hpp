@@ -236,6 +236,10 @@ class Watchdog {
   }
 
   void stop() {
+    // The process is ending while another thread names the culprit (a failure seen both by the
+    // main thread, as an exception, and by the watchdog): that thread ends it, with code 124.
+    if (ending_)
+      for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
     {
       std::lock_guard lock(wake_mutex_);
       stopping_ = true;

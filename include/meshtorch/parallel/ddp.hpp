@@ -29,6 +29,8 @@
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/comm/flight_recorder.hpp>
+#include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/parallel/process_group.hpp>
 
@@ -97,6 +99,35 @@ inline void check_same_parameters(const comm::AxisGroup& group,
   throw ConfigError(message.str());
 }
 
+// The Reducer's bucket all-reduce, recorded in the flight recorder (the Reducer's own goes
+// around comm::) with its failure handed to the watchdog. Numerically the Reducer's default: the
+// bucket divided by the group size, then summed.
+class RecordedAllReduceHook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
+ public:
+  RecordedAllReduceHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, comm::AxisGroup group)
+      : CppCommHookInterface(std::move(process_group)), group_(std::move(group)) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    std::vector<at::Tensor> tensors{bucket.getBufferRef()};
+    tensors[0].div_(state_->getSize());
+    const auto record = comm::detail::record_collective("DDP all_reduce", group_, tensors[0]);
+    auto future = state_->allreduce(tensors)->getFuture();
+    // The Reducer waits for it at the end of backward; from here it is pending.
+    comm::FlightRecorder::instance().waiting(record);
+    future->addCallback([record, what = "DDP all_reduce of gradient bucket " + std::to_string(bucket.getIndex()) +
+                                        " over the " + group_.describe()](c10::ivalue::Future& done) {
+      if (done.hasError())
+        comm::Watchdog::instance().collective_failed(record, what, done.tryRetrieveErrorMessage());
+      else
+        comm::FlightRecorder::instance().completed(record);
+    });
+    return future;
+  }
+
+ private:
+  comm::AxisGroup group_;
+};
+
 }  // namespace detail
 
 class DistributedDataParallel {
@@ -159,6 +190,7 @@ class DistributedDataParallel {
                                                /*skip_all_reduce_unused_params=*/false,
                                                /*use_python_reducer=*/false,
                                                /*bucket_bytes_cap_list=*/std::vector<std::int64_t>{});
+    reducer_->register_comm_hook(std::make_unique<detail::RecordedAllReduceHook>(process_group_, group_));
   }
 
  public:
