@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/comm/env.hpp>
 #include <meshtorch/comm/flight_recorder.hpp>
 #include <meshtorch/comm/hang_analysis.hpp>
 
@@ -191,4 +192,19 @@ TEST_CASE("meshtorch-diagnose says when there is nothing to read", "[analysis]")
   const auto output = run_tool(dir, code);
   CHECK(code == 2);
   CHECK_THAT(output, Catch::Contains("no flight recorder dump"));
+}
+
+TEST_CASE("the timeout comes from the flag, else MESHTORCH_TIMEOUT, else 600 s", "[recorder]") {
+  using std::chrono::milliseconds;
+  ::unsetenv("MESHTORCH_TIMEOUT");
+  CHECK(collective_timeout() == milliseconds(600'000));
+  CHECK(collective_timeout(20) == milliseconds(20'000));
+  ::setenv("MESHTORCH_TIMEOUT", "2.5", 1);
+  CHECK(collective_timeout() == milliseconds(2'500));
+  CHECK(collective_timeout(20) == milliseconds(20'000));  // the flag wins
+  ::setenv("MESHTORCH_TIMEOUT", "soon", 1);
+  CHECK_THROWS_WITH(collective_timeout(), Catch::Contains("MESHTORCH_TIMEOUT='soon' is not a positive number of seconds"));
+  ::setenv("MESHTORCH_TIMEOUT", "0", 1);
+  CHECK_THROWS_AS(collective_timeout(), meshtorch::EnvError);
+  ::unsetenv("MESHTORCH_TIMEOUT");
 }

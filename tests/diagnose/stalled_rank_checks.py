@@ -80,8 +80,20 @@ def main():
             time.sleep(1)
             ranks = children(proc.pid)
             victim = next((pid for pid, rank in ranks.items() if rank == stopped_rank), None)
-            if victim is None:
-                sys.exit(f"rank {stopped_rank} not found among meshrun's children {ranks}")
+            survivor = next((pid for pid, rank in ranks.items() if rank != stopped_rank), None)
+            if victim is None or survivor is None:
+                sys.exit(f"rank {stopped_rank} or its peer not found among meshrun's children {ranks}")
+            # A dump on request (SIGUSR2) while the run goes on.
+            requested = logs / "0" / "flight_recorder" / f"rank_{1 - stopped_rank}.json"
+            os.kill(survivor, signal.SIGUSR2)
+            for _ in range(50):
+                if requested.exists():
+                    break
+                time.sleep(0.1)
+            if not requested.exists() or '"reason": "request (SIGUSR2)"' not in requested.read_text():
+                sys.exit(f"SIGUSR2 wrote no dump at {requested}:\n" + "".join(lines))
+            if proc.poll() is not None:
+                sys.exit("the run ended after SIGUSR2:\n" + "".join(lines))
             os.kill(victim, signal.SIGSTOP)
             stopped_at = time.monotonic()
             print(f"stopped rank {stopped_rank} (pid {victim})", flush=True)

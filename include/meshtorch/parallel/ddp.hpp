@@ -100,8 +100,10 @@ inline void check_same_parameters(const comm::AxisGroup& group,
 }
 
 // The Reducer's bucket all-reduce, recorded in the flight recorder (the Reducer's own goes
-// around comm::) with its failure handed to the watchdog. Numerically the Reducer's default: the
-// bucket divided by the group size, then summed.
+// around comm::) with its failure handed to the watchdog. The Reducer's default arithmetic: the
+// bucket divided by the group size, then summed (where the Reducer copies a gradient into the
+// bucket it multiplies by 1/size instead: the same bits for power-of-two groups, the last bit
+// otherwise).
 class RecordedAllReduceHook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
  public:
   RecordedAllReduceHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, comm::AxisGroup group)
@@ -190,7 +192,6 @@ class DistributedDataParallel {
                                                /*skip_all_reduce_unused_params=*/false,
                                                /*use_python_reducer=*/false,
                                                /*bucket_bytes_cap_list=*/std::vector<std::int64_t>{});
-    reducer_->register_comm_hook(std::make_unique<detail::RecordedAllReduceHook>(process_group_, group_));
   }
 
  public:
@@ -208,6 +209,11 @@ class DistributedDataParallel {
   template <class Forward>
   decltype(auto) operator()(Forward&& forward) {
     const bool grad = torch::GradMode::is_enabled();
+    // Unless the program brought its own hook, the buckets are all-reduced through the recording one.
+    if (grad && !comm_hook_registered_) {
+      reducer_->register_comm_hook(std::make_unique<detail::RecordedAllReduceHook>(process_group_, group_));
+      comm_hook_registered_ = true;
+    }
     if (grad && require_sync_) reducer_->prepare_for_forward();
     // After the first step the Reducer re-buckets by the order gradients actually arrived
     // (one broadcast so all ranks agree); afterwards this is a no-op.
@@ -241,7 +247,11 @@ class DistributedDataParallel {
 
   // Replaces the all-reduce of each bucket (as torch's register_comm_hook): e.g. compression,
   // or instrumentation. Call before the first backward.
-  void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) { reducer_->register_comm_hook(std::move(hook)); }
+  // A program's own hook is not recorded in the flight recorder.
+  void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
+    reducer_->register_comm_hook(std::move(hook));
+    comm_hook_registered_ = true;
+  }
 
   // The buckets in the order they are reduced, as lists of parameter names.
   std::vector<std::vector<std::string>> buckets() const {
@@ -273,6 +283,7 @@ class DistributedDataParallel {
   std::vector<torch::Tensor> params_;
   std::unique_ptr<c10d::Reducer> reducer_;
   bool require_sync_ = true;
+  bool comm_hook_registered_ = false;
 };
 
 }  // namespace meshtorch
