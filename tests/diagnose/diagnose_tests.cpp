@@ -186,6 +186,18 @@ TEST_CASE("a rank waiting for a stopped one is not blamed: the wait is followed 
   CHECK_THAT(verdict.text(), Catch::Contains("rank 0 waits in all_gather #10 over the FSDP group [0, 2] (gloo)"));
 }
 
+TEST_CASE("a rank that died of a signal is the culprit, not the peer it was waiting for", "[analysis]") {
+  FlightRecorder one(16);
+  int group = 0;
+  run(one, &group, "DP", {0, 1}, "all_reduce", 12, 1);
+  json dump = dump_of(1, 2, one);
+  dump["reason"] = "fatal signal SIGSEGV";
+  const auto verdict = analyse_hang(rank_reports_from_dumps({dump}));
+  INFO(verdict.text());
+  CHECK(verdict.culprits == std::vector<int>{1});
+  CHECK(verdict.summary == "rank 1 ended on a fatal signal SIGSEGV; it was in all_reduce #12 over the DP group [0, 1] (gloo)");
+}
+
 TEST_CASE("meshtorch-diagnose says when there is nothing to read", "[analysis]") {
   const auto dir = fresh_dir("empty");
   int code = 0;

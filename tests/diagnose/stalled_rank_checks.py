@@ -3,7 +3,10 @@
 must end within 40 s with a non-zero exit code, the output must name the stopped rank and its
 last collective, and meshtorch-diagnose on the log folder must say the same.
 
-usage: stalled_rank_checks.py MESHRUN EXAMPLE MESHTORCH_DIAGNOSE [STOPPED_RANK]
+With "abort" as the last argument the rank gets SIGABRT instead: it must leave its flight
+recorder dump behind (written on the fatal signal), and meshtorch-diagnose must name it.
+
+usage: stalled_rank_checks.py MESHRUN EXAMPLE MESHTORCH_DIAGNOSE [STOPPED_RANK [abort]]
 """
 import os
 import pathlib
@@ -54,6 +57,7 @@ def alive(pid):
 def main():
     meshrun, example, diagnose = sys.argv[1:4]
     stopped_rank = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    abort = len(sys.argv) > 5 and sys.argv[5] == "abort"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("MESHTORCH_FLIGHT_RECORDER_DIR", None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,7 +98,7 @@ def main():
                 sys.exit(f"SIGUSR2 wrote no dump at {requested}:\n" + "".join(lines))
             if proc.poll() is not None:
                 sys.exit("the run ended after SIGUSR2:\n" + "".join(lines))
-            os.kill(victim, signal.SIGSTOP)
+            os.kill(victim, signal.SIGABRT if abort else signal.SIGSTOP)
             stopped_at = time.monotonic()
             print(f"stopped rank {stopped_rank} (pid {victim})", flush=True)
             try:
@@ -111,6 +115,9 @@ def main():
         output = "".join(lines)
         print(output)
         print(f"meshrun exited with {code} {elapsed:.1f} s after the stop")
+        if abort:
+            check_abort(diagnose, logs, stopped_rank, code, output)
+            return
         failures = []
         if elapsed > DEADLINE_S:
             failures.append(f"ended {elapsed:.1f} s after the stop, more than {DEADLINE_S} s")
@@ -138,6 +145,24 @@ def main():
         if failures:
             sys.exit("FAILED:\n  " + "\n  ".join(failures))
         print("ok")
+
+
+def check_abort(diagnose, logs, rank, code, output):
+    failures = []
+    if code == 0:
+        failures.append("meshrun exited with code 0")
+    if f"rank {rank} (node 0, local rank {rank}, attempt 0) failed first: it was killed by SIGABRT" not in output:
+        failures.append(f"meshrun does not report rank {rank} killed by SIGABRT")
+    dump = logs / "0" / "flight_recorder" / f"rank_{rank}.json"
+    if not dump.exists() or '"reason": "fatal signal SIGABRT"' not in dump.read_text():
+        failures.append(f"no dump written on the fatal signal at {dump}")
+    diagnosis = subprocess.run([diagnose, str(logs)], capture_output=True, text=True, timeout=60)
+    print(f"meshtorch-diagnose {logs} ({diagnosis.returncode}):\n{diagnosis.stdout}{diagnosis.stderr}")
+    if f"culprit: rank {rank} ended on a fatal signal SIGABRT" not in diagnosis.stdout:
+        failures.append("meshtorch-diagnose does not name the rank that died")
+    if failures:
+        sys.exit("FAILED:\n  " + "\n  ".join(failures))
+    print("ok")
 
 
 if __name__ == "__main__":

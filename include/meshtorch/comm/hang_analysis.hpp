@@ -44,6 +44,7 @@ struct RankReport {
   int rank = -1;
   bool responsive = true;
   bool dumped = false;
+  std::string fatal;  // "fatal signal SIGSEGV" when its dump was written on one
   std::map<std::string, GroupProgress> groups;
   std::optional<CollectiveRef> last, waiting;
   std::map<std::pair<std::string, std::uint64_t>, std::string> ops;  // from its ring: (group, seq) -> op
@@ -131,6 +132,7 @@ inline std::map<int, RankReport> rank_reports_from_dumps(const std::vector<nlohm
     if (rank < 0) continue;
     RankReport report = rank_report_from_progress(rank, dump.value("progress", nlohmann::json::object()));
     report.dumped = true;
+    if (const std::string reason = dump.value("reason", ""); reason.rfind("fatal signal", 0) == 0) report.fatal = reason;
     add_ring(report, dump.value("entries", nlohmann::json::array()));
     reports[rank] = std::move(report);
   }
@@ -160,6 +162,19 @@ inline HangVerdict analyse_hang(const std::map<int, RankReport>& reports) {
   std::map<std::string, std::vector<int>> members;
   for (const auto& [rank, report] : reports)
     for (const auto& [name, group] : report.groups) members[name] = group.ranks;
+
+  // 0. A rank that died of a signal: the others only wait for it.
+  for (const auto& [rank, report] : reports) {
+    if (report.fatal.empty()) continue;
+    verdict.culprits.push_back(rank);
+    std::string line = fmt::format("rank {} ended on a {}", rank, report.fatal);
+    if (report.waiting)
+      line += "; it was in " + describe_collective(report.waiting->op, report.waiting->seq, report.waiting->group);
+    else if (report.last)
+      line += "; its last collective was " + describe_collective(report.last->op, report.last->seq, report.last->group);
+    (verdict.summary.empty() ? verdict.summary : verdict.details.emplace_back()) = line;
+  }
+  if (!verdict.culprits.empty()) return verdict;
 
   // 1. Desync: the lowest sequence number at which members of a group issued different ops.
   for (const auto& [name, ranks] : members) {

@@ -17,7 +17,9 @@
 //
 // The dump is also written on request (SIGUSR2, or dump_flight_recorder()) and, best effort, on
 // a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, which std::abort raises).
+#include <pthread.h>
 #include <signal.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -188,6 +190,7 @@ class Watchdog {
  private:
   static constexpr auto store_timeout = std::chrono::seconds(2);
   static constexpr auto grace = std::chrono::seconds(10);
+  static constexpr auto fatal_poll = std::chrono::milliseconds(50);
 
   static std::string progress_key(int rank) { return "meshtorch/progress/" + std::to_string(rank); }
   static std::string to_string(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
@@ -215,9 +218,28 @@ class Watchdog {
   }
 
   void loop() {
+    // Process-directed signals go to the other threads, so that a fatal one finds this thread
+    // free to write the dump.
+    sigset_t fatal;
+    sigemptyset(&fatal);
+    for (int signo : {SIGABRT, SIGTERM, SIGINT, SIGUSR2}) sigaddset(&fatal, signo);
+    pthread_sigmask(SIG_BLOCK, &fatal, nullptr);
     std::unique_lock lock(wake_mutex_);
+    auto next_publish = Clock::now();
     while (!stopping_) {
       lock.unlock();
+      if (const int signo = fatal_signal_) {
+        const char* name = ::sigabbrev_np(signo);
+        dump(std::string("fatal signal SIG") + (name ? name : "?"));
+        fatal_dump_done_ = true;
+        return;
+      }
+      if (Clock::now() < next_publish) {
+        lock.lock();
+        wake_.wait_for(lock, fatal_poll, [this] { return stopping_; });
+        continue;
+      }
+      next_publish = Clock::now() + publish_period;
       publish();
       if (dump_requested_.exchange(false)) {
         const auto path = dump("request (SIGUSR2)");
@@ -231,7 +253,7 @@ class Watchdog {
                                             std::chrono::duration<double>(timeout_).count()));
       }
       lock.lock();
-      wake_.wait_for(lock, publish_period, [this] { return stopping_; });
+      wake_.wait_for(lock, fatal_poll, [this] { return stopping_; });
     }
   }
 
@@ -328,13 +350,18 @@ class Watchdog {
     });
   }
 
-  // Not async-signal-safe: a last effort to leave the dump behind, as PyTorch's recorder makes.
+  // The dump is written by the watchdog thread: the thread the signal interrupted may hold a
+  // lock (malloc's, the recorder's) that writing it needs. This one waits up to 3 s for it.
   static void on_fatal_signal(int signo) {
     static std::atomic<bool> once{false};
     if (!once.exchange(true)) {
-      ::alarm(5);  // a dump that deadlocks (the signal hit inside the recorder's lock) ends by SIGALRM
-      const char* name = ::sigabbrev_np(signo);
-      instance().dump(std::string("fatal signal SIG") + (name ? name : "?"));
+      ::alarm(5);  // should the dump hang anyway, SIGALRM ends the process
+      auto& watchdog = instance();
+      watchdog.fatal_signal_ = signo;
+      for (int i = 0; i < 300 && !watchdog.fatal_dump_done_; ++i) {
+        timespec pause{0, 10'000'000};
+        ::nanosleep(&pause, nullptr);
+      }
     }
     ::signal(signo, SIG_DFL);
     ::raise(signo);
@@ -347,6 +374,8 @@ class Watchdog {
   std::filesystem::path dump_dir_;
   std::atomic<bool> armed_{false}, ending_{false}, dump_requested_{false}, store_answers_{true};
   std::atomic<std::int64_t> beat_{0};
+  std::atomic<int> fatal_signal_{0};
+  std::atomic<bool> fatal_dump_done_{false};
 
   std::once_flag started_;
   std::thread thread_;
