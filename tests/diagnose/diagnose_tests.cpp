@@ -198,6 +198,17 @@ TEST_CASE("a rank that died of a signal is the culprit, not the peer it was wait
   CHECK(verdict.summary == "rank 1 ended on a fatal signal SIGSEGV; it was in all_reduce #12 over the DP group [0, 1] (gloo)");
 }
 
+TEST_CASE("a collective every member reached but none completed blames no rank", "[analysis]") {
+  FlightRecorder zero(16), one(16);
+  int group = 0;
+  run(zero, &group, "world", {0, 1}, "all_reduce", 5, 1);
+  run(one, &group, "world", {0, 1}, "all_reduce", 5, 1);
+  const auto verdict = analyse_hang(rank_reports_from_dumps({dump_of(0, 2, zero), dump_of(1, 2, one)}));
+  INFO(verdict.text());
+  CHECK(verdict.culprits.empty());
+  CHECK_THAT(verdict.summary, Catch::StartsWith("no rank is missing from all_reduce #5 over the world group [0, 1] (gloo)"));
+}
+
 TEST_CASE("meshtorch-diagnose says when there is nothing to read", "[analysis]") {
   const auto dir = fresh_dir("empty");
   int code = 0;

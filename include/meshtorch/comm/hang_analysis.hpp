@@ -307,7 +307,14 @@ inline HangVerdict analyse_hang(const std::map<int, RankReport>& reports) {
           "rank {} waits in {}{}", rank, describe_collective(report.waiting->op, report.waiting->seq, report.waiting->group),
           report.waiting->seconds >= 0 ? fmt::format(" ({:.1f} s)", report.waiting->seconds) : ""));
   if (verdict.summary.empty()) {
-    verdict.summary = "no culprit found: every rank reported progress and none waits for a missing peer";
+    auto waiter = std::find_if(reports.begin(), reports.end(), [](const auto& r) { return r.second.waiting.has_value(); });
+    verdict.summary =
+        waiter == reports.end()
+            ? "no culprit found: every rank reported progress and none waits for a missing peer"
+            : fmt::format("no rank is missing from {}, yet it has not completed: the network or a member's backend is "
+                          "stuck (every member answers and has issued it)",
+                          describe_collective(waiter->second.waiting->op, waiter->second.waiting->seq,
+                                              waiter->second.waiting->group));
   }
   return verdict;
 }
