@@ -24,11 +24,13 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env,
   try {
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
   } catch (const std::exception& e) {
+    // c10's message carries a C++ backtrace after its first line; the first line says it all.
+    const std::string why = e.what();
     throw CommError("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
                     ": rendezvous at " + env.master_addr + ":" + std::to_string(env.master_port) +
                     " failed within " + std::to_string(timeout.count()) +
                     " ms (is every rank started, and MASTER_ADDR/MASTER_PORT the same on all?): " +
-                    e.what());
+                    why.substr(0, why.find('\n')));
   }
 }
 
