@@ -12,6 +12,7 @@
 // Standard library, fmt and nlohmann-json only: the diagnose tool needs no LibTorch.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <optional>
 #include <set>
