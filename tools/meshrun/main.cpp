@@ -59,7 +59,8 @@ void install_signal_handlers() {
 std::string encode(const Failure& f) {
   return std::to_string(f.global_rank) + "\t" + std::to_string(f.exit_code) + "\t" + std::to_string(f.node_rank) +
          "\t" + std::to_string(f.local_rank) + "\t" + one_line(f.how) + "\t" + one_line(f.error_file) + "\t" +
-         one_line(f.message) + "\t" + one_line(f.log_file);
+         one_line(f.message) + "\t" + one_line(f.log_file) + "\t" + one_line(f.culprit) + "\t" +
+         one_line(f.flight_recorder);
 }
 
 std::optional<Failure> decode(const std::vector<std::string>& fields, std::size_t first) {
@@ -73,6 +74,10 @@ std::optional<Failure> decode(const std::vector<std::string>& fields, std::size_
   f.error_file = fields[first + 5];
   f.message = fields[first + 6];
   f.log_file = fields[first + 7];
+  if (fields.size() >= first + 10) {
+    f.culprit = fields[first + 8];
+    f.flight_recorder = fields[first + 9];
+  }
   return f;
 }
 
@@ -88,6 +93,12 @@ void report(const Failure& f, int attempt) {
   else
     say("  no error file at " + f.error_file + " (a program records one with meshtorch::comm::run_recorded)");
   if (!f.log_file.empty()) say("  its stderr: " + f.log_file);
+  // A rank that ended on a stalled collective names who stalled it: that is the rank to look at.
+  if (!f.culprit.empty()) {
+    say("the job stalled: " + f.culprit + " (named by rank " + std::to_string(f.global_rank) + ")");
+    if (!f.flight_recorder.empty())
+      say("  flight recorder dumps: " + f.flight_recorder + " (meshtorch-diagnose " + f.flight_recorder + ")");
+  }
 }
 
 class Supervisor {
@@ -193,6 +204,8 @@ class Supervisor {
     if (!stopping_) kill_deadline_ = Clock::now() + std::chrono::milliseconds(static_cast<long long>(options_.termination_grace_s * 1000));
     stopping_ = true;
     group_.signal_all(signo);
+    // A stopped rank (SIGSTOP, a debugger's stop) acts on no signal but SIGKILL until continued.
+    if (signo != SIGKILL) group_.signal_all(SIGCONT);
   }
 
   // Records the job's first failure and stops every rank, on every node.

@@ -40,6 +40,8 @@ struct Failure {
   int exit_code = 1;     // what meshrun exits with: the rank's code, or 128 + signal
   std::string how;       // "exited with code 3", "was killed by SIGKILL"
   std::string error_file, message, log_file;
+  // From a meshtorch watchdog's error file: the rank(s) a stalled collective waited for.
+  std::string culprit, flight_recorder;
   int node_rank = 0, local_rank = -1;
 
   bool restartable() const { return global_rank >= 0; }
@@ -77,6 +79,21 @@ inline std::string read_error_message(const fs::path& path) {
   if (message.is_object() && message.contains("message") && message["message"].is_string())
     return message["message"].get<std::string>();
   return message.dump();
+}
+
+// The culprit a meshtorch watchdog names in the error file's extraInfo ("culprit", and the
+// folder of its flight recorder dumps), empty for other errors.
+inline std::pair<std::string, std::string> read_error_culprit(const fs::path& path) {
+  std::ifstream file(path);
+  if (!file) return {};
+  auto json = nlohmann::json::parse(file, nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded() || !json.contains("message") || !json["message"].is_object()) return {};
+  const auto& extra = json["message"].value("extraInfo", nlohmann::json::object());
+  if (!extra.is_object()) return {};
+  auto text = [&](const char* key) {
+    return extra.contains(key) && extra[key].is_string() ? extra[key].get<std::string>() : std::string();
+  };
+  return {text("culprit"), text("flight_recorder")};
 }
 
 class WorkerGroup {
@@ -133,6 +150,7 @@ class WorkerGroup {
         if (!w.exec_error.empty()) failure.how = "could not be started: " + w.exec_error;
         failure.error_file = w.error_file.string();
         failure.message = read_error_message(w.error_file);
+        std::tie(failure.culprit, failure.flight_recorder) = read_error_culprit(w.error_file);
         if (settings_.redirects & 2) failure.log_file = (w.dir / "stderr.log").string();
         failures.push_back(failure);
         break;
@@ -216,6 +234,9 @@ class WorkerGroup {
     variables["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
     variables["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(settings_.max_restarts);
     variables["TORCHELASTIC_ERROR_FILE"] = w.error_file.string();
+    // Where meshtorch ranks write their flight recorder on a timeout, beside their logs.
+    if (!variables.count("MESHTORCH_FLIGHT_RECORDER_DIR"))
+      variables["MESHTORCH_FLIGHT_RECORDER_DIR"] = (settings_.run_dir / std::to_string(attempt) / "flight_recorder").string();
     if (settings_.set_omp_num_threads) variables["OMP_NUM_THREADS"] = "1";
     std::vector<std::string> result;
     for (auto& [name, value] : variables) result.push_back(name + "=" + value);

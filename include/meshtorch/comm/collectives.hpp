@@ -114,7 +114,7 @@ inline Work<torch::Tensor> all_reduce_async(const AxisGroup& group, torch::Tenso
   c10d::AllreduceOptions options;
   options.reduceOp = detail::to_c10d(op);
   options.timeout = group.timeout();
-  auto work = detail::issue("all_reduce", group,
+  auto work = detail::issue("all_reduce", group, buffer,
                             [&] { return group.backend()->allreduce(buffers, options); });
   return {work,
           [tensor, buffer, op, n = group.size()]() mutable {
@@ -141,7 +141,7 @@ inline Work<torch::Tensor> all_gather_async(const AxisGroup& group, const torch:
   std::vector<torch::Tensor> inputs{input};
   c10d::AllgatherOptions options;
   options.timeout = group.timeout();
-  auto work = detail::issue("all_gather", group,
+  auto work = detail::issue("all_gather", group, input,
                             [&] { return group.backend()->allgather(outputs, inputs, options); });
   return {work, [pieces = outputs[0], input, d] { return torch::cat(pieces, d); }, "all_gather",
           group};
@@ -164,7 +164,7 @@ inline Work<torch::Tensor> reduce_scatter_async(const AxisGroup& group, const to
   c10d::ReduceScatterOptions options;
   options.reduceOp = detail::to_c10d(op);
   options.timeout = group.timeout();
-  auto work = detail::issue("reduce_scatter", group, [&] {
+  auto work = detail::issue("reduce_scatter", group, tensor, [&] {
     return group.backend()->reduce_scatter(outputs, inputs, options);
   });
   return {work,
@@ -193,7 +193,7 @@ inline Work<torch::Tensor> broadcast_async(const AxisGroup& group, torch::Tensor
   c10d::BroadcastOptions options;
   options.rootRank = source;
   options.timeout = group.timeout();
-  auto work = detail::issue("broadcast", group,
+  auto work = detail::issue("broadcast", group, buffer,
                             [&] { return group.backend()->broadcast(buffers, options); });
   return {work,
           [tensor, buffer]() mutable {
@@ -221,7 +221,7 @@ inline Work<torch::Tensor> all_to_all_async(const AxisGroup& group, const torch:
   std::vector<int64_t> equal_splits;
   c10d::AllToAllOptions options;
   options.timeout = group.timeout();
-  auto work = detail::issue("all_to_all", group, [&] {
+  auto work = detail::issue("all_to_all", group, input, [&] {
     return group.backend()->alltoall_base(output, input, equal_splits, equal_splits, options);
   });
   return {work, [output, input, concat] { return torch::cat(output.unbind(0), concat); },

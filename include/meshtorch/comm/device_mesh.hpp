@@ -25,6 +25,7 @@
 #include <meshtorch/comm/fingerprint.hpp>
 #include <meshtorch/comm/local_device.hpp>
 #include <meshtorch/comm/rendezvous.hpp>
+#include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/layout/mesh_shape.hpp>
@@ -34,8 +35,8 @@ namespace meshtorch::comm {
 struct InitOptions {
   Device device = Device::cpu;
   // Bounds the rendezvous, the fingerprint exchange, group creation and, by default, every
-  // collective of the mesh's groups.
-  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+  // collective of the mesh's groups. Default: MESHTORCH_TIMEOUT seconds, else 600 s.
+  std::chrono::milliseconds timeout = collective_timeout();
   // Compared across ranks with the mesh type: put the plan, model config and flags that must
   // agree here.
   std::string fingerprint;
@@ -194,6 +195,8 @@ DeviceMesh<M> init(InitOptions options) {
   std::vector<int> everyone(static_cast<std::size_t>(env.world_size));
   for (int r = 0; r < env.world_size; ++r) everyone[r] = r;
   mesh.world_ = make_group("world", "meshtorch/world/", std::move(everyone));
+  // Progress reports through the store, so a stalled collective names its culprit.
+  if (env.world_size > 1) Watchdog::instance().attach(store, env.rank, env.world_size, options.timeout);
   return mesh;
 }
 

@@ -3,6 +3,7 @@
 // read from whichever launcher started it (torchrun or meshrun, Slurm's srun, OpenMPI's mpirun).
 // Standard library only, so the launcher and tools can use it without LibTorch.
 #include <charconv>
+#include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <optional>
@@ -236,6 +237,22 @@ inline LaunchEnv launch_env_from(const EnvLookup& lookup) {
   if (auto addr = lookup("MASTER_ADDR")) env.master_addr = *addr;
   if (auto port = lookup("MASTER_PORT")) env.master_port = detail::integer_variable("MASTER_PORT", *port, 1, 65535);
   return env;
+}
+
+// The timeout of rendezvous and of every collective: `seconds` when positive (the --timeout
+// flag), else MESHTORCH_TIMEOUT (seconds), else 600 s, torch.distributed's default for Gloo.
+inline std::chrono::milliseconds collective_timeout(double seconds = 0) {
+  if (!(seconds > 0)) {
+    seconds = 600;
+    if (const char* text = std::getenv("MESHTORCH_TIMEOUT"); text && *text) {
+      char* end = nullptr;
+      seconds = std::strtod(text, &end);
+      if (*end != '\0' || !(seconds > 0) || seconds > 1e7)
+        throw EnvError(std::string("MESHTORCH_TIMEOUT='") + text + "' is not a positive number of seconds");
+    }
+  }
+  if (seconds > 1e7) throw EnvError("a timeout of " + std::to_string(seconds) + " s is longer than 10^7 s");
+  return std::chrono::milliseconds(static_cast<long long>(seconds * 1000 + 0.5));
 }
 
 inline LaunchEnv launch_env() {

@@ -24,10 +24,13 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env,
   try {
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
   } catch (const std::exception& e) {
+    // c10's message carries a C++ backtrace after its first line; the first line says it all.
+    const std::string why = e.what();
     throw CommError(fmt::format("rank {} of {}: rendezvous at {}:{} failed within {} ms (is every rank started, and "
                                 "MASTER_ADDR/MASTER_PORT the same on all?): {}",
                                 env.rank, env.world_size, env.master_addr, env.master_port, timeout.count(),
-                                e.what()));
+                                why.substr(0, why.find('
+'))));
   }
 }
 

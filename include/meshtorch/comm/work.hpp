@@ -8,6 +8,10 @@
 // timeout there would make ProcessGroupNCCL block the host until the collective ends, making TP
 // and FSDP host-synchronous. NCCL's limit is the process group's own timeout, enforced by its
 // watchdog.
+//
+// Every collective issued through detail::issue and waited through Work::wait is recorded in the
+// flight recorder (comm/flight_recorder.hpp); a failed wait goes to the watchdog, which, once
+// armed by launch(), names the rank that stalled and ends the process (comm/watchdog.hpp).
 #include <chrono>
 #include <exception>
 #include <functional>
@@ -19,6 +23,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/comm/flight_recorder.hpp>
+#include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/error.hpp>
 
 namespace meshtorch::comm {
@@ -30,15 +36,46 @@ inline CommError collective_error(std::string_view collective, const AxisGroup& 
   return CommError(fmt::format("{} over the {} failed: {}", collective, group.describe(), why));
 }
 
-// Issues a c10d call, turning its synchronous errors into CommErrors.
+// The flight recorder's id of the collective this thread issued last; the Work made from it
+// takes it over.
+inline thread_local std::uint64_t last_recorded = 0;
+
+inline std::uint64_t record_collective(std::string_view collective, const AxisGroup& group,
+                                       const at::Tensor& tensor) {
+  auto& recorder = FlightRecorder::instance();
+  if (!recorder.enabled() || !group.backend()) return 0;
+  std::string backend_name;
+  try {
+    backend_name = group.backend()->getBackendName();
+  } catch (const std::exception&) {
+  }
+  return recorder.record(group.backend().get(), group.axis_name(), group.ranks(), backend_name, collective,
+                         tensor.defined() ? std::span<const std::int64_t>(tensor.sizes().data(), tensor.sizes().size())
+                                          : std::span<const std::int64_t>(),
+                         tensor.defined() ? c10::toString(tensor.scalar_type()) : "");
+}
+
+// Issues a c10d call, turning its synchronous errors into CommErrors, and records it (with the
+// shape and dtype of `tensor`, when given) in the flight recorder.
+template <class Issue>
+c10::intrusive_ptr<c10d::Work> issue(std::string_view collective, const AxisGroup& group,
+                                     const at::Tensor& tensor, Issue&& call) {
+  // Recorded before it is issued: an issue that blocks (a communicator set up lazily) shows.
+  const std::uint64_t record = record_collective(collective, group, tensor);
+  try {
+    auto work = std::forward<Issue>(call)();
+    last_recorded = record;
+    return work;
+  } catch (const std::exception& e) {
+    FlightRecorder::instance().failed(record);
+    throw collective_error(collective, group, e.what());
+  }
+}
+
 template <class Issue>
 c10::intrusive_ptr<c10d::Work> issue(std::string_view collective, const AxisGroup& group,
                                      Issue&& call) {
-  try {
-    return std::forward<Issue>(call)();
-  } catch (const std::exception& e) {
-    throw collective_error(collective, group, e.what());
-  }
+  return issue(collective, group, at::Tensor(), std::forward<Issue>(call));
 }
 
 }  // namespace detail
@@ -49,6 +86,7 @@ class Work {
   Work(c10::intrusive_ptr<c10d::Work> work, std::function<Result()> finish,
        std::string collective, AxisGroup group)
       : work_(std::move(work)),
+        record_(work_ ? std::exchange(detail::last_recorded, 0) : 0),
         finish_(std::move(finish)),
         collective_(std::move(collective)),
         group_(std::move(group)) {}
@@ -65,6 +103,7 @@ class Work {
   Result wait() {
     if (result_) return *result_;
     if (work_) {
+      FlightRecorder::instance().waiting(record_);
       try {
         // Gloo's wait throws once the timeout passes without completion.
         if (group_.device() == Device::cpu)
@@ -72,10 +111,12 @@ class Work {
         else
           work_->wait();
       } catch (const std::exception& e) {
+        Watchdog::instance().collective_failed(record_, collective_ + " over the " + group_.describe(), e.what());
         throw detail::collective_error(
             collective_, group_,
             fmt::format("{} (timeout {} ms)", e.what(), group_.timeout().count()));
       }
+      FlightRecorder::instance().completed(record_);
     }
     result_ = finish_();
     return *result_;
@@ -83,6 +124,7 @@ class Work {
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
+  std::uint64_t record_ = 0;  // in the flight recorder
   std::function<Result()> finish_;
   std::string collective_;
   AxisGroup group_;

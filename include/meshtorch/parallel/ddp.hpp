@@ -29,6 +29,8 @@
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/comm/flight_recorder.hpp>
+#include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/parallel/process_group.hpp>
 
@@ -96,6 +98,37 @@ inline void check_same_parameters(const comm::AxisGroup& group,
           << "with the same config on every rank.";
   throw ConfigError(message.str());
 }
+
+// The Reducer's bucket all-reduce, recorded in the flight recorder (the Reducer's own goes
+// around comm::) with its failure handed to the watchdog. The Reducer's default arithmetic: the
+// bucket divided by the group size, then summed (where the Reducer copies a gradient into the
+// bucket it multiplies by 1/size instead: the same bits for power-of-two groups, the last bit
+// otherwise).
+class RecordedAllReduceHook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
+ public:
+  RecordedAllReduceHook(c10::intrusive_ptr<c10d::ProcessGroup> process_group, comm::AxisGroup group)
+      : CppCommHookInterface(std::move(process_group)), group_(std::move(group)) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    std::vector<at::Tensor> tensors{bucket.getBufferRef()};
+    tensors[0].div_(state_->getSize());
+    const auto record = comm::detail::record_collective("DDP all_reduce", group_, tensors[0]);
+    auto future = state_->allreduce(tensors)->getFuture();
+    // The Reducer waits for it at the end of backward; from here it is pending.
+    comm::FlightRecorder::instance().waiting(record);
+    future->addCallback([record, what = "DDP all_reduce of gradient bucket " + std::to_string(bucket.getIndex()) +
+                                        " over the " + group_.describe()](c10::ivalue::Future& done) {
+      if (done.hasError())
+        comm::Watchdog::instance().collective_failed(record, what, done.tryRetrieveErrorMessage());
+      else
+        comm::FlightRecorder::instance().completed(record);
+    });
+    return future;
+  }
+
+ private:
+  comm::AxisGroup group_;
+};
 
 }  // namespace detail
 
@@ -176,6 +209,11 @@ class DistributedDataParallel {
   template <class Forward>
   decltype(auto) operator()(Forward&& forward) {
     const bool grad = torch::GradMode::is_enabled();
+    // Unless the program brought its own hook, the buckets are all-reduced through the recording one.
+    if (grad && !comm_hook_registered_) {
+      reducer_->register_comm_hook(std::make_unique<detail::RecordedAllReduceHook>(process_group_, group_));
+      comm_hook_registered_ = true;
+    }
     if (grad && require_sync_) reducer_->prepare_for_forward();
     // After the first step the Reducer re-buckets by the order gradients actually arrived
     // (one broadcast so all ranks agree); afterwards this is a no-op.
@@ -209,7 +247,11 @@ class DistributedDataParallel {
 
   // Replaces the all-reduce of each bucket (as torch's register_comm_hook): e.g. compression,
   // or instrumentation. Call before the first backward.
-  void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) { reducer_->register_comm_hook(std::move(hook)); }
+  // A program's own hook is not recorded in the flight recorder.
+  void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
+    reducer_->register_comm_hook(std::move(hook));
+    comm_hook_registered_ = true;
+  }
 
   // The buckets in the order they are reduced, as lists of parameter names.
   std::vector<std::vector<std::string>> buckets() const {
@@ -241,6 +283,7 @@ class DistributedDataParallel {
   std::vector<torch::Tensor> params_;
   std::unique_ptr<c10d::Reducer> reducer_;
   bool require_sync_ = true;
+  bool comm_hook_registered_ = false;
 };
 
 }  // namespace meshtorch

@@ -130,7 +130,7 @@ inline void all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output,
   }
   c10d::AllgatherOptions options;
   options.timeout = group.timeout();
-  wait(comm::detail::issue(what, group, [&] { return group.backend()->_allgather_base(output, input, options); }),
+  wait(comm::detail::issue(what, group, input, [&] { return group.backend()->_allgather_base(output, input, options); }),
        what, group);
 }
 
@@ -146,7 +146,7 @@ inline void reduce_scatter_mean_flat(const comm::AxisGroup& group, torch::Tensor
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;  // Gloo has no AVG: divided below
   options.timeout = group.timeout();
-  wait(comm::detail::issue(what, group,
+  wait(comm::detail::issue(what, group, input,
                            [&] { return group.backend()->_reduce_scatter_base(output, input, options); }),
        what, group);
   output.div_(group.size());

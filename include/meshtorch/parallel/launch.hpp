@@ -2,11 +2,16 @@
 // launch<Mesh>(args): the start of every distributed chapter, in one call: intra-op threads,
 // where this rank sits (torchrun, meshrun, Slurm or OpenMPI variables), its device and dtype, the
 // mesh (rendezvous, every flag compared across ranks, one process group per axis) and the
-// rank's banner; then the seed.
+// rank's banner; then the seed. It arms the watchdog (comm/watchdog.hpp): rendezvous and every
+// collective are bounded by --timeout (or MESHTORCH_TIMEOUT, else 600 s), and a collective that
+// stalls ends every rank with an error naming the rank that did not arrive, after writing the
+// flight recorder to flight_recorder_dir(args).
 //
 //   using Mesh = mt::Mesh<mt::FSDP<mt::dynamic>, mt::TP<mt::dynamic>>;
 //   auto run = mt::launch<Mesh>(args, {mt::from_world_size, args.tp});
 //   run.mesh.group<mt::TP>() ... run.device ... run.log.info(...)
+#include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,6 +20,7 @@
 
 #include <meshtorch/comm/device_mesh.hpp>
 #include <meshtorch/comm/env.hpp>
+#include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/train/args.hpp>
 #include <meshtorch/train/device.hpp>
@@ -31,6 +37,16 @@ struct Launch {
   train::Logger log;
 };
 
+// Where ranks dump their flight recorder: MESHTORCH_FLIGHT_RECORDER_DIR, else the experiment's
+// folder (<save-dir>/<name>/flight_recorder), else a folder in the temporary directory named by
+// the rendezvous port, which all ranks of a job share.
+inline std::filesystem::path flight_recorder_dir(const train::TrainArgs& args, const comm::LaunchEnv& env) {
+  if (const char* dir = std::getenv("MESHTORCH_FLIGHT_RECORDER_DIR"); dir && *dir) return dir;
+  if (!args.experiment_name.empty())
+    return std::filesystem::path(args.save_dir) / args.experiment_name / "flight_recorder";
+  return std::filesystem::temp_directory_path() / ("meshtorch-flight-recorder-" + std::to_string(env.master_port));
+}
+
 // `extents` are the mesh's dynamic extents (see comm::InitOptions::extents). `plan` is added to
 // the flags in the fingerprint: anything else all ranks must agree on.
 template <MeshType M>
@@ -40,9 +56,11 @@ Launch<M> launch(const train::TrainArgs& args, std::vector<int> extents = {}, co
   const auto device = train::resolve_device(args.device, env.local_rank);
   const auto dtype = train::resolve_dtype(args.dtype, device);
   auto mesh = comm::init<M>({.device = device.is_cuda() ? comm::Device::cuda : comm::Device::cpu,
+                             .timeout = comm::collective_timeout(args.timeout_s),
                              .fingerprint = args.fingerprint() + plan,
                              .env = env,
                              .extents = std::move(extents)});
+  if (mesh.world_size() > 1) comm::Watchdog::instance().arm(flight_recorder_dir(args, env));
   train::Logger log(mesh.rank());
   log.info(mesh.describe());
   torch::manual_seed(args.seed);

@@ -69,6 +69,12 @@ inline void TrainArgs::add_to(CLI::App& app) {
   app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--timeout", timeout_s,
+                 "seconds a rendezvous or collective may wait before the run ends naming the rank that did not "
+                 "arrive (0: MESHTORCH_TIMEOUT, else 600)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber)
+      ->group(per_rank_flags);
   app.add_option("--threads", threads, "intra-op threads (0: LibTorch's default)")
       ->capture_default_str()
       ->group(per_rank_flags);

@@ -28,6 +28,7 @@ struct TrainArgs {
   std::string dtype = "auto";
   std::int64_t grad_accum = 1;
   int threads = 0;  // 0: LibTorch's default
+  double timeout_s = 0;  // rendezvous and collectives; 0: MESHTORCH_TIMEOUT, else 600 s
 
   // Both defined in train/args.hpp.
   // The flags every rank must share (all that were parsed by the app these were added to).

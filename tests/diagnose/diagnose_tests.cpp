@@ -1,0 +1,233 @@
+// The flight recorder and the hang analysis on synthetic dumps: what the watchdog and
+// meshtorch-diagnose conclude for a stopped rank, a desync, and a rank blocked by another.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <meshtorch/comm/env.hpp>
+#include <meshtorch/comm/flight_recorder.hpp>
+#include <meshtorch/comm/hang_analysis.hpp>
+
+using namespace meshtorch::comm;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::vector<std::int64_t> shape{4, 8};
+
+// Issues `count` collectives named `op` on the group `backend`, completing all but `pending`
+// of the last ones; the last pending one is being waited on.
+void run(FlightRecorder& recorder, const void* backend, const std::string& axis, const std::vector<int>& ranks,
+         const std::string& op, int count, int pending = 0) {
+  for (int i = 0; i < count; ++i) {
+    auto id = recorder.record(backend, axis, ranks, "gloo", op, shape, "Float");
+    if (i < count - pending)
+      recorder.completed(id);
+    else
+      recorder.waiting(id);
+  }
+}
+
+json dump_of(int rank, int world_size, const FlightRecorder& recorder, json peers = nullptr) {
+  json out = {{"format", "meshtorch-flight-recorder"}, {"version", 1},
+              {"rank", rank}, {"world_size", world_size},
+              {"progress", recorder.progress()}, {"entries", recorder.entries()}};
+  if (!peers.is_null()) out["peers"] = peers;
+  return out;
+}
+
+// A unique empty folder under the temporary directory.
+fs::path fresh_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / fmt::format("meshtorch-diagnose-{}-{}", name, ::getpid());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::string run_tool(const fs::path& dir, int& code) {
+  const auto out = dir / "tool.out";
+  code = std::system(fmt::format("{} {} > {} 2>&1", MESHTORCH_DIAGNOSE_PATH, dir.string(), out.string()).c_str());
+  code = WIFEXITED(code) ? WEXITSTATUS(code) : -1;
+  std::ifstream in(out);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+}  // namespace
+
+TEST_CASE("the flight recorder numbers collectives per group and keeps the last N", "[recorder]") {
+  FlightRecorder recorder(4);
+  int world = 0, tp = 0;
+  run(recorder, &world, "world", {0, 1}, "all_reduce", 3);
+  run(recorder, &tp, "TP", {0, 1}, "all_gather", 3, 1);
+  const json progress = recorder.progress();
+  REQUIRE(progress["groups"].size() == 2);
+  CHECK(progress["groups"][0]["group"] == "world group [0, 1] (gloo)");
+  CHECK(progress["groups"][0]["issued"] == 3);
+  CHECK(progress["groups"][0]["completed"] == 3);
+  CHECK(progress["groups"][1]["issued"] == 3);
+  CHECK(progress["groups"][1]["completed"] == 2);
+  CHECK(progress["waiting"]["seq"] == 3);
+  CHECK(progress["waiting"]["op"] == "all_gather");
+  CHECK(progress["last"]["group"] == "TP group [0, 1] (gloo)");
+  const json entries = recorder.entries();
+  REQUIRE(entries.size() == 4);  // the ring holds the last 4 of 6
+  CHECK(entries[0]["op"] == "all_reduce");
+  CHECK(entries[0]["seq"] == 3);
+  CHECK(entries[3]["seq"] == 3);
+  CHECK(entries[3]["state"] == "waiting");
+  CHECK(entries[3]["shape"] == json::array({4, 8}));
+  CHECK(entries[3]["dtype"] == "Float");
+  CHECK(entries[3]["ended_s"].is_null());
+  CHECK(entries[2]["ended_s"].get<double>() >= entries[2]["issued_s"].get<double>());
+  REQUIRE(recorder.longest_wait());
+  CHECK(recorder.longest_wait()->op == "all_gather");
+}
+
+TEST_CASE("recording a collective costs well under a microsecond", "[recorder]") {
+  FlightRecorder recorder(2000);
+  int group = 0;
+  const std::vector<int> ranks{0, 1, 2, 3};
+  constexpr int n = 200'000;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < n; ++i) {
+    auto id = recorder.record(&group, "FSDP", ranks, "gloo", "all_gather", shape, "Float");
+    recorder.waiting(id);
+    recorder.completed(id);
+  }
+  const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count() / n;
+  WARN(fmt::format("record + wait + complete: {:.0f} ns per collective", ns));
+  CHECK(ns < 2000);
+}
+
+TEST_CASE("a stopped rank is named with the collective it missed and its last one", "[analysis]") {
+  // Rank 0 waits in all_reduce #57; rank 1 published #50 before it stopped (its last report is
+  // up to a second old), but rank 0 completed #56 with it.
+  FlightRecorder zero(100), one(100);
+  int group = 0;
+  run(zero, &group, "world", {0, 1}, "all_reduce", 57, 1);
+  run(one, &group, "world", {0, 1}, "all_reduce", 50);
+  const json peers = {{"1", {{"responsive", false}, {"progress", one.progress()}}}};
+  const auto dir = fresh_dir("stopped");
+  std::ofstream(dir / "rank_0.json") << dump_of(0, 2, zero, peers).dump();
+
+  const auto verdict = analyse_hang(rank_reports_from_dumps({dump_of(0, 2, zero, peers)}));
+  INFO(verdict.text());
+  CHECK(verdict.culprits == std::vector<int>{1});
+  CHECK_THAT(verdict.summary, Catch::Contains("rank 1 did not arrive at all_reduce #57 over the world group [0, 1] "
+                                              "(gloo), where rank 0 is waiting"));
+  CHECK_THAT(verdict.summary, Catch::Contains("it stopped responding"));
+  CHECK_THAT(verdict.summary,
+             Catch::Contains("its last collective was all_reduce #56 over the world group [0, 1] (gloo)"));
+
+  int code = 0;
+  const auto output = run_tool(dir, code);
+  INFO(output);
+  CHECK(code == 0);
+  CHECK_THAT(output, Catch::Contains("no dump from rank(s) 1"));
+  CHECK_THAT(output, Catch::Contains("culprit: rank 1 did not arrive at all_reduce #57"));
+}
+
+TEST_CASE("a desync names the rank that issued another collective under the same number", "[analysis]") {
+  // Ranks 0-2 are in reduce_scatter #812 of the FSDP group, rank 3 in all_gather #812.
+  std::vector<json> dumps;
+  int group = 0;
+  const std::vector<int> ranks{0, 1, 2, 3};
+  const auto dir = fresh_dir("desync");
+  for (int r = 0; r < 4; ++r) {
+    FlightRecorder recorder(16);
+    // Descriptions that name the rank are no desync: ranks compare the collective.
+    run(recorder, &group, "FSDP", ranks, fmt::format("FSDP all_gather of 'layers.0' on rank {}", r), 811);
+    run(recorder, &group, "FSDP", ranks, r == 3 ? "all_gather" : "reduce_scatter", 1, 1);
+    dumps.push_back(dump_of(r, 4, recorder));
+    std::ofstream(dir / fmt::format("rank_{}.json", r)) << dumps.back().dump();
+  }
+  const auto verdict = analyse_hang(rank_reports_from_dumps(dumps));
+  INFO(verdict.text());
+  CHECK(verdict.culprits == std::vector<int>{3});
+  CHECK_THAT(verdict.summary, Catch::Contains("rank 3 is in all_gather #812 over the FSDP group [0, 1, 2, 3] (gloo) "
+                                              "while ranks 0, 1, 2 are in reduce_scatter #812"));
+  int code = 0;
+  const auto output = run_tool(dir, code);
+  INFO(output);
+  CHECK(code == 0);
+  CHECK_THAT(output, Catch::Contains("rank 3 is in all_gather #812"));
+}
+
+TEST_CASE("a rank waiting for a stopped one is not blamed: the wait is followed to its root", "[analysis]") {
+  // 2D mesh: rank 0 waits in FSDP #10 for rank 2, which waits in TP #20 for rank 3 (stopped).
+  FlightRecorder r0(64), r1(64), r2(64), r3(64);
+  int fsdp02 = 0, fsdp13 = 0, tp01 = 0, tp23 = 0;
+  run(r0, &fsdp02, "FSDP", {0, 2}, "all_gather", 10, 1);
+  run(r0, &tp01, "TP", {0, 1}, "all_reduce", 20);
+  run(r1, &fsdp13, "FSDP", {1, 3}, "all_gather", 10, 1);
+  run(r1, &tp01, "TP", {0, 1}, "all_reduce", 20);
+  run(r2, &fsdp02, "FSDP", {0, 2}, "all_gather", 9);
+  run(r2, &tp23, "TP", {2, 3}, "all_reduce", 20, 1);
+  run(r3, &fsdp13, "FSDP", {1, 3}, "all_gather", 9);
+  run(r3, &tp23, "TP", {2, 3}, "all_reduce", 19);
+  const json peers = {{"3", {{"responsive", false}, {"progress", r3.progress()}}}};
+  const auto verdict = analyse_hang(rank_reports_from_dumps(
+      {dump_of(0, 4, r0, peers), dump_of(1, 4, r1, peers), dump_of(2, 4, r2, peers)}));
+  INFO(verdict.text());
+  CHECK(verdict.culprits == std::vector<int>{3});
+  CHECK_THAT(verdict.summary, Catch::Contains("rank 3 did not arrive at all_gather #10 over the FSDP group [1, 3] (gloo), "
+                                              "where rank 1 is waiting"));
+  CHECK_THAT(verdict.summary, Catch::Contains("nor at all_reduce #20 over the TP group [2, 3] (gloo), where rank 2 is waiting"));
+  CHECK_THAT(verdict.text(), Catch::Contains("rank 0 waits in all_gather #10 over the FSDP group [0, 2] (gloo)"));
+}
+
+TEST_CASE("a rank that died of a signal is the culprit, not the peer it was waiting for", "[analysis]") {
+  FlightRecorder one(16);
+  int group = 0;
+  run(one, &group, "DP", {0, 1}, "all_reduce", 12, 1);
+  json dump = dump_of(1, 2, one);
+  dump["reason"] = "fatal signal SIGSEGV";
+  const auto verdict = analyse_hang(rank_reports_from_dumps({dump}));
+  INFO(verdict.text());
+  CHECK(verdict.culprits == std::vector<int>{1});
+  CHECK(verdict.summary == "rank 1 ended on a fatal signal SIGSEGV; it was in all_reduce #12 over the DP group [0, 1] (gloo)");
+}
+
+TEST_CASE("a collective every member reached but none completed blames no rank", "[analysis]") {
+  FlightRecorder zero(16), one(16);
+  int group = 0;
+  run(zero, &group, "world", {0, 1}, "all_reduce", 5, 1);
+  run(one, &group, "world", {0, 1}, "all_reduce", 5, 1);
+  const auto verdict = analyse_hang(rank_reports_from_dumps({dump_of(0, 2, zero), dump_of(1, 2, one)}));
+  INFO(verdict.text());
+  CHECK(verdict.culprits.empty());
+  CHECK_THAT(verdict.summary, Catch::StartsWith("no rank is missing from all_reduce #5 over the world group [0, 1] (gloo)"));
+}
+
+TEST_CASE("meshtorch-diagnose says when there is nothing to read", "[analysis]") {
+  const auto dir = fresh_dir("empty");
+  int code = 0;
+  const auto output = run_tool(dir, code);
+  CHECK(code == 2);
+  CHECK_THAT(output, Catch::Contains("no flight recorder dump"));
+}
+
+TEST_CASE("the timeout comes from the flag, else MESHTORCH_TIMEOUT, else 600 s", "[recorder]") {
+  using std::chrono::milliseconds;
+  ::unsetenv("MESHTORCH_TIMEOUT");
+  CHECK(collective_timeout() == milliseconds(600'000));
+  CHECK(collective_timeout(20) == milliseconds(20'000));
+  ::setenv("MESHTORCH_TIMEOUT", "2.5", 1);
+  CHECK(collective_timeout() == milliseconds(2'500));
+  CHECK(collective_timeout(20) == milliseconds(20'000));  // the flag wins
+  ::setenv("MESHTORCH_TIMEOUT", "soon", 1);
+  CHECK_THROWS_WITH(collective_timeout(), Catch::Contains("MESHTORCH_TIMEOUT='soon' is not a positive number of seconds"));
+  ::setenv("MESHTORCH_TIMEOUT", "0", 1);
+  CHECK_THROWS_AS(collective_timeout(), meshtorch::EnvError);
+  ::unsetenv("MESHTORCH_TIMEOUT");
+}
