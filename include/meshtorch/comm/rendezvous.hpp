@@ -29,8 +29,7 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env,
     throw CommError(fmt::format("rank {} of {}: rendezvous at {}:{} failed within {} ms (is every rank started, and "
                                 "MASTER_ADDR/MASTER_PORT the same on all?): {}",
                                 env.rank, env.world_size, env.master_addr, env.master_port, timeout.count(),
-                                why.substr(0, why.find('
-'))));
+                                why.substr(0, why.find('\n'))));
   }
 }
 
