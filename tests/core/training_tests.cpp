@@ -20,6 +20,21 @@ namespace {
 
 using PlainCheckpointing = mt::train::Checkpointing<mt::llama::LlamaForCausalLM>;
 
+// A one-layer llama-tiny with initialised weights (from the current seed) and its AdamW: what
+// the checkpoint tests save and restore.
+mt::llama::LlamaForCausalLM initialised_one_layer_model() {
+  auto config = mt::llama::presets::llama_tiny;
+  config.num_hidden_layers = 1;
+  mt::llama::LlamaForCausalLM model(config);
+  mt::llama::init_weights(model);
+  return model;
+}
+
+struct OneLayerTraining {
+  mt::llama::LlamaForCausalLM model = initialised_one_layer_model();
+  mt::train::AdamW optimizer{mt::train::named_trainable_parameters(*model), {}};
+};
+
 std::string error_of(const auto& body) {
   try {
     body();
@@ -171,12 +186,8 @@ TEST_CASE("the cosine schedule follows CosineAnnealingLR(T_max=1000, eta_min=lr/
 
 TEST_CASE("a checkpoint restores weights, optimizer state, RNG and train state", "[checkpoint]") {
   const auto dir = fresh_dir("ckpt");
-  auto config = mt::llama::presets::llama_tiny;
-  config.num_hidden_layers = 1;
   torch::manual_seed(11);
-  mt::llama::LlamaForCausalLM model(config);
-  mt::llama::init_weights(model);
-  mt::train::AdamW optimizer(mt::train::named_trainable_parameters(*model), {});
+  auto [model, optimizer] = OneLayerTraining();
   const auto ids = torch::randint(0, 256, {2, 8}, torch::kLong);
   model->loss(ids, ids).backward();
   optimizer.step();
@@ -186,9 +197,7 @@ TEST_CASE("a checkpoint restores weights, optimizer state, RNG and train state",
   const auto rng_after_save = torch::rand({3});
 
   torch::manual_seed(99);
-  mt::llama::LlamaForCausalLM restored(config);
-  mt::llama::init_weights(restored);
-  mt::train::AdamW restored_optimizer(mt::train::named_trainable_parameters(*restored), {});
+  auto [restored, restored_optimizer] = OneLayerTraining();
   const auto loaded = PlainCheckpointing::load(dir, restored, restored_optimizer, identity);
   REQUIRE(loaded);
   CHECK(loaded->global_step == 20);
@@ -215,11 +224,7 @@ TEST_CASE("a checkpoint restores weights, optimizer state, RNG and train state",
 
 TEST_CASE("a save that dies half-way leaves the previous checkpoint loadable", "[checkpoint]") {
   const auto dir = fresh_dir("ckpt-crash");
-  auto config = mt::llama::presets::llama_tiny;
-  config.num_hidden_layers = 1;
-  mt::llama::LlamaForCausalLM model(config);
-  mt::llama::init_weights(model);
-  mt::train::AdamW optimizer(mt::train::named_trainable_parameters(*model), {});
+  auto [model, optimizer] = OneLayerTraining();
   const mt::train::RunIdentity identity{.seed = 0, .seq_length = 8, .global_batch = 2, .dataset = "d", .model = "m"};
   PlainCheckpointing::save(dir, model, optimizer, {.global_step = 10}, identity);
 
@@ -230,8 +235,7 @@ TEST_CASE("a save that dies half-way leaves the previous checkpoint loadable", "
   // A crash while a file was being written leaves only its temporary name.
   std::ofstream(dir / "ckpt-00000010" / "state.json.tmp.12345") << "{";
 
-  mt::llama::LlamaForCausalLM restored(config);
-  mt::train::AdamW restored_optimizer(mt::train::named_trainable_parameters(*restored), {});
+  auto [restored, restored_optimizer] = OneLayerTraining();
   const auto loaded = PlainCheckpointing::load(dir, restored, restored_optimizer, identity);
   REQUIRE(loaded);
   CHECK(loaded->global_step == 10);
@@ -240,11 +244,7 @@ TEST_CASE("a save that dies half-way leaves the previous checkpoint loadable", "
 
 TEST_CASE("a checkpoint that lost a file or its link is an error, never a fresh start", "[checkpoint]") {
   const auto dir = fresh_dir("ckpt-damaged");
-  auto config = mt::llama::presets::llama_tiny;
-  config.num_hidden_layers = 1;
-  mt::llama::LlamaForCausalLM model(config);
-  mt::llama::init_weights(model);
-  mt::train::AdamW optimizer(mt::train::named_trainable_parameters(*model), {});
+  auto [model, optimizer] = OneLayerTraining();
   const mt::train::RunIdentity identity{.seed = 0, .seq_length = 8, .global_batch = 2, .dataset = "d", .model = "m"};
   PlainCheckpointing::save(dir, model, optimizer, {.global_step = 10, .running_loss = 1.0}, identity);
 
