@@ -202,6 +202,40 @@ TEST_CASE("GPT-2 style ByteLevel with its own regex and a prefix space", "[token
   CHECK(tokenizer.decode(tokenizer.encode("hello world")) == " hello world");
 }
 
+TEST_CASE("a model folder's tokenizer files are read only inside it", "[tokenizer]") {
+  const auto dir = fresh_dir("tokenizer-links");
+  const auto outside = fresh_dir("tokenizer-links-outside");
+  fs::copy_file(fixtures / "bpe" / "tokenizer.json", outside / "tokenizer.json");
+  // A tokenizer.json linked from elsewhere is refused before it is read.
+  fs::create_symlink(outside / "tokenizer.json", dir / "tokenizer.json");
+  CHECK(mt::data::folder_has_tokenizer(dir));
+  CHECK_THAT(error_of([&] { mt::data::load_tokenizer(dir); }),
+             Catch::Contains("the tokenizer file is 'tokenizer.json', a link to") &&
+                 Catch::Contains("outside the model folder"));
+  // So is a tokenizer_config.json leading out, and a link that leads nowhere is an error, not
+  // a folder without a tokenizer (which would silently train on bytes).
+  fs::remove(dir / "tokenizer.json");
+  fs::copy_file(fixtures / "bpe" / "tokenizer.json", dir / "tokenizer.json");
+  write(outside / "tokenizer_config.json", R"({"eos_token": "<|eot_id|>"})");
+  fs::create_symlink(outside / "tokenizer_config.json", dir / "tokenizer_config.json");
+  CHECK_THAT(error_of([&] { mt::data::load_tokenizer(dir); }),
+             Catch::Contains("'tokenizer_config.json', a link to") && Catch::Contains("outside the model folder"));
+  fs::remove(dir / "tokenizer_config.json");
+  fs::remove(dir / "tokenizer.json");
+  fs::create_symlink(dir / "gone.json", dir / "tokenizer.json");
+  CHECK(mt::data::folder_has_tokenizer(dir));
+  CHECK_THAT(error_of([&] { mt::data::load_tokenizer(dir); }),
+             Catch::Contains("'tokenizer.json', a link that leads nowhere"));
+  // A repeated key in tokenizer_config.json is refused by name (nlohmann alone keeps the last).
+  fs::remove(dir / "tokenizer.json");
+  fs::copy_file(fixtures / "bpe" / "tokenizer.json", dir / "tokenizer.json");
+  write(dir / "tokenizer_config.json", R"({"eos_token": "<|eot_id|>", "eos_token": "<|begin_of_text|>"})");
+  CHECK_THAT(error_of([&] { mt::data::load_tokenizer(dir); }),
+             Catch::Contains("tokenizer_config.json") && Catch::Contains("eos_token"));
+  fs::remove_all(dir);
+  fs::remove_all(outside);
+}
+
 TEST_CASE("the folder's files choose the tokenizer and its bos/eos", "[tokenizer]") {
   const auto dir = fresh_dir("chooser");
   CHECK_FALSE(mt::data::folder_has_tokenizer(dir));

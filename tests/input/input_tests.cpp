@@ -85,6 +85,37 @@ TEST_CASE("a link leading out of the model folder is refused, one inside it or i
   fs::remove_all(repo.parent_path());
 }
 
+TEST_CASE("config.json is read only inside the model folder, as a regular file", "[folder]") {
+  const auto dir = fresh_dir("config-links");
+  const auto outside = fresh_dir("config-links-outside");
+  const std::string config = R"({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "vocab_size": 300})";
+  write_file(outside / "config.json", config);
+  // A link to a config elsewhere is refused before it is read (it used to be followed anywhere).
+  fs::create_symlink(outside / "config.json", dir / "config.json");
+  CHECK_THAT(error_of([&] { mt::llama::resolve_model(dir.string()); }),
+             Catch::Contains("the config file is 'config.json', a link to " +
+                             fs::canonical(outside / "config.json").string() + ", outside the model folder"));
+  // One inside the folder is the folder's own.
+  fs::remove(dir / "config.json");
+  write_file(dir / "real.json", config);
+  fs::create_symlink("real.json", dir / "config.json");
+  CHECK(mt::llama::resolve_model(dir.string()).hidden_size == 64);
+  // A directory named config.json, and a number out of range, are named errors (they used to end
+  // in a raw std::ios_base::failure and nlohmann::out_of_range).
+  fs::remove(dir / "config.json");
+  fs::create_directory(dir / "config.json");
+  CHECK_THAT(error_of([&] { mt::llama::resolve_model(dir.string()); }),
+             Catch::Contains("'config.json', which is not a regular file"));
+  fs::remove(dir / "config.json");
+  write_file(dir / "config.json", R"({"hidden_size": 1e999, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "vocab_size": 300})");
+  CHECK_THAT(error_of([&] { mt::llama::resolve_model(dir.string()); }),
+             Catch::StartsWith((dir / "config.json").string() + ":"));
+  fs::remove_all(dir);
+  fs::remove_all(outside);
+}
+
 TEST_CASE("weight_map is honoured: each tensor comes from the shard it names, nothing else is accepted", "[folder]") {
   ShardedFolder folder("weight-map");
   CHECK(error_of([&] { folder.load(); }) == "no error");

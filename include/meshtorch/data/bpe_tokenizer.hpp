@@ -14,7 +14,6 @@
 #include <array>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -35,6 +34,7 @@
 
 #include <meshtorch/data/text_tokenizer.hpp>
 #include <meshtorch/error.hpp>
+#include <meshtorch/io/json_file.hpp>
 
 namespace meshtorch::data {
 
@@ -161,14 +161,7 @@ class BpeTokenizer final : public TextTokenizer {
   };
 
   static BpeTokenizer from_file(const std::filesystem::path& path) {
-    std::ifstream in(path);
-    if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::parse_error& e) {
-      throw DataError(fmt::format("{}: not valid JSON ({})", path.string(), e.what()));
-    }
+    const nlohmann::json j = io::read_json_file(path);
     return BpeTokenizer(j, path.string());
   }
 

@@ -7,7 +7,6 @@
 //
 // Link requirements: PCRE2 and libsentencepiece (CMake target meshtorch::tokenizers).
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <optional>
 #include <string>
@@ -19,25 +18,29 @@
 #include <meshtorch/data/sentencepiece_tokenizer.hpp>
 #include <meshtorch/data/text_tokenizer.hpp>
 #include <meshtorch/error.hpp>
+#include <meshtorch/io/json_file.hpp>
+#include <meshtorch/io/model_folder.hpp>
 
 namespace meshtorch::data {
 
 inline bool folder_has_tokenizer(const std::filesystem::path& dir) {
   return std::filesystem::is_directory(dir) &&
-         (std::filesystem::exists(dir / "tokenizer.json") || std::filesystem::exists(dir / "tokenizer.model"));
+         (io::present_in_folder(dir / "tokenizer.json") || io::present_in_folder(dir / "tokenizer.model"));
 }
 
 namespace folder_detail {
 
-inline std::optional<nlohmann::json> read_json_if_present(const std::filesystem::path& path) {
-  if (!std::filesystem::exists(path)) return std::nullopt;
-  std::ifstream in(path);
-  if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw DataError(fmt::format("{}: not valid JSON ({})", path.string(), e.what()));
-  }
+// The folder's file `name`, checked to lie inside the folder, or nothing when it is absent.
+inline std::optional<std::filesystem::path> folder_file_if_present(const std::filesystem::path& dir,
+                                                                   const std::string& name) {
+  if (!io::present_in_folder(dir / name)) return std::nullopt;
+  return io::model_file(dir, name, fmt::format("{}: the tokenizer file", dir.string()));
+}
+
+inline std::optional<nlohmann::json> read_json_if_present(const std::filesystem::path& dir, const std::string& name) {
+  const auto path = folder_file_if_present(dir, name);
+  if (!path) return std::nullopt;
+  return io::read_json_file(*path);
 }
 
 struct ConfigToken {
@@ -86,23 +89,24 @@ inline std::optional<std::int32_t> id_from_generation_config(const nlohmann::jso
 // The folder's tokenizer with its <bos>/<eos>; `note` (if given) receives what was chosen and why,
 // for the caller's log.
 inline std::unique_ptr<TextTokenizer> load_tokenizer(const std::filesystem::path& dir, std::string* note = nullptr) {
-  const auto json_path = dir / "tokenizer.json", model_path = dir / "tokenizer.model";
+  const auto json_path = folder_detail::folder_file_if_present(dir, "tokenizer.json");
+  const auto model_path = folder_detail::folder_file_if_present(dir, "tokenizer.model");
   std::unique_ptr<TextTokenizer> tokenizer;
   std::string why;
-  if (std::filesystem::exists(json_path)) {
+  if (json_path) {
     try {
-      tokenizer = std::make_unique<BpeTokenizer>(BpeTokenizer::from_file(json_path));
+      tokenizer = std::make_unique<BpeTokenizer>(BpeTokenizer::from_file(*json_path));
     } catch (const ConfigError& e) {
-      if (!std::filesystem::exists(model_path)) throw;
+      if (!model_path) throw;
       why = std::string(e.what()) + "; using tokenizer.model instead";
     }
   }
-  if (!tokenizer && std::filesystem::exists(model_path)) tokenizer = std::make_unique<SentencePieceTokenizer>(model_path);
+  if (!tokenizer && model_path) tokenizer = std::make_unique<SentencePieceTokenizer>(*model_path);
   if (!tokenizer) throw DataError(fmt::format("{}: holds no tokenizer.json or tokenizer.model", dir.string()));
 
   std::string bos_from = "the tokenizer", eos_from = "the tokenizer";
   const auto generation_path = dir / "generation_config.json";
-  if (const auto generation = folder_detail::read_json_if_present(generation_path)) {
+  if (const auto generation = folder_detail::read_json_if_present(dir, "generation_config.json")) {
     if (auto id = folder_detail::id_from_generation_config(*generation, "bos_token_id", *tokenizer, generation_path)) {
       tokenizer->bos_id = id;
       bos_from = "generation_config.json";
@@ -114,7 +118,7 @@ inline std::unique_ptr<TextTokenizer> load_tokenizer(const std::filesystem::path
   }
   // tokenizer_config.json is what HF's tokenizer classes read, so it wins over generation_config.json.
   const auto config_path = dir / "tokenizer_config.json";
-  if (const auto config = folder_detail::read_json_if_present(config_path)) {
+  if (const auto config = folder_detail::read_json_if_present(dir, "tokenizer_config.json")) {
     if (const auto token = folder_detail::token_from_config(*config, "bos_token", *tokenizer, config_path); token.present) {
       tokenizer->bos_id = token.id;
       bos_from = "tokenizer_config.json";

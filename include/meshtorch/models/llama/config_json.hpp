@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include <meshtorch/io/json_file.hpp>
+#include <meshtorch/io/model_folder.hpp>
 
 #include <meshtorch/models/llama/config.hpp>
 
@@ -307,7 +308,7 @@ inline Config resolve_model(const std::string& name_or_dir, std::vector<std::str
     if (ignored_fields) *ignored_fields = std::move(file.ignored_fields);
     return file.config;
   };
-  if (std::filesystem::is_directory(dir)) return load(dir / "config.json");
+  if (std::filesystem::is_directory(dir)) return load(io::model_file(dir, "config.json", dir.string() + ": the config file"));
   if (std::filesystem::is_regular_file(dir) && dir.filename() == "config.json") return load(dir);
   std::vector<std::string_view> known;
   for (const auto& p : presets::all) known.push_back(p.name);

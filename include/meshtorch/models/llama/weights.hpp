@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include <meshtorch/io/json_file.hpp>
+#include <meshtorch/io/model_folder.hpp>
 #include <meshtorch/io/safetensors.hpp>
 #include <meshtorch/models/llama/config_json.hpp>
 #include <meshtorch/models/llama/model.hpp>
@@ -44,76 +45,23 @@ inline void save_pretrained(LlamaForCausalLM& lm, const std::filesystem::path& d
 // piece); the identity for a whole model.
 using ShardOf = std::function<torch::Tensor(const std::string& name, const torch::Tensor& full)>;
 
-namespace weights_detail {
-
-namespace fs = std::filesystem;
-
-// Present even as a link that leads nowhere: such a file is an error, not a folder without weights.
-inline bool present(const fs::path& path) {
-  std::error_code ignored;
-  return fs::exists(fs::symlink_status(path, ignored));
-}
-
-inline bool lies_inside(const fs::path& target, const fs::path& folder) {
-  const auto [folder_end, target_part] = std::mismatch(folder.begin(), folder.end(), target.begin(), target.end());
-  return folder_end == folder.end() && target_part != target.end();
-}
-
-// Whether `target` (resolved) is a file the folder `dir` (resolved) may read: one inside it or,
-// when `dir` is a snapshot of the Hugging Face cache (<repo>/snapshots/<revision>/, whose files
-// are links to <repo>/blobs/<hash>), one in that repository's blobs folder, so that folders
-// downloaded by huggingface_hub load where they lie.
-inline bool allowed_target(const fs::path& target, const fs::path& dir) {
-  if (lies_inside(target, dir)) return true;
-  const auto snapshots = dir.parent_path();
-  return snapshots.filename() == "snapshots" && target.parent_path() == snapshots.parent_path() / "blobs";
-}
-
-}  // namespace weights_detail
 
 inline bool has_pretrained_weights(const std::filesystem::path& dir) {
-  return weights_detail::present(dir / "model.safetensors") ||
-         weights_detail::present(dir / "model.safetensors.index.json");
+  return io::present_in_folder(dir / "model.safetensors") ||
+         io::present_in_folder(dir / "model.safetensors.index.json");
 }
 
-// The file `name` of the model folder `dir`, which `named_by` names (the index's entry, or the
-// folder's layout). A model folder is data, not a set of paths to anywhere: `name` must be a
-// plain file name, and the file, after following links, a regular file inside the folder.
-// Checked before the file is opened, so that an index naming /etc/passwd or ../x reads nothing.
-inline std::filesystem::path model_file(const std::filesystem::path& dir, const std::string& name,
-                                        const std::string& named_by) {
-  namespace fs = std::filesystem;
-  if (name.empty() || name == "." || name == ".." || name.find_first_of(std::string("/\\\0", 3)) != std::string::npos)
-    throw DataError(fmt::format("{} is '{}', not a plain file name; a model folder's files must lie in the folder "
-                                "itself, named without '/', '\\' or '..'",
-                                named_by, name));
-  const fs::path path = dir / name;
-  if (!weights_detail::present(path))
-    throw DataError(fmt::format("{} is '{}', which does not exist in {}", named_by, name, dir.string()));
-  std::error_code error;
-  const auto resolved_dir = fs::canonical(dir, error);
-  if (error) throw DataError(fmt::format("{}: cannot resolve the folder ({})", dir.string(), error.message()));
-  const auto target = fs::canonical(path, error);
-  if (error) throw DataError(fmt::format("{} is '{}', a link that leads nowhere ({})",
-                                         named_by, name, error.message()));
-  if (!weights_detail::allowed_target(target, resolved_dir))
-    throw DataError(fmt::format("{} is '{}', a link to {}, outside the model folder {}; refused",
-                                named_by, name, target.string(), resolved_dir.string()));
-  if (!fs::is_regular_file(target, error))
-    throw DataError(fmt::format("{} is '{}', which is not a regular file", named_by, name));
-  return path;
-}
 
 // The safetensors files of an HF folder: model.safetensors, or the shards that
 // model.safetensors.index.json lists. The index is checked against the shards' headers: each
 // shard holds exactly the tensors weight_map places in it, so loading every file reads each
 // tensor once, from the shard the map names.
 inline std::vector<std::filesystem::path> weight_files(const std::filesystem::path& dir) {
-  if (weights_detail::present(dir / "model.safetensors"))
-    return {model_file(dir, "model.safetensors", dir.string() + ": the weights file")};
-  if (!weights_detail::present(dir / "model.safetensors.index.json"))
+  if (io::present_in_folder(dir / "model.safetensors"))
+    return {io::model_file(dir, "model.safetensors", dir.string() + ": the weights file")};
+  if (!io::present_in_folder(dir / "model.safetensors.index.json"))
     throw DataError(fmt::format("{}: no model.safetensors or model.safetensors.index.json", dir.string()));
-  const auto index_path = model_file(dir, "model.safetensors.index.json", dir.string() + ": the index file");
+  const auto index_path = io::model_file(dir, "model.safetensors.index.json", dir.string() + ": the index file");
   const std::string index_name = index_path.string();
   // A tensor listed twice in weight_map is refused (nlohmann alone would keep the last).
   auto index = io::read_json_file(index_path);
@@ -133,7 +81,7 @@ inline std::vector<std::filesystem::path> weight_files(const std::filesystem::pa
   }
   std::vector<std::filesystem::path> files;
   for (const auto& [shard, tensors] : tensors_of_shard) {
-    const auto file = model_file(dir, shard, index_name + ": weight_map['" + *tensors.begin() + "']");
+    const auto file = io::model_file(dir, shard, index_name + ": weight_map['" + *tensors.begin() + "']");
     const auto header = io::read_safetensors_header(file);
     for (const auto& entry : header.entries) {
       const auto it = shard_of_tensor.find(entry.name);
