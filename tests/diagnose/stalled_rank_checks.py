@@ -3,6 +3,9 @@
 must end within 40 s with a non-zero exit code, the output must name the stopped rank and its
 last collective, and meshtorch-diagnose on the log folder must say the same.
 
+Before the stop, `meshrun --dump-stacks` must have every rank write its threads' stacks to its
+log while the run goes on, and the surviving rank writes them again before the watchdog ends it.
+
 With "abort" as the last argument the rank gets SIGABRT instead: it must leave its flight
 recorder dump behind (written on the fatal signal), and meshtorch-diagnose must name it.
 
@@ -98,6 +101,8 @@ def main():
                 sys.exit(f"SIGUSR2 wrote no dump at {requested}:\n" + "".join(lines))
             if proc.poll() is not None:
                 sys.exit("the run ended after SIGUSR2:\n" + "".join(lines))
+            if not abort:
+                check_stack_request(meshrun, proc, lines)
             os.kill(victim, signal.SIGABRT if abort else signal.SIGSTOP)
             stopped_at = time.monotonic()
             print(f"stopped rank {stopped_rank} (pid {victim})", flush=True)
@@ -142,9 +147,43 @@ def main():
             failures.append("meshtorch-diagnose does not name the same rank and collective")
         if last and f"its last collective was {last.group(1)}" not in diagnosis.stdout:
             failures.append("meshtorch-diagnose does not name the same last collective")
+        survivor_rank = 1 - stopped_rank
+        if not re.search(rf"rank {survivor_rank}: stacks of every thread \(pid \d+, the watchdog ends this rank", output):
+            failures.append(f"rank {survivor_rank} wrote no stacks before the watchdog ended it")
         if failures:
             sys.exit("FAILED:\n  " + "\n  ".join(failures))
         print("ok")
+
+
+def check_stack_request(meshrun, proc, lines):
+    """meshrun --dump-stacks has every rank write its threads' stacks to its log, symbolised, and
+    the run goes on."""
+    start = len(lines)
+    request = subprocess.run([meshrun, "--dump-stacks", "--pid", str(proc.pid)], capture_output=True, text=True,
+                             timeout=30)
+    if request.returncode != 0:
+        sys.exit(f"meshrun --dump-stacks failed ({request.returncode}): {request.stderr}")
+    began = time.monotonic()
+    while time.monotonic() - began < 30:
+        text = "".join(lines[start:])
+        if all(f"rank {r}: end of stacks" in text for r in (0, 1)):
+            break
+        time.sleep(0.2)
+    text = "".join(lines[start:])
+    print(f"stacks written {time.monotonic() - began:.1f} s after meshrun --dump-stacks", flush=True)
+    for rank in (0, 1):
+        block = re.search(rf"rank {rank}: stacks of every thread \(pid \d+, request \(SIGUSR1\)\)(.*?)"
+                          rf"rank {rank}: end of stacks", text, re.S)
+        if not block:
+            sys.exit(f"rank {rank} wrote no stacks after meshrun --dump-stacks:\n{text}")
+        # Each line carries its rank's prefix; the main thread's stack names the example's functions,
+        # or stops, said so, in a BLAS kernel without unwind tables (MKL's sgemm).
+        main = re.search(r"the main thread:(.*?)\[rank\d\]:thread ", block.group(1), re.S)
+        if not main or not (re.search(r"in (main|train)\b", main.group(1)) or
+                            "the stack stops here: a frame without unwind information" in main.group(1)):
+            sys.exit(f"rank {rank}'s stacks do not show the main thread in main/train:\n{block.group(1)}")
+    if proc.poll() is not None:
+        sys.exit("the run ended after meshrun --dump-stacks:\n" + "".join(lines))
 
 
 def check_abort(diagnose, logs, rank, code, output):

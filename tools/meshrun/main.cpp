@@ -9,6 +9,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -52,7 +55,7 @@ void install_signal_handlers() {
   action.sa_handler = on_signal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART | SA_NOCLDSTOP;
-  for (int signo : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) ::sigaction(signo, &action, nullptr);
+  for (int signo : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1}) ::sigaction(signo, &action, nullptr);
   ::signal(SIGPIPE, SIG_IGN);  // a node link that drops is seen by send(), not by a signal
 }
 
@@ -227,6 +230,10 @@ class Supervisor {
           for (auto& failure : group_.reap()) note_failure(failure);
           continue;
         }
+        if (signo == SIGUSR1) {
+          request_stacks("received SIGUSR1");
+          continue;
+        }
         if (++interrupts_ > 1) {
           say("received " + signal_name(signo) + " again; killing all ranks");
           group_.signal_all(SIGKILL);
@@ -245,6 +252,21 @@ class Supervisor {
         }
       }
     }
+  }
+
+  // Every rank of the job writes the stacks of its threads to its log (SIGUSR1, which launch()
+  // handles: comm/stack_dump.hpp). Node 0 passes the request to every node; another node asks
+  // node 0, so that each rank is asked once.
+  void request_stacks(const std::string& why) {
+    if (node_zero_) {
+      say(why + ": asking node 0 to have every rank write its stacks");
+      node_zero_->send("stacks");
+      return;
+    }
+    say(why + ": every rank writes the stacks of its threads to its log");
+    group_.signal_all(SIGUSR1);
+    for (std::size_t i = 0; i < nodes_.size(); ++i)
+      if (!node_lost_[i]) nodes_[i].send("stacks");
   }
 
   // A line from node 0; returns true once it says the attempt has ended on every node.
@@ -270,6 +292,9 @@ class Supervisor {
         begin_stop(SIGTERM);
       } else if (fields[0] == "end") {
         ended = true;
+      } else if (fields[0] == "stacks") {
+        say("node 0 asks every rank for its stacks");
+        group_.signal_all(SIGUSR1);
       }
     }
     return ended;
@@ -294,6 +319,8 @@ class Supervisor {
         if (auto failure = decode(fields, 1)) note_failure(*failure);
       } else if (fields[0] == "finished") {
         node_finished[index] = true;
+      } else if (fields[0] == "stacks") {
+        request_stacks("node " + std::to_string(node.node_rank()) + " received SIGUSR1");
       }
     }
   }
@@ -309,13 +336,55 @@ class Supervisor {
   Clock::time_point kill_deadline_;
 };
 
+// `meshrun --dump-stacks [--pid P]`: sends SIGUSR1 to every meshrun of this user on this node
+// (the same executable; or only P), each of which has its job's ranks write their threads'
+// stacks to their logs.
+int dump_stacks(pid_t only) {
+  std::error_code error;
+  const auto self = fs::read_symlink("/proc/self/exe", error);
+  if (error) throw std::runtime_error("cannot read /proc/self/exe: " + error.message());
+  int signalled = 0;
+  for (const auto& entry : fs::directory_iterator("/proc", error)) {
+    const auto name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = std::atoi(name.c_str());
+    if (pid == ::getpid() || (only != 0 && pid != only)) continue;
+    std::error_code unreadable;
+    if (fs::read_symlink(entry.path() / "exe", unreadable) != self || unreadable) continue;
+    std::ifstream cmdline_file(entry.path() / "cmdline");
+    std::string cmdline((std::istreambuf_iterator<char>(cmdline_file)), std::istreambuf_iterator<char>());
+    if (cmdline.find(std::string("--dump-stacks\0", 14)) != std::string::npos) continue;  // another request
+    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+    if (::kill(pid, SIGUSR1) != 0) {
+      say("cannot signal meshrun pid " + std::to_string(pid) + ": " + std::strerror(errno));
+      continue;
+    }
+    say("asked meshrun pid " + std::to_string(pid) + " (" + cmdline.substr(0, 120) +
+        ") for its ranks' stacks; they appear in the ranks' logs");
+    ++signalled;
+  }
+  if (signalled == 0) {
+    say(only ? "pid " + std::to_string(only) + " is not a meshrun of this user on this node"
+             : "no meshrun of this user runs on this node");
+    return 1;
+  }
+  return 0;
+}
+
 int run(int argc, char** argv) {
   Options options;
   CLI::App app{"meshrun --nproc-per-node N [options] -- PROGRAM [ARGS...]\n\nStarts PROGRAM once per rank of this node with torchrun's environment (RANK, WORLD_SIZE, "
                "LOCAL_RANK, MASTER_ADDR, ...), and stops every rank as soon as one fails.",
                "meshrun"};
-  app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_per_node, "ranks on this node")
-      ->required()->check(CLI::PositiveNumber);
+  bool dump_stacks_only = false;
+  app.add_flag("--dump-stacks", dump_stacks_only,
+               "do not start a job: have the ranks of every meshrun on this node write the stacks of their threads "
+               "to their logs (as SIGUSR1 to a meshrun does), then exit");
+  int dump_stacks_pid = 0;
+  app.add_option("--pid", dump_stacks_pid, "with --dump-stacks: only the meshrun with this process id")
+      ->check(CLI::PositiveNumber);
+  auto* nproc = app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_per_node, "ranks on this node")
+                    ->check(CLI::PositiveNumber);
   app.add_option("--nnodes", options.nnodes, "number of nodes, each running its own meshrun")
       ->check(CLI::PositiveNumber);
   app.add_option("--node-rank,--node_rank", options.node_rank, "this node's index, 0 .. nnodes-1")
@@ -341,6 +410,8 @@ int run(int argc, char** argv) {
   app.prefix_command();
   try {
     app.parse(argc, argv);
+    if (dump_stacks_only) return dump_stacks(dump_stacks_pid);
+    if (nproc->count() == 0) throw CLI::RequiredError("--nproc-per-node");
     options.command = app.remaining();
     if (!options.command.empty() && options.command.front() == "--") options.command.erase(options.command.begin());
     if (options.command.empty()) throw CLI::ValidationError("PROGRAM", "no program to run; put it after --");

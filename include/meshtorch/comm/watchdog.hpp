@@ -16,7 +16,9 @@
 // out by itself). NCCL collectives are bounded by ProcessGroupNCCL's own watchdog.
 //
 // The dump is also written on request (SIGUSR2, or dump_flight_recorder()) and, best effort, on
-// a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, which std::abort raises).
+// a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, which std::abort raises). Where
+// comm/stack_dump.hpp is installed, every thread's stack goes to the log on SIGUSR1, before the
+// watchdog ends a rank, and on a fatal signal.
 #include <pthread.h>
 #include <signal.h>
 #include <string.h>
@@ -97,6 +99,19 @@ class Watchdog {
       armed_ = true;
     }
     install_signal_handlers();
+  }
+
+  // Writes every thread's stack to the log: set by install_stack_dumps() (comm/stack_dump.hpp,
+  // which launch() calls), so that only programs that want it link backward-cpp and libdw. From
+  // then on SIGUSR1 asks for the stacks, and the watchdog writes them before it ends a rank.
+  using StackDumper = void (*)(int rank, const std::string& reason);
+  void set_stack_dumper(StackDumper dumper) {
+    stack_dumper_ = dumper;
+    struct sigaction request {};
+    request.sa_handler = [](int) { instance().stacks_requested_ = true; };
+    sigemptyset(&request.sa_mask);
+    request.sa_flags = SA_RESTART;
+    ::sigaction(SIGUSR1, &request, nullptr);
   }
 
   bool armed() const { return armed_; }
@@ -223,7 +238,7 @@ class Watchdog {
     // free to write the dump.
     sigset_t fatal;
     sigemptyset(&fatal);
-    for (int signo : {SIGABRT, SIGTERM, SIGINT, SIGUSR2}) sigaddset(&fatal, signo);
+    for (int signo : {SIGABRT, SIGTERM, SIGINT, SIGUSR1, SIGUSR2}) sigaddset(&fatal, signo);
     pthread_sigmask(SIG_BLOCK, &fatal, nullptr);
     std::unique_lock lock(wake_mutex_);
     auto next_publish = Clock::now();
@@ -231,7 +246,9 @@ class Watchdog {
       lock.unlock();
       if (const int signo = fatal_signal_) {
         const char* name = ::sigabbrev_np(signo);
-        dump(std::string("fatal signal SIG") + (name ? name : "?"));
+        const std::string reason = std::string("fatal signal SIG") + (name ? name : "?");
+        dump(reason);
+        write_stacks(reason);
         fatal_dump_done_ = true;
         return;
       }
@@ -242,6 +259,7 @@ class Watchdog {
       }
       next_publish = Clock::now() + publish_period;
       publish();
+      if (stacks_requested_.exchange(false)) write_stacks("request (SIGUSR1)");
       if (dump_requested_.exchange(false)) {
         const auto path = dump("request (SIGUSR2)");
         if (!path.empty()) std::cerr << fmt::format("meshtorch: rank {}: flight recorder written to {}\n", rank_, path.string());
@@ -314,7 +332,12 @@ class Watchdog {
     std::cerr << text << std::flush;
     std::fflush(stdout);
     write_error_file(message, verdict, path);
+    write_stacks("the watchdog ends this rank: " + verdict.summary);
     std::_Exit(watchdog_exit_code);
+  }
+
+  void write_stacks(const std::string& reason) {
+    if (const auto dumper = stack_dumper_.load()) dumper(rank_, reason);
   }
 
   // The torchelastic error file, with the culprit for meshrun's summary.
@@ -352,14 +375,15 @@ class Watchdog {
   }
 
   // The dump is written by the watchdog thread: the thread the signal interrupted may hold a
-  // lock (malloc's, the recorder's) that writing it needs. This one waits up to 3 s for it.
+  // lock (malloc's, the recorder's) that writing it needs. This one waits up to 10 s for it (the
+  // stacks are symbolised too, which on a loaded machine takes seconds).
   static void on_fatal_signal(int signo) {
     static std::atomic<bool> once{false};
     if (!once.exchange(true)) {
-      ::alarm(5);  // should the dump hang anyway, SIGALRM ends the process
+      ::alarm(15);  // should the dump hang anyway, SIGALRM ends the process
       auto& watchdog = instance();
       watchdog.fatal_signal_ = signo;
-      for (int i = 0; i < 300 && !watchdog.fatal_dump_done_; ++i) {
+      for (int i = 0; i < 1000 && !watchdog.fatal_dump_done_; ++i) {
         timespec pause{0, 10'000'000};
         ::nanosleep(&pause, nullptr);
       }
@@ -376,6 +400,8 @@ class Watchdog {
   std::atomic<bool> armed_{false}, ending_{false}, dump_requested_{false}, store_answers_{true};
   std::atomic<std::int64_t> beat_{0};
   std::atomic<int> fatal_signal_{0};
+  std::atomic<bool> stacks_requested_{false};
+  std::atomic<StackDumper> stack_dumper_{nullptr};
   std::atomic<bool> fatal_dump_done_{false};
 
   std::once_flag started_;
