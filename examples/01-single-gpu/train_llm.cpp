@@ -13,6 +13,7 @@ namespace mt = meshtorch;
 
 int train(const mt::train::TrainArgs& args) {
   if (args.threads > 0) torch::set_num_threads(args.threads);
+  mt::train::use_deterministic_algorithms(args.deterministic);
   const auto device = mt::train::resolve_device(args.device);
   const auto dtype = mt::train::resolve_dtype(args.dtype, device);
   torch::manual_seed(args.seed);
@@ -69,7 +70,7 @@ int train(const mt::train::TrainArgs& args) {
       experiment.end_step(state, step_loss.item<double>(), progress);
       if (state.global_step % args.log_freq == 0)
         experiment.log_metrics(state, sampler.steps_per_epoch(), schedule.lr_at(state.global_step), timers);
-      if (state.global_step % args.ckpt_freq == 0) experiment.save(state, model, optimizer);
+      if (experiment.checkpoint_due(state, sampler.steps_per_epoch())) experiment.save(state, model, optimizer);
     }
   }
   return 0;

@@ -102,7 +102,7 @@ int train(const Chapter4Args& args) {
       experiment.end_step(state, model.mean_over_data_parallel(step_loss).item<double>(), progress);
       if (state.global_step % args.log_freq == 0)
         experiment.log_metrics(state, sampler.steps_per_epoch(), schedule.lr_at(state.global_step), timers);
-      if (state.global_step % args.ckpt_freq == 0) experiment.save(state, model, optimizer);
+      if (experiment.checkpoint_due(state, sampler.steps_per_epoch())) experiment.save(state, model, optimizer);
     }
   }
   return 0;

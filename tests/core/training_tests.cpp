@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <numbers>
@@ -154,6 +155,19 @@ TEST_CASE("the prefetching loader yields the sampler's rows in order and rethrow
     }
   CHECK(count == (sampler.steps_per_epoch() - 3) * 2);
   CHECK_FALSE(loader.next());
+}
+
+TEST_CASE("deterministic mode: LibTorch's deterministic algorithms and cuBLAS's fixed workspace", "[optim]") {
+  ::unsetenv("CUBLAS_WORKSPACE_CONFIG");
+  mt::train::use_deterministic_algorithms(false);
+  CHECK_FALSE(at::globalContext().deterministicAlgorithms());
+  mt::train::use_deterministic_algorithms(true);
+  CHECK(at::globalContext().deterministicAlgorithms());
+  CHECK_FALSE(at::globalContext().deterministicAlgorithmsWarnOnly());
+  CHECK_FALSE(at::globalContext().benchmarkCuDNN());
+  REQUIRE(std::getenv("CUBLAS_WORKSPACE_CONFIG"));
+  CHECK(std::string(std::getenv("CUBLAS_WORKSPACE_CONFIG")) == ":4096:8");
+  at::globalContext().setDeterministicAlgorithms(false, false);
 }
 
 TEST_CASE("fused AdamW matches LibTorch's reference AdamW", "[optim]") {

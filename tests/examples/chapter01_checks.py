@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """End-to-end checks of examples/01-single-gpu, run by CTest.
 
-usage: chapter01_checks.py BINARY CONSOLIDATE {loss-falls|resume|bad-input|folder-tokenizer}
+usage: chapter01_checks.py BINARY CONSOLIDATE {loss-falls|resume|run-ends|deterministic|bad-input|folder-tokenizer}
 
 CONSOLIDATE is the meshtorch-consolidate tool, which turns a checkpoint into an HF folder.
 """
@@ -78,6 +78,72 @@ def resume(binary, consolidate):
         assert bad.returncode != 0 and "global_batch" in bad.stderr, bad.stderr
 
 
+def state_of(folder):
+    return json.loads((pathlib.Path(folder) / "checkpoint" / "state.json").read_text())
+
+
+def run_ends(binary):
+    """Where a run starts and how it ends: a final checkpoint, --resume-from, --no-resume, and
+    metrics or a log that cannot be written."""
+    common = ["-m", "llama-tiny", "-d", "builtin", "--log-freq", "10", "--ckpt-freq", "20", "-b", "4", "-s", "128"]
+    with tempfile.TemporaryDirectory() as tmp:
+        # A run with -e ends with its final state saved, whatever --ckpt-freq (it used to save
+        # nothing after its last multiple of --ckpt-freq).
+        run(binary, *common, "-e", "straight", "--save-dir", tmp, "--max-steps", "10")
+        run(binary, *common, "-e", "final", "--save-dir", tmp, "--max-steps", "7")
+        assert state_of(f"{tmp}/final")["global_step"] == 7, state_of(f"{tmp}/final")
+        # --resume-from starts another experiment from that checkpoint, exactly: its step-10
+        # window (steps 1-10, half of them before the checkpoint) is the straight run's.
+        branch = run(binary, *common, "-e", "branch", "--save-dir", tmp, "--max-steps", "10",
+                     "--resume-from", f"{tmp}/final/checkpoint")
+        assert "global_step 7" in branch.stdout, branch.stdout
+        (a,), (b,) = metrics(tmp, "straight"), metrics(tmp, "branch")
+        print(f"step 10: straight {a['running_loss']:.9f}, resumed from step 7 {b['running_loss']:.9f}")
+        assert abs(a["running_loss"] - b["running_loss"]) <= 1e-6, (a, b)
+        assert state_of(f"{tmp}/branch")["global_step"] == 10 and state_of(f"{tmp}/final")["global_step"] == 7
+        # An experiment folder names its latest checkpoint; a folder without one is an error.
+        again = run(binary, *common, "-e", "again", "--save-dir", tmp, "--max-steps", "10",
+                    "--resume-from", f"{tmp}/branch")
+        assert "global_step 10" in again.stdout, again.stdout
+        (pathlib.Path(tmp) / "empty").mkdir()
+        missing = run(binary, *common, "--max-steps", "10", "--resume-from", f"{tmp}/empty", expect_ok=False)
+        assert missing.returncode != 0 and "no checkpoint there" in missing.stderr, missing.stderr
+        print(f"--resume-from an empty folder -> {missing.stderr.strip().splitlines()[-1]}")
+        # --no-resume starts at step 0 and says which checkpoint its first save replaces.
+        fresh = run(binary, *common, "-e", "final", "--save-dir", tmp, "--max-steps", "3", "--no-resume")
+        assert "--no-resume: starting at step 0" in fresh.stdout, fresh.stdout
+        assert state_of(f"{tmp}/final")["global_step"] == 3, state_of(f"{tmp}/final")
+        both = run(binary, *common, "--no-resume", "--resume-from", f"{tmp}/branch", expect_ok=False)
+        assert both.returncode != 0 and "excludes" in both.stderr, both.stderr
+        # Metrics that cannot be written end the run naming the file (they used to be lost silently).
+        (pathlib.Path(tmp) / "full").mkdir()
+        (pathlib.Path(tmp) / "full" / "metrics.jsonl").symlink_to("/dev/full")
+        full = run(binary, *common, "-e", "full", "--save-dir", tmp, "--max-steps", "10", expect_ok=False)
+        assert full.returncode != 0 and "metrics.jsonl: writing metrics failed (No space left on device)" in full.stderr, \
+            full.stderr
+        print(f"metrics on a full disk -> {full.stderr.strip().splitlines()[-1]}")
+        # So does a log that cannot be written.
+        with open("/dev/full", "w") as stdout:
+            proc = subprocess.run([binary, "--threads", "1", "--dtype", "float32", *common, "--max-steps", "10"],
+                                  stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=600)
+        assert proc.returncode != 0 and "writing the log to stdout failed" in proc.stderr, proc.stderr
+        print(f"log on a full disk -> {proc.stderr.strip().splitlines()[-1]}")
+
+
+def deterministic(binary):
+    """--deterministic: two runs give bit-identical losses, and an op that has no deterministic
+    kernel would be an error rather than a silent difference."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ["first", "second"]:
+            run(binary, "-m", "llama-tiny", "-d", "builtin", "-b", "4", "-s", "64", "-e", name, "--save-dir", tmp,
+                "--max-steps", "20", "--log-freq", "5", "--ckpt-freq", "1000", "--deterministic", "--seed", "3")
+        first, second = metrics(tmp, "first"), metrics(tmp, "second")
+        assert [r["global_step"] for r in first] == [5, 10, 15, 20], first
+        for a, b in zip(first, second):
+            print(f"step {a['global_step']}: {a['running_loss']!r} {b['running_loss']!r}")
+            assert a["running_loss"] == b["running_loss"], (a, b)
+
+
 def common_except(common, flags):
     """`common` without the given flags and their values."""
     out, skip = [], False
@@ -151,5 +217,7 @@ if __name__ == "__main__":
     if check == "resume":
         resume(binary, consolidate)
     else:
-        {"folder-tokenizer": folder_tokenizer, "loss-falls": loss_falls, "bad-input": bad_input}[check](binary)
+        {"folder-tokenizer": folder_tokenizer, "loss-falls": loss_falls, "run-ends": run_ends,
+         "deterministic": deterministic,
+         "bad-input": bad_input}[check](binary)
     print("ok")

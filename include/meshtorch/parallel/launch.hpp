@@ -5,7 +5,8 @@
 // rank's banner; then the seed. It arms the watchdog (comm/watchdog.hpp): rendezvous and every
 // collective are bounded by --timeout (or MESHTORCH_TIMEOUT, else 600 s), and a collective that
 // stalls ends every rank with an error naming the rank that did not arrive, after writing the
-// flight recorder to flight_recorder_dir(args).
+// flight recorder to flight_recorder_dir(args) and every thread's stack to the log (also on
+// SIGUSR1: comm/stack_dump.hpp).
 //
 //   using Mesh = mt::Mesh<mt::FSDP<mt::dynamic>, mt::TP<mt::dynamic>>;
 //   auto run = mt::launch<Mesh>(args, {mt::from_world_size, args.tp});
@@ -20,6 +21,7 @@
 
 #include <meshtorch/comm/device_mesh.hpp>
 #include <meshtorch/comm/env.hpp>
+#include <meshtorch/comm/stack_dump.hpp>
 #include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/train/args.hpp>
@@ -52,6 +54,7 @@ inline std::filesystem::path flight_recorder_dir(const train::TrainArgs& args, c
 template <MeshType M>
 Launch<M> launch(const train::TrainArgs& args, std::vector<int> extents = {}, const std::string& plan = {}) {
   if (args.threads > 0) torch::set_num_threads(args.threads);
+  train::use_deterministic_algorithms(args.deterministic);
   auto env = comm::launch_env();
   const auto device = train::resolve_device(args.device, env.local_rank);
   const auto dtype = train::resolve_dtype(args.dtype, device);
@@ -61,6 +64,7 @@ Launch<M> launch(const train::TrainArgs& args, std::vector<int> extents = {}, co
                              .env = env,
                              .extents = std::move(extents)});
   if (mesh.world_size() > 1) comm::Watchdog::instance().arm(flight_recorder_dir(args, env));
+  comm::install_stack_dumps();  // SIGUSR1 (meshrun --dump-stacks) writes every thread's stack
   train::Logger log(mesh.rank());
   log.info(mesh.describe());
   torch::manual_seed(args.seed);

@@ -42,6 +42,7 @@
 #include <meshtorch/io/safetensors_reader.hpp>
 #include <meshtorch/io/sharded_tensor.hpp>
 #include <meshtorch/train/adamw.hpp>
+#include <meshtorch/train/checkpoint.hpp>
 
 namespace meshtorch::parallel {
 
@@ -49,7 +50,7 @@ inline constexpr int sharded_checkpoint_version = 1;
 inline constexpr std::string_view sharded_checkpoint_format = "meshtorch-sharded-checkpoint";
 inline constexpr std::string_view manifest_file_name = "manifest.json";
 inline constexpr std::string_view state_file_name = "state.json";
-inline constexpr std::string_view checkpoint_link_name = "checkpoint";
+using train::checkpoint_link_name;
 // Tensors named with this prefix are optimizer state: loaded like weights, left out of consolidation.
 inline constexpr std::string_view optimizer_prefix = "optimizer/";
 
@@ -609,10 +610,10 @@ inline SavedCheckpoint save_sharded_checkpoint(const std::filesystem::path& exp_
   return {exp_dir / name, written};
 }
 
-// Where a run resumes from: the folder the `checkpoint` link names, or nothing for a fresh
-// experiment. Complete ckpt-* folders without the link are an error (never a silent fresh start
-// that would then delete them); .partial folders (a save that did not finish) are ignored and
-// listed.
+// Where a run resumes from: `dir` itself when it is a checkpoint (it holds a manifest), else the
+// folder its `checkpoint` link names, or nothing for a fresh experiment. Complete ckpt-* folders
+// without the link are an error (never a silent fresh start that would then delete them);
+// .partial folders (a save that did not finish) are ignored and listed.
 struct ResumePoint {
   std::optional<std::filesystem::path> checkpoint;
   std::vector<std::filesystem::path> ignored_partial;
@@ -621,6 +622,10 @@ struct ResumePoint {
 inline ResumePoint find_checkpoint_to_resume(const std::filesystem::path& exp_dir) {
   ResumePoint out;
   if (!std::filesystem::exists(exp_dir)) return out;
+  if (std::filesystem::exists(exp_dir / manifest_file_name)) {
+    out.checkpoint = std::filesystem::canonical(exp_dir);
+    return out;
+  }
   std::vector<std::string> complete;
   for (const auto& entry : std::filesystem::directory_iterator(exp_dir)) {
     const auto file = entry.path().filename().string();
@@ -650,7 +655,7 @@ inline ResumePoint find_checkpoint_to_resume(const std::filesystem::path& exp_di
   if (!complete.empty())
     throw DataError(
         fmt::format("{} has checkpoint folder(s) {} but no '{}' link naming the latest (copied without "
-                    "links?); restore it (ln -sfn {} {}) or choose the folder to resume from",
+                    "links?); restore it (ln -sfn {} {}) or name the folder with --resume-from",
                     exp_dir.string(), fmt::join(complete, ", "), checkpoint_link_name, complete.back(), link.string()));
   return out;
 }

@@ -39,6 +39,13 @@ inline void TrainArgs::add_to(CLI::App& app) {
   app.add_option("-e,--experiment-name", experiment_name,
                  "name of the run; checkpoints and metrics.jsonl go to <save-dir>/<name>, and a run with the "
                  "same name resumes");
+  auto* resume_from_flag =
+      app.add_option("--resume-from", resume_from,
+                     "start from this checkpoint (a ckpt-<step> folder, or an experiment folder whose 'checkpoint' "
+                     "link names one) instead of -e's latest; later checkpoints go to -e's folder");
+  app.add_flag("--no-resume", no_resume,
+               "start at step 0 even when -e's folder holds a checkpoint (this run's first save replaces it)")
+      ->excludes(resume_from_flag);
   app.add_option("-d,--dataset-name", dataset_name, "'builtin' or a .txt, .jsonl or llm.c .bin file")
       ->capture_default_str();
   app.add_option("-m,--model-name", model_name,
@@ -69,6 +76,9 @@ inline void TrainArgs::add_to(CLI::App& app) {
   app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_flag("--deterministic", deterministic,
+               "deterministic algorithms only: two runs with the same flags give bit-identical losses (an op "
+               "without a deterministic kernel is an error)");
   app.add_option("--timeout", timeout_s,
                  "seconds a rendezvous or collective may wait before the run ends naming the rank that did not "
                  "arrive (0: MESHTORCH_TIMEOUT, else 600)")

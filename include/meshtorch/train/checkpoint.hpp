@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include <fmt/format.h>
@@ -16,6 +17,9 @@
 #include <meshtorch/train/state.hpp>
 
 namespace meshtorch::train {
+
+// The link in an experiment folder that names its latest complete checkpoint.
+inline constexpr std::string_view checkpoint_link_name = "checkpoint";
 
 // Flags a resumed run must share with the run that saved, or its data order would differ.
 struct RunIdentity {

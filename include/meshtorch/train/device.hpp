@@ -1,6 +1,8 @@
 #pragma once
 // --device and --dtype as the guide uses them: a GPU in bf16 where there is one, else the CPU
 // in fp32. The GPU of a rank is comm::local_cuda_device's, the one its NCCL groups are bound to.
+#include <stdlib.h>
+
 #include <string>
 
 #include <fmt/format.h>
@@ -24,6 +26,18 @@ inline torch::ScalarType resolve_dtype(const std::string& flag, const torch::Dev
   if (flag == "float32") return torch::kFloat;
   if (flag == "bfloat16") return torch::kBFloat16;
   return device.is_cuda() ? torch::kBFloat16 : torch::kFloat;
+}
+
+// --deterministic, as torch.use_deterministic_algorithms(True) with its companions: an op without
+// a deterministic kernel becomes an error instead of a silent source of run-to-run differences,
+// cuDNN chooses no algorithm by timing, and cuBLAS gets the fixed workspace its deterministic
+// mode needs (read at its first use, so this comes before any CUDA work).
+inline void use_deterministic_algorithms(bool on) {
+  if (!on) return;
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  at::globalContext().setDeterministicCuDNN(true);
+  at::globalContext().setBenchmarkCuDNN(false);
 }
 
 }  // namespace meshtorch::train

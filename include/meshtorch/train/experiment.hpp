@@ -2,14 +2,14 @@
 // The experiment around a training loop, as the guide's scripts keep it: the folder
 // <save-dir>/<experiment-name>, resuming from its checkpoint, a metrics line every --log-freq
 // steps (printed by rank 0 and appended to metrics.jsonl) and a checkpoint every --ckpt-freq
-// steps. Every chapter's loop calls the same four functions:
+// steps and at the run's last step. Every chapter's loop calls the same functions:
 //
 //   mt::train::Experiment experiment(args, rank, sampler.global_batch(), device);
 //   auto state = experiment.resume(model, optimizer);                 // or a fresh state
 //   ...
 //       experiment.end_step(state, loss, progress);                   // after optimizer.step()
 //       if (state.global_step % args.log_freq == 0) experiment.log_metrics(state, steps_per_epoch, lr, timers);
-//       if (state.global_step % args.ckpt_freq == 0) experiment.save(state, model, optimizer);
+//       if (experiment.checkpoint_due(state, steps_per_epoch)) experiment.save(state, model, optimizer);
 //
 // How a model is saved and loaded is the model type's business: Checkpointing<Model> says
 // (parallel/checkpointing.hpp, for chapter 1's model and for every model parallelize() builds).
@@ -58,7 +58,12 @@ class Experiment {
       : log_(rank),
         rank_(rank),
         identity_(run_identity(args, global_batch)),
+        ckpt_freq_(args.ckpt_freq),
+        max_steps_(args.max_steps),
+        num_epochs_(args.num_epochs),
+        no_resume_(args.no_resume),
         window_(device, /*tokens_per_step=*/global_batch * args.seq_length) {
+    if (!args.resume_from.empty()) resume_from_ = args.resume_from;
     if (!args.experiment_name.empty()) {
       dir_ = std::filesystem::path(args.save_dir) / args.experiment_name;
       // Every rank may create it: create_directories is a no-op when the folder exists.
@@ -72,14 +77,32 @@ class Experiment {
   // <save-dir>/<experiment-name>; only when -e was given.
   const std::filesystem::path& dir() const { return dir_.value(); }
 
-  // The state saved in the experiment's checkpoint, with the model and optimizer restored, or
-  // a fresh state when there is none (or no -e).
+  // The state saved in the checkpoint the run starts from, with the model and optimizer restored:
+  // --resume-from's (which must hold one), else the experiment's latest; a fresh state when there
+  // is none, with --no-resume, or without -e.
   template <class Model, class Optimizer>
   TrainState resume(Model& model, Optimizer& optimizer) {
+    if (resume_from_) {
+      auto resumed = Checkpointing<Model>::load(*resume_from_, model, optimizer, identity_);
+      if (!resumed)
+        throw DataError(fmt::format("--resume-from {}: no checkpoint there (expected a ckpt-<step> folder with its "
+                                    "manifest, or an experiment folder whose '{}' link names one)",
+                                    resume_from_->string(), checkpoint_link_name));
+      log_.info(fmt::format("resumed from {} at global_step {}", resume_from_->string(), resumed->global_step));
+      return *resumed;
+    }
     if (!dir_) return {};
+    if (no_resume_) {
+      if (rank_ == 0 && std::filesystem::exists(std::filesystem::symlink_status(*dir_ / checkpoint_link_name)))
+        log_.warning(fmt::format("--no-resume: starting at step 0 although {} names a checkpoint; this run's first "
+                                 "save replaces it",
+                                 (*dir_ / checkpoint_link_name).string()));
+      return {};
+    }
     auto resumed = Checkpointing<Model>::load(*dir_, model, optimizer, identity_);
     if (!resumed) return {};
-    log_.info(fmt::format("resumed from {} at global_step {}", (*dir_ / "checkpoint").string(), resumed->global_step));
+    log_.info(fmt::format("resumed from {} at global_step {}", (*dir_ / checkpoint_link_name).string(),
+                          resumed->global_step));
     return *resumed;
   }
 
@@ -109,6 +132,16 @@ class Experiment {
     window_.close(state, timers);
   }
 
+  // Whether the step just ended saves a checkpoint: every --ckpt-freq steps and at the run's
+  // last step (--max-steps reached, or the last step of the last epoch), so a run with -e always
+  // ends with its final state saved.
+  bool checkpoint_due(const TrainState& state, std::int64_t steps_per_epoch) const {
+    if (!dir_) return false;
+    const bool last_step = (max_steps_ > 0 && state.global_step >= max_steps_) ||
+                           (state.epoch + 1 >= num_epochs_ && state.epoch_step >= steps_per_epoch);
+    return state.global_step % ckpt_freq_ == 0 || last_step;
+  }
+
   // A checkpoint of the model, optimizer, RNG and state (a collective for parallel models:
   // every rank calls it). Without -e nothing is saved. The save's time is not training time.
   template <class Model, class Optimizer>
@@ -124,6 +157,9 @@ class Experiment {
   Logger log_;
   int rank_;
   RunIdentity identity_;
+  std::int64_t ckpt_freq_, max_steps_, num_epochs_;
+  bool no_resume_;
+  std::optional<std::filesystem::path> resume_from_;
   std::optional<std::filesystem::path> dir_;
   std::optional<MetricsFile> metrics_;
   LogWindow window_;

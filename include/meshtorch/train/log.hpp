@@ -4,10 +4,16 @@
 // terminal (logs stay clean when redirected).
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <string>
+
+#include <fmt/format.h>
+
+#include <meshtorch/error.hpp>
 
 namespace meshtorch::train {
 
@@ -34,9 +40,13 @@ class Logger {
   void error(const std::string& message) const { write("ERROR", message); }
 
  private:
+  // A log that cannot be written (a full disk under a redirected stdout) ends the run: a run
+  // whose log is lost cannot be diagnosed later.
   void write(const char* level, const std::string& message) const {
-    std::fprintf(stdout, "[%s] [rank=%d] [%s] %s\n", timestamp().c_str(), rank_, level, message.c_str());
-    std::fflush(stdout);
+    if (std::fprintf(stdout, "[%s] [rank=%d] [%s] %s\n", timestamp().c_str(), rank_, level, message.c_str()) < 0 ||
+        std::fflush(stdout) != 0)
+      throw DataError(fmt::format("rank {}: writing the log to stdout failed ({}); the line was: {}", rank_,
+                                  std::strerror(errno), message));
   }
   int rank_;
 };

@@ -1,7 +1,9 @@
 #pragma once
 // Metrics lines under the guide's keys, appended as one JSON object per log step to
 // <save-dir>/<experiment>/metrics.jsonl (rank 0 only), so runs on any mesh can be compared.
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -23,10 +25,14 @@ class MetricsFile {
   explicit MetricsFile(const std::filesystem::path& path) : path_(path), out_(path, std::ios::app) {
     if (!out_) throw DataError(fmt::format("{}: cannot open for appending metrics", path.string()));
   }
+  // A line that cannot be written (disk full, quota) is an error, never a silent gap.
   void append(const nlohmann::ordered_json& record) {
     if (!out_.is_open()) return;
     out_ << record.dump() << '\n';
     out_.flush();
+    if (!out_)
+      throw DataError(fmt::format("{}: writing metrics failed ({}) at global_step {}", path_.string(),
+                                  std::strerror(errno), record.value("global_step", std::int64_t{-1})));
   }
 
  private:

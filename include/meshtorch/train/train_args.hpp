@@ -13,6 +13,8 @@ namespace meshtorch::train {
 
 struct TrainArgs {
   std::string experiment_name;  // empty: no checkpoints, no metrics file
+  std::string resume_from;      // a checkpoint or experiment folder to start from instead of -e's
+  bool no_resume = false;       // start at step 0 even when -e's folder holds a checkpoint
   std::string dataset_name = "builtin";
   std::string model_name = "llama-tiny";
   std::string save_dir = "runs";
@@ -27,6 +29,7 @@ struct TrainArgs {
   std::string device = "auto";
   std::string dtype = "auto";
   std::int64_t grad_accum = 1;
+  bool deterministic = false;  // deterministic algorithms only (train::use_deterministic_algorithms)
   int threads = 0;  // 0: LibTorch's default
   double timeout_s = 0;  // rendezvous and collectives; 0: MESHTORCH_TIMEOUT, else 600 s
 
