@@ -48,10 +48,15 @@ std::vector<nlohmann::json> read_dumps(const fs::path& dir, std::vector<std::str
   return dumps;
 }
 
+// One ring entry, with its tensor's shape and dtype: a collective whose size differs between
+// ranks (a desync the backend itself catches) shows here.
 std::string describe(const nlohmann::json& entry) {
   const std::string detail = entry.value("detail", "");
-  return fmt::format("{} #{} over the {} ({}){}", entry.value("op", "?"), entry.value("seq", 0), entry.value("group", "?"),
-                     entry.value("state", "?"), detail.empty() ? "" : ": " + detail);
+  std::string tensor;
+  if (entry.contains("shape") && entry["shape"].is_array())
+    tensor = fmt::format(" {} {}", entry["shape"].dump(), entry.value("dtype", ""));
+  return fmt::format("{} #{} over the {}{} ({}){}", entry.value("op", "?"), entry.value("seq", 0), entry.value("group", "?"),
+                     tensor, entry.value("state", "?"), detail.empty() ? "" : ": " + detail);
 }
 
 }  // namespace
