@@ -14,6 +14,7 @@ namespace mt = meshtorch;
 int train(const mt::train::TrainArgs& args) {
   if (args.threads > 0) torch::set_num_threads(args.threads);
   mt::train::use_deterministic_algorithms(args.deterministic);
+  if (args.measure_waiting) throw mt::ConfigError("--measure-waiting: one process waits for no other rank");
   const auto device = mt::train::resolve_device(args.device);
   const auto dtype = mt::train::resolve_dtype(args.dtype, device);
   torch::manual_seed(args.seed);

@@ -5,7 +5,9 @@
 //   hang    the rank stops making progress in its own code (a deadlock, a dead file system);
 //   desync  the rank issues a collective the others do not (a metric only one rank reduces);
 //   crash   the rank dies of a signal (SIGSEGV);
-//   nan     the rank's loss turns NaN, and with it every rank's averaged gradients.
+//   nan     the rank's loss turns NaN, and with it every rank's averaged gradients;
+//   slow    the rank takes 100 ms longer per step from then on (a slow data loader or node):
+//           with --measure-waiting the others' time/waiting shows it.
 //
 // A flag that differs between ranks needs no fault: start the ranks with different flags (see
 // the README). The rest is the library's: the start-up flag check, --timeout and the watchdog
@@ -32,9 +34,9 @@ struct Chapter9Args : mt::train::TrainArgs {
 
   void add_to(CLI::App& app) {
     TrainArgs::add_to(app);
-    app.add_option("--fault", fault, "the failure to cause: none, hang, desync, crash, nan")
+    app.add_option("--fault", fault, "the failure to cause: none, hang, desync, crash, nan, slow")
         ->capture_default_str()
-        ->check(CLI::IsMember({"none", "hang", "desync", "crash", "nan"}));
+        ->check(CLI::IsMember({"none", "hang", "desync", "crash", "nan", "slow"}));
     app.add_option("--fault-rank", fault_rank, "the rank that fails")->capture_default_str()->check(CLI::NonNegativeNumber);
     app.add_option("--fault-step", fault_step, "the optimizer step at which it fails")
         ->capture_default_str()
@@ -50,7 +52,12 @@ double cause_fault(const Chapter9Args& args, const mt::comm::DeviceMesh<Mesh>& m
                    const mt::train::Logger& log) {
   const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
   const bool first_attempt = !restarts || std::string(restarts) == "0";
-  if (args.fault == "none" || !first_attempt || mesh.rank() != args.fault_rank || step != args.fault_step) return 1.0;
+  if (args.fault == "slow" && first_attempt && mesh.rank() == args.fault_rank && step >= args.fault_step) {
+    if (step == args.fault_step) log.warning(fmt::format("causing the 'slow' fault from step {} on", step));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a slow data loader or node, every step
+    return 1.0;
+  }
+  if (args.fault == "none" || args.fault == "slow" || !first_attempt || mesh.rank() != args.fault_rank || step != args.fault_step) return 1.0;
   log.warning(fmt::format("causing the '{}' fault at step {}", args.fault, step));
   if (args.fault == "hang")
     for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
@@ -88,6 +95,10 @@ int train(const Chapter9Args& args) {
       {
         auto timer = timers.time("data");
         input_ids = loader.next()->input_ids.to(device, /*non_blocking=*/true);
+      }
+      if (args.measure_waiting) {  // the guide's barrier: how long this rank waits for the slowest
+        auto timer = timers.time("waiting");
+        mt::comm::barrier(model.world());
       }
       torch::Tensor loss;
       {

@@ -2,7 +2,7 @@
 """End-to-end checks of examples/09-diagnosing-errors: each failure caused on purpose on 2 ranks
 under meshrun, and what meshtorch reports for it.
 
-usage: chapter09_checks.py MESHRUN EXAMPLE MESHTORCH_DIAGNOSE {hang|desync|crash|nan|elastic-restart}
+usage: chapter09_checks.py MESHRUN EXAMPLE MESHTORCH_DIAGNOSE {hang|desync|crash|nan|slow|elastic-restart}
 """
 import json
 import os
@@ -141,6 +141,23 @@ def nan(meshrun, example, diagnose_tool, logs):
                 f"rank {rank} does not stop at step 3 naming the NaN", output)
 
 
+def slow(meshrun, example, diagnose_tool, logs):
+    """--measure-waiting: with rank 1 100 ms slower per step, rank 0's time/waiting (what rank 0
+    prints) is about 100 ms; without the fault it is a small fraction of that."""
+    def waiting(*fault):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = Run(meshrun, example, logs / (fault[1] if fault else "none"), "--save-dir", tmp, "-e", "w",
+                      "--max-steps", "12", "--ckpt-freq", "1000", "--measure-waiting", *fault)
+            require(run.finish() == 0, "the run failed", run.text())
+            records = [json.loads(line) for line in (pathlib.Path(tmp) / "w" / "metrics.jsonl").read_text().splitlines()]
+            require(all("time/waiting" in r for r in records), "no time/waiting in the metrics", run.text())
+            return records[-1]["time/waiting"]
+    balanced, slowed = waiting(), waiting("--fault", "slow", "--fault-step", "1")
+    print(f"rank 0's time/waiting: {balanced:.1f} ms per step balanced, {slowed:.1f} ms with rank 1 100 ms slower")
+    require(80 <= slowed <= 400, f"time/waiting {slowed:.1f} ms with a 100 ms slower rank", "")
+    require(balanced < 0.5 * slowed, f"time/waiting {balanced:.1f} ms without the fault", "")
+
+
 def elastic_restart(meshrun, example, diagnose_tool, logs):
     with tempfile.TemporaryDirectory() as tmp:
         common = ["--save-dir", tmp, "--ckpt-freq", "4", "--max-steps", "12"]
@@ -171,7 +188,7 @@ def elastic_restart(meshrun, example, diagnose_tool, logs):
 def main():
     meshrun, example, diagnose_tool, check = sys.argv[1:5]
     with tempfile.TemporaryDirectory() as tmp:
-        {"hang": hang, "desync": desync, "crash": crash, "nan": nan,
+        {"hang": hang, "desync": desync, "crash": crash, "nan": nan, "slow": slow,
          "elastic-restart": elastic_restart}[check](meshrun, example, diagnose_tool, pathlib.Path(tmp) / "logs")
     print("ok")
 

@@ -76,6 +76,9 @@ inline void TrainArgs::add_to(CLI::App& app) {
   app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_flag("--measure-waiting", measure_waiting,
+               "time how long each step waits for the slowest rank: a barrier after the step's data, reported as "
+               "time/waiting (costs the barrier; ranks that wait long point at a slow data loader or node)");
   app.add_flag("--deterministic", deterministic,
                "deterministic algorithms only: two runs with the same flags give bit-identical losses (an op "
                "without a deterministic kernel is an error)");
