@@ -111,22 +111,24 @@ class RecordedStack : public backward::StackTrace {
 };
 #endif
 
-// The symbolised frames, most recent call last (Python's and backward's order).
+// The symbolised frames, most recent call last (Python's and backward's order), each resolved once.
 inline std::string symbolise(void* const* frames, int depth, int skip) {
 #if MESHTORCH_HAS_BACKWARD
   RecordedStack stack(frames, depth, skip);
+  backward::TraceResolver resolver;
+  resolver.load_stacktrace(stack);
+  std::vector<backward::ResolvedTrace> outermost_first;
+  for (std::size_t i = stack.size(); i > 0; --i) outermost_first.push_back(resolver.resolve(stack[i - 1]));
   backward::Printer printer;
   printer.snippet = false;
   printer.color_mode = backward::ColorMode::never;
   printer.address = true;
   std::ostringstream out;
-  printer.print(stack, out);
+  printer.print(outermost_first.begin(), outermost_first.end(), out);
   // The unwinder stops at code without unwind tables (BLAS kernels written in assembly, such as
   // MKL's): the thread was computing there, and its callers cannot be shown.
-  if (stack.size() > 0) {
-    backward::TraceResolver resolver;
-    resolver.load_stacktrace(stack);
-    const std::string outermost = resolver.resolve(stack[stack.size() - 1]).object_function;
+  if (!outermost_first.empty()) {
+    const std::string& outermost = outermost_first.front().object_function;
     if (outermost != "_start" && outermost.rfind("clone", 0) != 0)
       out << "(the stack stops here: a frame without unwind information, such as a BLAS kernel; the thread was "
              "running it)\n";
@@ -150,6 +152,9 @@ inline std::string all_thread_stacks() {
   namespace d = stack_dump_detail;
   static std::mutex one_at_a_time;
   std::lock_guard lock(one_at_a_time);
+  // Set when a handler's unwinder never returned: it still owns the slot, so no capture is safe.
+  static bool slot_lost = false;
+  if (slot_lost) return "(no stacks: an earlier capture's unwinder never returned)\n";
   const long self = d::thread_id();
   const auto ids = d::thread_ids();
   std::string out;
@@ -173,7 +178,17 @@ inline std::string all_thread_stacks() {
                          d::answer_wait.count());
       continue;
     }
-    while (!s.done.load(std::memory_order_acquire)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    // Claimed: the handler is unwinding. Bounded too: an unwinder waiting for a lock the interrupted
+    // thread holds would otherwise stop the watchdog thread, and with it the progress reports.
+    const auto unwound_by = std::chrono::steady_clock::now() + d::answer_wait;
+    while (!s.done.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < unwound_by)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!s.done.load(std::memory_order_acquire)) {
+      out += fmt::format("{}: its unwinder did not return within {} ms; no further stacks are taken\n", header,
+                         d::answer_wait.count());
+      slot_lost = true;
+      break;
+    }
     // The first two frames are the handler and the kernel's signal trampoline.
     out += header + ":\n" + d::symbolise(s.frames, s.depth, 2) + "\n";
     s.owner.store(0);
