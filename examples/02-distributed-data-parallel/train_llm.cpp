@@ -90,10 +90,7 @@ int train(const Chapter2Args& args) {
             auto timer = timers.time("data");
             input_ids = loader.next()->input_ids.to(device, /*non_blocking=*/true);
           }
-          if (args.measure_waiting && micro == 0) {  // the guide's barrier: how long this rank waits for the slowest
-            auto timer = timers.time("waiting");
-            mt::comm::barrier(model.world());
-          }
+          if (args.measure_waiting && micro == 0) model.wait_for_slowest(timers);  // the guide's waiting time
           torch::Tensor loss;
           {
             auto timer = timers.time("forward");

@@ -52,12 +52,13 @@ double cause_fault(const Chapter9Args& args, const mt::comm::DeviceMesh<Mesh>& m
                    const mt::train::Logger& log) {
   const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
   const bool first_attempt = !restarts || std::string(restarts) == "0";
-  if (args.fault == "slow" && first_attempt && mesh.rank() == args.fault_rank && step >= args.fault_step) {
+  if (args.fault == "none" || !first_attempt || mesh.rank() != args.fault_rank || step < args.fault_step) return 1.0;
+  if (args.fault == "slow") {
     if (step == args.fault_step) log.warning(fmt::format("causing the 'slow' fault from step {} on", step));
     std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a slow data loader or node, every step
     return 1.0;
   }
-  if (args.fault == "none" || args.fault == "slow" || !first_attempt || mesh.rank() != args.fault_rank || step != args.fault_step) return 1.0;
+  if (step != args.fault_step) return 1.0;
   log.warning(fmt::format("causing the '{}' fault at step {}", args.fault, step));
   if (args.fault == "hang")
     for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
@@ -96,10 +97,7 @@ int train(const Chapter9Args& args) {
         auto timer = timers.time("data");
         input_ids = loader.next()->input_ids.to(device, /*non_blocking=*/true);
       }
-      if (args.measure_waiting) {  // the guide's barrier: how long this rank waits for the slowest
-        auto timer = timers.time("waiting");
-        mt::comm::barrier(model.world());
-      }
+      if (args.measure_waiting) model.wait_for_slowest(timers);  // the guide's waiting time
       torch::Tensor loss;
       {
         auto timer = timers.time("forward");

@@ -47,6 +47,7 @@
 #include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/llama_plan.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
+#include <meshtorch/train/timers.hpp>
 
 namespace meshtorch {
 
@@ -177,6 +178,12 @@ class ParallelLlama {
   torch::Tensor mean_over_data_parallel(torch::Tensor value) const {
     if (!data_parallel_) return value;
     return comm::all_reduce(*data_parallel_, std::move(value), comm::ReduceOp::avg);
+  }
+  // --measure-waiting, the guide's barrier: the time this rank waits here for the slowest rank
+  // of the job goes to the timers' "waiting" phase.
+  void wait_for_slowest(train::PhaseTimers& timers) const {
+    auto timer = timers.time("waiting");
+    comm::barrier(world_);
   }
 
   // This rank's piece of a full (HF-named) weight: its TP chunk, then its FSDP rows.
