@@ -69,12 +69,6 @@ std::string tag(Level level) {
 
 std::string gigabytes(double bytes) { return fmt::format("{:.2f} GB", bytes / 1e9); }
 
-std::string host_name() {
-  char name[256] = {};
-  ::gethostname(name, sizeof name - 1);
-  return name;
-}
-
 // The nearest existing folder at or above `path` (the save folder may not exist yet).
 fs::path existing_ancestor(fs::path path) {
   path = fs::absolute(path);
@@ -92,7 +86,7 @@ int usable_cpus() {
 json local_facts(const mt::train::TrainArgs& args) {
   rlimit files{};
   ::getrlimit(RLIMIT_NOFILE, &files);
-  json facts = {{"host", host_name()},
+  json facts = {{"host", mt::comm::host_name()},
                 {"pid", static_cast<long>(::getpid())},
                 {"open_files_soft", static_cast<long long>(files.rlim_cur)},
                 {"open_files_hard", static_cast<long long>(files.rlim_max)},

@@ -32,6 +32,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/comm/env.hpp>
+
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
@@ -192,9 +194,7 @@ json sample_local(std::chrono::milliseconds interval) {
     if (key == "MemTotal:") mem_total = kb * 1024;
     if (key == "MemAvailable:") mem_available = kb * 1024;
   }
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  return {{"host", host},
+  return {{"host", meshtorch::comm::host_name()},
           {"cpus", std::thread::hardware_concurrency()},
           {"cpu_percent", total1 > total0 ? 100 * (busy1 - busy0) / (total1 - total0) : 0.0},
           {"memory_used_bytes", mem_total - mem_available},

@@ -2,6 +2,8 @@
 // Where this process sits in the job: rank, world size, local rank and the rendezvous address,
 // read from whichever launcher started it (torchrun or meshrun, Slurm's srun, OpenMPI's mpirun).
 // Standard library only, so the launcher and tools can use it without LibTorch.
+#include <unistd.h>
+
 #include <charconv>
 #include <chrono>
 #include <cstdlib>
@@ -25,6 +27,13 @@ struct LaunchEnv {
 };
 
 using EnvLookup = std::function<std::optional<std::string>(std::string_view)>;
+
+// This node's name, as dumps, the doctor and the cluster top report it.
+inline std::string host_name() {
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  return name;
+}
 
 namespace detail {
 

@@ -47,6 +47,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <meshtorch/comm/env.hpp>
 #include <meshtorch/comm/flight_recorder.hpp>
 #include <meshtorch/comm/hang_analysis.hpp>
 
@@ -210,11 +211,6 @@ class Watchdog {
 
   static std::string progress_key(int rank) { return "meshtorch/progress/" + std::to_string(rank); }
   static std::string to_string(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
-  static std::string host_name() {
-    char name[256] = {};
-    ::gethostname(name, sizeof name - 1);
-    return name;
-  }
 
   c10::intrusive_ptr<c10d::Store> current_store() {
     std::lock_guard lock(mutex_);
