@@ -204,4 +204,97 @@ TEST_CASE("contradictory flags are refused before anything starts") {
   CHECK(run(meshrun + " --nproc-per-node 2 --nnodes 2 -- true").exit_code != 0);
   CHECK(run(meshrun + " --nproc-per-node 2 --redirects 3 -- true").exit_code != 0);
   CHECK(run(meshrun + " --nproc-per-node 2").exit_code != 0);
+  auto refused = run(meshrun + " --nproc-per-node 1 --nnodes 1:2 --node-rank 1 --master-addr 127.0.0.1 -- true");
+  CHECK(refused.exit_code != 0);
+  CHECK_THAT(refused.output, Catch::Contains("drop --node-rank"));
+  CHECK_THAT(run(meshrun + " --nproc-per-node 1 --nnodes 2:1 --master-addr 127.0.0.1 -- true").output,
+             Catch::Contains("MIN is above MAX"));
+  CHECK_THAT(run(meshrun + " --nproc-per-node 1 --nnodes 0:2 --master-addr 127.0.0.1 -- true").output,
+             Catch::Contains("is not N or MIN:MAX"));
+}
+
+namespace {
+
+// A meshrun of an elastic job on loopback, its rank program in `elastic` mode writing to `dir`.
+std::string elastic_node(const std::string& nnodes, int port, const fs::path& dir, const std::string& extra = "") {
+  return meshrun + " --nnodes " + nnodes + " --nproc-per-node 1 --master-addr 127.0.0.1 --rdzv-timeout 20 " +
+         "--termination-grace 1 --master-port " + std::to_string(port) + " " + extra + " -- " + rank_program +
+         " elastic " + dir.string();
+}
+
+// Shell: waits up to 20 s for a file.
+std::string wait_for(const fs::path& file) {
+  return "for i in $(seq 200); do [ -e " + file.string() + " ] && break; sleep 0.1; done; ";
+}
+
+}  // namespace
+
+TEST_CASE("an elastic job starts on the nodes that come, numbered by node 0") {
+  auto dir = scratch_dir("elastic-two");
+  int port = free_port_guess() + 2000;
+  auto node = elastic_node("1:2", port, dir, "--rdzv-last-call 10");
+  // Both attempts' ranks sleep on attempt 0: SIGTERM to node 0 ends the job once both are in.
+  auto result = run(node + " & first=$!; sleep 0.3; " + node + " & second=$!; " + wait_for(dir / "attempt0-rank0.txt") +
+                    wait_for(dir / "attempt0-rank1.txt") + "kill -TERM $first; wait $first; a=$?; wait $second; " +
+                    "echo codes $a $?");
+  CHECK_THAT(result.output, Catch::Contains("codes 143 143"));
+  CHECK_THAT(result.output, Catch::Contains("attempt 0 runs on 2 node(s)"));
+  CHECK_THAT(result.output, Catch::Contains("this is node 1 of 2 for attempt 0"));
+  CHECK_THAT(read_text(dir / "attempt0-rank0.txt"), Catch::StartsWith("0 2 0 1 127.0.0.1"));
+  CHECK_THAT(read_text(dir / "attempt0-rank1.txt"), Catch::StartsWith("1 2 0 1 127.0.0.1"));
+  CHECK(result.seconds < 10);  // two nodes of at most 2: no last call to wait for
+  fs::remove_all(dir);
+}
+
+TEST_CASE("an elastic job that loses a node restarts on the nodes left") {
+  auto dir = scratch_dir("elastic-lost");
+  int port = free_port_guess() + 3000;
+  auto node = elastic_node("1:2", port, dir, "--rdzv-last-call 1 --max-restarts 1");
+  // The second node's meshrun is killed outright (its rank goes with it): node 0 restarts alone.
+  auto result = run(node + " & first=$!; sleep 0.3; " + node + " & second=$!; " + wait_for(dir / "attempt0-rank0.txt") +
+                    wait_for(dir / "attempt0-rank1.txt") + "kill -KILL $second; wait $first; echo code $?");
+  CHECK_THAT(result.output, Catch::Contains("code 0"));
+  CHECK_THAT(result.output, Catch::Contains("lost contact with meshrun on node 1"));
+  CHECK_THAT(result.output, Catch::Contains("restarting all ranks (restart 1 of 1)"));
+  CHECK_THAT(result.output, Catch::Contains("attempt 1 runs on 1 node(s)"));
+  CHECK_THAT(read_text(dir / "attempt1-rank0.txt"), Catch::StartsWith("0 1 0 1 127.0.0.1"));
+  CHECK_FALSE(fs::exists(dir / "attempt1-rank1.txt"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("SIGTERM to a node of an elastic job: that node leaves, the others restart without it") {
+  auto dir = scratch_dir("elastic-leave");
+  int port = free_port_guess() + 6000;
+  auto node = elastic_node("1:2", port, dir, "--rdzv-last-call 1 --max-restarts 1");
+  auto result = run(node + " & first=$!; sleep 0.3; " + node + " & second=$!; " + wait_for(dir / "attempt0-rank0.txt") +
+                    wait_for(dir / "attempt0-rank1.txt") + "kill -TERM $second; wait $second; b=$?; wait $first; " +
+                    "echo codes $? $b");
+  CHECK_THAT(result.output, Catch::Contains("codes 0 143"));
+  CHECK_THAT(result.output, Catch::Contains("meshrun on node 1 received SIGTERM"));
+  CHECK_THAT(read_text(dir / "attempt1-rank0.txt"), Catch::StartsWith("0 1 0 1"));
+  CHECK(result.seconds < 10);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a node joining an elastic job restarts the ranks with it, not counted as a restart") {
+  auto dir = scratch_dir("elastic-join");
+  int port = free_port_guess() + 4000;
+  auto node = elastic_node("1:2", port, dir, "--rdzv-last-call 0");  // --max-restarts 0
+  auto result = run(node + " & first=$!; " + wait_for(dir / "attempt0-rank0.txt") + node + " & second=$!; " +
+                    "wait $first; a=$?; wait $second; echo codes $a $?");
+  CHECK_THAT(result.output, Catch::Contains("codes 0 0"));
+  CHECK_THAT(read_text(dir / "attempt0-rank0.txt"), Catch::StartsWith("0 1 0 1"));
+  CHECK_THAT(result.output, Catch::Contains("a node joined the job: stopping every rank to restart with 2 nodes"));
+  CHECK_THAT(result.output, Catch::Contains("not counted against --max-restarts"));
+  CHECK_THAT(read_text(dir / "attempt1-rank0.txt"), Catch::StartsWith("0 2 0 1"));
+  CHECK_THAT(read_text(dir / "attempt1-rank1.txt"), Catch::StartsWith("1 2 0 1"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("an elastic job with fewer than MIN nodes fails at the rendezvous timeout, saying how many came") {
+  auto result = run(meshrun + " --nnodes 2:3 --nproc-per-node 1 --master-addr 127.0.0.1 --rdzv-timeout 1 " +
+                    "--master-port " + std::to_string(free_port_guess() + 5000) + " -- true");
+  CHECK(result.exit_code != 0);
+  CHECK_THAT(result.output, Catch::Contains("rendezvous timed out after 1 s: 1 of at least 2 nodes joined"));
+  CHECK(result.seconds < 5);
 }

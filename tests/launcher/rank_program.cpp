@@ -33,19 +33,24 @@ int sleep_long() {
 //   kill-on-rank R              rank R kills itself with SIGKILL; the others sleep
 //   throw-on-rank R MESSAGE     rank R throws std::runtime_error(MESSAGE) out of main; the others sleep
 //   fail-first-attempt CODE     rank 0 exits with CODE on attempt 0; every rank succeeds on a restart
+//   elastic DIR                 write DIR/attempt<A>-rank<R>.txt as env does; sleep on attempt 0, end on later ones
 int main(int argc, char** argv) {
   return meshtorch::comm::run_recorded([&]() -> int {
     std::string mode = argc > 1 ? argv[1] : "";
     auto env = meshtorch::comm::launch_env();
     auto argument = [&](int i) { return i < argc ? std::string(argv[i]) : std::string(); };
-    if (mode == "env") {
-      std::ofstream out(argument(2) + "/rank" + std::to_string(env.rank) + ".txt");
+    if (mode == "env" || mode == "elastic") {
+      const std::string name = mode == "env" ? "rank" + std::to_string(env.rank)
+                                             : "attempt" + std::to_string(variable("TORCHELASTIC_RESTART_COUNT")) +
+                                                   "-rank" + std::to_string(env.rank);
+      std::ofstream out(argument(2) + "/" + name + ".txt");
       out << env.rank << ' ' << env.world_size << ' ' << env.local_rank << ' ' << env.local_world_size << ' '
           << env.master_addr << ' ' << env.master_port << ' ' << env.launcher << ' '
           << variable("GROUP_RANK") << ' ' << variable("TORCHELASTIC_RESTART_COUNT") << ' '
           << variable("OMP_NUM_THREADS") << ' ' << (std::getenv("TORCHELASTIC_ERROR_FILE") ? "error-file" : "none")
           << '\n';
-      return 0;
+      out.close();
+      return mode == "elastic" && variable("TORCHELASTIC_RESTART_COUNT") == 0 ? sleep_long() : 0;
     }
     bool chosen = env.rank == std::atoi(argument(2).c_str());
     if (mode == "exit-on-rank") {

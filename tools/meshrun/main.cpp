@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include <iostream>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -26,10 +28,11 @@ namespace meshrun {
 namespace {
 
 struct Options {
-  int nproc_per_node = 1, nnodes = 1, node_rank = 0;
+  int nproc_per_node = 1, node_rank = 0;
+  JobShape shape;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500, rdzv_port = 0;
-  double rdzv_timeout_s = 900, termination_grace_s = 5;
+  double rdzv_timeout_s = 900, rdzv_last_call_s = 30, termination_grace_s = 5;
   std::string log_dir;
   std::optional<int> redirects;
   bool prefix_output = false;
@@ -85,7 +88,7 @@ std::optional<Failure> decode(const std::vector<std::string>& fields, std::size_
 }
 
 void report(const Failure& f, int attempt) {
-  if (!f.restartable()) {
+  if (f.global_rank < 0) {
     say(f.how);
     return;
   }
@@ -104,50 +107,283 @@ void report(const Failure& f, int attempt) {
   }
 }
 
+// A terminating signal while no ranks run (during a rendezvous round): the job ends.
+struct Interrupted {
+  int signo;
+};
+
+// --nnodes N, or MIN:MAX for an elastic job.
+JobShape parse_nnodes(const std::string& text) {
+  auto number = [&](std::string_view part) {
+    int value = 0;
+    auto [end, error] = std::from_chars(part.data(), part.data() + part.size(), value);
+    if (error != std::errc{} || end != part.data() + part.size() || value < 1)
+      throw CLI::ValidationError("--nnodes", "'" + text + "' is not N or MIN:MAX with 1 <= MIN <= MAX");
+    return value;
+  };
+  JobShape shape;
+  auto colon = text.find(':');
+  if (colon == std::string::npos) {
+    shape.min_nodes = shape.max_nodes = number(text);
+    return shape;
+  }
+  shape.elastic = true;
+  shape.min_nodes = number(std::string_view(text).substr(0, colon));
+  shape.max_nodes = number(std::string_view(text).substr(colon + 1));
+  if (shape.min_nodes > shape.max_nodes)
+    throw CLI::ValidationError("--nnodes", "'" + text + "': MIN is above MAX");
+  return shape;
+}
+
 class Supervisor {
  public:
   Supervisor(Options options, GroupSettings settings)
       : options_(std::move(options)), group_(std::move(settings)) {}
 
   int run() {
+    try {
+      return supervise();
+    } catch (const Interrupted& interrupted) {
+      say("received " + signal_name(interrupted.signo) + " while no ranks were running; exiting");
+      tell_nodes("exit\t" + std::to_string(128 + interrupted.signo));
+      return 128 + interrupted.signo;
+    }
+  }
+
+ private:
+  const JobShape& shape() const { return options_.shape; }
+  Clock::time_point rendezvous_deadline() const {
+    return Clock::now() + std::chrono::milliseconds(static_cast<long long>(options_.rdzv_timeout_s * 1000));
+  }
+
+  int supervise() {
     connect_nodes();
+    int counted_restarts = 0;
     for (int attempt = 0;; ++attempt) {
+      int nnodes = 1;
+      if (coordinator_) {
+        nnodes = gather_nodes(attempt);
+      } else {
+        auto start = await_start();
+        if (!start) return job_exit_code_;
+        nnodes = start->nnodes;
+        attempt = start->attempt;
+      }
       auto started = Clock::now();
       auto failure = run_attempt(attempt);
       double seconds = std::chrono::duration<double>(Clock::now() - started).count();
       if (!failure) {
         char elapsed[32];
         std::snprintf(elapsed, sizeof elapsed, "%.2f", seconds);
-        int world = options_.nnodes * options_.nproc_per_node;
-        say("all " + std::to_string(world) + " ranks" +
-            (options_.nnodes > 1 ? " (" + std::to_string(options_.nnodes) + " nodes)" : "") +
-            " finished successfully in " + elapsed + " s" +
-            (attempt > 0 ? " after " + std::to_string(attempt) + " restart(s)" : ""));
+        say("all " + std::to_string(nnodes * options_.nproc_per_node) + " ranks" +
+            (nnodes > 1 ? " (" + std::to_string(nnodes) + " nodes)" : "") + " finished successfully in " + elapsed +
+            " s" + (attempt > 0 ? " after " + std::to_string(attempt) + " restart(s)" : ""));
+        tell_nodes("exit\t0");  // nodes waiting to join
         return 0;
       }
       report(*failure, attempt);
-      if (!failure->restartable() || attempt >= options_.max_restarts) {
+      if (!coordinator_) {
+        // Node 0 decides whether and with whom the job restarts; a node that was interrupted
+        // or lost node 0 cannot take part.
+        if (!leaving_) continue;
         say("exiting with code " + std::to_string(failure->exit_code));
         return failure->exit_code;
       }
-      say("restarting all ranks (restart " + std::to_string(attempt + 1) + " of " +
-          std::to_string(options_.max_restarts) + ")");
+      const bool counted = !failure->membership_change;
+      if (!failure->restartable() || interrupted_ || (counted && counted_restarts >= options_.max_restarts)) {
+        say("exiting with code " + std::to_string(failure->exit_code));
+        tell_nodes("exit\t" + std::to_string(failure->exit_code));
+        return failure->exit_code;
+      }
+      if (counted) {
+        ++counted_restarts;
+        say("restarting all ranks (restart " + std::to_string(counted_restarts) + " of " +
+            std::to_string(options_.max_restarts) + ")");
+      } else {
+        say("restarting all ranks with the nodes now in the job (not counted against --max-restarts)");
+      }
     }
   }
 
- private:
+  // Node 0 listens (static jobs: the node started with --node-rank 0; elastic jobs: the meshrun
+  // that can listen on --master-addr's rendezvous port), every other node connects to it.
   void connect_nodes() {
-    if (options_.nnodes == 1) return;
-    JobShape shape{options_.nnodes, options_.nproc_per_node, options_.max_restarts};
-    auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<long long>(options_.rdzv_timeout_s * 1000));
+    if (!shape().elastic && shape().max_nodes == 1) return;
     int port = options_.rdzv_port ? options_.rdzv_port : options_.master_port + 1;
-    if (options_.node_rank == 0) {
-      say("waiting for " + std::to_string(options_.nnodes - 1) + " more node(s) on port " + std::to_string(port));
-      nodes_ = accept_nodes(port, shape, deadline);
-      node_lost_.assign(nodes_.size(), false);
-    } else {
-      node_zero_.emplace(join_node_zero(options_.master_addr, port, options_.node_rank, shape, deadline));
+    if (shape().elastic)
+      listener_ = Listener::open(port, options_.master_addr);
+    else if (options_.node_rank == 0)
+      listener_ = Listener::open(port);
+    if (listener_) {
+      if (shape().elastic)
+        say("node 0 of an elastic job of " + std::to_string(shape().min_nodes) + " to " +
+            std::to_string(shape().max_nodes) + " nodes: waiting on port " + std::to_string(port) + " for nodes");
+      else
+        say("waiting for " + std::to_string(shape().max_nodes - 1) + " more node(s) on port " + std::to_string(port));
+      return;
     }
+    coordinator_ = false;
+    node_zero_.emplace(join_node_zero(options_.master_addr, port, options_.node_rank, shape(), rendezvous_deadline()));
+  }
+
+  // Node 0, before each attempt: the nodes that take part. A static job waits for every
+  // --node-rank; an elastic one for at least MIN nodes, and once MIN are in, up to
+  // --rdzv-last-call seconds more for others (at most MAX). Nodes of the previous attempt whose
+  // link still stands stay in; nodes that joined during it come in now. Returns the node count.
+  int gather_nodes(int attempt) {
+    if (!listener_) return 1;
+    std::vector<JoinedNode> candidates;
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      if (node_lost_[i]) continue;
+      const int asked_rank = shape().elastic ? -1 : nodes_[i].node_rank();
+      candidates.push_back({std::move(nodes_[i]), asked_rank});
+    }
+    for (auto& node : waiting_) candidates.push_back(std::move(node));
+    nodes_.clear();
+    node_lost_.clear();
+    waiting_.clear();
+
+    const auto deadline = rendezvous_deadline();
+    std::optional<Clock::time_point> last_call;
+    while (true) {
+      const int count = static_cast<int>(candidates.size()) + 1;
+      if (count >= shape().min_nodes && !last_call)
+        last_call = Clock::now() + std::chrono::milliseconds(static_cast<long long>(options_.rdzv_last_call_s * 1000));
+      if (count >= shape().max_nodes || (shape().elastic && last_call && Clock::now() >= *last_call)) break;
+      if (Clock::now() >= deadline) throw std::runtime_error(rendezvous_timeout(candidates));
+
+      std::vector<pollfd> fds{{signal_pipe[0], POLLIN, 0}, {listener_->fd(), POLLIN, 0}};
+      for (auto& node : candidates) fds.push_back({node.peer.fd(), POLLIN, 0});
+      auto until = last_call ? std::min(deadline, *last_call) : deadline;
+      auto wait_ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count() + 1;
+      ::poll(fds.data(), fds.size(), static_cast<int>(std::max<long long>(wait_ms, 0)));
+      if (fds[0].revents & POLLIN) handle_signals_between_attempts();
+      // A candidate's link only becomes readable when it closes (it sends nothing before "start").
+      for (std::size_t i = candidates.size(); i-- > 0;) {
+        std::vector<std::string> ignored;
+        if (fds[i + 2].revents && !candidates[i].peer.receive(ignored)) {
+          say("a node left before attempt " + std::to_string(attempt) + " started");
+          candidates.erase(candidates.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+      }
+      if (fds[1].revents & POLLIN) {
+        std::string problem;
+        auto joined = listener_->accept(shape(), problem);
+        if (joined && !shape().elastic)
+          for (auto& node : candidates)
+            if (node.asked_rank == joined->asked_rank) problem = "two nodes were started with --node-rank " + std::to_string(node.asked_rank);
+        if (!problem.empty()) {
+          if (joined) joined->peer.send("error\t" + problem);
+          if (attempt == 0) throw std::runtime_error(problem);  // a job started wrongly fails at once
+          say("refused a node: " + problem);
+        } else if (joined) {
+          candidates.push_back(std::move(*joined));
+        }
+      }
+    }
+
+    if (!shape().elastic)
+      std::sort(candidates.begin(), candidates.end(), [](auto& a, auto& b) { return a.asked_rank < b.asked_rank; });
+    const int count = static_cast<int>(candidates.size()) + 1;
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+      const int node_rank = static_cast<int>(i) + 1;
+      candidates[i].peer.set_node_rank(node_rank);
+      candidates[i].peer.send("start\t" + std::to_string(node_rank) + "\t" + std::to_string(count) + "\t" +
+                              std::to_string(attempt));
+      nodes_.push_back(std::move(candidates[i].peer));
+    }
+    node_lost_.assign(nodes_.size(), false);
+    group_.set_membership(0, count);
+    if (shape().elastic) say("attempt " + std::to_string(attempt) + " runs on " + std::to_string(count) + " node(s)");
+    return count;
+  }
+
+  std::string rendezvous_timeout(const std::vector<JoinedNode>& candidates) const {
+    const int count = static_cast<int>(candidates.size()) + 1;
+    std::string text = "rendezvous timed out after " + std::to_string(static_cast<long long>(options_.rdzv_timeout_s)) +
+                       " s: " + std::to_string(count) + " of " +
+                       (shape().elastic ? "at least " + std::to_string(shape().min_nodes)
+                                        : std::to_string(shape().max_nodes)) +
+                       " nodes joined";
+    if (!shape().elastic) {
+      std::string missing;
+      for (int rank = 1; rank < shape().max_nodes; ++rank)
+        if (std::none_of(candidates.begin(), candidates.end(), [&](auto& node) { return node.asked_rank == rank; }))
+          missing += (missing.empty() ? "" : ", ") + std::to_string(rank);
+      text += " (missing node rank(s) " + missing + ")";
+    }
+    return text;
+  }
+
+  // Every other node, before each attempt: node 0's word on what comes next. Returns the
+  // attempt to run, or nothing when the job ends (its exit code in job_exit_code_).
+  struct Start {
+    int node_rank, nnodes, attempt;
+  };
+  std::optional<Start> await_start() {
+    const auto deadline = rendezvous_deadline();
+    bool said_waiting = false;
+    while (true) {
+      std::vector<std::string> lines;
+      if (node_zero_->has_line()) {
+        node_zero_->receive(lines);
+      } else {
+        pollfd fds[2] = {{signal_pipe[0], POLLIN, 0}, {node_zero_->fd(), POLLIN, 0}};
+        auto wait_ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+        if (wait_ms <= 0)
+          throw std::runtime_error("node 0 (" + options_.master_addr + ") did not start the next attempt within " +
+                                   std::to_string(static_cast<long long>(options_.rdzv_timeout_s)) + " s");
+        ::poll(fds, 2, static_cast<int>(wait_ms));
+        if (fds[0].revents & POLLIN) handle_signals_between_attempts();
+        if (fds[1].revents && !node_zero_->receive(lines))
+          throw std::runtime_error("lost contact with meshrun on node 0 (" + options_.master_addr +
+                                   ") while waiting for the next attempt");
+      }
+      for (std::size_t i = 0; i < lines.size(); ++i) {
+        auto fields = split_fields(lines[i]);
+        const auto& line = lines[i];
+        if (fields[0] == "start" && fields.size() == 4) {
+          node_zero_->put_back(lines, i + 1);  // a quick "stop" belongs to the attempt
+          Start start{std::atoi(fields[1].c_str()), std::atoi(fields[2].c_str()), std::atoi(fields[3].c_str())};
+          group_.set_membership(start.node_rank, start.nnodes);
+          if (shape().elastic)
+            say("this is node " + std::to_string(start.node_rank) + " of " + std::to_string(start.nnodes) +
+                " for attempt " + std::to_string(start.attempt));
+          return start;
+        }
+        if (fields[0] == "exit" && fields.size() == 2) {
+          job_exit_code_ = std::atoi(fields[1].c_str());
+          say("node 0 ends the job with code " + fields[1]);
+          return std::nullopt;
+        }
+        if (fields[0] == "error") throw std::runtime_error(fields.size() > 1 ? fields[1] : line);
+        if (fields[0] == "waiting" && !said_waiting) {
+          say("node 0 is running an attempt without this node; this node joins when it restarts");
+          said_waiting = true;
+        }
+      }
+    }
+  }
+
+  void handle_signals_between_attempts() {
+    char signals[64];
+    for (ssize_t n; (n = ::read(signal_pipe[0], signals, sizeof signals)) > 0;)
+      for (ssize_t i = 0; i < n; ++i) {
+        int signo = signals[i];
+        if (signo == SIGCHLD) continue;
+        if (signo == SIGUSR1) {
+          say("received SIGUSR1 while no ranks are running: no stacks to write");
+          continue;
+        }
+        throw Interrupted{signo};
+      }
+  }
+
+  // Node 0: a line to every node of the job and every node waiting to join.
+  void tell_nodes(const std::string& line) {
+    for (std::size_t i = 0; i < nodes_.size(); ++i)
+      if (node_lost_.empty() || !node_lost_[i]) nodes_[i].send(line);
+    for (auto& node : waiting_) node.peer.send(line);
   }
 
   // Runs one attempt of the whole job; returns its first failure, or nothing on success.
@@ -162,17 +398,17 @@ class Supervisor {
     while (true) {
       if (!group_.any_running()) {
         group_.drain_output();
-        if (options_.nnodes == 1) break;
-        if (options_.node_rank == 0) {
+        if (coordinator_) {
           if (std::find(node_finished.begin(), node_finished.end(), false) == node_finished.end()) {
-            for (auto& node : nodes_) node.send("end");
+            for (std::size_t i = 0; i < nodes_.size(); ++i)
+              if (!node_lost_[i]) nodes_[i].send("end");
             break;
           }
         } else {
           if (!node_zero_) break;
           if (!sent_finished) node_zero_->send("finished");
           sent_finished = true;
-          if (ended) break;
+          if (ended || leaving_) break;  // node 0 sends a leaving node nothing more
         }
       }
 
@@ -183,8 +419,12 @@ class Supervisor {
       if (node_zero_) fds.push_back({node_zero_->fd(), POLLIN, 0});
       // A lost node's socket stays readable (end of file): poll it no more.
       for (std::size_t i = 0; i < nodes_.size(); ++i) fds.push_back({node_lost_[i] ? -1 : nodes_[i].fd(), POLLIN, 0});
-      int timeout_ms = -1;
-      if (stopping_ && !killed_)
+      std::size_t listener_fd = fds.size();
+      if (listener_) fds.push_back({listener_->fd(), POLLIN, 0});
+      std::size_t first_waiting_fd = fds.size();
+      for (auto& node : waiting_) fds.push_back({node.peer.fd(), POLLIN, 0});
+      int timeout_ms = node_zero_ && node_zero_->has_line() ? 0 : -1;
+      if (stopping_ && !killed_ && timeout_ms != 0)
         timeout_ms = static_cast<int>(std::max<long long>(
             0, std::chrono::duration_cast<std::chrono::milliseconds>(kill_deadline_ - Clock::now()).count() + 1));
       ::poll(fds.data(), fds.size(), timeout_ms);
@@ -196,11 +436,58 @@ class Supervisor {
       if (fds[0].revents & POLLIN) handle_signals();
       for (std::size_t i = 0; i < pipes.size(); ++i)
         if (fds[i + 1].revents) group_.forward_output(*std::get<1>(pipes[i]), std::get<2>(pipes[i]));
-      if (node_zero_ && fds[first_node_fd].revents) ended = handle_node_zero() || ended;
+      if (node_zero_ && (fds[first_node_fd].revents || node_zero_->has_line())) ended = handle_node_zero() || ended;
       for (std::size_t i = 0; i < nodes_.size(); ++i)
         if (!node_lost_[i] && fds[first_node_fd + i].revents) handle_node(i, node_finished);
+      for (std::size_t i = waiting_.size(); i-- > 0;) {
+        std::vector<std::string> ignored;
+        if (fds[first_waiting_fd + i].revents && !waiting_[i].peer.receive(ignored))
+          waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+      if (listener_ && (fds[listener_fd].revents & POLLIN)) admit_node_during_attempt();
     }
     return failure_;
+  }
+
+  // Node 0, while an attempt runs: a node that joins waits for the next attempt. In an elastic
+  // job below MAX nodes, the ranks restart at once to take it in (as torchrun does); a static
+  // job only takes back a node rank it lost.
+  void admit_node_during_attempt() {
+    std::string problem;
+    auto joined = listener_->accept(shape(), problem);
+    if (!joined) {
+      if (!problem.empty()) say("refused a node: " + problem);
+      return;
+    }
+    int present = static_cast<int>(waiting_.size()) + 1;
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      if (node_lost_[i]) continue;
+      ++present;
+      if (!shape().elastic && nodes_[i].node_rank() == joined->asked_rank)
+        problem = "node rank " + std::to_string(joined->asked_rank) + " is already in the job";
+    }
+    for (auto& node : waiting_)
+      if (!shape().elastic && node.asked_rank == joined->asked_rank)
+        problem = "node rank " + std::to_string(joined->asked_rank) + " is already waiting to join";
+    if (shape().elastic && present >= shape().max_nodes)
+      problem = "the job already has its maximum of " + std::to_string(shape().max_nodes) + " nodes";
+    if (!problem.empty()) {
+      joined->peer.send("error\t" + problem);
+      say("refused a node: " + problem);
+      return;
+    }
+    joined->peer.send("waiting");
+    waiting_.push_back(std::move(*joined));
+    if (shape().elastic && !failure_) {
+      Failure joining;
+      joining.exit_code = 1;
+      joining.membership_change = true;
+      joining.how = "a node joined the job: stopping every rank to restart with " + std::to_string(present + 1) +
+                    " nodes";
+      note_failure(joining);
+    } else {
+      say("a node joined; it takes part from the next attempt");
+    }
   }
 
   void begin_stop(int signo) {
@@ -216,7 +503,8 @@ class Supervisor {
     if (failure_) return;
     failure_ = failure;
     begin_stop(stop_signal);
-    for (auto& node : nodes_) node.send("stop\t" + encode(failure));
+    for (std::size_t i = 0; i < nodes_.size(); ++i)
+      if (!node_lost_[i]) nodes_[i].send("stop\t" + encode(failure));
     if (node_zero_) node_zero_->send("failed\t" + encode(failure));
   }
 
@@ -234,6 +522,7 @@ class Supervisor {
           request_stacks("received SIGUSR1");
           continue;
         }
+        interrupted_ = leaving_ = true;
         if (++interrupts_ > 1) {
           say("received " + signal_name(signo) + " again; killing all ranks");
           group_.signal_all(SIGKILL);
@@ -243,8 +532,8 @@ class Supervisor {
         say("received " + signal_name(signo) + "; passing it to all ranks");
         Failure interrupted;
         interrupted.exit_code = 128 + signo;
-        interrupted.node_rank = options_.node_rank;
-        interrupted.how = "meshrun on node " + std::to_string(options_.node_rank) + " received " + signal_name(signo);
+        interrupted.node_rank = group_.settings().node_rank;
+        interrupted.how = "meshrun on node " + std::to_string(interrupted.node_rank) + " received " + signal_name(signo);
         if (failure_) {
           begin_stop(signo);
         } else {
@@ -273,25 +562,30 @@ class Supervisor {
   bool handle_node_zero() {
     std::vector<std::string> lines;
     if (!node_zero_->receive(lines)) {
+      if (leaving_) {  // node 0 has let this node go
+        node_zero_.reset();
+        return true;
+      }
       Failure lost;
-      lost.node_rank = options_.node_rank;
+      lost.node_rank = group_.settings().node_rank;
       lost.how = "lost contact with meshrun on node 0 (" + options_.master_addr + ")";
       note_failure(lost);
       failure_ = lost;  // this node cannot take part in a restart
+      leaving_ = true;
       node_zero_.reset();
       return true;
     }
     bool ended = false;
-    for (auto& line : lines) {
-      auto fields = split_fields(line);
+    for (std::size_t i = 0; i < lines.size() && !ended; ++i) {
+      auto fields = split_fields(lines[i]);
       if (fields[0] == "stop") {
         auto failure = decode(fields, 1);
         if (!failure) continue;
-        if (!failure_) note_failure(*failure);
         failure_ = failure;  // node 0's first failure is the job's, so every node agrees
         begin_stop(SIGTERM);
       } else if (fields[0] == "end") {
         ended = true;
+        node_zero_->put_back(lines, i + 1);  // node 0's word on the next attempt: for await_start()
       } else if (fields[0] == "stacks") {
         say("node 0 asks every rank for its stacks");
         group_.signal_all(SIGUSR1);
@@ -300,23 +594,36 @@ class Supervisor {
     return ended;
   }
 
+  // A line from another node. A node whose meshrun failed itself (interrupted) or whose link
+  // dropped has left the job: the failure allows a restart, which goes on without it (elastic)
+  // or waits for it to come back (static).
   void handle_node(std::size_t index, std::vector<bool>& node_finished) {
     std::vector<std::string> lines;
     auto& node = nodes_[index];
+    auto leave = [&](Failure failure) {
+      failure.node_left = true;
+      node_finished[index] = true;
+      node_lost_[index] = true;
+      note_failure(failure);
+    };
     if (!node.receive(lines)) {
       if (node_finished[index] && !failure_) return;
       Failure lost;
       lost.node_rank = node.node_rank();
       lost.how = "lost contact with meshrun on node " + std::to_string(node.node_rank());
-      note_failure(lost);
-      node_finished[index] = true;
-      node_lost_[index] = true;
+      leave(lost);
       return;
     }
     for (auto& line : lines) {
       auto fields = split_fields(line);
       if (fields[0] == "failed") {
-        if (auto failure = decode(fields, 1)) note_failure(*failure);
+        auto failure = decode(fields, 1);
+        if (!failure) continue;
+        if (failure->global_rank < 0 && failure->node_rank == node.node_rank()) {
+          leave(*failure);
+          return;
+        }
+        note_failure(*failure);
       } else if (fields[0] == "finished") {
         node_finished[index] = true;
       } else if (fields[0] == "stacks") {
@@ -327,11 +634,17 @@ class Supervisor {
 
   Options options_;
   WorkerGroup group_;
-  std::vector<Peer> nodes_;         // on node 0: the other nodes
+  bool coordinator_ = true;         // node 0 (also a single-node job)
+  std::optional<Listener> listener_;
+  std::vector<Peer> nodes_;         // on node 0: the other nodes of this attempt
   std::vector<bool> node_lost_;
+  std::vector<JoinedNode> waiting_;  // on node 0: nodes that joined during this attempt
   std::optional<Peer> node_zero_;   // on the other nodes
   std::optional<Failure> failure_;
+  int job_exit_code_ = 1;
   bool stopping_ = false, killed_ = false;
+  bool interrupted_ = false;  // this meshrun received a terminating signal: no restart
+  bool leaving_ = false;      // another node that cannot take part in a restart
   int interrupts_ = 0;
   Clock::time_point kill_deadline_;
 };
@@ -385,18 +698,23 @@ int run(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   auto* nproc = app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_per_node, "ranks on this node")
                     ->check(CLI::PositiveNumber);
-  app.add_option("--nnodes", options.nnodes, "number of nodes, each running its own meshrun")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--node-rank,--node_rank", options.node_rank, "this node's index, 0 .. nnodes-1")
-      ->check(CLI::NonNegativeNumber);
+  std::string nnodes = "1";
+  app.add_option("--nnodes", nnodes,
+                 "number of nodes, each running its own meshrun; MIN:MAX for an elastic job that runs on as many "
+                 "nodes as are there (at least MIN) and restarts with the nodes present when one leaves or joins");
+  auto* node_rank = app.add_option("--node-rank,--node_rank", options.node_rank, "this node's index, 0 .. nnodes-1")
+                        ->check(CLI::NonNegativeNumber);
   auto* master_addr = app.add_option("--master-addr,--master_addr", options.master_addr,
                                      "host of node 0, where rank 0 serves the rendezvous store");
   app.add_option("--master-port,--master_port", options.master_port, "port of rank 0's rendezvous store")
       ->check(CLI::Range(1, 65535));
   app.add_option("--rdzv-port", options.rdzv_port, "port on node 0 where the meshruns meet (default: master port + 1)")
       ->check(CLI::Range(1, 65535));
-  app.add_option("--rdzv-timeout", options.rdzv_timeout_s, "seconds to wait for all nodes to join")
+  app.add_option("--rdzv-timeout", options.rdzv_timeout_s, "seconds to wait for all nodes (elastic: MIN nodes) to join")
       ->check(CLI::PositiveNumber);
+  app.add_option("--rdzv-last-call", options.rdzv_last_call_s,
+                 "elastic jobs: once MIN nodes are in, seconds to wait for more before starting (default 30)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--log-dir", options.log_dir, "write LOG_DIR/<attempt>/<rank>/{stdout,stderr}.log and error.json");
   app.add_option("--redirects", options.redirects,
                  "with --log-dir, which streams go to files: 0 none, 1 stdout, 2 stderr, 3 both (default 3)")
@@ -415,10 +733,17 @@ int run(int argc, char** argv) {
     options.command = app.remaining();
     if (!options.command.empty() && options.command.front() == "--") options.command.erase(options.command.begin());
     if (options.command.empty()) throw CLI::ValidationError("PROGRAM", "no program to run; put it after --");
-    if (options.node_rank >= options.nnodes)
-      throw CLI::ValidationError("--node-rank", "must be below --nnodes " + std::to_string(options.nnodes));
-    if (options.nnodes > 1 && master_addr->count() == 0)
-      throw CLI::ValidationError("--master-addr", "--nnodes > 1 needs the host of node 0");
+    options.shape = parse_nnodes(nnodes);
+    options.shape.nproc_per_node = options.nproc_per_node;
+    options.shape.max_restarts = options.max_restarts;
+    if (options.shape.elastic && node_rank->count() > 0)
+      throw CLI::ValidationError("--node-rank", "an elastic job (--nnodes " + nnodes +
+                                                    ") numbers its nodes at each rendezvous: the meshrun on "
+                                                    "--master-addr is node 0; drop --node-rank");
+    if (options.node_rank >= options.shape.max_nodes)
+      throw CLI::ValidationError("--node-rank", "must be below --nnodes " + nnodes);
+    if (options.shape.max_nodes > 1 && master_addr->count() == 0)
+      throw CLI::ValidationError("--master-addr", "--nnodes " + nnodes + " needs the host of node 0");
     if (options.redirects.value_or(0) != 0 && options.log_dir.empty())
       throw CLI::ValidationError("--redirects", "needs --log-dir for the files");
   } catch (const CLI::ParseError& e) {
@@ -427,7 +752,7 @@ int run(int argc, char** argv) {
 
   GroupSettings settings;
   settings.nproc_per_node = options.nproc_per_node;
-  settings.nnodes = options.nnodes;
+  settings.nnodes = options.shape.max_nodes;
   settings.node_rank = options.node_rank;
   settings.max_restarts = options.max_restarts;
   settings.master_addr = options.master_addr;

@@ -1,9 +1,10 @@
 #pragma once
 // The TCP link between the meshruns of a multi-node job. Node 0 listens; every other node
 // connects, and they exchange newline-terminated, tab-separated text lines: a hello that must
-// agree on the job's shape, "start" once all nodes are in, then per attempt "failed" (a node's
-// first failing rank), "stop" (node 0 relays the job's first failure), "finished" (a node's
-// ranks are all gone) and "end" (every node is finished; the next attempt may begin).
+// agree on the job's shape; per attempt node 0's "start" (the node's rank, the number of nodes,
+// the attempt), then "failed" (a node's first failing rank), "stop" (node 0 relays the job's
+// first failure), "finished" (a node's ranks are all gone) and "end" (every node is finished);
+// node 0 alone decides what follows: another "start" or "exit" with the job's exit code.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -20,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace meshrun {
@@ -47,7 +49,12 @@ class Peer {
  public:
   explicit Peer(int fd, int node_rank = -1) : fd_(fd), node_rank_(node_rank) {}
   Peer(Peer&& other) noexcept : fd_(std::exchange(other.fd_, -1)), node_rank_(other.node_rank_), buffer_(std::move(other.buffer_)) {}
-  Peer& operator=(Peer&&) = delete;
+  Peer& operator=(Peer&& other) noexcept {
+    std::swap(fd_, other.fd_);
+    std::swap(node_rank_, other.node_rank_);
+    std::swap(buffer_, other.buffer_);
+    return *this;
+  }
   ~Peer() {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -66,18 +73,31 @@ class Peer {
     return true;
   }
 
-  // Reads what is available; returns false once the peer has closed the connection.
+  // Reads what is available (what was put back first, without reading the socket); returns
+  // false once the peer has closed the connection.
   bool receive(std::vector<std::string>& lines) {
-    char chunk[4096];
-    ssize_t n = ::recv(fd_, chunk, sizeof chunk, 0);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
-    if (n <= 0) return false;
-    buffer_.append(chunk, static_cast<std::size_t>(n));
+    if (!has_line()) {
+      char chunk[4096];
+      ssize_t n = ::recv(fd_, chunk, sizeof chunk, 0);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
+      if (n <= 0) return false;
+      buffer_.append(chunk, static_cast<std::size_t>(n));
+    }
     for (std::size_t newline; (newline = buffer_.find('\n')) != std::string::npos;) {
       lines.push_back(buffer_.substr(0, newline));
       buffer_.erase(0, newline + 1);
     }
     return true;
+  }
+
+  // A whole line is waiting: poll() would not say so, the socket may have nothing more.
+  bool has_line() const { return buffer_.find('\n') != std::string::npos; }
+
+  // Puts lines[from..] back, for the next receive(): the lines after one that ends a phase.
+  void put_back(const std::vector<std::string>& lines, std::size_t from) {
+    std::string text;
+    for (std::size_t i = from; i < lines.size(); ++i) text += lines[i] + "\n";
+    buffer_.insert(0, text);
   }
 
   // Blocks for one line until `deadline`.
@@ -107,78 +127,103 @@ class Peer {
 };
 
 struct JobShape {
-  int nnodes = 1, nproc_per_node = 1, max_restarts = 0;
+  int min_nodes = 1, max_nodes = 1, nproc_per_node = 1, max_restarts = 0;
+  bool elastic = false;  // --nnodes MIN:MAX: node 0 assigns node ranks at each rendezvous
+
+  std::string nnodes() const {
+    return elastic ? std::to_string(min_nodes) + ":" + std::to_string(max_nodes) : std::to_string(max_nodes);
+  }
+  // An elastic node names no rank (-1): node 0 gives it one.
   std::string hello(int node_rank) const {
-    return "hello\t" + std::to_string(node_rank) + "\t" + std::to_string(nnodes) + "\t" +
+    return "hello\t" + std::to_string(elastic ? -1 : node_rank) + "\t" + nnodes() + "\t" +
            std::to_string(nproc_per_node) + "\t" + std::to_string(max_restarts);
   }
 };
 
-// Node 0: waits until every other node has said hello with the same job shape.
-inline std::vector<Peer> accept_nodes(int port, const JobShape& shape, Clock::time_point deadline) {
-  int listener = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  bool ipv6 = listener >= 0;
-  if (!ipv6) listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (listener < 0) throw std::runtime_error(std::string("cannot create a socket: ") + std::strerror(errno));
-  Peer listener_guard(listener);
-  int yes = 1, no = 0;
-  ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-  int bound;
-  if (ipv6) {
-    ::setsockopt(listener, IPPROTO_IPV6, IPV6_V6ONLY, &no, sizeof no);
-    sockaddr_in6 address{};
-    address.sin6_family = AF_INET6;
-    address.sin6_addr = in6addr_any;
-    address.sin6_port = htons(static_cast<uint16_t>(port));
-    bound = ::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address);
-  } else {
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_ANY);
-    address.sin_port = htons(static_cast<uint16_t>(port));
-    bound = ::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address);
-  }
-  if (bound != 0 || ::listen(listener, 128) != 0)
-    throw std::runtime_error("node 0 cannot listen on rendezvous port " + std::to_string(port) + ": " +
-                             std::strerror(errno));
-  std::vector<Peer> nodes;
-  std::vector<bool> joined(static_cast<std::size_t>(shape.nnodes), false);
-  joined[0] = true;
-  while (static_cast<int>(nodes.size()) < shape.nnodes - 1) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    pollfd p{listener, POLLIN, 0};
-    if (left <= 0 || ::poll(&p, 1, static_cast<int>(std::max<long long>(left, 0))) == 0)
-      throw std::runtime_error("rendezvous timed out: " + std::to_string(nodes.size() + 1) + " of " +
-                               std::to_string(shape.nnodes) + " nodes joined on port " + std::to_string(port));
-    int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    Peer peer(fd);
-    auto hello = peer.receive_line(std::min(deadline, Clock::now() + std::chrono::seconds(10)));
-    if (!hello) continue;
-    auto fields = split_fields(*hello);
-    if (fields.size() != 5 || fields[0] != "hello") continue;  // not a meshrun: ignore it
-    int node_rank = std::atoi(fields[1].c_str());
-    std::string problem;
-    if (*hello != shape.hello(node_rank) || node_rank <= 0 || node_rank >= shape.nnodes)
-      problem = "node " + fields[1] + " was started with --nnodes " + fields[2] + " --nproc-per-node " +
-                fields[3] + " --max-restarts " + fields[4] + ", node 0 with --nnodes " +
-                std::to_string(shape.nnodes) + " --nproc-per-node " + std::to_string(shape.nproc_per_node) +
-                " --max-restarts " + std::to_string(shape.max_restarts);
-    else if (joined[static_cast<std::size_t>(node_rank)])
-      problem = "two nodes were started with --node-rank " + fields[1];
-    if (!problem.empty()) {
-      peer.send("error\t" + problem);
-      throw std::runtime_error(problem);
-    }
-    joined[static_cast<std::size_t>(node_rank)] = true;
-    peer.set_node_rank(node_rank);
-    nodes.push_back(std::move(peer));
-  }
-  for (auto& node : nodes) node.send("start");
-  return nodes;
-}
+// A node that has said hello to node 0; `asked_rank` is the --node-rank it was started with (-1
+// for an elastic node).
+struct JoinedNode {
+  Peer peer;
+  int asked_rank = -1;
+};
 
-// Every other node: connects to node 0 (retrying until it listens) and waits for "start".
+// Node 0's listening socket, open for the whole job so that nodes can join (or come back) at any
+// time; they take part from the next rendezvous round.
+class Listener {
+ public:
+  // Listens on `port` of every address, or, with `host`, only on that host's address: a meshrun
+  // elsewhere, or a second one on the same host, gets nothing (and joins as another node).
+  static std::optional<Listener> open(int port, const std::string& host = {}) {
+    std::string failure;
+    // Without a host: IPv6 with IPv4-mapped addresses where there is IPv6, else IPv4.
+    for (int family : host.empty() ? std::vector<int>{AF_INET6, AF_INET} : std::vector<int>{AF_UNSPEC}) {
+      addrinfo hints{};
+      hints.ai_family = family;
+      hints.ai_socktype = SOCK_STREAM;
+      hints.ai_flags = AI_PASSIVE;
+      addrinfo* found = nullptr;
+      int resolved = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), std::to_string(port).c_str(), &hints, &found);
+      if (resolved != 0) {
+        if (host.empty()) continue;
+        throw std::runtime_error("cannot resolve '" + host + "': " + ::gai_strerror(resolved));
+      }
+      for (auto* a = found; a; a = a->ai_next) {
+        int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) continue;
+        Peer guard(fd);
+        int yes = 1, no = 0;
+        ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+        if (a->ai_family == AF_INET6) ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &no, sizeof no);
+        if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
+          ::freeaddrinfo(found);
+          return Listener(std::move(guard));
+        }
+        int error = errno;
+        if (!host.empty() && (error == EADDRINUSE || error == EADDRNOTAVAIL)) continue;  // not ours to serve
+        failure = std::strerror(error);
+      }
+      ::freeaddrinfo(found);
+    }
+    if (failure.empty() && !host.empty()) return std::nullopt;
+    throw std::runtime_error("node 0 cannot listen on rendezvous port " + std::to_string(port) + ": " +
+                             (failure.empty() ? "no usable address" : failure));
+  }
+
+  int fd() const { return socket_.fd(); }
+
+  // Accepts one connection and reads its hello (waiting at most a few seconds for it). Returns
+  // the node, or nothing for a connection that is not a meshrun. A meshrun started with another
+  // job shape gets an error line and `problem` says why.
+  std::optional<JoinedNode> accept(const JobShape& shape, std::string& problem) {
+    problem.clear();
+    int fd = ::accept4(socket_.fd(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return std::nullopt;
+    Peer peer(fd);
+    auto hello = peer.receive_line(Clock::now() + std::chrono::seconds(5));
+    if (!hello) return std::nullopt;
+    auto fields = split_fields(*hello);
+    if (fields.size() != 5 || fields[0] != "hello") return std::nullopt;  // not a meshrun: ignore it
+    int asked_rank = std::atoi(fields[1].c_str());
+    if (*hello != shape.hello(asked_rank) ||
+        (!shape.elastic && (asked_rank <= 0 || asked_rank >= shape.max_nodes))) {
+      problem = "a node was started with --nnodes " + fields[2] + (fields[1] == "-1" ? "" : " --node-rank " + fields[1]) +
+                " --nproc-per-node " + fields[3] + " --max-restarts " + fields[4] + ", node 0 with --nnodes " +
+                shape.nnodes() + " --nproc-per-node " + std::to_string(shape.nproc_per_node) + " --max-restarts " +
+                std::to_string(shape.max_restarts);
+      peer.send("error\t" + problem);
+      return std::nullopt;
+    }
+    return JoinedNode{std::move(peer), asked_rank};
+  }
+
+ private:
+  explicit Listener(Peer socket) : socket_(std::move(socket)) {}
+  Peer socket_;
+};
+
+// Every other node: connects to node 0 (retrying until it listens) and says hello. What to do
+// next comes from node 0: "start" lines (this node's rank, the number of nodes, the attempt),
+// "waiting" while an attempt it is not part of ends, "exit" with the job's exit code, or "error".
 inline Peer join_node_zero(const std::string& host, int port, int node_rank, const JobShape& shape,
                            Clock::time_point deadline) {
   while (true) {
@@ -192,18 +237,14 @@ inline Peer join_node_zero(const std::string& host, int port, int node_rank, con
         if (fd < 0) continue;
         if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
           ::freeaddrinfo(found);
-          found = nullptr;
           Peer peer(fd, 0);
-          if (!peer.send(shape.hello(node_rank))) break;
-          auto reply = peer.receive_line(deadline);
-          if (!reply) throw std::runtime_error("node 0 at " + host + ":" + std::to_string(port) + " did not start the job in time");
-          auto fields = split_fields(*reply);
-          if (fields[0] == "error") throw std::runtime_error(fields.size() > 1 ? fields[1] : *reply);
+          if (!peer.send(shape.hello(node_rank)))
+            throw std::runtime_error("node 0 at " + host + ":" + std::to_string(port) + " closed the connection");
           return peer;
         }
         ::close(fd);
       }
-      if (found) ::freeaddrinfo(found);
+      ::freeaddrinfo(found);
     }
     if (Clock::now() >= deadline)
       throw std::runtime_error("rendezvous timed out: cannot reach node 0 at " + host + ":" + std::to_string(port));

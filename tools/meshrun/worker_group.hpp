@@ -44,7 +44,11 @@ struct Failure {
   std::string culprit, flight_recorder;
   int node_rank = 0, local_rank = -1;
 
-  bool restartable() const { return global_rank >= 0; }
+  // Set by node 0 only: another node's meshrun left (its link dropped, or it was interrupted),
+  // or a node joined an elastic job. Both allow a restart with the nodes then present.
+  bool node_left = false, membership_change = false;
+
+  bool restartable() const { return global_rank >= 0 || node_left || membership_change; }
 };
 
 struct Worker {
@@ -101,6 +105,12 @@ class WorkerGroup {
   explicit WorkerGroup(GroupSettings settings) : settings_(std::move(settings)) {}
 
   std::vector<Worker>& workers() { return workers_; }
+  const GroupSettings& settings() const { return settings_; }
+  // Elastic jobs number the nodes again at each rendezvous.
+  void set_membership(int node_rank, int nnodes) {
+    settings_.node_rank = node_rank;
+    settings_.nnodes = nnodes;
+  }
   bool any_running() const {
     for (auto& w : workers_)
       if (w.running) return true;
