@@ -28,9 +28,10 @@ const std::vector<std::int64_t> shape{4, 8};
 // Issues `count` collectives named `op` on the group `backend`, completing all but `pending`
 // of the last ones; the last pending one is being waited on.
 void run(FlightRecorder& recorder, const void* backend, const std::string& axis, const std::vector<int>& ranks,
-         const std::string& op, int count, int pending = 0) {
+         const std::string& op, int count, int pending = 0, const std::vector<std::int64_t>& tensor_shape = shape,
+         const char* dtype = "Float") {
   for (int i = 0; i < count; ++i) {
-    auto id = recorder.record(backend, axis, ranks, "gloo", op, shape, "Float");
+    auto id = recorder.record(backend, axis, ranks, "gloo", op, tensor_shape, dtype);
     if (i < count - pending)
       recorder.completed(id);
     else
@@ -161,6 +162,41 @@ TEST_CASE("a desync names the rank that issued another collective under the same
   INFO(output);
   CHECK(code == 0);
   CHECK_THAT(output, Catch::Contains("rank 3 is in all_gather #812"));
+}
+
+TEST_CASE("a desync of shapes or dtypes under the same collective names the rank and both tensors", "[analysis]") {
+  // Three ranks wait in all_reduce #5 of the world group; rank 2's tensor has another shape (NCCL
+  // would hang or read past the buffer; the watchdog sees only the wait). Then a dtype desync.
+  int group = 0;
+  const std::vector<int> ranks{0, 1, 2};
+  for (const bool dtype_differs : {false, true}) {
+    std::map<int, RankReport> reports;
+    for (int r = 0; r < 3; ++r) {
+      FlightRecorder recorder(16);
+      run(recorder, &group, "world", ranks, "all_reduce", 4);
+      const bool odd = r == 2;
+      run(recorder, &group, "world", ranks, "all_reduce", 1, 1, odd && !dtype_differs ? std::vector<std::int64_t>{4, 16} : shape,
+          odd && dtype_differs ? "BFloat16" : "Float");
+      // As the watchdog sees them: progress only, no ring.
+      reports[r] = rank_report_from_progress(r, recorder.progress());
+    }
+    const auto verdict = analyse_hang(reports);
+    INFO(verdict.text());
+    CHECK(verdict.culprits == std::vector<int>{2});
+    CHECK_THAT(verdict.summary, Catch::StartsWith("desync: ranks issued a collective on tensors of different shapes or dtypes"));
+    CHECK_THAT(verdict.summary,
+               Catch::Contains(fmt::format("rank 2 is in all_reduce #5 over the world group [0, 1, 2] (gloo) on {} while "
+                                           "ranks 0, 1 are in all_reduce #5 on Float[4, 8]",
+                                           dtype_differs ? "BFloat16[4, 8]" : "Float[4, 16]")));
+  }
+  // The same tensors everywhere: no desync, a collective nobody completed.
+  std::map<int, RankReport> agreeing;
+  for (int r = 0; r < 3; ++r) {
+    FlightRecorder recorder(16);
+    run(recorder, &group, "world", ranks, "all_reduce", 5, 1);
+    agreeing[r] = rank_report_from_progress(r, recorder.progress());
+  }
+  CHECK(analyse_hang(agreeing).culprits.empty());
 }
 
 TEST_CASE("a rank waiting for a stopped one is not blamed: the wait is followed to its root", "[analysis]") {

@@ -180,8 +180,6 @@ class FlightRecorder {
       auto entry = brief(e);
       entry["id"] = e.id;
       entry["ranks"] = e.group->ranks;
-      entry["shape"] = e.shape;
-      entry["dtype"] = e.dtype;
       if (!e.detail.empty()) entry["detail"] = e.detail;
       entry["issued_s"] = wall(e.issued);
       entry["wait_started_s"] = wall(e.wait_started);
@@ -206,8 +204,10 @@ class FlightRecorder {
            std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
   }
 
+  // With the tensor's shape and dtype, so that a desync of sizes or types is named too.
   static nlohmann::json brief(const FlightEntry& e) {
-    return {{"group", e.group->name}, {"seq", e.seq}, {"op", e.op}, {"state", to_string(e.state)}};
+    return {{"group", e.group->name}, {"seq", e.seq},     {"op", e.op},
+            {"state", to_string(e.state)}, {"shape", e.shape}, {"dtype", e.dtype}};
   }
 
   RecordedGroup& group_of(const void* backend, std::string_view axis, const std::vector<int>& ranks,

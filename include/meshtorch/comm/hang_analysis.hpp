@@ -4,7 +4,9 @@
 // names (in this order of precedence)
 //   - a desync: members of a group issued different collectives under one sequence number
 //     ("rank 3 is in all_gather #812 over the FSDP group [0, 1, 2, 3] while ranks 0, 1, 2 are
-//     in reduce_scatter #812"), as PyTorch's flight-recorder analyser does;
+//     in reduce_scatter #812"), or the same one on tensors of another shape or dtype (every
+//     collective here needs the same on all members; NCCL would hang or corrupt, not refuse), as
+//     PyTorch's flight-recorder analyser does;
 //   - the ranks that did not arrive at a collective others wait in, following waits to their
 //     root: a rank that waits itself is blocked by someone else, a rank that stopped reporting
 //     progress or is in no collective at all is where the job is stuck;
@@ -49,6 +51,8 @@ struct RankReport {
   std::map<std::string, GroupProgress> groups;
   std::optional<CollectiveRef> last, waiting;
   std::map<std::pair<std::string, std::uint64_t>, std::string> ops;  // from its ring: (group, seq) -> op
+  // (group, seq) -> "float32[4, 8]": the tensor of that collective, where recorded.
+  std::map<std::pair<std::string, std::uint64_t>, std::string> tensors;
 };
 
 struct HangVerdict {
@@ -81,6 +85,18 @@ inline std::optional<std::string> op_at(const RankReport& report, const std::str
   return std::nullopt;
 }
 
+// "float32[4, 8]" from a ring entry or a progress report; empty when it names no tensor.
+inline std::string tensor_text(const nlohmann::json& entry) {
+  const auto dtype = entry.value("dtype", "");
+  if (dtype.empty() || !entry.contains("shape") || !entry["shape"].is_array()) return {};
+  return fmt::format("{}[{}]", dtype, fmt::join(entry["shape"].get<std::vector<std::int64_t>>(), ", "));
+}
+
+inline void add_tensor(RankReport& report, const nlohmann::json& entry) {
+  if (auto text = tensor_text(entry); !text.empty())
+    report.tensors[{entry.value("group", ""), entry.value("seq", std::uint64_t{0})}] = text;
+}
+
 inline std::uint64_t issued_on(const RankReport& report, const std::string& group) {
   auto g = report.groups.find(group);
   return g == report.groups.end() ? 0 : g->second.issued;
@@ -111,8 +127,11 @@ inline RankReport rank_report_from_progress(int rank, const nlohmann::json& prog
     ref.seconds = j.value("seconds", -1.0);
     return ref;
   };
-  if (progress.contains("last") && progress["last"].is_object()) report.last = collective(progress["last"]);
-  if (progress.contains("waiting") && progress["waiting"].is_object()) report.waiting = collective(progress["waiting"]);
+  for (const char* key : {"last", "waiting"})
+    if (progress.contains(key) && progress[key].is_object()) {
+      (std::string(key) == "last" ? report.last : report.waiting) = collective(progress[key]);
+      detail::add_tensor(report, progress[key]);
+    }
   return report;
 }
 
@@ -120,8 +139,11 @@ inline RankReport rank_report_from_progress(int rank, const nlohmann::json& prog
 // sequence number, so a desync further back than the last collective is found too.
 inline void add_ring(RankReport& report, const nlohmann::json& entries) {
   if (!entries.is_array()) return;
-  for (const auto& e : entries)
-    if (e.is_object()) report.ops[{e.value("group", ""), e.value("seq", std::uint64_t{0})}] = e.value("op", "");
+  for (const auto& e : entries) {
+    if (!e.is_object()) continue;
+    report.ops[{e.value("group", ""), e.value("seq", std::uint64_t{0})}] = e.value("op", "");
+    detail::add_tensor(report, e);
+  }
 }
 
 // The reports of every rank from their dumps: a rank's own dump where it wrote one, else what
@@ -178,6 +200,7 @@ inline HangVerdict analyse_hang(const std::map<int, RankReport>& reports) {
   if (!verdict.culprits.empty()) return verdict;
 
   // 1. Desync: the lowest sequence number at which members of a group issued different ops.
+  bool tensor_desync = false;
   for (const auto& [name, ranks] : members) {
     std::set<std::uint64_t> seqs;
     for (const auto& [rank, report] : reports) {
@@ -186,10 +209,22 @@ inline HangVerdict analyse_hang(const std::map<int, RankReport>& reports) {
       if (auto issued = detail::issued_on(report, name)) seqs.insert(issued);
     }
     for (std::uint64_t seq : seqs) {
-      std::map<std::string, std::vector<int>> by_op;
+      // (op, tensor) -> ranks; the tensor ("Float[4, 8]") only where the ops agree.
+      std::map<std::pair<std::string, std::string>, std::vector<int>> by_op;
       for (int r : ranks)
         if (auto report = reports.find(r); report != reports.end())
-          if (auto op = detail::op_at(report->second, name, seq)) by_op[*op].push_back(r);
+          if (auto op = detail::op_at(report->second, name, seq)) by_op[{*op, ""}].push_back(r);
+      if (by_op.size() == 1) {
+        // One op: its members must all pass the same shape and dtype (where recorded).
+        std::map<std::pair<std::string, std::string>, std::vector<int>> by_tensor;
+        for (int r : by_op.begin()->second)
+          if (auto t = reports.at(r).tensors.find({name, seq}); t != reports.at(r).tensors.end())
+            by_tensor[{by_op.begin()->first.first, t->second}].push_back(r);
+        if (by_tensor.size() > 1) {
+          by_op = std::move(by_tensor);
+          tensor_desync = true;
+        }
+      }
       if (by_op.size() < 2) continue;
       // The op most members issued is taken as the right one; on a tie, the lowest rank's.
       auto majority = by_op.begin();
@@ -197,20 +232,24 @@ inline HangVerdict analyse_hang(const std::map<int, RankReport>& reports) {
         if (it->second.size() > majority->second.size() ||
             (it->second.size() == majority->second.size() && it->second.front() < majority->second.front()))
           majority = it;
+      auto on = [](const std::string& tensor) { return tensor.empty() ? tensor : " on " + tensor; };
       for (auto it = by_op.begin(); it != by_op.end(); ++it) {
         if (it == majority) continue;
         verdict.culprits.insert(verdict.culprits.end(), it->second.begin(), it->second.end());
-        verdict.details.push_back(fmt::format("{} {} in {} #{} over the {} while {} {} in {} #{}", ranks_phrase(it->second),
-                                              it->second.size() == 1 ? "is" : "are", it->first, seq, name,
-                                              ranks_phrase(majority->second), majority->second.size() == 1 ? "is" : "are",
-                                              majority->first, seq));
+        verdict.details.push_back(fmt::format(
+            "{} {} in {} #{} over the {}{} while {} {} in {} #{}{}", ranks_phrase(it->second),
+            it->second.size() == 1 ? "is" : "are", it->first.first, seq, name, on(it->first.second),
+            ranks_phrase(majority->second), majority->second.size() == 1 ? "is" : "are", majority->first.first, seq,
+            on(majority->first.second)));
       }
       break;
     }
   }
   if (!verdict.culprits.empty()) {
     std::sort(verdict.culprits.begin(), verdict.culprits.end());
-    verdict.summary = "desync: ranks issued different collectives: " + verdict.details.front();
+    verdict.summary = (tensor_desync ? "desync: ranks issued a collective on tensors of different shapes or dtypes: "
+                                     : "desync: ranks issued different collectives: ") +
+                      verdict.details.front();
     verdict.details.erase(verdict.details.begin());
     return verdict;
   }
