@@ -69,8 +69,9 @@ double cause_fault(const Chapter9Args& args, const mt::comm::DeviceMesh<Mesh>& m
 
 int train(const Chapter9Args& args) {
   auto [env, device, dtype, mesh, log] = mt::launch<Mesh>(args);
-  if (args.grad_accum != 1)
-    throw mt::ConfigError("--grad-accum: chapter 9 runs one micro-batch per step (chapter 2 shows accumulation)");
+  if (args.grad_accum != 1 || args.global_batch_size != 0)
+    throw mt::ConfigError(
+        "--grad-accum / --global-batch-size: chapter 9 runs one micro-batch per step (chapter 2 shows accumulation)");
   if (args.fault_rank >= mesh.world_size())
     throw mt::ConfigError(fmt::format("--fault-rank {} is not a rank of this {}-rank run", args.fault_rank,
                                       mesh.world_size()));

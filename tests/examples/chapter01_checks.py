@@ -113,6 +113,13 @@ def run_ends(binary):
         fresh = run(binary, *common, "-e", "final", "--save-dir", tmp, "--max-steps", "3", "--no-resume")
         assert "--no-resume: starting at step 0" in fresh.stdout, fresh.stdout
         assert state_of(f"{tmp}/final")["global_step"] == 3, state_of(f"{tmp}/final")
+        # A run that restarts at an earlier step than the folder's metrics reach sets the later lines
+        # aside (they used to stay, so that each of those steps appeared twice).
+        again_straight = run(binary, *common, "-e", "straight", "--save-dir", tmp, "--max-steps", "3", "--no-resume")
+        assert "1 line(s) after global_step 0" in again_straight.stdout, again_straight.stdout
+        assert metrics(tmp, "straight") == [], metrics(tmp, "straight")
+        set_aside = (pathlib.Path(tmp) / "straight" / "metrics.discarded.jsonl").read_text().splitlines()
+        assert [json.loads(line)["global_step"] for line in set_aside] == [10], set_aside
         both = run(binary, *common, "--no-resume", "--resume-from", f"{tmp}/branch", expect_ok=False)
         assert both.returncode != 0 and "excludes" in both.stderr, both.stderr
         # Metrics that cannot be written end the run naming the file (they used to be lost silently).

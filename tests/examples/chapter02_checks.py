@@ -2,7 +2,7 @@
 """End-to-end checks of examples/02-distributed-data-parallel (and the chapter-3 launch paths),
 run by CTest on CPU with Gloo, fp32, one thread per rank.
 
-usage: chapter02_checks.py MESHRUN CHAPTER1 CHAPTER2 {ddp-parity|grad-accum-parity|zero-parity|resume|two-nodes}
+usage: chapter02_checks.py MESHRUN CHAPTER1 CHAPTER2 {ddp-parity|grad-accum-parity|zero-parity|resume|two-nodes|flag-mismatch|elastic}
 """
 import json
 import os
@@ -257,8 +257,41 @@ def two_nodes(tools):
         compare_params(model_file(f"{tmp}/one-node"), model_file(f"{tmp}/two-nodes"), 1e-6)
 
 
+def elastic(tools):
+    """An elastic job of 1 to 2 nodes loses a node: node 0 restarts alone, resumes from the 2-rank
+    checkpoint resharded onto 1 rank, and with --global-batch-size keeps the batch and data order
+    (2 micro-batches instead of 2 ranks), so it logs the losses of a straight 2-rank run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        exp_dir = pathlib.Path(tmp) / "elastic"
+        flags = ["-b", "2", "--global-batch-size", "4", "--save-dir", tmp, "--max-steps", "100", "--ckpt-freq", "10"]
+        ddp(tools, 2, *flags, "-e", "straight")
+        node = [tools["meshrun"], "--nnodes", "1:2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port()), "--rdzv-timeout", "60", "--rdzv-last-call", "1",
+                "--max-restarts", "1", "--", tools["chapter2"], *COMMON, *flags, "-e", "elastic"]
+        first = subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        time.sleep(0.3)  # the first meshrun becomes node 0
+        second = subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        deadline = time.monotonic() + 120
+        while not (exp_dir / "checkpoint").exists():
+            assert time.monotonic() < deadline and first.poll() is None, "no checkpoint appeared"
+            time.sleep(0.05)
+        second.kill()  # the node is gone: its meshrun, and with it its rank
+        lost_output = second.communicate(timeout=60)[0]
+        output = first.communicate(timeout=300)[0]
+        assert first.returncode == 0, f"node 0 failed ({first.returncode}):\n{output}\nnode 1:\n{lost_output}"
+        assert "attempt 0 runs on 2 node(s)" in output and "attempt 1 runs on 1 node(s)" in output, output
+        assert "resharded" in output and "from 2 ranks" in output, output
+        resumed_at = int(output.split("resumed from")[1].split("at global_step ")[1].split()[0])
+        print(f"node 1 lost; node 0 resumed alone at global_step {resumed_at}")
+        assert resumed_at < 100, output
+        # The same micro-batches of 2 either way, and halving is exact: equal up to summation order.
+        compare_losses(metrics(f"{tmp}/straight"), metrics(exp_dir), 1e-6)
+        compare_params(model_file(f"{tmp}/straight"), model_file(exp_dir), 1e-6)
+
+
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter2": sys.argv[3]}
     {"ddp-parity": ddp_parity, "grad-accum-parity": grad_accum_parity, "zero-parity": zero_parity,
-     "resume": resume, "two-nodes": two_nodes, "flag-mismatch": flag_mismatch}[sys.argv[4]](tools)
+     "resume": resume, "two-nodes": two_nodes, "flag-mismatch": flag_mismatch,
+     "elastic": elastic}[sys.argv[4]](tools)
     print("ok")

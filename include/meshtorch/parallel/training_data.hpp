@@ -30,6 +30,19 @@ struct DataParallelCoordinate {
   std::int64_t rank = 0;
 };
 
+// Micro-batches per optimizer step: --grad-accum, or what --global-batch-size leaves for -b on
+// `dp_size` ranks.
+inline std::int64_t micro_batches_per_step(const train::TrainArgs& args, std::int64_t dp_size) {
+  if (args.global_batch_size == 0) return args.grad_accum;
+  const std::int64_t per_micro_batch = args.batch_size * dp_size;
+  if (args.global_batch_size % per_micro_batch != 0)
+    throw ConfigError(fmt::format(
+        "--global-batch-size {} is not a multiple of -b {} x {} data-parallel rank(s) = {}: choose a -b that divides "
+        "it on every number of ranks the run may have",
+        args.global_batch_size, args.batch_size, dp_size, per_micro_batch));
+  return args.global_batch_size / per_micro_batch;
+}
+
 // `world`: every rank of the job (rank 0 loads first); nothing on one process.
 inline TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size,
                                        DataParallelCoordinate data_parallel = {},
@@ -44,7 +57,7 @@ inline TrainingData load_training_data(const train::TrainArgs& args, std::int64_
                                     .batch_size = args.batch_size,
                                     .dp_size = data_parallel.size,
                                     .dp_rank = data_parallel.rank,
-                                    .grad_accum = args.grad_accum,
+                                    .grad_accum = micro_batches_per_step(args, data_parallel.size),
                                     .seed = args.seed});
   return {std::move(blocks), sampler};
 }

@@ -73,9 +73,16 @@ inline void TrainArgs::add_to(CLI::App& app) {
   app.add_option("--dtype", dtype, "float32, bfloat16 or auto (bfloat16 on cuda, float32 on cpu)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "float32", "bfloat16"}));
-  app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step")
+  auto* grad_accum_flag = app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step")
+                              ->capture_default_str()
+                              ->check(CLI::PositiveNumber);
+  app.add_option("--global-batch-size", global_batch_size,
+                 "samples per optimizer step over all ranks, whatever their number: the micro-batches per step "
+                 "follow (global / (-b x data-parallel ranks)), so a run resumed on fewer or more ranks (an elastic "
+                 "restart) keeps its batch and data order (0: -b x ranks x --grad-accum)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::NonNegativeNumber)
+      ->excludes(grad_accum_flag);
   app.add_flag("--measure-waiting", measure_waiting,
                "time how long each step waits for the slowest rank: a barrier after the step's data, reported as "
                "time/waiting (costs the barrier; ranks that wait long point at a slow data loader or node)");

@@ -82,6 +82,19 @@ class Experiment {
   // is none, with --no-resume, or without -e.
   template <class Model, class Optimizer>
   TrainState resume(Model& model, Optimizer& optimizer) {
+    TrainState state = start_state(model, optimizer);
+    if (metrics_)
+      if (const auto later = metrics_->set_aside_after(state.global_step))
+        log_.warning(fmt::format("{}: {} line(s) after global_step {} came from a run that stopped before its next "
+                                 "checkpoint; moved to {}",
+                                 (*dir_ / "metrics.jsonl").string(), later, state.global_step,
+                                 MetricsFile::discarded_name));
+    return state;
+  }
+
+ private:
+  template <class Model, class Optimizer>
+  TrainState start_state(Model& model, Optimizer& optimizer) {
     if (resume_from_) {
       auto resumed = Checkpointing<Model>::load(*resume_from_, model, optimizer, identity_);
       if (!resumed)
@@ -105,6 +118,8 @@ class Experiment {
                           resumed->global_step));
     return *resumed;
   }
+
+ public:
 
   // One optimizer step is done; `loss` is its mean over the whole global batch. A non-finite loss
   // stops the run here, before anything of it is logged or saved (every rank sees the same mean).

@@ -35,7 +35,45 @@ class MetricsFile {
                                   std::strerror(errno), record.value("global_step", std::int64_t{-1})));
   }
 
+  // Moves the lines of steps after `step` to metrics.discarded.jsonl beside the file and returns
+  // how many: a run that restarts from its checkpoint at `step` (a crash, an elastic restart,
+  // --no-resume) logs those steps again, and the file must hold each step once. Nothing is lost:
+  // the set-aside lines are appended there before the file is replaced by its kept lines.
+  std::size_t set_aside_after(std::int64_t step) {
+    // Only a regular file can be rewritten (metrics.jsonl may be a link to a device).
+    if (!out_.is_open() || !std::filesystem::is_regular_file(path_)) return 0;
+    std::string kept, later, line;
+    std::size_t count = 0;
+    {
+      std::ifstream in(path_);
+      while (std::getline(in, line)) {
+        const auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+        const bool after = record.is_object() && record.value("global_step", std::int64_t{-1}) > step;
+        (after ? later : kept) += line + "\n";
+        count += after;
+      }
+    }
+    if (count == 0) return 0;
+    out_.close();
+    write_file(path_.parent_path() / discarded_name, later, std::ios::app);
+    const auto replacement = std::filesystem::path(path_.string() + ".partial");
+    write_file(replacement, kept, std::ios::trunc);
+    std::filesystem::rename(replacement, path_);
+    out_.open(path_, std::ios::app);
+    if (!out_) throw DataError(fmt::format("{}: cannot open for appending metrics", path_.string()));
+    return count;
+  }
+
+  static constexpr const char* discarded_name = "metrics.discarded.jsonl";
+
  private:
+  static void write_file(const std::filesystem::path& path, const std::string& text, std::ios::openmode mode) {
+    std::ofstream out(path, mode);
+    out << text;
+    out.flush();
+    if (!out) throw DataError(fmt::format("{}: writing failed ({})", path.string(), std::strerror(errno)));
+  }
+
   std::filesystem::path path_;
   std::ofstream out_;
 };

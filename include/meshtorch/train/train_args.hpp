@@ -29,6 +29,7 @@ struct TrainArgs {
   std::string device = "auto";
   std::string dtype = "auto";
   std::int64_t grad_accum = 1;
+  std::int64_t global_batch_size = 0;  // 0: -b x data-parallel ranks x --grad-accum
   bool measure_waiting = false;  // time/waiting: a barrier after each step's data (multi-rank chapters)
   bool deterministic = false;  // deterministic algorithms only (train::use_deterministic_algorithms)
   int threads = 0;  // 0: LibTorch's default
