@@ -6,6 +6,7 @@
 // same -e resumes where the last checkpoint left off.
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
+#include <meshtorch/parallel/grad_clipping.hpp>
 #include <meshtorch/parallel/training_data.hpp>
 #include <meshtorch/train/args.hpp>
 
@@ -28,7 +29,7 @@ int train(const mt::train::TrainArgs& args) {
   // The data: tokenised once, packed into seq_length blocks, shuffled per epoch from the seed.
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size);
   mt::train::AdamW optimizer(mt::train::named_trainable_parameters(*model), {.lr = args.lr});
-  const mt::train::CosineSchedule schedule(args.lr);
+  const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());
 
   // The experiment folder: metrics, checkpoints, and resuming from the last one.
   mt::train::Experiment experiment(args, /*rank=*/0, sampler.global_batch(), device);
@@ -64,6 +65,7 @@ int train(const mt::train::TrainArgs& args) {
       }
       {
         auto timer = timers.time("update");
+        if (args.max_grad_norm > 0) state.grad_norm = mt::clip_grad_norm(model->parameters(), args.max_grad_norm);
         optimizer.set_lr(schedule.lr_at(state.global_step));
         optimizer.step();
         optimizer.zero_grad();

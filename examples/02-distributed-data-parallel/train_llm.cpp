@@ -57,7 +57,7 @@ int train(const Chapter2Args& args) {
                        sampler.steps_per_epoch(), sampler.global_batch()));
 
   const double lr = mt::scaled_lr(args.lr, mt::parse_lr_scaling(args.lr_scaling), sampler.global_batch() / args.batch_size);
-  const mt::train::CosineSchedule schedule(lr);
+  const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch(), lr);
   using Optimizer = std::variant<mt::train::AdamW, mt::ZeroRedundancyOptimizer>;
   const auto named = model.named_parameters();
   Optimizer optimizer = args.zero ? Optimizer(std::in_place_type<mt::ZeroRedundancyOptimizer>, named,
@@ -104,6 +104,7 @@ int train(const Chapter2Args& args) {
         }
         {
           auto timer = timers.time("update");
+          if (args.max_grad_norm > 0) state.grad_norm = model.clip_grad_norm(args.max_grad_norm);
           optimizer.set_lr(schedule.lr_at(state.global_step));
           optimizer.step();
           optimizer.zero_grad();

@@ -60,7 +60,7 @@ int train(const Chapter4Args& args) {
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
   // The optimizer steps the shards (on the CPU with --cpu-offload): its state is sharded too.
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
-  const mt::train::CosineSchedule schedule(args.lr);
+  const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());
 
   mt::train::Experiment experiment(args, mesh.rank(), sampler.global_batch(), device);
   auto state = experiment.resume(model, optimizer);
@@ -96,6 +96,7 @@ int train(const Chapter4Args& args) {
       }
       {
         auto timer = timers.time("update");
+        if (args.max_grad_norm > 0) state.grad_norm = model.clip_grad_norm(args.max_grad_norm);
         optimizer.set_lr(schedule.lr_at(state.global_step));
         optimizer.step();
         optimizer.zero_grad();

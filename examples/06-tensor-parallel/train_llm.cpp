@@ -43,7 +43,7 @@ int train(const Chapter6Args& args) {
   // The DP ranks split the global batch; all TP ranks of a DP coordinate read the same samples.
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
-  const mt::train::CosineSchedule schedule(args.lr);
+  const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());
 
   mt::train::Experiment experiment(args, mesh.rank(), sampler.global_batch(), device);
   auto state = experiment.resume(model, optimizer);
@@ -79,6 +79,7 @@ int train(const Chapter6Args& args) {
       }
       {
         auto timer = timers.time("update");
+        if (args.max_grad_norm > 0) state.grad_norm = model.clip_grad_norm(args.max_grad_norm);
         optimizer.set_lr(schedule.lr_at(state.global_step));
         optimizer.step();
         optimizer.zero_grad();

@@ -10,6 +10,7 @@
 
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
+#include <meshtorch/parallel/grad_clipping.hpp>
 
 #include "test_support.hpp"
 
@@ -196,6 +197,82 @@ TEST_CASE("the cosine schedule follows CosineAnnealingLR(T_max=1000, eta_min=lr/
   CHECK(schedule.lr_at(500) == Approx((1e-3 + 1e-5) / 2));
   CHECK(schedule.lr_at(1000) == Approx(1e-5));
   CHECK(schedule.lr_at(250) == Approx(1e-5 + (1e-3 - 1e-5) * (1 + std::cos(std::numbers::pi / 4)) / 2));
+}
+
+TEST_CASE("the warmup schedules follow DeepSpeed's WarmupCosineLR and WarmupDecayLR", "[optim]") {
+  // Expected values from DeepSpeed's formulas at last_batch_iteration = step (lr 1e-3, 100
+  // total steps, 10 of warmup).
+  using mt::train::WarmupType;
+  const mt::train::LrSchedule cosine(mt::train::WarmupCosineSchedule{
+      .base_lr = 1e-3, .total_steps = 100, .warmup_steps = 10, .warmup_type = WarmupType::linear});
+  CHECK(cosine.lr_at(0) == 0.0);
+  CHECK(cosine.lr_at(5) == Approx(5e-4));
+  CHECK(cosine.lr_at(9) == Approx(9e-4));
+  CHECK(cosine.lr_at(10) == Approx(0.000999695443968197));
+  CHECK(cosine.lr_at(50) == Approx(0.0005696295918249848));
+  CHECK(cosine.lr_at(99) == Approx(1e-7));
+  CHECK(cosine.lr_at(150) == Approx(1e-7));  // held at the end (DeepSpeed's cosine would rise again)
+  const mt::train::LrSchedule log_cosine(mt::train::WarmupCosineSchedule{
+      .base_lr = 1e-3, .total_steps = 100, .warmup_steps = 10, .warmup_min_ratio = 0.1});
+  CHECK(log_cosine.lr_at(0) == Approx(1e-4));
+  CHECK(log_cosine.lr_at(5) == Approx(0.0008003361253452792));
+  const mt::train::LrSchedule decay(mt::train::WarmupDecaySchedule{.base_lr = 1e-3, .total_steps = 100, .warmup_steps = 10});
+  CHECK(decay.lr_at(0) == 0.0);
+  CHECK(decay.lr_at(4) == Approx(0.0006989700043360188));
+  CHECK(decay.lr_at(10) == Approx(1e-3));
+  CHECK(decay.lr_at(55) == Approx(5e-4));
+  CHECK(decay.lr_at(120) == 0.0);
+  const mt::train::LrSchedule linear_decay(mt::train::WarmupDecaySchedule{
+      .base_lr = 1e-3, .total_steps = 100, .warmup_steps = 10, .warmup_min_lr = 1e-5, .warmup_type = WarmupType::linear});
+  CHECK(linear_decay.lr_at(4) == Approx(0.000406));
+  CHECK(linear_decay.lr_at(100) == Approx(1e-5));
+
+  // Settings that would give NaN or infinite rates are refused, naming where they came from.
+  CHECK_THROWS_WITH(mt::train::LrSchedule(mt::train::WarmupCosineSchedule{.base_lr = 1e-3, .total_steps = 10,
+                                                                          .warmup_steps = 10},
+                                          "--lr-schedule warmup-cosine"),
+                    Catch::Contains("--lr-schedule warmup-cosine: 10 total steps leave nothing after 10 warmup steps"));
+  CHECK_THROWS_WITH(mt::train::LrSchedule(mt::train::WarmupDecaySchedule{.base_lr = 1e-3, .total_steps = 10,
+                                                                         .warmup_steps = 1}),
+                    Catch::Contains("a log warmup needs at least 2 warmup steps"));
+  mt::train::TrainArgs args;
+  args.warmup_steps = 5;
+  CHECK_THROWS_WITH(mt::train::lr_schedule(args, 100), Catch::Contains("--lr-schedule cosine has no warmup"));
+  args.lr_schedule = "warmup-decay";
+  args.max_steps = 40;
+  CHECK(mt::train::lr_schedule(args, 100).lr_at(39) == Approx(args.lr * 1.0 / 35));  // decays until --max-steps
+}
+
+TEST_CASE("gradient clipping equals LibTorch's clip_grad_norm_, and counts each piece once", "[optim]") {
+  auto make = [](int seed) {
+    torch::manual_seed(seed);
+    std::vector<torch::Tensor> parameters{torch::randn({4, 3}, torch::requires_grad()),
+                                          torch::randn({7}, torch::requires_grad())};
+    parameters[0].mutable_grad() = torch::randn({4, 3}) * 3;
+    parameters[1].mutable_grad() = torch::randn({7}) * 3;
+    return parameters;
+  };
+  auto ours = make(5);
+  std::vector<torch::Tensor> reference;
+  for (const auto& p : ours) {
+    reference.push_back(p.detach().clone().requires_grad_());
+    reference.back().mutable_grad() = p.grad().clone();
+  }
+  const double expected = torch::nn::utils::clip_grad_norm_(reference, 1.0);
+  REQUIRE(expected > 1.0);  // it clips
+  CHECK(mt::clip_grad_norm(ours, 1.0) == Approx(expected).epsilon(1e-6));
+  for (std::size_t i = 0; i < ours.size(); ++i) CHECK(torch::allclose(ours[i].grad(), reference[i].grad(), 1e-6, 1e-7));
+
+  // A replica that another rank counts adds nothing to the norm but is scaled like the rest.
+  auto pieces = make(6);
+  const double counted_once = mt::clip_grad_norm({{pieces[0], true}, {pieces[1], true}}, 1e9);
+  pieces = make(6);
+  const auto copy = pieces[1].grad().clone();
+  const double norm = mt::clip_grad_norm({{pieces[0], true}, {pieces[1], false}}, 0.5);
+  CHECK(norm == Approx(pieces[0].grad().norm().item<double>() / (0.5 / (norm + 1e-6))).epsilon(1e-5));
+  CHECK(norm < counted_once);
+  CHECK(torch::allclose(pieces[1].grad(), copy * (0.5 / (norm + 1e-6)), 1e-5, 1e-7));
+  CHECK_THROWS_WITH(mt::clip_grad_norm(pieces, 0.0), Catch::Contains("max_norm 0 must be positive"));
 }
 
 TEST_CASE("a checkpoint restores weights, optimizer state, RNG and train state", "[checkpoint]") {

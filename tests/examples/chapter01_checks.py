@@ -219,12 +219,55 @@ def bad_input(binary):
         print(f"--lr nan -> {proc.stderr.strip().splitlines()[-1]}")
 
 
+def schedules(binary):
+    """--lr-schedule warmup-cosine / warmup-decay log DeepSpeed's rates step by step, and
+    --max-grad-norm the norm before clipping; settings that cannot work are refused."""
+    import math
+
+    def warmup_fraction(step, warmup, kind):
+        return math.log(step + 1) / math.log(warmup) if kind == "log" else step / warmup
+
+    def warmup_cosine(step, lr, total, warmup, kind, cos_min=1e-4):  # WarmupCosineLR, held at the end
+        if step < warmup:
+            return lr * warmup_fraction(step, warmup, kind)
+        progress = min(1.0, (step - warmup + 1) / (total - warmup))
+        return lr * max(0.0, cos_min + (1 - cos_min) * (1 + math.cos(math.pi * progress)) / 2)
+
+    def warmup_decay(step, lr, total, warmup, kind):  # WarmupDecayLR
+        if step < warmup:
+            return lr * warmup_fraction(step, warmup, kind)
+        return lr * max(0.0, (total - step) / max(1.0, total - warmup))
+
+    common = ["-m", "llama-tiny", "-d", "builtin", "-b", "4", "-s", "64", "--log-freq", "1", "--max-steps", "20",
+              "--lr", "0.001"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, formula, kind in [("warmup-cosine", warmup_cosine, "linear"), ("warmup-decay", warmup_decay, "log")]:
+            run(binary, *common, "-e", name, "--save-dir", tmp, "--lr-schedule", name, "--warmup-steps", "5",
+                "--warmup-type", kind, "--lr-decay-steps", "16", "--max-grad-norm", "0.5")
+            records = metrics(tmp, name)
+            assert [r["global_step"] for r in records] == list(range(1, 21)), records
+            for r in records:
+                # The line of step g reports the rate of the next update, as the guide's get_last_lr().
+                expected = formula(r["global_step"], 1e-3, 16, 5, kind)
+                assert abs(r["lr"] - expected) <= 1e-12 + 1e-9 * expected, (name, r["global_step"], r["lr"], expected)
+                assert r["grad_norm"] > 0, r
+            print(f"{name} ({kind} warmup): lr {[round(r['lr'], 6) for r in records[:7]]} ...; grad_norm "
+                  f"{records[0]['grad_norm']:.3f} -> {records[-1]['grad_norm']:.3f}")
+        for flags, message in [(["--warmup-steps", "5"], "--lr-schedule cosine has no warmup"),
+                               (["--lr-schedule", "warmup-cosine", "--warmup-steps", "20", "--lr-decay-steps", "20"],
+                                "20 total steps leave nothing after 20 warmup steps"),
+                               (["--lr-schedule", "warmup-decay", "--warmup-steps", "1", "--warmup-type", "log"],
+                                "a log warmup needs at least 2 warmup steps")]:
+            refused = run(binary, *common, *flags, expect_ok=False)
+            assert refused.returncode != 0 and message in refused.stderr, (flags, refused.stderr)
+
+
 if __name__ == "__main__":
     binary, consolidate, check = sys.argv[1:4]
     if check == "resume":
         resume(binary, consolidate)
     else:
         {"folder-tokenizer": folder_tokenizer, "loss-falls": loss_falls, "run-ends": run_ends,
-         "deterministic": deterministic,
+         "deterministic": deterministic, "schedules": schedules,
          "bad-input": bad_input}[check](binary)
     print("ok")

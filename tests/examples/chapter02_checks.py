@@ -89,6 +89,21 @@ def compare_losses(a, b, rtol):
     return worst
 
 
+# Gradient clipping by the global norm (0.5 is below every step's norm here, so every step clips)
+# and a warmup schedule, in one parity check of each multi-rank chapter.
+CLIP = ["--max-grad-norm", "0.5", "--lr-schedule", "warmup-cosine", "--warmup-steps", "4", "--lr-decay-steps", "40"]
+
+
+def compare_grad_norms(a, b, rtol):
+    """The grad_norm of every metrics line: the whole model's norm, whatever the layout."""
+    for x, y in zip(a, b):
+        assert "grad_norm" in x and "grad_norm" in y, (x, y)
+        assert x["grad_norm"] > 0.5, f"step {x['global_step']}: grad_norm {x['grad_norm']} did not need clipping"
+        rel = abs(x["grad_norm"] - y["grad_norm"]) / x["grad_norm"]
+        assert rel <= rtol, f"step {x['global_step']}: grad_norm {x['grad_norm']} vs {y['grad_norm']}"
+    print(f"grad_norm equal within {rtol} at {len(a)} steps: {a[0]['grad_norm']:.4f} ... {a[-1]['grad_norm']:.4f}")
+
+
 def compare_params(a, b, tol):
     """max |a - b| / max(1, max |a|) over all tensors of two sets of weights: model.safetensors
     files or what checkpoint_weights returns."""
@@ -162,12 +177,14 @@ def weight_elements_per_rank(exp_dir, prefix=""):
     return counts
 
 
-def parity(tools, single_batch, ddp_args, steps):
+def parity(tools, single_batch, ddp_args, steps, extra=()):
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ["--save-dir", tmp, "--max-steps", str(steps), "--ckpt-freq", str(steps)]
+        flags = ["--save-dir", tmp, "--max-steps", str(steps), "--ckpt-freq", str(steps), *extra]
         single(tools, "-b", str(single_batch), "-e", "one", *flags)
         ddp(tools, 2, *ddp_args, "-e", "two", *flags)
         compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/two"), 1e-4)
+        if extra == CLIP:
+            compare_grad_norms(metrics(f"{tmp}/one"), metrics(f"{tmp}/two"), 1e-4)
         compare_params(model_file(f"{tmp}/one"), model_file(f"{tmp}/two"), 1e-4)
 
 
@@ -176,7 +193,8 @@ def ddp_parity(tools):
 
 
 def grad_accum_parity(tools):
-    parity(tools, 8, ["-b", "2", "--grad-accum", "2"], 30)
+    # With clipping (after the last micro-batch) and a warmup schedule.
+    parity(tools, 8, ["-b", "2", "--grad-accum", "2"], 30, CLIP)
 
 
 def zero_parity(tools):

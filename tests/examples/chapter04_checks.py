@@ -9,7 +9,7 @@ import pathlib
 import sys
 import tempfile
 
-from chapter02_checks import (check_stop_and_resume, common_except, compare_losses, compare_params, metrics,
+from chapter02_checks import (CLIP, compare_grad_norms, check_stop_and_resume, common_except, compare_losses, compare_params, metrics,
                               model_file, weight_elements_per_rank, run)
 from ports import free_port
 
@@ -34,13 +34,15 @@ def consolidate(tools, save_dir, name):
     return out
 
 
-def parity(tools, single_batch, fsdp_args, steps=30):
+def parity(tools, single_batch, fsdp_args, steps=30, extra=()):
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ["--save-dir", tmp, "--max-steps", str(steps), "--ckpt-freq", str(steps)]
+        flags = ["--save-dir", tmp, "--max-steps", str(steps), "--ckpt-freq", str(steps), *extra]
         single(tools, "-b", str(single_batch), "-e", "one", *flags)
         out = fsdp(tools, 2, *fsdp_args, "-e", "two", *flags)
         assert "this rank holds" in out.stdout, out.stdout
         compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/two"), LOSS_RTOL)
+        if extra == CLIP:
+            compare_grad_norms(metrics(f"{tmp}/one"), metrics(f"{tmp}/two"), 1e-4)
         checkpoint = pathlib.Path(tmp) / "two" / "checkpoint"
         shards = sorted(p.name for p in checkpoint.glob("rank*.safetensors"))
         assert shards == ["rank0.safetensors", "rank1.safetensors"], shards
@@ -48,7 +50,8 @@ def parity(tools, single_batch, fsdp_args, steps=30):
 
 
 def fsdp_parity(tools):
-    parity(tools, 4, ["-b", "2"])
+    # With gradient clipping over the FSDP shards and a warmup schedule.
+    parity(tools, 4, ["-b", "2"], extra=CLIP)
 
 
 def no_reshard_offload_parity(tools):

@@ -7,7 +7,7 @@ usage: chapter06_checks.py MESHRUN CHAPTER1 CHAPTER6 {tp-parity|dp-tp-parity|res
 import sys
 import tempfile
 
-from chapter02_checks import (COMMON, manifest, check_stop_and_resume, common_except, compare_losses, compare_params,
+from chapter02_checks import (CLIP, compare_grad_norms, COMMON, manifest, check_stop_and_resume, common_except, compare_losses, compare_params,
                               metrics, model_file, run)
 from ports import free_port
 
@@ -17,13 +17,15 @@ def tp_run(tools, nproc, *args, expect_ok=True):
                 tools["chapter6"], *common_except(args), *args], expect_ok=expect_ok)
 
 
-def parity(tools, single_batch, nproc, tp_args, steps=20):
+def parity(tools, single_batch, nproc, tp_args, steps=20, extra=()):
     """One process with the global batch against the TP (x DP) run: losses and final weights."""
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ["--save-dir", tmp, "--max-steps", str(steps), "--ckpt-freq", str(steps)]
+        flags = ["--save-dir", tmp, "--max-steps", str(steps), "--ckpt-freq", str(steps), *extra]
         run([tools["chapter1"], *COMMON, "-b", str(single_batch), "-e", "one", *flags])
         tp_run(tools, nproc, *tp_args, "-e", "tp", *flags)
         compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/tp"), 1e-5)
+        if extra == CLIP:
+            compare_grad_norms(metrics(f"{tmp}/one"), metrics(f"{tmp}/tp"), 1e-4)
         # The TP checkpoint holds each rank's chunks (no rank gathers a weight); assembled, they
         # are chapter 1's weights.
         compare_params(model_file(f"{tmp}/one"), model_file(f"{tmp}/tp"), 1e-4)
@@ -34,8 +36,9 @@ def tp_parity(tools):
 
 
 def dp_tp_parity(tools):
-    # 4 ranks as 2 DP x 2 TP, 2 samples per DP rank: chapter 1's batch of 4.
-    parity(tools, 4, 4, ["-b", "2", "--tp", "2"])
+    # 4 ranks as 2 DP x 2 TP, 2 samples per DP rank: chapter 1's batch of 4. With clipping, whose
+    # norm counts the TP chunks once each and the norm weights TP leaves whole once, not twice.
+    parity(tools, 4, 4, ["-b", "2", "--tp", "2"], extra=CLIP)
 
 
 def resume(tools):

@@ -7,7 +7,7 @@ usage: chapter07_checks.py MESHRUN CHAPTER1 CHAPTER7 {fsdp-tp-parity|reshard-par
 import sys
 import tempfile
 
-from chapter02_checks import COMMON, manifest, check_stop_and_resume, compare_losses, compare_params, metrics, model_file, run
+from chapter02_checks import CLIP, compare_grad_norms, COMMON, manifest, check_stop_and_resume, compare_losses, compare_params, metrics, model_file, run
 from ports import free_port
 
 
@@ -16,18 +16,20 @@ def run_2d(tools, nproc, *args, expect_ok=True):
                 tools["chapter7"], *COMMON, *args], expect_ok=expect_ok)
 
 
-def parity(tools, single_batch, nproc, args, steps=20):
+def parity(tools, single_batch, nproc, args, steps=20, extra=()):
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ["--save-dir", tmp, "--max-steps", str(steps), "--ckpt-freq", str(steps)]
+        flags = ["--save-dir", tmp, "--max-steps", str(steps), "--ckpt-freq", str(steps), *extra]
         run([tools["chapter1"], *COMMON, "-b", str(single_batch), "-e", "one", *flags])
         run_2d(tools, nproc, *args, "-e", "2d", *flags)
         compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/2d"), 1e-5)
+        if extra == CLIP:
+            compare_grad_norms(metrics(f"{tmp}/one"), metrics(f"{tmp}/2d"), 1e-4)
         compare_params(model_file(f"{tmp}/one"), model_file(f"{tmp}/2d"), 1e-4)
 
 
 def fsdp_tp_parity(tools):
     # 4 ranks as 2 FSDP x 2 TP with 2 samples per FSDP rank: chapter 1's batch of 4.
-    parity(tools, 4, 4, ["-b", "2", "--tp", "2"])
+    parity(tools, 4, 4, ["-b", "2", "--tp", "2"], extra=CLIP)
 
 
 def reshard_parity(tools):

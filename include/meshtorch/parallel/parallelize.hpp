@@ -43,6 +43,7 @@
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/models/llama/weights.hpp>
+#include <meshtorch/parallel/grad_clipping.hpp>
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/llama_plan.hpp>
@@ -221,6 +222,17 @@ class ParallelLlama {
     }
     return pieces;
   }
+  // Clips every gradient this rank trains so that the whole model's gradient norm is at most
+  // `max_norm` (parallel/grad_clipping.hpp); returns the norm before clipping. Every rank calls
+  // it, after backward and before the optimizer step.
+  double clip_grad_norm(double max_norm) const {
+    std::vector<ClippedTensor> pieces;
+    for (auto& piece : sharded_parameters()) pieces.push_back({piece.local, piece.writer});
+    return meshtorch::clip_grad_norm(pieces, max_norm, [this](torch::Tensor squares) {
+      return comm::all_reduce(world_, std::move(squares), comm::ReduceOp::sum);
+    });
+  }
+
   // "Mesh<...>: tensor parallel over TP (...) -> ...", recorded in checkpoints.
   static std::string layout() { return std::string(M::name) + ": " + describe(); }
   // "rank 5 of 8 on cpu: DP 1 of 2, FSDP 0 of 2, TP 1 of 2".

@@ -83,6 +83,30 @@ inline void TrainArgs::add_to(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber)
       ->excludes(grad_accum_flag);
+  app.add_option("--lr-schedule", lr_schedule,
+                 "cosine (the guide's: T_max 1000 steps, down to lr/100), warmup-cosine or warmup-decay (DeepSpeed's "
+                 "WarmupCosineLR and WarmupDecayLR, warming up over --warmup-steps and decaying until "
+                 "--lr-decay-steps), or constant")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cosine", "warmup-cosine", "warmup-decay", "constant"}));
+  app.add_option("--warmup-steps", warmup_steps, "warmup-cosine, warmup-decay: steps rising from 0 to --lr")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup-type", warmup_type, "warmup-cosine, warmup-decay: linear, or log as DeepSpeed's default")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"linear", "log"}));
+  app.add_option("--lr-decay-steps", lr_decay_steps,
+                 "warmup-cosine, warmup-decay: the step where the decay ends (0: --max-steps, else all epochs' steps)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--min-lr-ratio", min_lr_ratio, "warmup-cosine: where the cosine ends, as a fraction of --lr")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--max-grad-norm", max_grad_norm,
+                 "clip the gradients to this norm over the whole model, whatever the layout (0: no clipping); the "
+                 "metrics then carry grad_norm, the norm before clipping")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--measure-waiting", measure_waiting,
                "time how long each step waits for the slowest rank: a barrier after the step's data, reported as "
                "time/waiting (costs the barrier; ranks that wait long point at a slow data loader or node)");

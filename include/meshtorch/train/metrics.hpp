@@ -121,6 +121,7 @@ class LogWindow {
         {"num_batches_remaining", steps_per_epoch - state.epoch_step},
         {"tokens_per_s", static_cast<double>(tokens_per_step_) * steps / seconds},
         {"time/total", 1000 * seconds / steps}};
+    if (state.grad_norm >= 0) record["grad_norm"] = state.grad_norm;
     for (const auto& [phase, total] : timers.totals()) record["time/" + phase] = 1000 * total / steps;
     for (const auto& [key, value] : memory_figures(device_)) record[key] = value;
     return record;

@@ -10,6 +10,7 @@ struct TrainState {
   std::int64_t epoch_step = 0;     // optimizer steps done in this epoch
   double running_loss = 0;         // sum of step losses since the last log line
   std::int64_t running_steps = 0;  // steps in running_loss
+  double grad_norm = -1;           // the last step's gradient norm when clipping (not saved)
 };
 
 }  // namespace meshtorch::train

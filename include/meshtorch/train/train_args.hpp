@@ -30,6 +30,12 @@ struct TrainArgs {
   std::string dtype = "auto";
   std::int64_t grad_accum = 1;
   std::int64_t global_batch_size = 0;  // 0: -b x data-parallel ranks x --grad-accum
+  std::string lr_schedule = "cosine";  // train/lr_schedule.hpp
+  std::int64_t warmup_steps = 0;
+  std::string warmup_type = "linear";
+  std::int64_t lr_decay_steps = 0;  // 0: --max-steps, else every epoch's steps
+  double min_lr_ratio = 1e-4;
+  double max_grad_norm = 0;  // 0: no clipping
   bool measure_waiting = false;  // time/waiting: a barrier after each step's data (multi-rank chapters)
   bool deterministic = false;  // deterministic algorithms only (train::use_deterministic_algorithms)
   int threads = 0;  // 0: LibTorch's default
