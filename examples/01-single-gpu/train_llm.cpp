@@ -5,6 +5,7 @@
 // every --log-freq steps and a checkpoint every --ckpt-freq steps; a run started again with the
 // same -e resumes where the last checkpoint left off.
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/grad_clipping.hpp>
 #include <meshtorch/parallel/training_data.hpp>
@@ -25,6 +26,7 @@ int train(const mt::train::TrainArgs& args) {
   mt::llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype));
   mt::llama::materialize(model, torch::TensorOptions().device(device).dtype(dtype));
   mt::llama::load_pretrained_weights_if_present(model, args.model_name);
+  mt::checkpoint_activations(model, mt::activation_checkpointing(args));  // --activation-checkpointing
 
   // The data: tokenised once, packed into seq_length blocks, shuffled per epoch from the seed.
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size);

@@ -46,6 +46,7 @@ int train(const Chapter2Args& args) {
                                mesh,
                                {.device = device,
                                 .weights_from = mt::pretrained_weights_folder(args.model_name),
+                                .activation_checkpointing = mt::activation_checkpointing(args),
                                 .ddp = {.bucket_cap_mb = args.bucket_cap_mb}});
   const auto* ddp = model.data_parallel_replication();
   log.info(fmt::format("model {}: {} parameters, {}, {} gradient buckets", args.model_name, config.num_parameters(),

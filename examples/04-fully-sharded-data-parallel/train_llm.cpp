@@ -46,6 +46,7 @@ int train(const Chapter4Args& args) {
       mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(torch::kFloat)), mesh,
       {.device = device,
        .weights_from = mt::pretrained_weights_folder(args.model_name),
+       .activation_checkpointing = mt::activation_checkpointing(args),
        .fsdp = {.reshard_after_forward = args.reshard_after_forward,
                 .cpu_offload = args.cpu_offload,
                 .mixed_precision = {.param_dtype = compute_dtype, .reduce_dtype = torch::kFloat}}});

@@ -46,6 +46,7 @@ int train(const Chapter7Args& args) {
                                {.device = device,
                                 .weights_from = mt::pretrained_weights_folder(args.model_name),
                                 .model_name = args.model_name,
+                                .activation_checkpointing = mt::activation_checkpointing(args),
                                 .fsdp = {.reshard_after_forward = args.reshard_after_forward}});
   log.info(model.summary());
 

@@ -10,6 +10,7 @@
 
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
+#include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/grad_clipping.hpp>
 
 #include "test_support.hpp"
@@ -273,6 +274,51 @@ TEST_CASE("gradient clipping equals LibTorch's clip_grad_norm_, and counts each 
   CHECK(norm < counted_once);
   CHECK(torch::allclose(pieces[1].grad(), copy * (0.5 / (norm + 1e-6)), 1e-5, 1e-7));
   CHECK_THROWS_WITH(mt::clip_grad_norm(pieces, 0.0), Catch::Contains("max_norm 0 must be positive"));
+}
+
+TEST_CASE("activation checkpointing recomputes layers with the same gradients and random numbers", "[optim]") {
+  auto config = mt::llama::presets::llama_tiny;
+  config.num_hidden_layers = 3;
+  auto gradients = [&](std::int64_t every) {
+    torch::manual_seed(3);
+    mt::llama::LlamaForCausalLM model(config);
+    mt::llama::init_weights(model);
+    const auto checkpointed = mt::checkpoint_activations(model, {.every = every});
+    CHECK(checkpointed == (every == 0 ? 0 : (3 + every - 1) / every));
+    const auto ids = torch::randint(0, config.vocab_size, {2, 16}, torch::kLong);
+    auto loss = model->loss(ids, ids);
+    loss.backward();
+    std::vector<torch::Tensor> grads{loss.detach()};
+    for (const auto& p : model->parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  const auto plain = gradients(0);
+  for (std::int64_t every : {1, 2}) {
+    const auto recomputed = gradients(every);
+    REQUIRE(recomputed.size() == plain.size());
+    for (std::size_t i = 0; i < plain.size(); ++i) CHECK(torch::allclose(plain[i], recomputed[i], 1e-5, 1e-7));
+  }
+
+  // A body that draws random numbers draws the same ones again in backward, and the generator
+  // goes on afterwards as if nothing had been recomputed.
+  auto x = torch::randn({5}, torch::requires_grad());
+  torch::manual_seed(9);
+  auto y = mt::checkpointed(x, [](const torch::Tensor& in) { return in * torch::rand_like(in); });
+  const auto after_forward = torch::rand({1});
+  torch::manual_seed(9);
+  const auto drawn = torch::rand({5});
+  torch::manual_seed(9);
+  torch::rand({5});
+  const auto expected_next = torch::rand({1});
+  CHECK(torch::equal(after_forward, expected_next));
+  torch::manual_seed(42);
+  y.sum().backward();
+  CHECK(torch::allclose(x.grad(), drawn));
+  const auto next = torch::rand({1});  // as if the recomputation had drawn nothing
+  torch::manual_seed(42);
+  CHECK(torch::equal(next, torch::rand({1})));
+  CHECK_THROWS_WITH(mt::parse_activation_checkpointing("0"), Catch::Contains("use none, full"));
+  CHECK(mt::parse_activation_checkpointing("3").every == 3);
 }
 
 TEST_CASE("a checkpoint restores weights, optimizer state, RNG and train state", "[checkpoint]") {

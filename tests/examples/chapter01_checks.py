@@ -262,6 +262,24 @@ def schedules(binary):
             assert refused.returncode != 0 and message in refused.stderr, (flags, refused.stderr)
 
 
+def activation_checkpointing(binary):
+    """--activation-checkpointing full / k: the same losses and weights as without (the layers
+    run again in backward, on the same inputs), and less memory at a long sequence."""
+    common = ["-m", "llama-tiny", "-d", "builtin", "-b", "8", "-s", "512", "--log-freq", "2", "--max-steps", "6",
+              "--ckpt-freq", "6"]
+    with tempfile.TemporaryDirectory() as tmp:
+        peaks = {}
+        for mode in ["none", "full", "2"]:
+            run(binary, *common, "-e", mode, "--save-dir", tmp, "--activation-checkpointing", mode)
+            peaks[mode] = max(r["peak_rss_gb"] for r in metrics(tmp, mode))
+        for mode in ["full", "2"]:
+            for a, b in zip(metrics(tmp, "none"), metrics(tmp, mode)):
+                assert abs(a["running_loss"] - b["running_loss"]) <= 1e-6 * abs(a["running_loss"]), (mode, a, b)
+        print("peak resident memory (GB): " + ", ".join(f"{mode} {peak:.3f}" for mode, peak in peaks.items()))
+        refused = run(binary, *common, "--activation-checkpointing", "some", expect_ok=False)
+        assert refused.returncode != 0 and "use none, full" in refused.stderr, refused.stderr
+
+
 if __name__ == "__main__":
     binary, consolidate, check = sys.argv[1:4]
     if check == "resume":
@@ -269,5 +287,6 @@ if __name__ == "__main__":
     else:
         {"folder-tokenizer": folder_tokenizer, "loss-falls": loss_falls, "run-ends": run_ends,
          "deterministic": deterministic, "schedules": schedules,
+         "activation-checkpointing": activation_checkpointing,
          "bad-input": bad_input}[check](binary)
     print("ok")

@@ -40,12 +40,12 @@ def reshard_parity(tools):
 
 def hsdp_parity(tools):
     # --dp 2 --tp 1 on 4 ranks: two replicas of an FSDP-2 model (HSDP); 4 data-parallel ranks x 2.
-    parity(tools, 8, 4, ["-b", "2", "--tp", "1", "--dp", "2"], steps=10)
+    parity(tools, 8, 4, ["-b", "2", "--tp", "1", "--dp", "2", "--activation-checkpointing", "full"], steps=10)
 
 
 def three_d_parity(tools):
     # --dp 2 --tp 2 on 8 ranks: Mesh<DP=2, FSDP=2, TP=2>; 4 data-parallel ranks x 2 samples.
-    parity(tools, 8, 8, ["-b", "2", "--tp", "2", "--dp", "2"], steps=10)
+    parity(tools, 8, 8, ["-b", "2", "--tp", "2", "--dp", "2", "--activation-checkpointing", "full"], steps=10)
 
 
 def resume(tools):

@@ -5,6 +5,7 @@
 //
 //   axis in the mesh type   applied                                                   over
 //   TP                      the plan's styles: tensor + sequence + loss parallel      group<TP>()
+//   (options)               activation checkpointing of the chosen decoder layers
 //   FSDP                    fully_shard per decoder layer, then the root               group<FSDP>()
 //   DP                      replication: gradients all-reduced in buckets (DDP)        group<DP>()
 //                           (with FSDP: HSDP, the shards' gradients all-reduced)
@@ -43,6 +44,7 @@
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/models/llama/weights.hpp>
+#include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/grad_clipping.hpp>
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
@@ -61,6 +63,8 @@ struct ParallelizeOptions {
   // How errors name the model (the -m value): a config the TP plan cannot split is refused
   // before anything is built.
   std::string model_name = "model config";
+  // Decoder layers recomputed in backward (after tensor parallel, before FSDP, as torchtitan).
+  ActivationCheckpointing activation_checkpointing;
   // For the FSDP axis (device is taken from above).
   FsdpOptions fsdp;
   // For the DP axis.
@@ -96,7 +100,10 @@ class ParallelLlama {
     // 1. Tensor parallel: each rank keeps its TP chunk of every matrix (still on meta).
     if constexpr (has_tp) tp_ = std::make_unique<TensorParallel<plan>>(model_, mesh.template group<TP>());
 
-    // 2. FSDP: a unit per decoder layer, then the root; the shards are allocated, the rest not.
+    // 2. Activation checkpointing: inside each chosen layer's hooks, so FSDP's gather is not redone.
+    checkpoint_activations(model_, options_.activation_checkpointing);
+
+    // 3. FSDP: a unit per decoder layer, then the root; the shards are allocated, the rest not.
     if constexpr (has_fsdp) {
       fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, mesh.template group<FSDP>(), options_.fsdp);
       for (auto& layer : model_->model->decoder_layers) fsdp_->fully_shard(layer);
@@ -106,13 +113,13 @@ class ParallelLlama {
         leaf->materialize(torch::TensorOptions().device(options_.device).dtype(dtype));
     }
 
-    // 3. Fill this rank's pieces, one full weight at a time.
+    // 4. Fill this rank's pieces, one full weight at a time.
     if (options_.weights_from.empty())
       initialise(dtype);
     else
       load_weights(options_.weights_from);
 
-    // 4. Replication over DP: DDP's bucketed all-reduce of whatever this rank trains (nothing to
+    // 5. Replication over DP: DDP's bucketed all-reduce of whatever this rank trains (nothing to
     //    do for a DP axis of one rank).
     if constexpr (has_dp) {
       if (mesh.template size<DP>() == 1) return;

@@ -107,6 +107,10 @@ inline void TrainArgs::add_to(CLI::App& app) {
                  "metrics then carry grad_norm, the norm before clipping")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--activation-checkpointing", activation_checkpointing,
+                 "recompute decoder layers in backward instead of keeping their activations: none, full (every "
+                 "layer) or k (every k-th layer)")
+      ->capture_default_str();
   app.add_flag("--measure-waiting", measure_waiting,
                "time how long each step waits for the slowest rank: a barrier after the step's data, reported as "
                "time/waiting (costs the barrier; ranks that wait long point at a slow data loader or node)");

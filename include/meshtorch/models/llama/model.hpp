@@ -79,7 +79,8 @@ class DecoderLayerImpl : public torch::nn::Module {
         register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, options));
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-    return hooks.around(x, [&](const torch::Tensor& in) {
+    // By value: a checkpointed layer runs this again in backward.
+    return hooks.around(x, [this, cos, sin](const torch::Tensor& in) {
       auto h = in + self_attn(input_layernorm(in), cos, sin);
       return h + mlp(post_attention_layernorm(h));
     });
