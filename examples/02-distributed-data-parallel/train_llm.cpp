@@ -47,6 +47,7 @@ int train(const Chapter2Args& args) {
                                {.device = device,
                                 .weights_from = mt::pretrained_weights_folder(args.model_name),
                                 .activation_checkpointing = mt::activation_checkpointing(args),
+                                .loss_chunk = args.loss_chunk,
                                 .ddp = {.bucket_cap_mb = args.bucket_cap_mb}});
   const auto* ddp = model.data_parallel_replication();
   log.info(fmt::format("model {}: {} parameters, {}, {} gradient buckets", args.model_name, config.num_parameters(),

@@ -47,6 +47,7 @@ int train(const Chapter4Args& args) {
       {.device = device,
        .weights_from = mt::pretrained_weights_folder(args.model_name),
        .activation_checkpointing = mt::activation_checkpointing(args),
+       .loss_chunk = args.loss_chunk,
        .fsdp = {.reshard_after_forward = args.reshard_after_forward,
                 .cpu_offload = args.cpu_offload,
                 .mixed_precision = {.param_dtype = compute_dtype, .reduce_dtype = torch::kFloat}}});

@@ -38,7 +38,8 @@ int train(const Chapter6Args& args) {
                                {.device = device,
                                 .weights_from = mt::pretrained_weights_folder(args.model_name),
                                 .model_name = args.model_name,
-                                .activation_checkpointing = mt::activation_checkpointing(args)});
+                                .activation_checkpointing = mt::activation_checkpointing(args),
+                                .loss_chunk = args.loss_chunk});
   log.info(model.summary());
 
   // The DP ranks split the global batch; all TP ranks of a DP coordinate read the same samples.

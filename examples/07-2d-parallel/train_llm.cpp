@@ -47,6 +47,7 @@ int train(const Chapter7Args& args) {
                                 .weights_from = mt::pretrained_weights_folder(args.model_name),
                                 .model_name = args.model_name,
                                 .activation_checkpointing = mt::activation_checkpointing(args),
+                                .loss_chunk = args.loss_chunk,
                                 .fsdp = {.reshard_after_forward = args.reshard_after_forward}});
   log.info(model.summary());
 

@@ -74,6 +74,50 @@ torch::Tensor reference_logits(mt::llama::LlamaForCausalLM& lm, const torch::Ten
 
 }  // namespace
 
+TEST_CASE("the chunked loss equals the plain one, with its gradients, and chunks only when asked or large", "[model]") {
+  auto c = small_gqa_config();
+  c.tie_word_embeddings = true;  // the output projection is the embedding: two gradient paths
+  auto run = [&](std::int64_t chunk) {
+    torch::manual_seed(4);
+    mt::llama::LlamaForCausalLM lm(c);
+    mt::llama::init_weights(lm);
+    lm->loss_chunk = chunk;
+    auto ids = torch::randint(0, c.vocab_size, {3, 10}, torch::kLong);
+    auto labels = ids.clone();
+    labels.index_put_({0, torch::indexing::Slice(0, 4)}, -100);  // ignored positions
+    auto loss = lm->loss(ids, labels);
+    loss.backward();
+    std::vector<torch::Tensor> out{loss.detach()};
+    for (const auto& p : lm->parameters()) out.push_back(p.grad().clone());
+    return out;
+  };
+  const auto plain = run(0);
+  CHECK(plain[0].item<double>() == Approx(([&] {
+          torch::manual_seed(4);
+          mt::llama::LlamaForCausalLM lm(c);
+          mt::llama::init_weights(lm);
+          auto ids = torch::randint(0, c.vocab_size, {3, 10}, torch::kLong);
+          auto labels = ids.clone();
+          labels.index_put_({0, torch::indexing::Slice(0, 4)}, -100);
+          return mt::llama::LlamaForCausalLMImpl::causal_lm_loss(lm->forward(ids), labels).item<double>();
+        })()).epsilon(1e-6));
+  for (std::int64_t chunk : {1, 7, 29, 30, 1000}) {
+    INFO("chunk " << chunk);
+    const auto chunked = run(chunk);
+    CHECK(chunked[0].item<double>() == Approx(plain[0].item<double>()).epsilon(1e-6));
+    for (std::size_t i = 1; i < plain.size(); ++i) CHECK(torch::allclose(chunked[i], plain[i], 1e-5, 1e-7));
+  }
+  // Automatic: all at once up to 256 MiB of fp32 logits, else 64 MiB chunks (Llama 3's vocabulary
+  // at 4096 positions: 130 positions per chunk; Llama 2's 32000: all 2048 positions at once
+  // (250 MiB), 524 per chunk at 4096).
+  CHECK(mt::loss_chunk_positions(-1, 4096, 128256) == 130);
+  CHECK(mt::loss_chunk_positions(-1, 2048, 32000) == 2048);
+  CHECK(mt::loss_chunk_positions(-1, 4096, 32000) == 524);
+  CHECK(mt::loss_chunk_positions(-1, 2048, 256) == 2048);
+  CHECK(mt::loss_chunk_positions(5, 3, 100) == 3);
+  CHECK(mt::loss_chunk_positions(0, 10, 100) == 10);
+}
+
 TEST_CASE("model parameters carry HF Llama names and shapes", "[model]") {
   const auto c = small_gqa_config();
   mt::llama::LlamaForCausalLM lm(c);

@@ -272,7 +272,10 @@ def activation_checkpointing(binary):
         for mode in ["none", "full", "2"]:
             run(binary, *common, "-e", mode, "--save-dir", tmp, "--activation-checkpointing", mode)
             peaks[mode] = max(r["peak_rss_gb"] for r in metrics(tmp, mode))
-        for mode in ["full", "2"]:
+        # The loss over chunks of 100 positions (41 chunks of 4096) instead of all logits at once.
+        run(binary, *common, "-e", "chunked", "--save-dir", tmp, "--loss-chunk", "100")
+        peaks["chunked loss"] = max(r["peak_rss_gb"] for r in metrics(tmp, "chunked"))
+        for mode in ["full", "2", "chunked"]:
             for a, b in zip(metrics(tmp, "none"), metrics(tmp, mode)):
                 assert abs(a["running_loss"] - b["running_loss"]) <= 1e-6 * abs(a["running_loss"]), (mode, a, b)
         print("peak resident memory (GB): " + ", ".join(f"{mode} {peak:.3f}" for mode, peak in peaks.items()))

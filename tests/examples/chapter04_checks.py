@@ -55,7 +55,8 @@ def fsdp_parity(tools):
 
 
 def no_reshard_offload_parity(tools):
-    parity(tools, 4, ["-b", "2", "--no-reshard-after-forward", "--cpu-offload"])
+    # And the loss over chunks of 7 positions, under the root unit's gathered output weight.
+    parity(tools, 4, ["-b", "2", "--no-reshard-after-forward", "--cpu-offload", "--loss-chunk", "7"])
 
 
 def grad_accum_parity(tools):

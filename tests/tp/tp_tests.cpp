@@ -38,12 +38,13 @@ double max_relative_error(const torch::Tensor& actual, const torch::Tensor& expe
 // Trains the reference and the TP model side by side for `steps` steps and checks loss, every
 // gradient (the shard of the reference's) and every parameter after each step.
 template <class Plan>
-void check_parity(const llama::Config& config, int steps) {
+void check_parity(const llama::Config& config, int steps, std::int64_t loss_chunk = 0) {
   auto mesh = mt::comm::init<Tp2>();
   const auto& tp = mesh.group<mt::TP>();
   auto reference = seeded_llama(config, 7);
   auto model = seeded_llama(config, 7);
   auto parallel = mt::apply_tensor_parallel<Plan>(model, tp);
+  model->loss_chunk = loss_chunk;  // the reference computes all logits at once
   mt::train::AdamW reference_opt(mt::train::named_trainable_parameters(*reference), {.lr = 1e-3});
   mt::train::AdamW opt(mt::train::named_trainable_parameters(*model), {.lr = 1e-3});
   auto reference_params = reference->named_parameters();
@@ -98,6 +99,12 @@ TEST_CASE("GQA, llama3 rope and tied embeddings under sequence parallel match on
   check_parity<llama::Plan<Tp2>>(tied_gqa_config(), 2);
 }
 
+TEST_CASE("the chunked loss under TP (loss parallel, and Megatron's gathered logits) matches one process", "[.][tp_chunked]") {
+  // 7 positions per chunk: 64 positions in 10 chunks, the last one short.
+  check_parity<llama::Plan<Tp2>>(tied_gqa_config(), 2, 7);
+  check_parity<llama::Plan<Tp2, llama::presets::llama_tiny, llama::TensorParallelStyles>>(llama::presets::llama_tiny, 2, 7);
+}
+
 TEST_CASE("vocab-parallel cross entropy equals cross entropy over the whole vocabulary", "[.][tp_loss]") {
   auto mesh = mt::comm::init<Tp2>();
   const auto& tp = mesh.group<mt::TP>();
@@ -107,7 +114,9 @@ TEST_CASE("vocab-parallel cross entropy equals cross entropy over the whole voca
   auto expected = llama::LlamaForCausalLMImpl::causal_lm_loss(logits, labels);
   expected.backward();
   auto local = logits.detach().chunk(2, -1)[tp.rank()].clone().requires_grad_(true);
-  auto actual = mt::TensorParallel<llama::Plan<Tp2>>::vocab_parallel_cross_entropy(local, labels, tp);
+  const auto targets = llama::LlamaForCausalLMImpl::next_token_targets(labels).reshape({-1});
+  auto actual = mt::TensorParallel<llama::Plan<Tp2>>::vocab_parallel_cross_entropy_sum(local.reshape({-1, 132}), targets, tp) /
+                targets.ne(-100).sum();
   actual.backward();
   CHECK(actual.item<double>() == Approx(expected.item<double>()).epsilon(1e-6));
   CHECK(max_relative_error(local.grad(), logits.grad().chunk(2, -1)[tp.rank()]) < 1e-5);

@@ -65,6 +65,8 @@ struct ParallelizeOptions {
   std::string model_name = "model config";
   // Decoder layers recomputed in backward (after tensor parallel, before FSDP, as torchtitan).
   ActivationCheckpointing activation_checkpointing;
+  // Positions whose logits the loss computes at once (models/chunked_loss.hpp): -1 automatic.
+  std::int64_t loss_chunk = -1;
   // For the FSDP axis (device is taken from above).
   FsdpOptions fsdp;
   // For the DP axis.
@@ -102,6 +104,7 @@ class ParallelLlama {
 
     // 2. Activation checkpointing: inside each chosen layer's hooks, so FSDP's gather is not redone.
     checkpoint_activations(model_, options_.activation_checkpointing);
+    model_->loss_chunk = options_.loss_chunk;
 
     // 3. FSDP: a unit per decoder layer, then the root; the shards are allocated, the rest not.
     if constexpr (has_fsdp) {

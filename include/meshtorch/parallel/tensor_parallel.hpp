@@ -90,6 +90,14 @@ class TensorParallel {
     }
     apply<typename S::norm>("model.norm", *inner.norm, false);
     apply_head();
+    // Loss parallel: the logits stay split over the vocabulary and the loss is computed across
+    // the TP ranks (also chunk by chunk, as the model's loss() chooses).
+    if constexpr (PlanT::loss_parallel) {
+      if (group_.size() > 1)
+        model_->token_loss = [group = group_](const torch::Tensor& logits, const torch::Tensor& targets) {
+          return vocab_parallel_cross_entropy_sum(logits, targets, group);
+        };
+    }
   }
 
   const comm::AxisGroup& group() const { return group_; }
@@ -98,11 +106,7 @@ class TensorParallel {
   // the vocabulary and the softmax is computed across the TP ranks (Megatron's vocab-parallel
   // cross entropy), so no rank ever holds [batch, seq, vocab] logits.
   torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
-    auto logits = model_->forward(input_ids);
-    if constexpr (PlanT::loss_parallel) {
-      if (group_.size() > 1) return vocab_parallel_cross_entropy(logits, labels, group_);
-    }
-    return llama::LlamaForCausalLMImpl::causal_lm_loss(logits, labels);
+    return model_->loss(input_ids, labels);
   }
 
   // The full (unsharded) value of every parameter under its HF name, gathered over TP; every rank
@@ -131,16 +135,13 @@ class TensorParallel {
     return it->second;
   }
 
-  static torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, const torch::Tensor& labels,
-                                                    const comm::AxisGroup& group) {
+  // The sum of the cross entropies of rows of this rank's vocabulary slice of the logits
+  // [n, vocab / TP] against targets [n] (-100 ignored): the model's token_loss under loss parallel.
+  static torch::Tensor vocab_parallel_cross_entropy_sum(const torch::Tensor& local_logits, const torch::Tensor& targets,
+                                                        const comm::AxisGroup& group) {
     const auto local_vocab = local_logits.size(-1);
     const auto first = local_vocab * group.rank();
     auto logits = local_logits.to(torch::kFloat).reshape({-1, local_vocab});
-    // Labels shifted left by one with the last position ignored, as causal_lm_loss does.
-    auto targets = torch::cat({labels.narrow(1, 1, labels.size(1) - 1),
-                               torch::full({labels.size(0), 1}, -100, labels.options())},
-                              1)
-                       .reshape({-1});
     // A shift for a stable softmax; any value works, so it carries no gradient.
     auto shift = comm::all_reduce(group, logits.detach().amax(-1), comm::ReduceOp::max);
     auto shifted = logits - shift.unsqueeze(-1);
@@ -150,7 +151,7 @@ class TensorParallel {
     auto picked = shifted.gather(1, local_targets.unsqueeze(1)).squeeze(1) * in_range.to(shifted.scalar_type());
     auto target_logit = comm::reduce_from_parallel_region(picked, group);
     const auto valid = targets.ne(-100).to(torch::kFloat);
-    return ((sum_exp.log() - target_logit) * valid).sum() / valid.sum();
+    return ((sum_exp.log() - target_logit) * valid).sum();
   }
 
  private:

@@ -5,6 +5,7 @@
 // group: a rank started with other values fails at once instead of hanging later.
 // The programs' header: the library's own headers read TrainArgs from train/train_args.hpp,
 // which does not pull in CLI11.
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -107,6 +108,11 @@ inline void TrainArgs::add_to(CLI::App& app) {
                  "metrics then carry grad_norm, the norm before clipping")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--loss-chunk", loss_chunk,
+                 "positions whose logits the loss computes at once, so the whole batch's never exist: -1 automatic "
+                 "(chunks of 64 MiB of fp32 logits once the batch's would pass 256 MiB), 0 all at once")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{-1}, std::numeric_limits<std::int64_t>::max()));
   app.add_option("--activation-checkpointing", activation_checkpointing,
                  "recompute decoder layers in backward instead of keeping their activations: none, full (every "
                  "layer) or k (every k-th layer)")

@@ -36,6 +36,7 @@ struct TrainArgs {
   std::int64_t lr_decay_steps = 0;  // 0: --max-steps, else every epoch's steps
   double min_lr_ratio = 1e-4;
   double max_grad_norm = 0;  // 0: no clipping
+  std::int64_t loss_chunk = -1;  // positions whose logits the loss computes at once; -1 automatic
   std::string activation_checkpointing = "none";  // none, full or k (parallel/activation_checkpointing.hpp)
   bool measure_waiting = false;  // time/waiting: a barrier after each step's data (multi-rank chapters)
   bool deterministic = false;  // deterministic algorithms only (train::use_deterministic_algorithms)

@@ -6,6 +6,7 @@
 #include <optional>
 #include <torch/torch.h>
 
+#include <meshtorch/models/chunked_loss.hpp>
 #include <meshtorch/models/llama/config.hpp>
 #include <meshtorch/models/llama/layers.hpp>
 
@@ -148,24 +149,55 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
     });
   }
 
-  // Mean next-token cross entropy, as HF's ForCausalLMLoss: logits in fp32, labels shifted left
-  // by one with the last position ignored (so no copy of the logits is made).
-  static torch::Tensor causal_lm_loss(const torch::Tensor& logits, const torch::Tensor& labels) {
-    auto shifted = torch::cat({labels.narrow(1, 1, labels.size(1) - 1),
-                               torch::full({labels.size(0), 1}, -100, labels.options())}, 1);
+  // Next-token targets [B, S], as HF's ForCausalLMLoss: labels shifted left by one, the last
+  // position ignored (-100), so no copy of the logits is made.
+  static torch::Tensor next_token_targets(const torch::Tensor& labels) {
+    return torch::cat({labels.narrow(1, 1, labels.size(1) - 1), torch::full({labels.size(0), 1}, -100, labels.options())},
+                      1);
+  }
+
+  // The sum of the cross entropies of rows of logits against their targets (-100 ignored), in fp32.
+  static torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets) {
     return torch::nn::functional::cross_entropy(
-        logits.to(torch::kFloat).view({-1, logits.size(-1)}), shifted.view({-1}),
+        logits.to(torch::kFloat), targets,
+        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
+  }
+
+  // Mean next-token cross entropy of logits [B, S, vocab].
+  static torch::Tensor causal_lm_loss(const torch::Tensor& logits, const torch::Tensor& labels) {
+    return torch::nn::functional::cross_entropy(
+        logits.to(torch::kFloat).view({-1, logits.size(-1)}), next_token_targets(labels).view({-1}),
         torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100));
   }
 
+  // Mean next-token cross entropy of the batch. The logits are computed `loss_chunk` positions at
+  // a time when that is fewer than the batch's (models/chunked_loss.hpp), so the whole batch's
+  // logits never exist; the result equals the plain loss up to summation order. Under `hooks`
+  // as forward() is, so wrappers see the same calls.
   torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
-    return causal_lm_loss(forward(input_ids), labels);
+    const auto targets = next_token_targets(labels).reshape({-1});
+    return hooks.around(input_ids, [&](const torch::Tensor& ids) {
+      const auto hidden = model(ids);
+      const auto rows = head_hooks.before(hidden).reshape({-1, hidden.size(-1)});
+      const auto weight = output_weight();
+      const TokenLossSum token_loss = this->token_loss ? this->token_loss : TokenLossSum(cross_entropy_sum);
+      const auto after = [this, hidden](const torch::Tensor& logits) { return head_hooks.after(hidden, logits); };
+      const auto chunk = loss_chunk_positions(loss_chunk, rows.size(0), weight.size(0));
+      const auto sum = chunk >= rows.size(0) ? token_loss(after(at::linear(rows, weight)), targets)
+                                              : chunked_linear_loss(rows, weight, targets, chunk, after, token_loss);
+      return sum.to(torch::kFloat) / targets.ne(-100).sum().to(torch::kFloat);
+    });
   }
 
   const Config config;
   LlamaModel model{nullptr};
   Linear lm_head{nullptr};
   ForwardHooks hooks, head_hooks;
+  // Set from outside: the loss over rows of logits (tensor parallel's vocab-parallel one under
+  // loss parallel; empty: cross_entropy_sum), and the positions per chunk of loss()
+  // (loss_chunk_positions: -1 automatic, 0 all at once).
+  TokenLossSum token_loss;
+  std::int64_t loss_chunk = -1;
 };
 TORCH_MODULE(LlamaForCausalLM);
 

@@ -1,0 +1,87 @@
+#pragma once
+// The output projection and the loss over chunks of positions, so that the logits of the whole
+// batch never exist at once: for a vocabulary of 128256 at 4096 positions their fp32 copy alone
+// is 2.1 GB per sequence. Forward takes each chunk's logits, its loss, and at once its gradients
+// with respect to the rows and the weight (as Liger's fused linear cross entropy does), then drops
+// the logits; backward only scales the kept gradients. The projection costs what it costs
+// unchunked (one forward and two gradient products per chunk); what is held from forward to
+// backward is a gradient the size of the rows and one the size of the weight, not the logits.
+// The weight and the rows come in as inputs, so their gradients leave through this function
+// once, whatever wrapper produced them (FSDP's gather, a tensor-parallel shard, a tied embedding).
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <utility>
+
+#include <torch/torch.h>
+
+namespace meshtorch {
+
+// logits -> what the loss sees (the output projection's post-hooks: tensor parallel's
+// all-gather of the vocabulary, or nothing under loss parallel).
+using LogitsHook = std::function<torch::Tensor(const torch::Tensor& logits)>;
+// (logits [n, vocab or this rank's slice], targets [n], -100 ignored) -> the sum of their losses.
+using TokenLossSum = std::function<torch::Tensor(const torch::Tensor& logits, const torch::Tensor& targets)>;
+
+namespace chunked_loss_detail {
+
+struct ChunkedLinearLoss : torch::autograd::Function<ChunkedLinearLoss> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& rows,
+                               const torch::Tensor& weight, const torch::Tensor& targets, std::int64_t chunk,
+                               const LogitsHook& after, const TokenLossSum& loss) {
+    const bool want_rows = rows.requires_grad(), want_weight = weight.requires_grad();
+    auto total = torch::zeros({}, rows.options().dtype(torch::kFloat));
+    // The gradients, in the inputs' dtypes (no weight-sized fp32 buffer).
+    torch::Tensor grad_rows = want_rows ? torch::empty_like(rows) : torch::Tensor();
+    torch::Tensor grad_weight = want_weight ? torch::zeros_like(weight) : torch::Tensor();
+    const auto w = weight.detach().requires_grad_(want_weight);
+    for (std::int64_t start = 0; start < rows.size(0); start += chunk) {
+      const auto n = std::min(chunk, rows.size(0) - start);
+      const auto r = rows.narrow(0, start, n).detach().requires_grad_(want_rows);
+      torch::AutoGradMode enable(want_rows || want_weight);
+      const auto chunk_loss = loss(after(at::linear(r, w)), targets.narrow(0, start, n)).to(torch::kFloat);
+      total += chunk_loss.detach();
+      torch::autograd::variable_list inputs;
+      if (want_rows) inputs.push_back(r);
+      if (want_weight) inputs.push_back(w);
+      if (inputs.empty()) continue;
+      const auto g = torch::autograd::grad({chunk_loss}, inputs);
+      if (want_rows) grad_rows.narrow(0, start, n).copy_(g.front());
+      if (want_weight) grad_weight.add_(g.back());
+    }
+    ctx->save_for_backward({grad_rows, grad_weight});
+    return total;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& scale = grads[0];  // d(result)/d(loss sum): a scalar
+    auto scaled = [&](const torch::Tensor& g) { return g.defined() ? g * scale.to(g.scalar_type()) : g; };
+    return {scaled(saved[0]), scaled(saved[1]), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace chunked_loss_detail
+
+// The sum over all rows of loss(after(rows @ weight^T), targets), `chunk` rows at a time.
+inline torch::Tensor chunked_linear_loss(const torch::Tensor& rows, const torch::Tensor& weight,
+                                         const torch::Tensor& targets, std::int64_t chunk, const LogitsHook& after,
+                                         const TokenLossSum& loss) {
+  return chunked_loss_detail::ChunkedLinearLoss::apply(rows, weight, targets, chunk, after, loss);
+}
+
+// The positions per chunk for `rows` positions of `vocab` logits (this rank's slice): `requested`
+// when positive; 0 means all at once; -1 (automatic) chunks once the batch's fp32 logits would
+// pass 256 MiB, in chunks of 64 MiB of them.
+inline std::int64_t loss_chunk_positions(std::int64_t requested, std::int64_t rows, std::int64_t vocab) {
+  const std::int64_t all = std::max<std::int64_t>(rows, 1);
+  if (requested > 0) return std::min(requested, all);
+  if (requested == 0) return all;
+  constexpr double limit = 256.0 * 1024 * 1024, piece = 64.0 * 1024 * 1024;
+  const double bytes_per_position = static_cast<double>(vocab) * 4;
+  if (static_cast<double>(rows) * bytes_per_position <= limit) return all;
+  return std::max<std::int64_t>(1, static_cast<std::int64_t>(piece / bytes_per_position));
+}
+
+}  // namespace meshtorch
