@@ -22,8 +22,10 @@ constexpr int steps = 30;
 double relative_difference(double actual, double expected) { return std::abs(actual - expected) / std::abs(expected); }
 
 // Trains the layout M and the reference side by side and compares losses and final weights.
+// With micro_batches > 1 each rank's batch is split and its gradients accumulated (no_sync).
 template <mt::MeshType M>
-void check_layout_against_one_process(std::vector<int> extents = {}) {
+void check_layout_against_one_process(std::vector<int> extents = {}, mt::ParallelizeOptions options = {},
+                                      int micro_batches = 1) {
   auto mesh = mt::comm::init<M>({.timeout = std::chrono::seconds(60), .extents = std::move(extents)});
   const auto config = llama::presets::llama_tiny;
 
@@ -31,7 +33,8 @@ void check_layout_against_one_process(std::vector<int> extents = {}) {
   llama::LlamaForCausalLM reference(config, torch::TensorOptions().device(torch::kMeta));
   llama::materialize(reference, torch::TensorOptions());
   torch::manual_seed(7);
-  auto parallel = mt::parallelize(llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta)), mesh);
+  auto parallel =
+      mt::parallelize(llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta)), mesh, options);
   INFO(mesh.shape().to_string() << " on rank " << mesh.rank() << ": " << parallel.describe());
 
   mt::train::AdamW reference_optimizer(mt::train::named_trainable_parameters(*reference), {.lr = 1e-3});
@@ -49,8 +52,15 @@ void check_layout_against_one_process(std::vector<int> extents = {}) {
     reference_optimizer.zero_grad();
 
     const auto local = ids.narrow(0, parallel.data_parallel_rank() * local_batch, local_batch);
-    auto loss = parallel.loss(local, local);
-    loss.backward();
+    torch::Tensor loss = torch::zeros({});
+    for (int micro = 0; micro < micro_batches; ++micro) {
+      std::optional<decltype(parallel.no_sync())> no_sync;
+      if (micro + 1 < micro_batches) no_sync.emplace(parallel.no_sync());
+      const auto part = local.chunk(micro_batches, 0)[micro];
+      auto micro_loss = parallel.loss(part, part) / static_cast<double>(micro_batches);
+      micro_loss.backward();
+      loss = loss + micro_loss.detach();
+    }
     optimizer.step();
     optimizer.zero_grad();
     const double actual = parallel.mean_over_data_parallel(loss.detach()).template item<double>();
@@ -78,7 +88,7 @@ void check_layout_against_one_process(std::vector<int> extents = {}) {
   WARN(mesh.shape().to_string() << ": largest relative weight difference after " << steps << " steps: " << worst_weight);
   std::int64_t whole = 0;
   for (const auto& p : reference->parameters()) whole += p.numel();
-  if constexpr (M::template has<mt::TP> || M::template has<mt::FSDP>) {
+  if (M::template has<mt::TP> || M::template has<mt::FSDP> || options.zero_stage2) {
     CHECK(held < whole);
   } else {
     CHECK(held == whole);
@@ -100,7 +110,7 @@ void check_layout_against_one_process(std::vector<int> extents = {}) {
     const bool matrix = piece.global_shape.size() == 2 && piece.name.rfind("optimizer/", 0) != 0;
     if (!matrix || !piece.writer) continue;
     INFO(piece.name << " " << mt::io::to_string(piece.box));
-    if constexpr (M::template has<mt::TP> || M::template has<mt::FSDP>)
+    if (M::template has<mt::TP> || M::template has<mt::FSDP> || options.zero_stage2)
       CHECK(piece.local.numel() < piece.global_shape[0] * piece.global_shape[1]);
   }
 
@@ -137,6 +147,60 @@ void check_layout_against_one_process(std::vector<int> extents = {}) {
 
 TEST_CASE("rank body: DDP built by parallelize", "[.][parallelize_ddp]") {
   check_layout_against_one_process<mt::Mesh<mt::DP<mt::dynamic>>>();
+}
+
+// Small buckets (several per step, some straddling a layer), one reduce-scatter in flight, and
+// two micro-batches: each is reduce-scattered and summed into the shards.
+TEST_CASE("rank body: ZeRO-2 built by parallelize", "[.][parallelize_zero2]") {
+  check_layout_against_one_process<mt::Mesh<mt::DP<mt::dynamic>>>(
+      {}, {.ddp = {.bucket_cap_mb = 0.05}, .zero_stage2 = true, .zero_stage2_buckets_in_flight = 1}, 2);
+}
+
+TEST_CASE("rank body: ZeRO-2 with gradient clipping equals one process", "[.][zero2_clipping]") {
+  auto mesh = mt::comm::init<mt::Mesh<mt::DP<mt::dynamic>>>({.timeout = std::chrono::seconds(60)});
+  const auto config = llama::presets::llama_tiny;
+  torch::manual_seed(7);
+  llama::LlamaForCausalLM reference(config, torch::TensorOptions().device(torch::kMeta));
+  llama::materialize(reference, torch::TensorOptions());
+  torch::manual_seed(7);
+  auto parallel = mt::parallelize(llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta)), mesh,
+                                  {.zero_stage2 = true});
+  REQUIRE(parallel.zero_stage2() != nullptr);
+  CHECK(parallel.zero_stage2()->bucket_count() > 0);
+  mt::train::AdamW reference_optimizer(mt::train::named_trainable_parameters(*reference), {.lr = 1e-3});
+  mt::train::AdamW optimizer(parallel.named_parameters(), {.lr = 1e-3});
+  const std::int64_t local_batch = global_batch / parallel.data_parallel_size();
+  torch::manual_seed(11);
+  for (int step = 0; step < 10; ++step) {
+    const auto ids = torch::randint(0, config.vocab_size, {global_batch, seq_length}, torch::kLong);
+    auto expected = reference->loss(ids, ids);
+    expected.backward();
+    // The reference's norm over the whole gradient; the layout's over its reduced shards.
+    const double expected_norm =
+        torch::nn::utils::clip_grad_norm_(reference->parameters(), /*max_norm=*/0.5);
+    reference_optimizer.step();
+    reference_optimizer.zero_grad();
+    const auto local = ids.narrow(0, parallel.data_parallel_rank() * local_batch, local_batch);
+    auto loss = parallel.loss(local, local);
+    loss.backward();
+    const double norm = parallel.clip_grad_norm(0.5);
+    optimizer.step();
+    optimizer.zero_grad();
+    INFO("step " << step);
+    CHECK(relative_difference(norm, expected_norm) < 1e-5);
+    CHECK(relative_difference(parallel.mean_over_data_parallel(loss.detach()).item<double>(),
+                              expected.item<double>()) < 1e-5);
+  }
+  // Gradients of a step live only in this rank's shards: half the model's elements or fewer.
+  std::int64_t whole = 0;
+  for (const auto& p : reference->parameters()) whole += p.numel();
+  auto ids = torch::randint(0, config.vocab_size, {local_batch, seq_length}, torch::kLong);
+  parallel.loss(ids, ids).backward();
+  std::int64_t block = 0;  // this rank's rows of every weight, padded to ceil(rows / 2)
+  for (const auto& p : parallel.zero_stage2()->parameters()) block += p.rows_per_rank * p.row_numel;
+  CHECK(parallel.zero_stage2()->gradient_numel() == block);
+  CHECK(block < whole / 2 + whole / 50);
+  for (const auto& item : parallel.module()->named_parameters()) CHECK_FALSE(item.value().grad().defined());
 }
 
 TEST_CASE("rank body: FSDP built by parallelize", "[.][parallelize_fsdp]") {

@@ -8,7 +8,8 @@
 //   (options)               activation checkpointing of the chosen decoder layers
 //   FSDP                    fully_shard per decoder layer, then the root               group<FSDP>()
 //   DP                      replication: gradients all-reduced in buckets (DDP)        group<DP>()
-//                           (with FSDP: HSDP, the shards' gradients all-reduced)
+//                           (with FSDP: HSDP, the shards' gradients all-reduced;
+//                           with options.zero_stage2: reduce-scattered, ZeRO-2)
 //
 // The data-parallel group (the sampler's and the loss') is DP and FSDP merged. The model comes
 // in on the meta device; no rank materialises more than its own pieces plus one full weight at a
@@ -50,6 +51,7 @@
 #include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/llama_plan.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
+#include <meshtorch/parallel/zero_stage2.hpp>
 #include <meshtorch/train/timers.hpp>
 
 namespace meshtorch {
@@ -71,6 +73,12 @@ struct ParallelizeOptions {
   FsdpOptions fsdp;
   // For the DP axis.
   DdpOptions ddp;
+  // ZeRO stage 2 over DP instead of DDP (parallel/zero_stage2.hpp): each bucket's gradients are
+  // reduce-scattered, every rank keeps and steps its rows of each weight, and the next forward
+  // all-gathers them. ddp.bucket_cap_mb sizes the buckets. Not with FSDP, which shards more.
+  bool zero_stage2 = false;
+  // Reduce-scatters of ZeRO-2 in flight at once (0: each waited for when issued, no overlap).
+  int zero_stage2_buckets_in_flight = 2;
 };
 
 template <MeshType M, llama::LlamaStyles Styles = llama::default_styles<M>>
@@ -124,7 +132,14 @@ class ParallelLlama {
 
     // 5. Replication over DP: DDP's bucketed all-reduce of whatever this rank trains (nothing to
     //    do for a DP axis of one rank).
+    if (options_.zero_stage2 && !has_dp)
+      throw ConfigError(fmt::format("parallelize: zero_stage2 shards gradients over a DP axis, and {} has none",
+                                    std::string(M::name)));
     if constexpr (has_dp) {
+      if (options_.zero_stage2 && has_fsdp)
+        throw ConfigError(fmt::format("parallelize: zero_stage2 on {}: FSDP already shards gradients (and weights); "
+                                      "use ZeRO-2 on a mesh with DP and no FSDP",
+                                      std::string(M::name)));
       if (mesh.template size<DP>() == 1) return;
       std::vector<std::pair<std::string, torch::Tensor>> replicated;
       for (auto& [name, tensor] : named_parameters())
@@ -134,7 +149,12 @@ class ParallelLlama {
           throw ConfigError("parallelize: cpu_offload on an HSDP mesh (DP and FSDP) is not supported yet: the "
                             "offloaded shards cannot be all-reduced over the DP axis's NCCL group");
       }
-      ddp_ = std::make_unique<DistributedDataParallel>(std::move(replicated), mesh.template group<DP>(), options_.ddp);
+      if (options_.zero_stage2)
+        zero2_ = std::make_unique<ZeroStage2>(std::move(replicated), mesh.template group<DP>(),
+                                              ZeroStage2Options{.bucket_cap_mb = options_.ddp.bucket_cap_mb,
+                                                                .buckets_in_flight = options_.zero_stage2_buckets_in_flight});
+      else
+        ddp_ = std::make_unique<DistributedDataParallel>(std::move(replicated), mesh.template group<DP>(), options_.ddp);
     }
   }
 
@@ -151,12 +171,13 @@ class ParallelLlama {
         return model_->loss(input_ids, labels);
     };
     if (ddp_) return (*ddp_)(compute);
+    if (zero2_) zero2_->before_forward();  // the rows other ranks updated
     return compute();
   }
 
   // While the guard lives, backward accumulates gradients without the DP all-reduce (DDP's
-  // no_sync): use it on all micro-batches of a step but the last. FSDP still reduce-scatters
-  // each micro-batch, as FSDP2 does by default.
+  // no_sync): use it on all micro-batches of a step but the last. FSDP and ZeRO-2 still
+  // reduce-scatter each micro-batch (as FSDP2 and DeepSpeed do), so no full gradient stays.
   class NoSync {
    public:
     explicit NoSync(ParallelLlama& parallel) {
@@ -168,8 +189,9 @@ class ParallelLlama {
   };
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
 
-  // What the optimizer steps: the FSDP shards, or the (TP-sharded) weights.
+  // What the optimizer steps: the FSDP shards, ZeRO-2's rows, or the (TP-sharded) weights.
   std::vector<std::pair<std::string, torch::Tensor>> named_parameters() const {
+    if (zero2_) return zero2_->named_shards();
     if constexpr (has_fsdp) {
       return fsdp_->named_parameters();
     } else {
@@ -197,7 +219,7 @@ class ParallelLlama {
     comm::barrier(world_);
   }
 
-  // This rank's piece of a full (HF-named) weight: its TP chunk, then its FSDP rows.
+  // This rank's piece of a full (HF-named) weight: its TP chunk, then its FSDP (or ZeRO-2) rows.
   torch::Tensor piece_of(const std::string& name, const torch::Tensor& full) const {
     torch::Tensor piece = full;
     if constexpr (has_tp) piece = tp_->shard_of(name, piece);
@@ -205,18 +227,22 @@ class ParallelLlama {
       const auto [first_row, rows] = fsdp_->rows_of(name);
       piece = piece.narrow(0, first_row, rows);
     }
+    if (zero2_) {
+      const auto [first_row, rows] = zero2_->rows_of(name);
+      piece = piece.narrow(0, first_row, rows);
+    }
     return piece;
   }
 
   // Every weight this rank trains as a box of the global weight, for checkpoints: its TP chunk,
-  // then its FSDP rows. Of identical copies (DP replicas, weights TP leaves whole) exactly one
-  // rank is the writer: DP coordinate 0, TP rank 0.
+  // then its FSDP (or ZeRO-2) rows. Of identical copies (DP replicas, weights TP leaves whole)
+  // exactly one rank is the writer: DP coordinate 0 (every DP rank under ZeRO-2), TP rank 0.
   std::vector<io::ShardedTensor> sharded_parameters() const {
     const auto trained = trained_by_name();
     std::vector<io::ShardedTensor> pieces;
     for (const auto& [name, shape] : global_shapes_) {
       auto box = io::whole(shape);
-      bool writer = replica_ == 0;
+      bool writer = replica_ == 0 || zero2_;
       if constexpr (has_tp) {
         const auto& tp = tp_->group();
         if (const auto dim = tp_->shard_dim(name))
@@ -226,6 +252,10 @@ class ParallelLlama {
       }
       if constexpr (has_fsdp) {
         const auto [first_row, rows] = fsdp_->rows_of(name);
+        box = io::rows(box, first_row, first_row + rows);
+      }
+      if (zero2_) {
+        const auto [first_row, rows] = zero2_->rows_of(name);
         box = io::rows(box, first_row, first_row + rows);
       }
       pieces.push_back(io::sharded(name, trained.at(name), shape, std::move(box), writer));
@@ -256,7 +286,7 @@ class ParallelLlama {
 
   // "<describe()>: 3145728 of the model's 12582912 parameters held by this rank, float32".
   std::string summary() const {
-    return fmt::format("{}: {} of the model's {} parameters held by this rank, {}", describe(), local_numel(),
+    return fmt::format("{}{}: {} of the model's {} parameters held by this rank, {}", describe(), zero2_ ? " (ZeRO-2: gradients reduce-scattered)" : "", local_numel(),
                        model_->config.num_parameters(), llama::dtype_name(model_->parameters().front().scalar_type()));
   }
 
@@ -276,6 +306,7 @@ class ParallelLlama {
   TensorParallel<plan>* tensor_parallel() const { return tp_.get(); }
   FullyShardedDataParallel* fully_sharded() const { return fsdp_.get(); }
   DistributedDataParallel* data_parallel_replication() const { return ddp_.get(); }
+  ZeroStage2* zero_stage2() const { return zero2_.get(); }
   const ParallelizeOptions& options() const { return options_; }
 
   // "TP(styles) -> FSDP per layer + root -> DDP": the wrappers this mesh type applied, for logs.
@@ -372,6 +403,7 @@ class ParallelLlama {
   std::unique_ptr<TensorParallel<plan>> tp_;
   std::unique_ptr<FullyShardedDataParallel> fsdp_;
   std::unique_ptr<DistributedDataParallel> ddp_;
+  std::unique_ptr<ZeroStage2> zero2_;
 };
 
 // The folder to read weights from when -m names a model folder that holds weights; empty for a

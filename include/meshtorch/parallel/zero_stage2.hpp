@@ -1,0 +1,330 @@
+#pragma once
+// ZeroStage2: data parallelism with the gradients and the optimizer state sharded over the DP
+// axis (DeepSpeed's ZeRO stage 2). Every rank holds the whole model, as with DDP; but instead of
+// all-reducing each gradient bucket it reduce-scatters it, keeping the mean gradient of its own
+// rows of every weight only, and steps only those rows. The next forward all-gathers the updated
+// rows so every replica holds the same model again.
+//
+//   per rank, fp32 AdamW, N ranks     weights   gradients   AdamW state
+//   DDP (stage 0)                      4         4           8            bytes per parameter
+//   ZeroRedundancyOptimizer (1)        4         4           8 / N
+//   ZeroStage2 (2)                     4         4 / N       8 / N
+//   FSDP (3)                           4 / N     4 / N       8 / N
+//
+// Rows are cut as FSDP cuts them (ceil(rows / N) per rank, the last ranks may have fewer), so the
+// optimizer's pieces are boxes of the global weights and checkpoints reshard across world sizes
+// like FSDP's. A gradient lives whole only from the moment autograd accumulates it until it is
+// copied into its bucket's send buffer (at once); each bucket's reduce-scatter starts when its
+// last gradient arrives, in bucket order on every rank, overlapping the rest of backward.
+//
+//   ZeroStage2 zero(named_parameters, mesh.group<DP>());
+//   train::AdamW optimizer(zero.named_shards(), {.lr = lr});   // steps this rank's rows
+//   zero.before_forward(); model->loss(ids, ids).backward();    // gradients reduce-scattered
+//   optimizer.step(); optimizer.zero_grad();                     // the next forward gathers
+//
+// With gradient accumulation every micro-batch is reduce-scattered and summed into the shards
+// (DeepSpeed does the same): a full gradient never outlives its bucket, at the price of one
+// reduce-scatter per micro-batch. Every parameter must get a gradient in every backward.
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/torch.h>
+
+#include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/error.hpp>
+#include <meshtorch/parallel/ddp.hpp>
+
+namespace meshtorch {
+
+struct ZeroStage2Options {
+  // Bytes of full gradients per reduce-scatter bucket (DeepSpeed's reduce_bucket_size, in MiB).
+  double bucket_cap_mb = 25;
+  // Buckets whose reduce-scatter may be in flight at once; more overlap, more send buffers held.
+  int buckets_in_flight = 2;
+};
+
+class ZeroStage2 {
+ public:
+  struct Parameter {
+    std::string name;
+    torch::Tensor full;              // the module's parameter: whole on every rank
+    std::int64_t rows = 0;           // full.size(0)
+    std::int64_t row_numel = 1;
+    std::int64_t rows_per_rank = 0;  // ceil(rows / N)
+    std::int64_t first_row = 0;      // this rank's rows: [first_row, first_row + local_rows)
+    std::int64_t local_rows = 0;
+    std::size_t bucket = 0;
+    std::int64_t block_offset = 0;   // elements into its bucket's per-rank block
+    torch::Tensor shard;             // a view of this rank's rows of `full`: what the optimizer steps
+    bool arrived = false;            // its gradient of the running backward is in the send buffer
+  };
+
+  ZeroStage2(std::vector<std::pair<std::string, torch::Tensor>> named, const comm::AxisGroup& group,
+             ZeroStage2Options options = {})
+      : group_(group), options_(options) {
+    if (named.empty()) throw ConfigError("ZeroStage2: there is no parameter that requires grad");
+    if (options_.buckets_in_flight < 1)
+      throw ConfigError(fmt::format("ZeroStage2: buckets_in_flight is {}; it must be at least 1", options_.buckets_in_flight));
+    detail::check_same_parameters(group_, named);
+    const auto world = group_.size();
+    const auto rank = group_.rank();
+    torch::NoGradGuard no_grad;
+    for (auto& [name, tensor] : named) {
+      if (tensor.dim() == 0) throw ConfigError(fmt::format("ZeroStage2: '{}' is a scalar; rows cannot be sharded", name));
+      Parameter p;
+      p.name = name;
+      p.full = tensor;
+      p.rows = tensor.size(0);
+      p.row_numel = tensor.numel() / std::max<std::int64_t>(p.rows, 1);
+      p.rows_per_rank = (p.rows + world - 1) / world;
+      p.first_row = std::min(p.rows, rank * p.rows_per_rank);
+      p.local_rows = std::clamp<std::int64_t>(p.rows - rank * p.rows_per_rank, 0, p.rows_per_rank);
+      p.shard = tensor.detach().narrow(0, p.first_row, p.local_rows);
+      params_.push_back(std::move(p));
+    }
+    // Buckets in the reverse of definition order, roughly the order backward produces gradients.
+    const auto cap = static_cast<std::int64_t>(options_.bucket_cap_mb * 1024 * 1024);
+    for (std::size_t k = params_.size(); k-- > 0;) {
+      auto& p = params_[k];
+      const auto bytes = p.full.numel() * static_cast<std::int64_t>(p.full.element_size());
+      if (buckets_.empty() || (buckets_.back().bytes > 0 && buckets_.back().bytes + bytes > cap)) buckets_.emplace_back();
+      auto& bucket = buckets_.back();
+      p.bucket = buckets_.size() - 1;
+      p.block_offset = bucket.block_numel;
+      bucket.block_numel += p.rows_per_rank * p.row_numel;
+      bucket.bytes += bytes;
+      bucket.params.push_back(k);
+    }
+    // All replicas start from rank 0's weights, as DDP's do; a bucket at a time bounds the copy.
+    if (world > 1)
+      for (const auto& bucket : buckets_) {
+        std::vector<torch::Tensor> tensors;
+        for (const auto k : bucket.params) tensors.push_back(params_[k].full.detach());
+        comm::broadcast_coalesced(group_, tensors, 0);
+      }
+    // After autograd accumulates a parameter's gradient, it goes into its bucket at once.
+    for (std::size_t k = 0; k < params_.size(); ++k) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(params_[k].full);
+      if (!accumulator)
+        throw ConfigError(fmt::format("ZeroStage2: '{}' is not a leaf that requires grad", params_[k].name));
+      accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [this, k](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+            gradient_arrived(k);
+            return outputs;
+          }));
+      accumulators_.push_back(std::move(accumulator));
+    }
+    record_versions();
+  }
+
+  // The hooks point at this object: it stays where it was built.
+  ZeroStage2(const ZeroStage2&) = delete;
+  ZeroStage2& operator=(const ZeroStage2&) = delete;
+
+  // What the optimizer steps: this rank's rows of every weight (empty for weights with fewer rows
+  // than ranks on the last ranks), named as the weights. Their .grad is the mean gradient.
+  std::vector<std::pair<std::string, torch::Tensor>> named_shards() const {
+    std::vector<std::pair<std::string, torch::Tensor>> named;
+    for (const auto& p : params_) named.emplace_back(p.name, p.shard);
+    return named;
+  }
+  // This rank's rows of `name`: [first row, number of rows).
+  std::pair<std::int64_t, std::int64_t> rows_of(const std::string& name) const {
+    for (const auto& p : params_)
+      if (p.name == name) return {p.first_row, p.local_rows};
+    throw ConfigError(fmt::format("ZeroStage2: no parameter '{}'", name));
+  }
+
+  // Call before each forward: all-gathers the rows the optimizer updated since the last gather,
+  // and checks that the last backward reduced every gradient. An optimizer step is seen in the
+  // weights' version counters, or in its zero_grad dropping the gradients a backward reduced
+  // (fused kernels do not always bump versions); with an optimizer that zeroes gradients in place
+  // instead, call gather_parameters() after each step.
+  void before_forward() {
+    check_backward_complete();
+    bool dropped = false;
+    for (auto& bucket : buckets_)
+      if (bucket.grad_block.defined() && !shard_grads_are(bucket)) {
+        bucket.grad_block = torch::Tensor();  // free the buffer the dropped gradients lived in
+        dropped = true;
+      }
+    if (versions_changed() || (reduced_since_gather_ && dropped)) gather_parameters();
+  }
+
+  // All-gathers every rank's rows into the whole weights, bucket by bucket.
+  void gather_parameters() {
+    torch::NoGradGuard no_grad;
+    const auto world = group_.size();
+    if (world > 1) {
+      std::deque<std::pair<std::size_t, comm::Work<torch::Tensor>>> pending;
+      auto copy_out = [&] {
+        auto [index, work] = std::move(pending.front());
+        pending.pop_front();
+        const auto blocks = work.wait().view({world, buckets_[index].block_numel});
+        for (const auto k : buckets_[index].params) {
+          const auto& p = params_[k];
+          const auto full = p.full.detach().view({p.rows, p.row_numel});
+          for (int r = 0; r < world; ++r) {
+            const auto rows = rows_on(p, r);
+            if (rows == 0 || r == group_.rank()) continue;  // its own rows are already there
+            full.narrow(0, r * p.rows_per_rank, rows)
+                .copy_(blocks[r].narrow(0, p.block_offset, rows * p.row_numel).view({rows, p.row_numel}));
+          }
+        }
+      };
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        auto block = torch::zeros({buckets_[b].block_numel}, params_.front().full.options().requires_grad(false));
+        for (const auto k : buckets_[b].params) {
+          const auto& p = params_[k];
+          block.narrow(0, p.block_offset, p.local_rows * p.row_numel).copy_(p.shard.reshape({-1}));
+        }
+        pending.emplace_back(b, comm::all_gather_async(group_, block, 0));
+        if (static_cast<int>(pending.size()) > options_.buckets_in_flight) copy_out();
+      }
+      while (!pending.empty()) copy_out();
+    }
+    record_versions();
+    reduced_since_gather_ = false;
+  }
+
+  // Elements of gradients this rank holds now (the shards' buffers), for memory accounting.
+  std::int64_t gradient_numel() const {
+    std::int64_t n = 0;
+    for (const auto& bucket : buckets_)
+      if (bucket.grad_block.defined()) n += bucket.grad_block.numel();
+    return n;
+  }
+  std::size_t bucket_count() const { return buckets_.size(); }
+  const std::vector<Parameter>& parameters() const { return params_; }
+  const comm::AxisGroup& group() const { return group_; }
+
+ private:
+  struct Bucket {
+    std::vector<std::size_t> params;  // in the order their gradients usually arrive
+    std::int64_t block_numel = 0;     // elements of one rank's block (with padding rows)
+    std::int64_t bytes = 0;           // of the whole gradients it holds
+    std::size_t arrived = 0;
+    torch::Tensor send;               // [N x block]: the whole gradients, cut into rank blocks
+    torch::Tensor grad_block;         // this rank's block of the mean gradient: the shards' .grad
+  };
+
+  static std::int64_t rows_on(const Parameter& p, int rank) {
+    return std::clamp<std::int64_t>(p.rows - rank * p.rows_per_rank, 0, p.rows_per_rank);
+  }
+
+  // Autograd has accumulated parameter k's gradient of this backward: cut it into the rank
+  // blocks of its bucket's send buffer, free it, and reduce whatever buckets are now complete.
+  void gradient_arrived(std::size_t k) {
+    torch::NoGradGuard no_grad;
+    auto& p = params_[k];
+    if (p.arrived)
+      throw ConfigError(fmt::format("ZeroStage2: '{}' got a second gradient in one backward", p.name));
+    auto& bucket = buckets_[p.bucket];
+    const auto world = group_.size();
+    if (!bucket.send.defined())
+      bucket.send = torch::zeros({world * bucket.block_numel}, p.full.options().requires_grad(false));
+    const auto blocks = bucket.send.view({world, bucket.block_numel});
+    const auto grad = p.full.grad().reshape({p.rows, p.row_numel});
+    for (int r = 0; r < world; ++r) {
+      const auto rows = rows_on(p, r);
+      if (rows == 0) continue;
+      blocks[r].narrow(0, p.block_offset, rows * p.row_numel).view({rows, p.row_numel})
+          .copy_(grad.narrow(0, r * p.rows_per_rank, rows));
+    }
+    p.full.mutable_grad() = torch::Tensor();
+    p.arrived = true;
+    ++bucket.arrived;
+    ++arrived_;
+    // Buckets are reduced in index order on every rank, whatever order their gradients came in.
+    while (next_to_reduce_ < buckets_.size() && buckets_[next_to_reduce_].arrived == buckets_[next_to_reduce_].params.size()) {
+      auto& ready = buckets_[next_to_reduce_];
+      in_flight_.emplace_back(next_to_reduce_, comm::reduce_scatter_async(group_, ready.send.view({world, ready.block_numel}),
+                                                                           0, comm::ReduceOp::avg));
+      ready.send = torch::Tensor();  // the collective holds it until it completes
+      ++next_to_reduce_;
+      if (static_cast<int>(in_flight_.size()) > options_.buckets_in_flight) finish_oldest();
+    }
+    // The last gradient of the backward: every reduction completes before backward returns.
+    if (arrived_ == params_.size()) {
+      while (!in_flight_.empty()) finish_oldest();
+      for (auto& q : params_) q.arrived = false;
+      for (auto& b : buckets_) b.arrived = 0;
+      arrived_ = 0;
+      next_to_reduce_ = 0;
+      reduced_since_gather_ = true;
+    }
+  }
+
+  // Waits for the oldest reduce-scatter in flight and adds its result to the bucket's shards.
+  void finish_oldest() {
+    auto [index, work] = std::move(in_flight_.front());
+    in_flight_.pop_front();
+    auto mine = work.wait().view({-1});
+    auto& bucket = buckets_[index];
+    if (bucket.grad_block.defined() && shard_grads_are(bucket)) {
+      bucket.grad_block.add_(mine);  // gradient accumulation over micro-batches
+      return;
+    }
+    bucket.grad_block = mine;
+    for (const auto k : bucket.params) {
+      auto& p = params_[k];
+      p.shard.mutable_grad() = mine.narrow(0, p.block_offset, p.local_rows * p.row_numel).view(p.shard.sizes());
+    }
+  }
+
+  // Whether the shards of `bucket` still have their gradients in its grad block (zero_grad drops them).
+  bool shard_grads_are(const Bucket& bucket) const {
+    for (const auto k : bucket.params) {
+      const auto& grad = params_[k].shard.grad();
+      if (!grad.defined() || (grad.numel() > 0 && !grad.is_alias_of(bucket.grad_block))) return false;
+    }
+    return true;
+  }
+
+  void check_backward_complete() const {
+    if (arrived_ == 0) return;
+    std::vector<std::string> missing;
+    for (const auto& p : params_)
+      if (!p.arrived) missing.push_back(p.name);
+    throw ConfigError(fmt::format("ZeroStage2 on rank {}: the last backward gave no gradient to {} of {} parameters "
+                                  "({}{}); ZeRO-2 reduces a bucket when all its gradients have arrived, so every "
+                                  "parameter must take part in the loss",
+                                  group_.global_rank(), missing.size(), params_.size(),
+                                  fmt::join(missing.begin(), missing.begin() + std::min<std::size_t>(missing.size(), 3), ", "),
+                                  missing.size() > 3 ? ", ..." : ""));
+  }
+
+  // The optimizer updates the shards in place, which bumps the weights' version counters.
+  void record_versions() {
+    versions_.clear();
+    for (const auto& p : params_) versions_.push_back(p.full._version());
+  }
+  bool versions_changed() const {
+    for (std::size_t k = 0; k < params_.size(); ++k)
+      if (params_[k].full._version() != versions_[k]) return true;
+    return false;
+  }
+
+  comm::AxisGroup group_;
+  ZeroStage2Options options_;
+  std::vector<Parameter> params_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::deque<std::pair<std::size_t, comm::Work<torch::Tensor>>> in_flight_;
+  std::size_t next_to_reduce_ = 0;
+  std::size_t arrived_ = 0;
+  bool reduced_since_gather_ = false;
+  std::vector<std::int64_t> versions_;
+};
+
+}  // namespace meshtorch
