@@ -4,13 +4,15 @@
 // parameters, keeps exp_avg / exp_avg_sq / step only for those, and steps only those (from the
 // gradients DDP already averaged); then every parameter is broadcast from its owner, so all
 // replicas hold the same updated model. Optimizer memory per rank falls to ~1/world; the cost is
-// one broadcast of the parameters per step (the same volume as DDP's all-reduce, half of it).
+// one broadcast of the parameters per step (the same volume as DDP's all-reduce, half of it), in
+// buckets so that no flat copy of all of them is ever made.
 //
 // Ownership is PyTorch's greedy rule: parameters sorted by size, largest first, each to the
 // rank that owns the fewest elements so far. The rule depends only on the shapes, so every rank
 // computes the same partition.
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <numeric>
 #include <string>
@@ -61,14 +63,34 @@ class ZeroRedundancyOptimizer {
     local_.step();
     torch::NoGradGuard no_grad;
     if (group_.size() == 1) return;
-    // One coalesced broadcast per owner (and dtype), all in flight together.
-    std::vector<comm::Work<std::vector<torch::Tensor>>> pending;
+    // Coalesced broadcasts from each owner, in buckets of at most broadcast_bucket_bytes (one
+    // flat copy of everything an owner holds would cost as much memory as AdamW's shard saves),
+    // two in flight at a time.
+    std::deque<comm::Work<std::vector<torch::Tensor>>> pending;
+    auto issue = [&](std::vector<torch::Tensor>& bucket, int source) {
+      if (bucket.empty()) return;
+      pending.push_back(comm::broadcast_coalesced_async(group_, std::move(bucket), source));
+      bucket.clear();
+      if (pending.size() > 2) {
+        pending.front().wait();
+        pending.pop_front();
+      }
+    };
     for (int source = 0; source < group_.size(); ++source) {
-      std::map<int, std::vector<torch::Tensor>> by_dtype;
-      for (std::size_t i = 0; i < params_.size(); ++i)
-        if (owner_[i] == source) by_dtype[static_cast<int>(params_[i].second.scalar_type())].push_back(params_[i].second);
-      for (auto& [dtype, tensors] : by_dtype)
-        pending.push_back(comm::broadcast_coalesced_async(group_, std::move(tensors), source));
+      std::map<int, std::pair<std::vector<torch::Tensor>, std::int64_t>> by_dtype;  // tensors, bytes
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        if (owner_[i] != source) continue;
+        const auto& p = params_[i].second;
+        auto& [bucket, bytes] = by_dtype[static_cast<int>(p.scalar_type())];
+        const auto size = static_cast<std::int64_t>(p.numel() * p.element_size());
+        if (!bucket.empty() && bytes + size > broadcast_bucket_bytes) {
+          issue(bucket, source);
+          bytes = 0;
+        }
+        bucket.push_back(p);
+        bytes += size;
+      }
+      for (auto& [dtype, bucket] : by_dtype) issue(bucket.first, source);
     }
     for (auto& work : pending) work.wait();
   }
@@ -99,6 +121,8 @@ class ZeroRedundancyOptimizer {
       if (owner_[i] == group_.rank()) mine.push_back(params_[i]);
     return train::AdamW(std::move(mine), options);
   }
+
+  static constexpr std::int64_t broadcast_bucket_bytes = std::int64_t{25} << 20;  // as DDP's buckets
 
   comm::AxisGroup group_;
   std::vector<std::pair<std::string, torch::Tensor>> params_;
