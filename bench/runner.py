@@ -51,7 +51,7 @@ DDP_RANKS = 2
 # A plain bench/run runs DEFAULT_SECTIONS (about 16 minutes on 2 idle cores); the others would take
 # it past 20 minutes (fsdp + tp + 2d about 6 more at llama-tiny, ch1-bf16 about as long as ch1), so
 # they are opt-in through --only.
-SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "ch1-bf16", "compile-time"]
+SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "zero2", "ch1-bf16", "compile-time"]
 DEFAULT_SECTIONS = ["ch1", "ddp", "compile-time"]
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 IMPL_NAMES = {"ours": "meshtorch", "hf-eager": "HF eager", "hf-compile": "HF compile",
@@ -104,6 +104,8 @@ def parse_args():
     p.add_argument("--bf16-compile-sizes", default="",
                    help="sizes at which ch1-bf16 also runs the torch.compile variant (default: none)")
     p.add_argument("--meshrun", default=str(ROOT / "build" / "bin" / "meshrun"), help="our launcher")
+    p.add_argument("--engine-bin", default=str(ROOT / "build" / "bin" / "08-alternative-frameworks"),
+                   help="our chapter-8 binary (the zero2 section)")
     p.add_argument("--quick", action="store_true", help="one run per side and few steps: checks the wiring, not a measurement")
     p.add_argument("--no-compile-time", action="store_true", help="skip the compile-time benchmark")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
@@ -640,6 +642,91 @@ def par_tables(kind, results, sizes, variants, reps, args):
     return "\n".join(lines) + "\n"
 
 
+# The zero2 section: ZeRO stage 2 (chapter 8's engine) against PyTorch's DDP +
+# ZeroRedundancyOptimizer (the guide's chapter-2 script with --zero) and against our stage 1, 2
+# ranks x 1 thread, the DDP section's sizes; DeepSpeed itself needs CUDA to install.
+ZERO2_SIDES = {"ours-zero2": "meshtorch ZeRO-2", "ours-zero1": "meshtorch ZeRO-1",
+               "torch-ddp-zero": "PyTorch DDP + ZeroRedundancyOptimizer"}
+
+
+def zero2_command(side, spec, name, args, corpus, runs_dir):
+    if side == "torch-ddp-zero":
+        return command(side, spec, 1, name, args, corpus, runs_dir)
+    stage = 2 if side == "ours-zero2" else 1
+    config = runs_dir / f"{name}.ds_config.json"
+    # The DDP section's settings as DeepSpeed keys: the bucket size in elements of fp32 or bf16.
+    elements = int(args.bucket_cap_mb * 2**20 / (2 if args.dtype == "bfloat16" else 4))
+    config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": args.dtype == "bfloat16"},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": elements}, "steps_per_print": 1}))
+    return [args.meshrun, "--nproc-per-node", str(DDP_RANKS), "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), "--", args.engine_bin, "--deepspeed-config", str(config),
+            "-m", str(spec["config"]), "-d", str(corpus), "-s", str(spec["seq"]), "--max-steps", str(spec["steps"]),
+            "--seed", "0", "--threads", "1", "-e", name, "--save-dir", str(runs_dir), "--device", "cpu",
+            "--ckpt-freq", "1000000"]
+
+
+def zero2_section(args, corpus, runs_dir, out, machine):
+    """The zero2 section; returns (report, docs sections, runs expected, runs done)."""
+    missing = [p for p in (args.engine_bin, args.meshrun) if not os.access(p, os.X_OK)]
+    if missing and not args.reference_only:
+        line = "zero2: skipped: " + ", ".join(os.path.relpath(p, ROOT) for p in missing) + " not built"
+        log(line)
+        print(f"## ZeRO-2\n\n{line}\n")
+        return line, {}, 0, 0
+    sizes = [s for s in args.par_sizes.split(",") if s]
+    if args.quick:
+        for s, q in DDP_QUICK.items():
+            DDP_SIZES[s].update(q)
+    reps = 1 if args.quick else (args.par_reps or 3)
+    sides = [s for s in ZERO2_SIDES if not (args.reference_only and s.startswith("ours"))]
+    started = time.perf_counter()
+    results, expected = {}, 0
+    for size in sizes:
+        spec = DDP_SIZES[size]
+        for rep in range(1, reps + 1):
+            # The order turns every repetition, so a trend in the load favours no side.
+            for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
+                expected += 1
+                name = f"zero2-{size}-{side}-r{rep}"
+                env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+                           TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+                summary = run_cmd(zero2_command(side, spec, name, args, corpus, runs_dir), spec, name, args, runs_dir,
+                                  env)
+                if summary is not None:
+                    results.setdefault((size, side), {})[rep] = summary
+    minutes = round((time.perf_counter() - started) / 60, 1)
+    r2 = lambda v: f"{v:.2f}" if v is not None else "—"
+    med = lambda runs, key="tokens_per_s": median_of(list(runs.values()), key)
+    lines = [f"## ZeRO-2 throughput and memory ({machine['date']}, commit {machine['commit']})", "",
+             f"{machine['cpu']}, {machine['cores']} cores; {DDP_RANKS} ranks x 1 thread on the CPU, Gloo over "
+             f"loopback, {args.dtype}, {reps} repetition(s), {minutes} minutes. tokens/s counts the global batch; "
+             "rank 0's peak RSS. Ratios are medians over repetitions of the ratio within a repetition "
+             "(tokens/s above 1: ZeRO-2 is faster; memory below 1: ZeRO-2 uses less).", "",
+             "| model | " + " | ".join(f"{ZERO2_SIDES[s]} tokens/s" for s in ZERO2_SIDES)
+             + " | ZeRO-2 / PyTorch | ZeRO-2 / ZeRO-1 | " + " | ".join(f"{ZERO2_SIDES[s]} peak RSS GB" for s in ZERO2_SIDES)
+             + " | ZeRO-2 / PyTorch | ZeRO-2 / ZeRO-1 |",
+             "| --- |" + " ---: |" * 10]
+    for size in sizes:
+        get = lambda side: results.get((size, side), {})
+        z2, z1, t = get("ours-zero2"), get("ours-zero1"), get("torch-ddp-zero")
+        lines.append(f"| {size} | " + " | ".join(fmt(med(get(s))) for s in ZERO2_SIDES)
+                     + f" | {r2(paired(z2, t, 'tokens_per_s'))} | {r2(paired(z2, z1, 'tokens_per_s'))} | "
+                     + " | ".join(fmt(med(get(s), 'peak_rss_gb'), 2) for s in ZERO2_SIDES)
+                     + f" | {r2(paired(z2, t, 'peak_rss_gb'))} | {r2(paired(z2, z1, 'peak_rss_gb'))} |")
+    if args.quick:
+        lines += ["", "**--quick: one short run per side; this checks the wiring and measures nothing.**"]
+    report = "\n".join(lines) + "\n"
+    (out / "zero2.md").write_text(report)
+    (out / "zero2.json").write_text(json.dumps(
+        {"machine": machine, "runs": [{"size": s, "side": side, "rep": r, **v}
+                                      for (s, side), runs in results.items() for r, v in runs.items()]}, indent=1))
+    print(report)
+    return report, {"zero2": report.split("\n", 2)[2]}, expected, sum(len(v) for v in results.values())
+
+
 def par_section(kind, args, corpus, runs_dir, out, machine):
     """One of the fsdp, tp and 2d sections; returns (report, docs sections, runs expected, runs done).
     Without our binary (or meshrun) the section is skipped, unless --reference-only asks for the
@@ -736,6 +823,7 @@ def main():
     runs = [("ch1", lambda: chapter1(args, corpus, runs_dir, out, machine)),
             ("ddp", lambda: ddp_section(args, corpus, runs_dir, out, machine)),
             *[(k, lambda k=k: par_section(k, args, corpus, runs_dir, out, machine)) for k in PAR_SECTIONS],
+            ("zero2", lambda: zero2_section(args, corpus, runs_dir, out, machine)),
             ("ch1-bf16", lambda: chapter1(bf16_args, corpus, runs_dir, out, machine, stem="chapter1-bf16"))]
     for name, section in runs:
         if name in sections:

@@ -3,6 +3,8 @@
 // batch; the layout's loss (averaged over its data-parallel group) must equal the reference's
 // step by step (fp32, Gloo), and its trained pieces must equal the reference's weights' pieces.
 // The rank bodies are tagged and run by CTest on the mesh's rank count (see CMakeLists.txt).
+#include <array>
+
 #include <catch2/catch.hpp>
 
 #include <meshtorch/comm/comm.hpp>
@@ -221,6 +223,58 @@ TEST_CASE("rank body: 2D (FSDP x TP) built by parallelize", "[.][parallelize_2d]
 
 TEST_CASE("rank body: 3D (DP x FSDP x TP) built by parallelize", "[.][parallelize_3d]") {
   check_layout_against_one_process<mt::Mesh<mt::DP<2>, mt::FSDP<2>, mt::TP<2>>>();
+}
+
+// A bf16 model folder in two files with an index, loaded into 2D (FSDP x TP) fp32 pieces: every
+// piece equals the reference weight's piece (bf16 -> fp32 exactly), and each rank reads from
+// disk only the rows its pieces lie in: about a quarter of the model, with the whole rows of the
+// weights TP cuts along dim 1.
+TEST_CASE("rank body: 2D loads a bf16 model folder reading only its rows", "[.][parallelize_load]") {
+  using M = mt::Mesh<mt::FSDP<mt::dynamic>, mt::TP<mt::dynamic>>;
+  auto mesh = mt::comm::init<M>({.timeout = std::chrono::seconds(60), .extents = {mt::from_world_size, 2}});
+  const auto config = llama::presets::llama_tiny;
+  torch::manual_seed(5);
+  llama::LlamaForCausalLM reference(config, torch::TensorOptions().device(torch::kMeta));
+  llama::materialize(reference, torch::TensorOptions());
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("meshtorch-load-{}", mesh.env().master_port);
+  if (mesh.rank() == 0) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    std::array<mt::io::NamedTensors, 2> files;
+    nlohmann::json weight_map;
+    int i = 0;
+    for (const auto& item : reference->named_parameters()) {
+      const int file = i++ % 2;
+      files[file].emplace_back(item.key(), item.value().detach().to(torch::kBFloat16));
+      weight_map[item.key()] = fmt::format("model-0000{}-of-00002.safetensors", file + 1);
+    }
+    for (int file = 0; file < 2; ++file)
+      mt::io::save_safetensors(dir / fmt::format("model-0000{}-of-00002.safetensors", file + 1), files[file],
+                               {{"format", "pt"}});
+    mt::io::write_file_atomically(dir / "model.safetensors.index.json",
+                                  nlohmann::json{{"metadata", nlohmann::json::object()}, {"weight_map", weight_map}}.dump());
+    mt::io::write_file_atomically(dir / "config.json", llama::config_to_json(config, "bfloat16").dump(2));
+  }
+  mt::comm::barrier(mesh.world());
+
+  auto parallel = mt::parallelize(llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta)), mesh,
+                                  {.weights_from = dir});
+  auto reference_weights = reference->named_parameters();
+  for (const auto& [name, piece] : parallel.named_parameters()) {
+    INFO(name);
+    const auto expected = parallel.piece_of(name, reference_weights[name].detach().to(torch::kBFloat16).to(torch::kFloat));
+    REQUIRE(piece.sizes() == expected.sizes());
+    CHECK(torch::equal(piece.detach(), expected));
+  }
+  std::int64_t whole = 0;
+  for (const auto& p : reference->parameters()) whole += p.numel();
+  const double fraction = static_cast<double>(parallel.elements_read_from_folder()) / static_cast<double>(whole);
+  WARN("rank " << mesh.rank() << " read " << parallel.elements_read_from_folder() << " of the model's " << whole
+               << " elements (" << fraction << ")");
+  CHECK(fraction > 0.25);
+  CHECK(fraction < 0.45);
+  mt::comm::barrier(mesh.world());
+  if (mesh.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("parallelize refuses a model that is not on the meta device", "[single][parallelize]") {

@@ -71,9 +71,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--world", world, "ranks in the job")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--tp", tp, "tensor-parallel size (divides --world)")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--data-parallel", data_parallel, "what the other world/tp ranks do: ddp, zero or fsdp")
+  app.add_option("--data-parallel", data_parallel,
+                 "what the other world/tp ranks do: ddp (ZeRO stage 0), zero (stage 1: AdamW state sharded), zero2 "
+                 "(stage 2: gradients too) or fsdp (stage 3: weights too)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"ddp", "zero", "fsdp"}));
+      ->check(CLI::IsMember({"ddp", "zero", "zero2", "fsdp"}));
   app.add_option("--dtype", dtype, "parameter dtype: float32 or bfloat16")
       ->capture_default_str()
       ->check(CLI::IsMember({"float32", "bfloat16"}));
@@ -105,6 +107,10 @@ int main(int argc, char** argv) {
     // AdamW keeps them.
     double weights = tp_params, grads = tp_params, moments = 2 * tp_params;
     if (data_parallel == "zero") moments /= static_cast<double>(dp);
+    if (data_parallel == "zero2") {
+      grads /= static_cast<double>(dp);
+      moments /= static_cast<double>(dp);
+    }
     if (data_parallel == "fsdp") {
       weights /= static_cast<double>(dp);
       grads /= static_cast<double>(dp);

@@ -223,6 +223,46 @@ inline SafetensorsHeader read_safetensors_header(const std::filesystem::path& pa
   return safetensors_detail::parse_header(in, file_size, path.string());
 }
 
+// A safetensors file whose header is read and checked once, then any rows of any tensor on
+// demand: only those bytes are read into memory. What a rank uses to take its piece of each weight
+// of a model folder without reading the rest.
+class SafetensorsRowReader {
+ public:
+  explicit SafetensorsRowReader(const std::filesystem::path& path) : where_(path.string()) {
+    std::uint64_t file_size = 0;
+    in_ = safetensors_detail::open_regular_file(path, file_size);
+    header_ = safetensors_detail::parse_header(in_, file_size, where_);
+  }
+
+  const SafetensorsHeader& header() const { return header_; }
+
+  // Rows [first_row, first_row + count) of `entry` (one of header().entries) as a new CPU tensor;
+  // a 0-d tensor whole.
+  torch::Tensor read_rows(const SafetensorsEntry& entry, std::int64_t first_row, std::int64_t count) {
+    auto shape = entry.shape;
+    std::uint64_t offset = entry.begin;
+    if (!shape.empty()) {
+      if (first_row < 0 || count < 0 || first_row + count > shape[0])
+        throw DataError(fmt::format("{}: tensor '{}': rows [{}, {}) lie outside its {} rows", where_, entry.name,
+                                    first_row, first_row + count, shape[0]));
+      const std::uint64_t row_bytes = shape[0] == 0 ? 0 : (entry.end - entry.begin) / static_cast<std::uint64_t>(shape[0]);
+      offset += row_bytes * static_cast<std::uint64_t>(first_row);
+      shape[0] = count;
+    }
+    auto t = torch::empty(shape, torch::TensorOptions().dtype(entry.dtype));
+    in_.clear();
+    in_.seekg(static_cast<std::streamoff>(header_.data_start + offset));
+    in_.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
+    if (!in_) throw DataError(fmt::format("{}: tensor '{}' could not be read (truncated file?)", where_, entry.name));
+    return t;
+  }
+
+ private:
+  std::string where_;
+  std::ifstream in_;
+  SafetensorsHeader header_;
+};
+
 inline SafetensorsFile load_safetensors(const std::filesystem::path& path) {
   const std::string where = path.string();
   std::uint64_t file_size = 0;

@@ -183,7 +183,7 @@ struct Checkpointing<ParallelLlama<M, Styles>> {
                    const TrainState& state, const RunIdentity& identity) {
     const auto dtype = model.named_parameters().front().second.scalar_type();
     parallel::save_training_checkpoint(exp_dir, pieces(model, optimizer), state, identity, model.world(),
-                                       {.layout = Model::layout(),
+                                       {.layout = model.layout(),
                                         .extra_files = parallel::config_file(model.module()->config, dtype),
                                         .coordinate = model.coordinate()});
   }

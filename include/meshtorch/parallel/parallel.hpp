@@ -8,3 +8,4 @@
 #include <meshtorch/parallel/rank.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/zero.hpp>
+#include <meshtorch/parallel/zero_stage2.hpp>

@@ -219,18 +219,41 @@ class ParallelLlama {
     comm::barrier(world_);
   }
 
-  // This rank's piece of a full (HF-named) weight: its TP chunk, then its FSDP (or ZeRO-2) rows.
+  // Where this rank's piece of a full (HF-named) weight lies in it: its TP chunk, then its FSDP
+  // (or ZeRO-2) rows of that chunk, as rows of the full weight and, when TP cuts dim 1, columns.
+  struct PieceWindow {
+    std::int64_t first_row = 0, rows = 0;
+    std::optional<std::pair<std::int64_t, std::int64_t>> columns;  // first, count
+  };
+  PieceWindow piece_window(const std::string& name, c10::IntArrayRef full_shape) const {
+    PieceWindow window{0, full_shape.empty() ? 0 : full_shape[0], std::nullopt};
+    if constexpr (has_tp) {
+      const auto& tp = tp_->group();
+      if (const auto dim = tp_->shard_dim(name)) {
+        if (full_shape[*dim] % tp.size() != 0)
+          throw ConfigError(fmt::format("{}: dim {} of size {} is not divisible by the TP size {}", name, *dim,
+                                        full_shape[*dim], tp.size()));
+        const auto size = full_shape[*dim] / tp.size();
+        if (*dim == 0)
+          window = {size * tp.rank(), size, std::nullopt};
+        else
+          window.columns = std::pair{size * tp.rank(), size};
+      }
+    }
+    auto keep_rows = [&](std::pair<std::int64_t, std::int64_t> rows) {
+      window.first_row += rows.first;
+      window.rows = rows.second;
+    };
+    if constexpr (has_fsdp) keep_rows(fsdp_->rows_of(name));
+    if (zero2_) keep_rows(zero2_->rows_of(name));
+    return window;
+  }
+
+  // This rank's piece of a full (HF-named) weight.
   torch::Tensor piece_of(const std::string& name, const torch::Tensor& full) const {
-    torch::Tensor piece = full;
-    if constexpr (has_tp) piece = tp_->shard_of(name, piece);
-    if constexpr (has_fsdp) {
-      const auto [first_row, rows] = fsdp_->rows_of(name);
-      piece = piece.narrow(0, first_row, rows);
-    }
-    if (zero2_) {
-      const auto [first_row, rows] = zero2_->rows_of(name);
-      piece = piece.narrow(0, first_row, rows);
-    }
+    const auto window = piece_window(name, full.sizes());
+    auto piece = full.dim() == 0 ? full : full.narrow(0, window.first_row, window.rows);
+    if (window.columns) piece = piece.narrow(1, window.columns->first, window.columns->second);
     return piece;
   }
 
@@ -274,7 +297,9 @@ class ParallelLlama {
   }
 
   // "Mesh<...>: tensor parallel over TP (...) -> ...", recorded in checkpoints.
-  static std::string layout() { return std::string(M::name) + ": " + describe(); }
+  std::string layout() const {
+    return std::string(M::name) + ": " + (zero2_ ? std::string("ZeRO-2 over DP (gradients and optimizer state sharded)") : describe());
+  }
   // "rank 5 of 8 on cpu: DP 1 of 2, FSDP 0 of 2, TP 1 of 2".
   const std::string& coordinate() const { return coordinate_; }
 
@@ -294,6 +319,9 @@ class ParallelLlama {
   const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& global_shapes() const {
     return global_shapes_;
   }
+  // Elements of weights this rank read from -m's folder (0 when initialised): its pieces, plus
+  // the whole rows of weights TP cuts along dim 1.
+  std::int64_t elements_read_from_folder() const { return read_elements_; }
   // Elements of weights this rank holds.
   std::int64_t local_numel() const {
     std::int64_t n = 0;
@@ -329,11 +357,10 @@ class ParallelLlama {
       return mesh.template group<FSDP>();
   }
 
-  // Copies this rank's piece of a full weight (piece_of) into the tensor it trains.
-  void keep_piece(const std::map<std::string, torch::Tensor>& trained, const std::string& name,
-                  const torch::Tensor& full, const std::string& source) {
+  // Copies this rank's piece of a weight (in any dtype) into the tensor it trains.
+  static void keep_piece(const std::map<std::string, torch::Tensor>& trained, const std::string& name,
+                         const torch::Tensor& piece, const std::string& source) {
     torch::NoGradGuard no_grad;
-    const auto piece = piece_of(name, full);
     auto target = trained.at(name);
     if (piece.sizes() != target.sizes())
       throw DataError(fmt::format("{}: tensor '{}' gives a piece of shape {}, this rank holds {}", source, name,
@@ -360,27 +387,35 @@ class ParallelLlama {
         full.fill_(1.0);
       else
         full.normal_(0.0, std);
-      keep_piece(trained, name, full, "initialisation");
+      keep_piece(trained, name, piece_of(name, full), "initialisation");
     }
   }
 
-  // An HF folder's weights, file by file; each tensor is cut to this rank's piece at once.
+  // An HF folder's weights, file by file (the index's shards): of each weight this rank reads
+  // from disk only the rows its piece lies in (all of them where it keeps whole rows: TP's
+  // dim-1 chunks), then converts to its dtype, so no rank reads a whole model or holds more than
+  // its pieces plus one weight's rows. Every rank reads the folder itself: node-local copies or
+  // a shared file system both work.
   void load_weights(const std::filesystem::path& dir) {
     std::set<std::string> loaded;
     const auto trained = trained_by_name();
     for (const auto& file : llama::weight_files(dir)) {
-      auto contents = io::load_safetensors(file);
-      for (auto& [name, tensor] : contents.tensors) {
+      io::SafetensorsRowReader reader(file);
+      for (const auto& entry : reader.header().entries) {
+        const auto& name = entry.name;
         if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
         if (name == "lm_head.weight" && model_->config.tie_word_embeddings) continue;
         const auto* shape = shape_of(name);
         if (!shape) throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", file.string(), name));
-        if (tensor.sizes().vec() != *shape)
+        if (entry.shape != *shape)
           throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", file.string(), name,
-                                      c10::str(tensor.sizes()), c10::str(c10::IntArrayRef(*shape))));
-        keep_piece(trained, name, tensor.to(options_.device), file.string());
+                                      c10::str(c10::IntArrayRef(entry.shape)), c10::str(c10::IntArrayRef(*shape))));
+        const auto window = piece_window(name, entry.shape);
+        auto piece = reader.read_rows(entry, window.first_row, window.rows).to(options_.device);
+        read_elements_ += piece.numel();
+        if (window.columns) piece = piece.narrow(1, window.columns->first, window.columns->second);
+        keep_piece(trained, name, piece, file.string());
         loaded.insert(name);
-        tensor = torch::Tensor();  // this file's copy of the weight is no longer needed
       }
     }
     for (const auto& [name, shape] : global_shapes_)
@@ -398,6 +433,7 @@ class ParallelLlama {
   comm::AxisGroup world_;
   std::string coordinate_;
   int replica_ = 0;  // the DP coordinate: replicas other than 0 write nothing
+  std::int64_t read_elements_ = 0;  // of weights read from a model folder (load_weights)
   std::vector<std::pair<std::string, std::vector<std::int64_t>>> global_shapes_;
   std::optional<comm::AxisGroup> data_parallel_;
   std::unique_ptr<TensorParallel<plan>> tp_;

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -35,8 +36,8 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -45,6 +46,26 @@
 #include <meshtorch/parallel/ddp.hpp>
 
 namespace meshtorch {
+
+namespace zero_stage2_detail {
+
+// Calls back once autograd has accumulated a parameter's gradient: a post hook of the
+// parameter's AccumulateGrad node, as c10d's Reducer registers its own. (LambdaPostHook would do
+// the same, but its header pulls in the compiled-autograd machinery.)
+class GradientArrived : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradientArrived(std::function<void()> callback) : callback_(std::move(callback)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    callback_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> callback_;
+};
+
+}  // namespace zero_stage2_detail
 
 struct ZeroStage2Options {
   // Bytes of full gradients per reduce-scatter bucket (DeepSpeed's reduce_bucket_size, in MiB).
@@ -117,11 +138,8 @@ class ZeroStage2 {
       auto accumulator = torch::autograd::impl::grad_accumulator(params_[k].full);
       if (!accumulator)
         throw ConfigError(fmt::format("ZeroStage2: '{}' is not a leaf that requires grad", params_[k].name));
-      accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-          [this, k](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-            gradient_arrived(k);
-            return outputs;
-          }));
+      accumulator->add_post_hook(
+          std::make_unique<zero_stage2_detail::GradientArrived>([this, k] { gradient_arrived(k); }));
       accumulators_.push_back(std::move(accumulator));
     }
     record_versions();
@@ -158,7 +176,7 @@ class ZeroStage2 {
         bucket.grad_block = torch::Tensor();  // free the buffer the dropped gradients lived in
         dropped = true;
       }
-    if (versions_changed() || (reduced_since_gather_ && dropped)) gather_parameters();
+    if (versions_changed() || (reduced_since_gather_ && (dropped || !gathered_once_))) gather_parameters();
   }
 
   // All-gathers every rank's rows into the whole weights, bucket by bucket.
@@ -195,6 +213,7 @@ class ZeroStage2 {
     }
     record_versions();
     reduced_since_gather_ = false;
+    gathered_once_ = true;
   }
 
   // Elements of gradients this rank holds now (the shards' buffers), for memory accounting.
@@ -323,7 +342,10 @@ class ZeroStage2 {
   std::deque<std::pair<std::size_t, comm::Work<torch::Tensor>>> in_flight_;
   std::size_t next_to_reduce_ = 0;
   std::size_t arrived_ = 0;
-  bool reduced_since_gather_ = false;
+  bool gathered_once_ = false;
+  // Set at construction, so the first forward gathers whatever a checkpoint load wrote into the
+  // shards; afterwards set when a backward reduced gradients that an optimizer may have used.
+  bool reduced_since_gather_ = true;
   std::vector<std::int64_t> versions_;
 };
 

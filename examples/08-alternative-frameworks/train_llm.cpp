@@ -1,0 +1,75 @@
+// Chapter 8: alternative frameworks. The guide's DeepSpeed chapter in C++: one JSON config
+// (ds_config.json) says the micro batch per rank, the gradient accumulation, AdamW, the
+// warmup-cosine schedule, bf16, clipping and the ZeRO stage, and an engine built from it takes
+// the place of DDP + optimizer + scheduler:
+//
+//   stage 0  DDP: every rank holds weights, gradients and AdamW state whole
+//   stage 1  + AdamW state sharded (ZeroRedundancyOptimizer)
+//   stage 2  + gradients sharded: each bucket is reduce-scattered, not all-reduced (ZeroStage2)
+//   stage 3  + weights sharded: FSDP per decoder layer, then the root
+//
+// The loop is DeepSpeed's: per micro-batch loss, backward, step; the engine knows when a step
+// is an accumulation boundary. The config's micro batch, accumulation and optimizer take the
+// place of -b, --grad-accum and --lr.
+#include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/engine.hpp>
+#include <meshtorch/parallel/training_data.hpp>
+#include <meshtorch/train/args.hpp>
+#include <meshtorch/train/deepspeed_config.hpp>
+
+namespace mt = meshtorch;
+
+struct Chapter8Args : mt::train::TrainArgs {
+  std::string deepspeed_config;
+
+  void add_to(CLI::App& app) {
+    TrainArgs::add_to(app);
+    // What the config decides is not also a flag: one fact, one place.
+    for (const char* flag : {"-b", "--grad-accum", "--global-batch-size", "--lr", "--lr-schedule", "--warmup-steps",
+                             "--warmup-type", "--lr-decay-steps", "--min-lr-ratio", "--max-grad-norm", "--dtype"})
+      app.remove_option(app.get_option(flag));
+    app.add_option("--deepspeed-config", deepspeed_config,
+                   "a DeepSpeed JSON config: micro batch, accumulation, optimizer, scheduler, bf16, ZeRO stage")
+        ->required()
+        ->check(CLI::ExistingFile);
+  }
+};
+
+int main(int argc, char** argv) {
+  CLI::App app{"Chapter 8: a DeepSpeed-style engine and JSON config (ZeRO stages 0-3)"};
+  Chapter8Args args;
+  args.add_to(app);
+  CLI11_PARSE(app, argc, argv);
+
+  return mt::comm::run_recorded([&] {
+    auto config = mt::train::DeepSpeedConfig::read(args.deepspeed_config);
+    if (app.get_option("--log-freq")->count() == 0) args.log_freq = config.steps_per_print;
+
+    // deepspeed.initialize: the mesh, the parallel model, AdamW and the schedule, from the config.
+    return mt::initialize(args, config, [&](auto& engine) {
+      const auto [blocks, sampler] = mt::load_training_data(engine.args(), engine.model().module()->config.vocab_size,
+                                                            engine.model());
+      engine.set_steps_per_epoch(sampler.steps_per_epoch());
+      auto& timers = engine.timers();
+
+      auto state = engine.load_checkpoint();  // the latest checkpoint of -e, or a fresh start
+      for (; state.epoch < args.num_epochs; ++state.epoch, state.epoch_step = 0) {
+        mt::data::PrefetchingLoader loader(blocks, sampler, state.epoch, state.epoch_step, engine.device().is_cuda());
+        mt::train::ProgressBar progress(sampler.steps_per_epoch(), /*enabled=*/engine.mesh().rank() == 0);
+        while (state.epoch_step < sampler.steps_per_epoch()) {
+          if (args.max_steps > 0 && state.global_step >= args.max_steps) return 0;
+          torch::Tensor input_ids;
+          {
+            auto timer = timers.time("data");
+            input_ids = loader.next()->input_ids.to(engine.device(), /*non_blocking=*/true);
+          }
+          auto loss = engine.loss(input_ids, /*labels=*/input_ids);  // one micro-batch
+          engine.backward(loss);                                      // gradients reduced as the stage says
+          if (!engine.step(state, progress)) continue;                // not an accumulation boundary yet
+          if (engine.checkpoint_due(state)) engine.save_checkpoint(state);
+        }
+      }
+      return 0;
+    });
+  });
+}
