@@ -42,13 +42,10 @@ int train(const Chapter2Args& args) {
 
   // Every rank builds the model; DDP then broadcasts rank 0's weights so all replicas are equal.
   const auto config = mt::llama::resolve_model(args.model_name);
-  auto model = mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
-                               mesh,
-                               {.device = device,
-                                .weights_from = mt::pretrained_weights_folder(args.model_name),
-                                .activation_checkpointing = mt::activation_checkpointing(args),
-                                .loss_chunk = args.loss_chunk,
-                                .ddp = {.bucket_cap_mb = args.bucket_cap_mb}});
+  auto options = mt::parallelize_options(args, device);  // -m's weights, --activation-checkpointing, ...
+  options.ddp = {.bucket_cap_mb = args.bucket_cap_mb};
+  auto model = mt::parallelize(
+      mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)), mesh, options);
   const auto* ddp = model.data_parallel_replication();
   log.info(fmt::format("model {}: {} parameters, {}, {} gradient buckets", args.model_name, config.num_parameters(),
                        mt::llama::dtype_name(dtype), ddp ? ddp->buckets().size() : 0));

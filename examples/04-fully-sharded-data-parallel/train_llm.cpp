@@ -42,15 +42,13 @@ int train(const Chapter4Args& args) {
   // Built on the meta device: shapes only, no memory, whatever the model's size. The shards,
   // gradients and optimizer state are fp32; --dtype is the compute dtype (mixed precision).
   const auto config = mt::llama::resolve_model(args.model_name);
+  auto options = mt::parallelize_options(args, device);  // -m's weights, --activation-checkpointing, ...
+  options.fsdp = {.reshard_after_forward = args.reshard_after_forward,
+                  .cpu_offload = args.cpu_offload,
+                  .mixed_precision = {.param_dtype = compute_dtype, .reduce_dtype = torch::kFloat}};
   auto model = mt::parallelize(
       mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(torch::kFloat)), mesh,
-      {.device = device,
-       .weights_from = mt::pretrained_weights_folder(args.model_name),
-       .activation_checkpointing = mt::activation_checkpointing(args),
-       .loss_chunk = args.loss_chunk,
-       .fsdp = {.reshard_after_forward = args.reshard_after_forward,
-                .cpu_offload = args.cpu_offload,
-                .mixed_precision = {.param_dtype = compute_dtype, .reduce_dtype = torch::kFloat}}});
+      options);
   const auto& fsdp = *model.fully_sharded();
   log.info(fmt::format("model {}: {} parameters in {} units; this rank holds {} (with padding); the largest unit "
                        "gathers {}; compute {}, shards float32{}",

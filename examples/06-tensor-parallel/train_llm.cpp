@@ -34,12 +34,7 @@ int train(const Chapter6Args& args) {
   // The model on the meta device; each rank materialises only its piece of every matrix.
   const auto config = mt::llama::resolve_model(args.model_name);
   auto model = mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
-                               mesh,
-                               {.device = device,
-                                .weights_from = mt::pretrained_weights_folder(args.model_name),
-                                .model_name = args.model_name,
-                                .activation_checkpointing = mt::activation_checkpointing(args),
-                                .loss_chunk = args.loss_chunk});
+                               mesh, mt::parallelize_options(args, device));
   log.info(model.summary());
 
   // The DP ranks split the global batch; all TP ranks of a DP coordinate read the same samples.

@@ -41,14 +41,10 @@ int train(const Chapter7Args& args) {
 
   // The model on the meta device, then the parallel model the mesh type describes.
   const auto config = mt::llama::resolve_model(args.model_name);
-  auto model = mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
-                               mesh,
-                               {.device = device,
-                                .weights_from = mt::pretrained_weights_folder(args.model_name),
-                                .model_name = args.model_name,
-                                .activation_checkpointing = mt::activation_checkpointing(args),
-                                .loss_chunk = args.loss_chunk,
-                                .fsdp = {.reshard_after_forward = args.reshard_after_forward}});
+  auto options = mt::parallelize_options(args, device);  // -m's weights, --activation-checkpointing, ...
+  options.fsdp = {.reshard_after_forward = args.reshard_after_forward};
+  auto model = mt::parallelize(
+      mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)), mesh, options);
   log.info(model.summary());
 
   // The data-parallel ranks (DP x FSDP) split the global batch; a TP group reads one batch.

@@ -77,9 +77,7 @@ int train(const Chapter9Args& args) {
                                       mesh.world_size()));
   const auto config = mt::llama::resolve_model(args.model_name);
   auto model = mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
-                               mesh, {.device = device,
-                                .activation_checkpointing = mt::activation_checkpointing(args),
-                                .loss_chunk = args.loss_chunk});
+                               mesh, mt::parallelize_options(args, device));
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
   const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());

@@ -83,8 +83,8 @@ def resume(tools):
 
 
 def export(tools):
-    """The consolidated folder loads into chapter 1: with a vanishing learning rate, chapter 1's
-    checkpoint after one step holds exactly the weights it loaded."""
+    """The consolidated folder loads into chapter 1 and back into chapter 4: with a vanishing
+    learning rate, the checkpoint after one step holds exactly the weights that were loaded."""
     with tempfile.TemporaryDirectory() as tmp:
         fsdp(tools, 2, "-b", "2", "--save-dir", tmp, "-e", "sharded", "--max-steps", "10", "--ckpt-freq", "10")
         full = consolidate(tools, tmp, "sharded")
@@ -92,6 +92,11 @@ def export(tools):
         single(tools, "-m", str(full), "-b", "4", "--lr", "1e-30", "--save-dir", tmp, "-e", "loaded",
                "--max-steps", "1", "--ckpt-freq", "1")
         compare_params(full / "model.safetensors", model_file(f"{tmp}/loaded"), 1e-7)
+        # And into chapter 4's shards, each rank reading its rows, or rank 0 reading and broadcasting.
+        for read_by in ("every-rank", "rank0"):
+            fsdp(tools, 2, "-m", str(full), "-b", "2", "--lr", "1e-30", "--save-dir", tmp, "-e", f"sharded-{read_by}",
+                 "--max-steps", "1", "--ckpt-freq", "1", "--weights-read-by", read_by)
+            compare_params(full / "model.safetensors", model_file(f"{tmp}/sharded-{read_by}"), 1e-7)
 
 
 def bf16(tools):

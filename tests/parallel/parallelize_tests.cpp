@@ -225,11 +225,14 @@ TEST_CASE("rank body: 3D (DP x FSDP x TP) built by parallelize", "[.][paralleliz
   check_layout_against_one_process<mt::Mesh<mt::DP<2>, mt::FSDP<2>, mt::TP<2>>>();
 }
 
+namespace {
+
 // A bf16 model folder in two files with an index, loaded into 2D (FSDP x TP) fp32 pieces: every
-// piece equals the reference weight's piece (bf16 -> fp32 exactly), and each rank reads from
-// disk only the rows its pieces lie in: about a quarter of the model, with the whole rows of the
-// weights TP cuts along dim 1.
-TEST_CASE("rank body: 2D loads a bf16 model folder reading only its rows", "[.][parallelize_load]") {
+// piece equals the reference weight's piece (bf16 -> fp32 exactly). Read by every rank, each
+// reads from disk only the rows its pieces lie in: about a quarter of the model, with the whole
+// rows of the weights TP cuts along dim 1. Read by rank 0, rank 0 reads the model once and the
+// others nothing.
+void check_folder_load(mt::WeightsReadBy read_by) {
   using M = mt::Mesh<mt::FSDP<mt::dynamic>, mt::TP<mt::dynamic>>;
   auto mesh = mt::comm::init<M>({.timeout = std::chrono::seconds(60), .extents = {mt::from_world_size, 2}});
   const auto config = llama::presets::llama_tiny;
@@ -258,7 +261,7 @@ TEST_CASE("rank body: 2D loads a bf16 model folder reading only its rows", "[.][
   mt::comm::barrier(mesh.world());
 
   auto parallel = mt::parallelize(llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta)), mesh,
-                                  {.weights_from = dir});
+                                  {.weights_from = dir, .weights_read_by = read_by});
   auto reference_weights = reference->named_parameters();
   for (const auto& [name, piece] : parallel.named_parameters()) {
     INFO(name);
@@ -271,10 +274,24 @@ TEST_CASE("rank body: 2D loads a bf16 model folder reading only its rows", "[.][
   const double fraction = static_cast<double>(parallel.elements_read_from_folder()) / static_cast<double>(whole);
   WARN("rank " << mesh.rank() << " read " << parallel.elements_read_from_folder() << " of the model's " << whole
                << " elements (" << fraction << ")");
-  CHECK(fraction > 0.25);
-  CHECK(fraction < 0.45);
+  if (read_by == mt::WeightsReadBy::every_rank) {
+    CHECK(fraction > 0.25);
+    CHECK(fraction < 0.45);
+  } else {
+    CHECK(fraction == (mesh.rank() == 0 ? 1.0 : 0.0));
+  }
   mt::comm::barrier(mesh.world());
   if (mesh.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+
+TEST_CASE("rank body: 2D loads a bf16 model folder, every rank reading only its rows", "[.][parallelize_load]") {
+  check_folder_load(mt::WeightsReadBy::every_rank);
+}
+
+TEST_CASE("rank body: 2D loads a bf16 model folder read by rank 0 and broadcast", "[.][parallelize_load_rank0]") {
+  check_folder_load(mt::WeightsReadBy::rank0);
 }
 
 TEST_CASE("parallelize refuses a model that is not on the meta device", "[single][parallelize]") {

@@ -228,13 +228,14 @@ inline SafetensorsHeader read_safetensors_header(const std::filesystem::path& pa
 // of a model folder without reading the rest.
 class SafetensorsRowReader {
  public:
-  explicit SafetensorsRowReader(const std::filesystem::path& path) : where_(path.string()) {
+  explicit SafetensorsRowReader(const std::filesystem::path& path) : path_(path), where_(path.string()) {
     std::uint64_t file_size = 0;
     in_ = safetensors_detail::open_regular_file(path, file_size);
     header_ = safetensors_detail::parse_header(in_, file_size, where_);
   }
 
   const SafetensorsHeader& header() const { return header_; }
+  const std::filesystem::path& path() const { return path_; }
 
   // Rows [first_row, first_row + count) of `entry` (one of header().entries) as a new CPU tensor;
   // a 0-d tensor whole.
@@ -258,6 +259,7 @@ class SafetensorsRowReader {
   }
 
  private:
+  std::filesystem::path path_;
   std::string where_;
   std::ifstream in_;
   SafetensorsHeader header_;

@@ -207,10 +207,7 @@ class Engine {
   Model build_model() {
     const auto llama_config = llama::resolve_model(args_.model_name);
     const auto dtype = shards_weights ? torch::kFloat : run_.dtype;  // stage 3: fp32 shards, bf16 compute
-    ParallelizeOptions options{.device = run_.device,
-                               .weights_from = pretrained_weights_folder(args_.model_name),
-                               .activation_checkpointing = activation_checkpointing(args_),
-                               .loss_chunk = args_.loss_chunk};
+    auto options = parallelize_options(args_, run_.device);
     if (config_.reduce_bucket_size)
       options.ddp.bucket_cap_mb = static_cast<double>(*config_.reduce_bucket_size * c10::elementSize(dtype)) / (1024.0 * 1024.0);
     options.zero_stage2 = config_.zero_stage == 2;

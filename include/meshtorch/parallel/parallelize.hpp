@@ -53,8 +53,25 @@
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/zero_stage2.hpp>
 #include <meshtorch/train/timers.hpp>
+#include <meshtorch/train/train_args.hpp>
 
 namespace meshtorch {
+
+// Who reads a model folder's weights (ParallelizeOptions::weights_read_by).
+enum class WeightsReadBy {
+  // Each rank reads, of every weight, only the rows its piece lies in: no traffic, every rank
+  // must see the folder (node-local copies or a shared file system).
+  every_rank,
+  // The guide's way: rank 0 reads each weight whole and broadcasts it over the world; every rank
+  // keeps its piece. Only rank 0 needs the files.
+  rank0,
+};
+
+inline WeightsReadBy parse_weights_read_by(const std::string& text) {
+  if (text == "every-rank") return WeightsReadBy::every_rank;
+  if (text == "rank0") return WeightsReadBy::rank0;
+  throw ConfigError(fmt::format("--weights-read-by '{}': use every-rank or rank0", text));
+}
 
 struct ParallelizeOptions {
   // Where forward and backward compute (the shards live there too unless fsdp.cpu_offload).
@@ -62,6 +79,7 @@ struct ParallelizeOptions {
   // An HF model folder whose weights fill this rank's pieces; empty: initialise them as
   // chapter 1 does (HF's _init_weights from the current seed).
   std::filesystem::path weights_from;
+  WeightsReadBy weights_read_by = WeightsReadBy::every_rank;
   // How errors name the model (the -m value): a config the TP plan cannot split is refused
   // before anything is built.
   std::string model_name = "model config";
@@ -127,6 +145,8 @@ class ParallelLlama {
     // 4. Fill this rank's pieces, one full weight at a time.
     if (options_.weights_from.empty())
       initialise(dtype);
+    else if (options_.weights_read_by == WeightsReadBy::rank0)
+      load_weights_from_rank0(options_.weights_from);
     else
       load_weights(options_.weights_from);
 
@@ -403,13 +423,8 @@ class ParallelLlama {
       io::SafetensorsRowReader reader(file);
       for (const auto& entry : reader.header().entries) {
         const auto& name = entry.name;
-        if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
-        if (name == "lm_head.weight" && model_->config.tie_word_embeddings) continue;
-        const auto* shape = shape_of(name);
-        if (!shape) throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", file.string(), name));
-        if (entry.shape != *shape)
-          throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", file.string(), name,
-                                      c10::str(c10::IntArrayRef(entry.shape)), c10::str(c10::IntArrayRef(*shape))));
+        if (!is_loaded(name)) continue;
+        check_shape(entry, file);
         const auto window = piece_window(name, entry.shape);
         auto piece = reader.read_rows(entry, window.first_row, window.rows).to(options_.device);
         read_elements_ += piece.numel();
@@ -420,6 +435,74 @@ class ParallelLlama {
     }
     for (const auto& [name, shape] : global_shapes_)
       if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", dir.string(), name));
+  }
+
+  // Rank 0 reads each weight whole and broadcasts it over the world; every rank keeps its piece.
+  // Rank 0 checks every file first and sends the list of weights (or what is wrong with them), so
+  // a bad folder is an error on every rank, not a hang in the next broadcast.
+  void load_weights_from_rank0(const std::filesystem::path& dir) {
+    struct Listed {
+      std::filesystem::path file;
+      io::SafetensorsEntry entry;
+    };
+    std::vector<Listed> listed;
+    nlohmann::json listing = nlohmann::json::object();
+    if (world_.rank() == 0) {
+      try {
+        auto weights = nlohmann::json::array();
+        for (const auto& file : llama::weight_files(dir))
+          for (const auto& entry : io::read_safetensors_header(file).entries) {
+            if (!is_loaded(entry.name)) continue;
+            check_shape(entry, file);
+            weights.push_back({{"name", entry.name}, {"shape", entry.shape}, {"dtype", static_cast<int>(entry.dtype)}});
+            listed.push_back({file, entry});
+          }
+        listing["weights"] = std::move(weights);
+      } catch (const std::exception& e) {
+        listing["error"] = e.what();
+      }
+    }
+    listing = nlohmann::json::parse(comm::all_gather_object(world_, world_.rank() == 0 ? listing.dump() : "").front());
+    if (listing.contains("error"))
+      throw DataError(fmt::format("rank 0, reading {} for every rank: {}", dir.string(), listing["error"].get<std::string>()));
+
+    std::set<std::string> loaded;
+    const auto trained = trained_by_name();
+    std::optional<io::SafetensorsRowReader> reader;
+    for (std::size_t i = 0; i < listing["weights"].size(); ++i) {
+      const auto& weight = listing["weights"][i];
+      const auto name = weight["name"].get<std::string>();
+      const auto shape = weight["shape"].get<std::vector<std::int64_t>>();
+      torch::Tensor full;
+      if (world_.rank() == 0) {
+        if (!reader || reader->path() != listed[i].file) reader.emplace(listed[i].file);
+        full = reader->read_rows(listed[i].entry, 0, shape.empty() ? 0 : shape[0]).to(options_.device);
+        read_elements_ += full.numel();
+      } else {
+        full = torch::empty(shape, torch::TensorOptions()
+                                       .dtype(static_cast<torch::ScalarType>(weight["dtype"].get<int>()))
+                                       .device(options_.device));
+      }
+      full = comm::broadcast(world_, full, 0);
+      keep_piece(trained, name, piece_of(name, full), "rank 0's " + dir.string());
+      loaded.insert(name);
+    }
+    for (const auto& [name, shape] : global_shapes_)
+      if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", dir.string(), name));
+  }
+
+  // Whether a folder's tensor is loaded: the rotary tables are recomputed and a tied head is the embedding.
+  bool is_loaded(const std::string& name) const {
+    if (name.find("rotary_emb.inv_freq") != std::string::npos) return false;
+    return !(name == "lm_head.weight" && model_->config.tie_word_embeddings);
+  }
+  void check_shape(const io::SafetensorsEntry& entry, const std::filesystem::path& file) const {
+    const auto* shape = shape_of(entry.name);
+    if (!shape)
+      throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", file.string(), entry.name));
+    if (entry.shape != *shape)
+      throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", file.string(), entry.name,
+                                  c10::str(c10::IntArrayRef(entry.shape)), c10::str(c10::IntArrayRef(*shape))));
   }
 
   const std::vector<std::int64_t>* shape_of(const std::string& name) const {
@@ -448,6 +531,19 @@ inline std::filesystem::path pretrained_weights_folder(const std::string& model_
   if (std::filesystem::is_directory(model_name_or_dir) && llama::has_pretrained_weights(model_name_or_dir))
     return model_name_or_dir;
   return {};
+}
+
+// The options every chapter takes from its flags: the device, -m's weights (and who reads them),
+// activation checkpointing, the loss chunk. A chapter adds its own (fsdp, ddp) to the result.
+inline ParallelizeOptions parallelize_options(const train::TrainArgs& args, torch::Device device) {
+  ParallelizeOptions options;
+  options.device = device;
+  options.weights_from = pretrained_weights_folder(args.model_name);
+  options.weights_read_by = parse_weights_read_by(args.weights_read_by);
+  options.model_name = args.model_name;
+  options.activation_checkpointing = activation_checkpointing(args);
+  options.loss_chunk = args.loss_chunk;
+  return options;
 }
 
 // Builds the parallel model for the mesh type M from a model on the meta device.

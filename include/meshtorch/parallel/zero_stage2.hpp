@@ -201,7 +201,8 @@ class ZeroStage2 {
         }
       };
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        auto block = torch::zeros({buckets_[b].block_numel}, params_.front().full.options().requires_grad(false));
+        // Padding rows are never copied out: they may hold anything.
+        auto block = torch::empty({buckets_[b].block_numel}, params_.front().full.options().requires_grad(false));
         for (const auto k : buckets_[b].params) {
           const auto& p = params_[k];
           block.narrow(0, p.block_offset, p.local_rows * p.row_numel).copy_(p.shard.reshape({-1}));
@@ -251,14 +252,15 @@ class ZeroStage2 {
     auto& bucket = buckets_[p.bucket];
     const auto world = group_.size();
     if (!bucket.send.defined())
-      bucket.send = torch::zeros({world * bucket.block_numel}, p.full.options().requires_grad(false));
+      bucket.send = torch::empty({world * bucket.block_numel}, p.full.options().requires_grad(false));
     const auto blocks = bucket.send.view({world, bucket.block_numel});
     const auto grad = p.full.grad().reshape({p.rows, p.row_numel});
     for (int r = 0; r < world; ++r) {
       const auto rows = rows_on(p, r);
-      if (rows == 0) continue;
-      blocks[r].narrow(0, p.block_offset, rows * p.row_numel).view({rows, p.row_numel})
-          .copy_(grad.narrow(0, r * p.rows_per_rank, rows));
+      auto block = blocks[r].narrow(0, p.block_offset, p.rows_per_rank * p.row_numel).view({p.rows_per_rank, p.row_numel});
+      if (rows > 0) block.narrow(0, 0, rows).copy_(grad.narrow(0, r * p.rows_per_rank, rows));
+      // Padding rows (the last ranks' when rows do not divide) are summed too: zero, not garbage.
+      if (rows < p.rows_per_rank) block.narrow(0, rows, p.rows_per_rank - rows).zero_();
     }
     p.full.mutable_grad() = torch::Tensor();
     p.arrived = true;

@@ -113,6 +113,11 @@ inline void TrainArgs::add_to(CLI::App& app) {
                  "(chunks of 64 MiB of fp32 logits once the batch's would pass 256 MiB), 0 all at once")
       ->capture_default_str()
       ->check(CLI::Range(std::int64_t{-1}, std::numeric_limits<std::int64_t>::max()));
+  app.add_option("--weights-read-by", weights_read_by,
+                 "who reads a model folder's weights (-m): every-rank (each reads only the rows of its pieces) or "
+                 "rank0 (rank 0 reads each weight and broadcasts it; for files only rank 0 sees)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"every-rank", "rank0"}));
   app.add_option("--activation-checkpointing", activation_checkpointing,
                  "recompute decoder layers in backward instead of keeping their activations: none, full (every "
                  "layer) or k (every k-th layer)")
