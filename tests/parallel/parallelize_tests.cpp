@@ -156,6 +156,9 @@ TEST_CASE("rank body: DDP built by parallelize", "[.][parallelize_ddp]") {
 TEST_CASE("rank body: ZeRO-2 built by parallelize", "[.][parallelize_zero2]") {
   check_layout_against_one_process<mt::Mesh<mt::DP<mt::dynamic>>>(
       {}, {.ddp = {.bucket_cap_mb = 0.05}, .zero_stage2 = true, .zero_stage2_buckets_in_flight = 1}, 2);
+  // And without overlap (DeepSpeed's overlap_comm false): each reduce-scatter waited for at once.
+  check_layout_against_one_process<mt::Mesh<mt::DP<mt::dynamic>>>(
+      {}, {.ddp = {.bucket_cap_mb = 0.05}, .zero_stage2 = true, .zero_stage2_buckets_in_flight = 0}, 2);
 }
 
 TEST_CASE("rank body: ZeRO-2 with gradient clipping equals one process", "[.][zero2_clipping]") {

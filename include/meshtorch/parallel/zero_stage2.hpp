@@ -70,7 +70,8 @@ class GradientArrived : public torch::autograd::FunctionPostHook {
 struct ZeroStage2Options {
   // Bytes of full gradients per reduce-scatter bucket (DeepSpeed's reduce_bucket_size, in MiB).
   double bucket_cap_mb = 25;
-  // Buckets whose reduce-scatter may be in flight at once; more overlap, more send buffers held.
+  // Reduce-scatters in flight at once while backward goes on; more overlap, more send buffers
+  // held. 0: each is waited for as soon as it is issued (DeepSpeed's overlap_comm false).
   int buckets_in_flight = 2;
 };
 
@@ -94,8 +95,9 @@ class ZeroStage2 {
              ZeroStage2Options options = {})
       : group_(group), options_(options) {
     if (named.empty()) throw ConfigError("ZeroStage2: there is no parameter that requires grad");
-    if (options_.buckets_in_flight < 1)
-      throw ConfigError(fmt::format("ZeroStage2: buckets_in_flight is {}; it must be at least 1", options_.buckets_in_flight));
+    if (options_.buckets_in_flight < 0)
+      throw ConfigError(fmt::format("ZeroStage2: buckets_in_flight is {}; it must be 0 (no overlap) or more",
+                                    options_.buckets_in_flight));
     detail::check_same_parameters(group_, named);
     const auto world = group_.size();
     const auto rank = group_.rank();
