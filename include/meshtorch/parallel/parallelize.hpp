@@ -239,42 +239,28 @@ class ParallelLlama {
     comm::barrier(world_);
   }
 
-  // Where this rank's piece of a full (HF-named) weight lies in it: its TP chunk, then its FSDP
-  // (or ZeRO-2) rows of that chunk, as rows of the full weight and, when TP cuts dim 1, columns.
-  struct PieceWindow {
-    std::int64_t first_row = 0, rows = 0;
-    std::optional<std::pair<std::int64_t, std::int64_t>> columns;  // first, count
-  };
-  PieceWindow piece_window(const std::string& name, c10::IntArrayRef full_shape) const {
-    PieceWindow window{0, full_shape.empty() ? 0 : full_shape[0], std::nullopt};
-    if constexpr (has_tp) {
-      const auto& tp = tp_->group();
-      if (const auto dim = tp_->shard_dim(name)) {
-        if (full_shape[*dim] % tp.size() != 0)
-          throw ConfigError(fmt::format("{}: dim {} of size {} is not divisible by the TP size {}", name, *dim,
-                                        full_shape[*dim], tp.size()));
-        const auto size = full_shape[*dim] / tp.size();
-        if (*dim == 0)
-          window = {size * tp.rank(), size, std::nullopt};
-        else
-          window.columns = std::pair{size * tp.rank(), size};
-      }
+  // Where this rank's piece of a (HF-named) weight lies in the global weight: its TP chunk, then
+  // its FSDP (or ZeRO-2) rows of that chunk. What checkpoints record, what initialisation keeps
+  // and what loading reads.
+  io::Box piece_box(const std::string& name, const std::vector<std::int64_t>& global_shape) const {
+    auto box = io::whole(global_shape);
+    if constexpr (has_tp)
+      if (const auto dim = tp_->shard_dim(name)) box = io::chunk(box, *dim, tp_->group().rank(), tp_->group().size());
+    if constexpr (has_fsdp) {
+      const auto [first_row, rows] = fsdp_->rows_of(name);
+      box = io::rows(box, first_row, first_row + rows);
     }
-    auto keep_rows = [&](std::pair<std::int64_t, std::int64_t> rows) {
-      window.first_row += rows.first;
-      window.rows = rows.second;
-    };
-    if constexpr (has_fsdp) keep_rows(fsdp_->rows_of(name));
-    if (zero2_) keep_rows(zero2_->rows_of(name));
-    return window;
+    if (zero2_) {
+      const auto [first_row, rows] = zero2_->rows_of(name);
+      box = io::rows(box, first_row, first_row + rows);
+    }
+    return box;
   }
 
-  // This rank's piece of a full (HF-named) weight.
+  // This rank's piece of a full (HF-named) weight: a view, no copy.
   torch::Tensor piece_of(const std::string& name, const torch::Tensor& full) const {
-    const auto window = piece_window(name, full.sizes());
-    auto piece = full.dim() == 0 ? full : full.narrow(0, window.first_row, window.rows);
-    if (window.columns) piece = piece.narrow(1, window.columns->first, window.columns->second);
-    return piece;
+    const auto shape = full.sizes().vec();
+    return io::view_of(full, io::whole(shape), piece_box(name, shape));
   }
 
   // Every weight this rank trains as a box of the global weight, for checkpoints: its TP chunk,
@@ -284,24 +270,10 @@ class ParallelLlama {
     const auto trained = trained_by_name();
     std::vector<io::ShardedTensor> pieces;
     for (const auto& [name, shape] : global_shapes_) {
-      auto box = io::whole(shape);
       bool writer = replica_ == 0 || zero2_;
-      if constexpr (has_tp) {
-        const auto& tp = tp_->group();
-        if (const auto dim = tp_->shard_dim(name))
-          box = io::chunk(box, *dim, tp.rank(), tp.size());
-        else
-          writer = writer && tp.rank() == 0;
-      }
-      if constexpr (has_fsdp) {
-        const auto [first_row, rows] = fsdp_->rows_of(name);
-        box = io::rows(box, first_row, first_row + rows);
-      }
-      if (zero2_) {
-        const auto [first_row, rows] = zero2_->rows_of(name);
-        box = io::rows(box, first_row, first_row + rows);
-      }
-      pieces.push_back(io::sharded(name, trained.at(name), shape, std::move(box), writer));
+      if constexpr (has_tp)
+        if (!tp_->shard_dim(name)) writer = writer && tp_->group().rank() == 0;
+      pieces.push_back(io::sharded(name, trained.at(name), shape, piece_box(name, shape), writer));
     }
     return pieces;
   }
@@ -425,11 +397,14 @@ class ParallelLlama {
         const auto& name = entry.name;
         if (!is_loaded(name)) continue;
         check_shape(entry, file);
-        const auto window = piece_window(name, entry.shape);
-        auto piece = reader.read_rows(entry, window.first_row, window.rows).to(options_.device);
-        read_elements_ += piece.numel();
-        if (window.columns) piece = piece.narrow(1, window.columns->first, window.columns->second);
-        keep_piece(trained, name, piece, file.string());
+        // The rows the piece lies in, whole; then the piece's columns of them (TP's dim-1 chunks).
+        const auto box = piece_box(name, entry.shape);
+        const auto read_box = entry.shape.empty() ? box : io::rows(io::whole(entry.shape), box.offsets[0],
+                                                                   box.offsets[0] + box.sizes[0]);
+        const auto rows = reader.read_rows(entry, box.dim() ? box.offsets[0] : 0, box.dim() ? box.sizes[0] : 0)
+                              .to(options_.device);
+        read_elements_ += rows.numel();
+        keep_piece(trained, name, io::view_of(rows, read_box, box), file.string());
         loaded.insert(name);
       }
     }
