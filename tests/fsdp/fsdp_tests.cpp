@@ -125,6 +125,69 @@ TEST_CASE("fsdp accumulates gradients over micro-batches as one full model does"
   check_parity({.reshard_after_forward = true}, 2, /*tied=*/false, 1e-5, 1e-4);
 }
 
+TEST_CASE("fsdp prefetching two units and one reduce-scatter in flight equals one full model, over micro-batches",
+          "[.][prefetch]") {
+  check_parity({.reshard_after_forward = true, .prefetch_layers = 2, .reduce_scatters_in_flight = 1}, 2,
+               /*tied=*/true, 1e-5, 1e-4);
+}
+
+TEST_CASE("fsdp with no prefetch and every reduce-scatter waited for at once equals one full model",
+          "[.][synchronous]") {
+  check_parity({.reshard_after_forward = true, .prefetch_layers = 0, .reduce_scatters_in_flight = 0}, 2,
+               /*tied=*/false, 1e-5, 1e-4);
+}
+
+TEST_CASE("fsdp issues the next unit's all-gather before the current unit computes, and backward ends with every "
+          "gradient in .grad",
+          "[.][overlap]") {
+  auto mesh = mt::comm::init<FsdpMesh>();
+  const auto config = odd_tiny();
+  for (const std::int64_t prefetch : {0, 1}) {
+    INFO("prefetch_layers = " << prefetch);
+    auto sharded = sharded_llama(config, mesh.group<mt::FSDP>(), {.prefetch_layers = prefetch});
+    const auto& units = sharded.fsdp->units();
+    auto& layers = sharded.model->model->decoder_layers;
+    // What the second layer's unit is doing while the first layer computes, in forward, and
+    // what the first's is doing while the second computes its backward.
+    std::optional<bool> next_gathering_in_forward, previous_gathering_in_backward;
+    layers[0]->mlp->hooks.pre.push_back([&](const torch::Tensor& x) {
+      next_gathering_in_forward = units[1]->is_gathering();
+      return x;
+    });
+    layers[1]->mlp->hooks.post.push_back([&](const torch::Tensor&, const torch::Tensor& y) {
+      if (y.requires_grad())
+        y.register_hook([&](const torch::Tensor& g) {
+          previous_gathering_in_backward = units[0]->is_gathering();
+          return g;
+        });
+      return y;
+    });
+    const auto ids = torch::randint(0, config.vocab_size, {2, 16}, torch::kLong);
+    sharded.model->loss(ids, ids).backward();
+    REQUIRE(next_gathering_in_forward.has_value());
+    REQUIRE(previous_gathering_in_backward.has_value());
+    CHECK(*next_gathering_in_forward == (prefetch > 0));
+    CHECK(*previous_gathering_in_backward == (prefetch > 0));
+    for (const auto& unit : units) {
+      CHECK(!unit->is_gathering());
+      CHECK(!unit->is_unsharded());
+    }
+    for (const auto& [name, shard] : sharded.fsdp->named_parameters()) {
+      INFO(name);
+      CHECK(shard.grad().defined());  // the last reduce-scatters were waited for when backward ended
+    }
+  }
+}
+
+TEST_CASE("fsdp prefetch settings below zero are refused", "[.][bad_prefetch]") {
+  auto mesh = mt::comm::init<FsdpMesh>();
+  mt::llama::LlamaForCausalLM model(odd_tiny(), torch::TensorOptions().device(torch::kMeta).dtype(torch::kFloat));
+  CHECK_THROWS_WITH(mt::FullyShardedDataParallel(model, mesh.group<mt::FSDP>(), {.prefetch_layers = -1}),
+                    Catch::Contains("prefetch_layers -1 is negative"));
+  CHECK_THROWS_WITH(mt::FullyShardedDataParallel(model, mesh.group<mt::FSDP>(), {.reduce_scatters_in_flight = -2}),
+                    Catch::Contains("reduce_scatters_in_flight -2 is negative"));
+}
+
 TEST_CASE("fsdp with bf16 compute and fp32 reduction keeps fp32 shards and tracks the fp32 model",
           "[.][mixed_precision]") {
   check_parity({.reshard_after_forward = true,
@@ -163,7 +226,7 @@ TEST_CASE("fsdp frees each layer's full weights after forward and every unit's a
       CHECK(units[1]->full_storage().nbytes() == 0);
       CHECK(up_proj.storage().nbytes() == 0);  // the tensor autograd saved, without memory
     } else {
-      CHECK(units[0]->full_storage().nbytes() == static_cast<std::size_t>(units[0]->full_numel()) * 4);
+      CHECK(units[0]->full_storage().nbytes() == static_cast<std::size_t>(units[0]->gathered_numel()) * 4);
     }
     CHECK(units[2]->is_unsharded());  // the root keeps its weights for backward
     loss.backward();

@@ -25,6 +25,15 @@
 // allocation out (FSDP2's untyped_storage().resize_(0)), so the tensors autograd saved see the
 // re-gathered values in backward.
 //
+// Overlap, as FSDP2 does it: while a unit computes, the all-gather of the next
+// FsdpOptions::prefetch_layers units (in forward: the order they run; in backward: the reverse)
+// is already on the wire, and each unit's reduce-scatter runs while the units before it
+// compute their backward (reduce_scatters_in_flight at once); the last ones are waited for when
+// the backward ends (the autograd engine's final callback), so the optimizer always sees every
+// gradient. The copy into the gathered weights and out of the gradients is one op per unit
+// (split_with_sizes_copy, _chunk_cat): the full weights are stored with each weight's rows padded
+// to a multiple of the group size, so each is one strided block of the gathered buffer.
+//
 //   llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta));
 //   FullyShardedDataParallel fsdp(model, mesh.group<FSDP>(), {.device = device});
 //   for (auto& layer : model->model->decoder_layers) fsdp.fully_shard(layer);
@@ -47,8 +56,11 @@
 #include <vector>
 
 #include <c10/core/DeviceGuard.h>
+#include <deque>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -79,6 +91,14 @@ struct FsdpOptions {
   MixedPrecision mixed_precision;
   // Where forward and backward compute.
   torch::Device device = torch::kCPU;
+  // Units whose all-gather is issued ahead of their turn, in forward and in backward (FSDP2
+  // prefetches one). Each costs one unit's gathered weights more memory. 0: a unit gathers
+  // when it runs.
+  std::int64_t prefetch_layers = 1;
+  // Reduce-scatters left running while backward goes on (each holds one unit's gradients);
+  // 0: each waited for at once, its result handed to autograd (what a DDP Reducer over the
+  // shards, HSDP, needs). Whatever the number, backward returns with every gradient in .grad.
+  std::int64_t reduce_scatters_in_flight = 2;
 };
 
 class FullyShardedDataParallel;
@@ -115,44 +135,100 @@ inline torch::Tensor alias(const c10::Storage& storage, torch::ScalarType dtype,
   return tensor;
 }
 
-inline void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what, const comm::AxisGroup& group) {
-  comm::Work<std::monostate>(work, [] { return std::monostate{}; }, what, group).wait();
+// A collective issued and not yet waited for: wait() waits (with the group's timeout, naming
+// the collective and the ranks) and records completion in the flight recorder.
+using PendingWork = comm::Work<std::monostate>;
+
+inline PendingWork pending(c10::intrusive_ptr<c10d::Work> work, const std::string& what, const comm::AxisGroup& group) {
+  return PendingWork(std::move(work), [] { return std::monostate{}; }, what, group);
 }
 
-// The group's flat buffers concatenated in rank order: output has group.size() x input.numel().
-inline void all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
-                            const std::string& what) {
+// Issues the all-gather of the group's flat buffers, concatenated in rank order into output
+// (group.size() x input.numel()).
+inline PendingWork start_all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
+                                         const std::string& what) {
   comm::detail::check_device(what, group, input);
   comm::detail::check_device(what, group, output);
   if (group.size() == 1) {
     output.copy_(input);
-    return;
+    return PendingWork::ready(std::monostate{});
   }
   c10d::AllgatherOptions options;
   options.timeout = group.timeout();
-  wait(comm::detail::issue(what, group, input, [&] { return group.backend()->_allgather_base(output, input, options); }),
-       what, group);
+  return pending(
+      comm::detail::issue(what, group, input, [&] { return group.backend()->_allgather_base(output, input, options); }),
+      what, group);
 }
 
-// The sum over the group of input's rank()-th block, divided by the group size.
-inline void reduce_scatter_mean_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
-                                     const std::string& what) {
+// Issues the sum over the group of input's rank()-th block into output (Gloo has no AVG: the
+// caller divides by the group size).
+inline PendingWork start_reduce_scatter_sum_flat(const comm::AxisGroup& group, torch::Tensor& output,
+                                                 torch::Tensor& input, const std::string& what) {
   comm::detail::check_device(what, group, input);
   comm::detail::check_device(what, group, output);
   if (group.size() == 1) {
     output.copy_(input);
-    return;
+    return PendingWork::ready(std::monostate{});
   }
   c10d::ReduceScatterOptions options;
-  options.reduceOp = c10d::ReduceOp::SUM;  // Gloo has no AVG: divided below
+  options.reduceOp = c10d::ReduceOp::SUM;
   options.timeout = group.timeout();
-  wait(comm::detail::issue(what, group, input,
-                           [&] { return group.backend()->_reduce_scatter_base(output, input, options); }),
-       what, group);
-  output.div_(group.size());
+  return pending(comm::detail::issue(what, group, input,
+                                     [&] { return group.backend()->_reduce_scatter_base(output, input, options); }),
+                 what, group);
 }
 
+// Whether the autograd engine is running a backward on this thread: a forward hook called then
+// is a recomputation, not the forward whose order prefetching follows.
+inline bool in_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
+
 }  // namespace fsdp_detail
+
+class FsdpUnit;
+
+// A unit's reduce-scatter on the wire: its gradients arrive in the shards' .grad when finished.
+struct FsdpReduction {
+  FsdpUnit* unit = nullptr;
+  fsdp_detail::PendingWork work;
+  torch::Tensor send;    // what the collective reads, kept alive until it is done
+  torch::Tensor output;  // this rank's block: the sum over the group
+};
+
+// What the units of one FullyShardedDataParallel share while forward and backward run: the
+// order they run in (for prefetching) and the reduce-scatters in flight.
+class FsdpSchedule {
+ public:
+  explicit FsdpSchedule(const FsdpOptions& options)
+      : prefetch_(options.prefetch_layers), in_flight_(options.reduce_scatters_in_flight) {}
+
+  // The root runs first (its hook wraps the whole model), then the layers in the order they
+  // were sharded: parallelize shards them in the order they run.
+  void add(FsdpUnit* unit, bool is_root) {
+    if (is_root)
+      order_.insert(order_.begin(), unit);
+    else
+      order_.push_back(unit);
+  }
+
+  void before_forward(FsdpUnit& unit);
+  void before_backward(FsdpUnit& unit);
+  // The unit's gradients: returned to autograd (reduce-scatters waited for at once), or left
+  // in flight and accumulated into .grad later (returns no tensors).
+  std::vector<torch::Tensor> after_backward(FsdpUnit& unit, const std::vector<torch::Tensor>& full_grads);
+  // Waits for every reduce-scatter in flight (their results land in .grad) and drops gathers
+  // prefetched for units that did not run. Backward calls it when it ends; call it before
+  // reading .grad outside a backward that some other code drove.
+  void finish_gradients();
+
+ private:
+  void finish_oldest_reduction();
+
+  std::int64_t prefetch_;
+  std::int64_t in_flight_;
+  std::vector<FsdpUnit*> order_;
+  std::deque<FsdpReduction> reductions_;
+  bool final_callback_queued_ = false;
+};
 
 // One fully_shard call's weights: their shards, the flat buffers and the hooks' work.
 class FsdpUnit {
@@ -167,13 +243,14 @@ class FsdpUnit {
     std::int64_t first_row = 0;      // this rank's first row
     std::int64_t local_rows = 0;     // this rank's real rows (the last ranks may have fewer, or none)
     std::int64_t shard_offset = 0;   // elements into the flat shard buffer
-    std::int64_t full_offset = 0;    // elements into the full (unsharded) storage
+    std::int64_t full_offset = 0;    // elements into the full storage (rows padded to group size x rows_per_rank)
     torch::Tensor shard;             // leaf [local_rows, ...]: what the optimizer steps
+    std::int64_t block_numel() const { return rows_per_rank * row_numel; }  // one rank's part, padded
   };
 
   FsdpUnit(std::string name, bool is_root, std::vector<std::pair<std::string, llama::WeightModule*>> leaves,
-           const comm::AxisGroup& group, const FsdpOptions& options)
-      : name_(std::move(name)), is_root_(is_root), group_(group), options_(options) {
+           const comm::AxisGroup& group, const FsdpOptions& options, std::shared_ptr<FsdpSchedule> schedule)
+      : name_(std::move(name)), is_root_(is_root), group_(group), options_(options), schedule_(std::move(schedule)) {
     const auto world = group_.size();
     const auto rank = group_.rank();
     shard_dtype_ = leaves.front().second->weight.scalar_type();
@@ -195,8 +272,8 @@ class FsdpUnit {
       p.first_row = std::min(p.rows, rank * p.rows_per_rank);
       p.local_rows = std::clamp<std::int64_t>(p.rows - rank * p.rows_per_rank, 0, p.rows_per_rank);
       p.shard_offset = shard_numel_;
-      p.full_offset = full_numel_;
-      shard_numel_ += p.rows_per_rank * p.row_numel;
+      p.full_offset = world * shard_numel_;
+      shard_numel_ += p.block_numel();
       full_numel_ += w.numel();
       params_.push_back(std::move(p));
     }
@@ -213,11 +290,16 @@ class FsdpUnit {
       if (!p.leaf->weight.is_meta()) p.shard.copy_(p.leaf->weight.narrow(0, p.first_row, p.local_rows));
       p.shard.set_requires_grad(true);
     }
-    // The full weights: one storage for the unit, freed until a forward needs it.
-    full_storage_ = torch::empty({full_numel_}, compute_options()).storage();
+    // The full weights: one storage for the unit, freed until a forward needs it. The gather
+    // writes through per-weight [group size, block] aliases, never through the leaves'.
+    full_storage_ = torch::empty({gathered_numel()}, compute_options()).storage();
     fsdp_detail::free_storage(full_storage_);
-    full_writer_ = fsdp_detail::alias(full_storage_, param_dtype(), 0, {full_numel_});
-    for (auto& p : params_) p.leaf->replace_weight(full_weight(p));
+    for (auto& p : params_) {
+      gather_targets_.push_back(
+          fsdp_detail::alias(full_storage_, param_dtype(), p.full_offset, {world, p.block_numel()}));
+      block_sizes_.push_back(p.block_numel());
+      p.leaf->replace_weight(full_weight(p));
+    }
   }
 
   FsdpUnit(const FsdpUnit&) = delete;
@@ -227,48 +309,71 @@ class FsdpUnit {
   bool is_root() const { return is_root_; }
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }
-  // Elements of this rank's shard buffer (with padding) and of the full weights.
+  // Elements of this rank's shard buffer (with padding), of the full weights, and of the
+  // gathered storage (the full weights with each one's rows padded to group size x rows_per_rank).
   std::int64_t shard_numel() const { return shard_numel_; }
   std::int64_t full_numel() const { return full_numel_; }
-  // Whether the full weights hold memory now.
+  std::int64_t gathered_numel() const { return group_.size() * shard_numel_; }
+  // Whether the full weights hold memory now, and whether an all-gather for them is on the wire.
   bool is_unsharded() const { return full_storage_.nbytes() > 0; }
+  bool is_gathering() const { return gather_.has_value(); }
   const c10::Storage& full_storage() const { return full_storage_; }
   torch::ScalarType shard_dtype() const { return shard_dtype_; }
   torch::ScalarType param_dtype() const { return options_.mixed_precision.param_dtype.value_or(shard_dtype_); }
   torch::ScalarType reduce_dtype() const { return options_.mixed_precision.reduce_dtype.value_or(param_dtype()); }
   bool reshards_after_forward() const { return options_.reshard_after_forward && !is_root_; }
 
-  // All-gathers the shards into the full weights, unless they already hold the current shards.
-  void unshard() {
+  // Issues the all-gather of the shards (cast to the compute dtype) without waiting for it,
+  // unless the full weights already hold the current shards or a gather is on its way.
+  void start_unshard() {
     torch::NoGradGuard no_grad;
     const auto version = shard_flat_._version();
-    if (is_unsharded() && gathered_version_ == version) return;
-    if (!is_unsharded())
-      fsdp_detail::allocate_storage(full_storage_, static_cast<std::size_t>(full_numel_) * c10::elementSize(param_dtype()));
-    gather_full(full_writer_, param_dtype());
-    gathered_version_ = version;
+    if (gather_ || (is_unsharded() && gathered_version_ == version)) return;
+    auto input = shard_flat_.to(options_.device, param_dtype(), /*non_blocking=*/true);
+    auto gathered = torch::empty({gathered_numel()}, input.options());
+    auto work = fsdp_detail::start_all_gather_flat(group_, gathered, input, "FSDP all_gather of " + describe());
+    gather_.emplace(Gather{std::move(work), std::move(input), std::move(gathered), version});
   }
 
-  void reshard() { fsdp_detail::free_storage(full_storage_); }
+  // Waits for the issued all-gather and copies it into the full weights (one op for the unit).
+  void finish_unshard() {
+    if (!gather_) return;
+    torch::NoGradGuard no_grad;
+    gather_->work.wait();
+    if (!is_unsharded())
+      fsdp_detail::allocate_storage(full_storage_,
+                                    static_cast<std::size_t>(gathered_numel()) * c10::elementSize(param_dtype()));
+    copy_out(gather_->gathered, gather_targets_);
+    gathered_version_ = gather_->version;
+    gather_.reset();
+  }
 
-  // Writes every full weight into `destination` (a flat tensor of full_numel() elements on the
-  // compute device): one all-gather of the flat shards cast to `dtype`, then a copy per weight.
+  // All-gathers the shards into the full weights, unless they already hold the current shards.
+  void unshard() {
+    start_unshard();
+    finish_unshard();
+  }
+
+  // Frees the full weights; a prefetched gather that was never used is waited for and dropped.
+  void reshard() {
+    if (gather_) {
+      gather_->work.wait();
+      gather_.reset();
+    }
+    fsdp_detail::free_storage(full_storage_);
+  }
+
+  // Writes every full weight into `destination` (gathered_numel() elements on the compute
+  // device, the weights at their full_offset): one all-gather of the flat shards cast to `dtype`.
   void gather_full(torch::Tensor destination, torch::ScalarType dtype) const {
     torch::NoGradGuard no_grad;
-    const auto world = group_.size();
     auto input = shard_flat_.to(options_.device, dtype);
-    auto gathered = torch::empty({world * shard_numel_}, input.options());
-    fsdp_detail::all_gather_flat(group_, gathered, input, "FSDP all_gather of " + describe());
-    const auto blocks = gathered.view({world, shard_numel_});
-    for (const auto& p : params_) {
-      auto full = destination.narrow(0, p.full_offset, p.rows * p.row_numel).view({p.rows, p.row_numel});
-      for (int r = 0; r < world; ++r) {
-        const auto rows = std::clamp<std::int64_t>(p.rows - r * p.rows_per_rank, 0, p.rows_per_rank);
-        if (rows == 0) continue;
-        full.narrow(0, r * p.rows_per_rank, rows)
-            .copy_(blocks[r].narrow(0, p.shard_offset, rows * p.row_numel).view({rows, p.row_numel}));
-      }
-    }
+    auto gathered = torch::empty({gathered_numel()}, input.options());
+    fsdp_detail::start_all_gather_flat(group_, gathered, input, "FSDP all_gather of " + describe()).wait();
+    std::vector<torch::Tensor> targets;
+    for (const auto& p : params_)
+      targets.push_back(destination.narrow(0, p.full_offset, group_.size() * p.block_numel()).view({group_.size(), -1}));
+    copy_out(gathered, targets);
   }
 
   // The pre-forward hook: gather, and hand the leaves full weights that are outputs of the
@@ -278,35 +383,56 @@ class FsdpUnit {
   // re-gathers them first.
   torch::Tensor post_forward(const torch::Tensor& output);
   // Called from the output's backward, before the unit's own backward.
-  void pre_backward() { unshard(); }
-  // Called once autograd has every full weight's gradient: their mean over the group, this
-  // rank's rows, one tensor per shard (in the shards' dtype and device).
+  void pre_backward();
+  // Called once autograd has every full weight's gradient (undefined: unused in this forward,
+  // a zero gradient).
   std::vector<torch::Tensor> post_backward(const std::vector<torch::Tensor>& full_grads) {
+    return schedule_->after_backward(*this, full_grads);
+  }
+
+  // Issues the reduce-scatter of the full gradients (one copy into the send buffer for the
+  // unit, each weight's rows padded to group size x rows_per_rank) and frees the full weights.
+  FsdpReduction start_reduce_scatter(const std::vector<torch::Tensor>& full_grads) {
     torch::NoGradGuard no_grad;
-    const auto world = group_.size();
-    auto send = torch::zeros({world * shard_numel_},
-                             torch::TensorOptions().device(options_.device).dtype(reduce_dtype()));
-    const auto blocks = send.view({world, shard_numel_});
+    std::vector<torch::Tensor> grads;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       const auto& p = params_[i];
-      if (!full_grads[i].defined()) continue;  // unused in this forward: a zero gradient
-      const auto grad = full_grads[i].reshape({p.rows, p.row_numel});
-      for (int r = 0; r < world; ++r) {
-        const auto rows = std::clamp<std::int64_t>(p.rows - r * p.rows_per_rank, 0, p.rows_per_rank);
-        if (rows == 0) continue;
-        blocks[r].narrow(0, p.shard_offset, rows * p.row_numel).view({rows, p.row_numel})
-            .copy_(grad.narrow(0, r * p.rows_per_rank, rows));
-      }
+      auto grad = full_grads[i].defined() ? full_grads[i] : torch::zeros(p.full_shape, compute_options());
+      grads.push_back(grad.to(reduce_dtype()).reshape({p.rows, p.row_numel}));
     }
-    auto mine = torch::empty({shard_numel_}, send.options());
-    fsdp_detail::reduce_scatter_mean_flat(group_, mine, send, "FSDP reduce_scatter of " + describe());
+    auto send = at::_chunk_cat(grads, /*dim=*/0, /*num_chunks=*/group_.size()).view({-1});
+    auto output = torch::empty({shard_numel_}, send.options());
+    auto work = fsdp_detail::start_reduce_scatter_sum_flat(group_, output, send, "FSDP reduce_scatter of " + describe());
     reshard();
-    std::vector<torch::Tensor> shard_grads;
+    return {this, std::move(work), std::move(send), std::move(output)};
+  }
+
+  // A finished reduce-scatter's result as one gradient per shard: the mean over the group, in
+  // the shards' dtype and on their device.
+  std::vector<torch::Tensor> shard_gradients(FsdpReduction& reduction) {
+    torch::NoGradGuard no_grad;
+    reduction.work.wait();
+    reduction.output.div_(group_.size());
+    std::vector<torch::Tensor> grads;
     for (const auto& p : params_)
-      shard_grads.push_back(mine.narrow(0, p.shard_offset, p.local_rows * p.row_numel)
-                                .view(p.shard.sizes())
-                                .to(p.shard.device(), shard_dtype_));
-    return shard_grads;
+      grads.push_back(reduction.output.narrow(0, p.shard_offset, p.local_rows * p.row_numel)
+                          .view(p.shard.sizes())
+                          .to(p.shard.device(), shard_dtype_));
+    return grads;
+  }
+
+  // Adds a finished reduce-scatter's result to the shards' .grad (or sets it), as autograd's
+  // accumulation would.
+  void accumulate_gradients(FsdpReduction& reduction) {
+    auto grads = shard_gradients(reduction);
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      auto& slot = params_[i].shard.mutable_grad();
+      if (slot.defined())
+        slot.add_(grads[i]);
+      else
+        slot = grads[i];
+    }
   }
 
   std::string describe() const {
@@ -315,6 +441,18 @@ class FsdpUnit {
   }
 
  private:
+  struct Gather {
+    fsdp_detail::PendingWork work;
+    torch::Tensor input;     // read by the collective until it is done
+    torch::Tensor gathered;  // [group size x shard_numel]
+    std::int64_t version;    // of the shards it was issued from
+  };
+
+  // [group size, shard_numel] -> each weight's [group size, block]: one op for the unit.
+  void copy_out(const torch::Tensor& gathered, const std::vector<torch::Tensor>& targets) const {
+    at::split_with_sizes_copy_out(targets, gathered.view({group_.size(), shard_numel_}), block_sizes_, /*dim=*/1);
+  }
+
   torch::TensorOptions compute_options() const {
     return torch::TensorOptions().device(options_.device).dtype(param_dtype());
   }
@@ -326,14 +464,76 @@ class FsdpUnit {
   bool is_root_;
   comm::AxisGroup group_;
   FsdpOptions options_;
+  std::shared_ptr<FsdpSchedule> schedule_;
   torch::ScalarType shard_dtype_ = torch::kFloat;
   std::vector<Parameter> params_;
   std::int64_t shard_numel_ = 0, full_numel_ = 0;
   torch::Tensor shard_flat_;
   c10::Storage full_storage_;
-  torch::Tensor full_writer_;  // the gather writes through this alias, never through the leaves'
+  std::vector<torch::Tensor> gather_targets_;  // per weight: [group size, block] aliases of the full storage
+  std::vector<std::int64_t> block_sizes_;
+  std::optional<Gather> gather_;
   std::int64_t gathered_version_ = -1;
 };
+
+inline void FsdpSchedule::before_forward(FsdpUnit& unit) {
+  const bool recomputing = fsdp_detail::in_backward();
+  // A new forward: gradients of the last backward are all in (the final callback saw to it,
+  // unless that backward failed half way).
+  if (unit.is_root() && !recomputing) finish_gradients();
+  unit.start_unshard();
+  // The next units' gathers queue behind this one's and run while this unit computes.
+  const auto here = std::find(order_.begin(), order_.end(), &unit);
+  if (!recomputing && here != order_.end())
+    for (auto next = here + 1; next != order_.end() && next - here <= prefetch_; ++next) (*next)->start_unshard();
+  unit.finish_unshard();
+}
+
+inline void FsdpSchedule::before_backward(FsdpUnit& unit) {
+  // Backward ends before the optimizer steps: whatever reduce-scatters are left then are waited
+  // for by the engine's final callback, queued here in the outermost backward (a checkpointed
+  // layer's recomputation runs a nested one, whose callbacks run when that layer is done).
+  if (!final_callback_queued_) {
+    final_callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_gradients(); });
+  }
+  unit.start_unshard();
+  const auto here = std::find(order_.begin(), order_.end(), &unit);
+  std::int64_t issued = 0;
+  for (auto previous = here; here != order_.end() && previous != order_.begin() && issued < prefetch_;) {
+    --previous;
+    if (!(*previous)->reshards_after_forward()) continue;  // kept gathered since forward
+    (*previous)->start_unshard();
+    ++issued;
+  }
+  unit.finish_unshard();
+}
+
+inline std::vector<torch::Tensor> FsdpSchedule::after_backward(FsdpUnit& unit,
+                                                               const std::vector<torch::Tensor>& full_grads) {
+  auto reduction = unit.start_reduce_scatter(full_grads);
+  if (in_flight_ == 0) return unit.shard_gradients(reduction);
+  if (!final_callback_queued_) {
+    final_callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_gradients(); });
+  }
+  reductions_.push_back(std::move(reduction));
+  while (static_cast<std::int64_t>(reductions_.size()) > in_flight_) finish_oldest_reduction();
+  return std::vector<torch::Tensor>(full_grads.size());
+}
+
+inline void FsdpSchedule::finish_oldest_reduction() {
+  auto reduction = std::move(reductions_.front());
+  reductions_.pop_front();
+  reduction.unit->accumulate_gradients(reduction);
+}
+
+inline void FsdpSchedule::finish_gradients() {
+  final_callback_queued_ = false;
+  while (!reductions_.empty()) finish_oldest_reduction();
+  for (auto* unit : order_)
+    if (unit->is_gathering()) unit->reshard();
+}
 
 namespace fsdp_detail {
 
@@ -382,7 +582,7 @@ struct UnshardBeforeBackward : torch::autograd::Function<UnshardBeforeBackward> 
 }  // namespace fsdp_detail
 
 inline void FsdpUnit::pre_forward() {
-  unshard();
+  schedule_->before_forward(*this);
   std::vector<torch::Tensor> shards, fulls;
   for (const auto& p : params_) {
     shards.push_back(p.shard);
@@ -391,6 +591,8 @@ inline void FsdpUnit::pre_forward() {
   auto weights = fsdp_detail::GatherUnitParameters::apply(at::TensorList(shards), this, std::move(fulls));
   for (std::size_t i = 0; i < params_.size(); ++i) params_[i].leaf->replace_weight(weights[i]);
 }
+
+inline void FsdpUnit::pre_backward() { schedule_->before_backward(*this); }
 
 inline torch::Tensor FsdpUnit::post_forward(const torch::Tensor& output) {
   if (!reshards_after_forward()) return output;
@@ -404,8 +606,18 @@ class FullyShardedDataParallel {
  public:
   template <class Holder>
   FullyShardedDataParallel(torch::nn::ModuleHolder<Holder>& root, const comm::AxisGroup& group, FsdpOptions options = {})
-      : root_(std::static_pointer_cast<torch::nn::Module>(root.ptr())), group_(group), options_(options) {
+      : root_(std::static_pointer_cast<torch::nn::Module>(root.ptr())),
+        group_(group),
+        options_(options),
+        schedule_(std::make_shared<FsdpSchedule>(options_)) {
     for (auto& [name, leaf] : llama::weight_modules(*root_)) all_leaves_.emplace_back(name + ".weight", leaf);
+    if (options_.prefetch_layers < 0)
+      throw ConfigError(fmt::format("FullyShardedDataParallel: prefetch_layers {} is negative (0: no prefetching)",
+                                    options_.prefetch_layers));
+    if (options_.reduce_scatters_in_flight < 0)
+      throw ConfigError(fmt::format("FullyShardedDataParallel: reduce_scatters_in_flight {} is negative (0: each "
+                                    "waited for at once)",
+                                    options_.reduce_scatters_in_flight));
     if (options_.cpu_offload && options_.device.is_cuda() && !torch::cuda::is_available())
       throw ConfigError(fmt::format("FullyShardedDataParallel: cpu_offload with device {}, but CUDA is not available",
                                     options_.device.str()));
@@ -440,8 +652,9 @@ class FullyShardedDataParallel {
                                     (is_root ? std::string("the root") : "'" + name + "'"), group_.global_rank()));
     for (auto& [n, leaf] : leaves) claimed_.insert(leaf);
     units_.push_back(std::make_unique<FsdpUnit>(is_root ? std::string("root") : name, is_root, std::move(leaves), group_,
-                                                options_));
+                                                options_, schedule_));
     FsdpUnit* unit = units_.back().get();
+    schedule_->add(unit, is_root);
     module->hooks.pre.push_back([this, unit](const torch::Tensor& input) {
       check_root_sharded(*unit);
       unit->pre_forward();
@@ -533,7 +746,7 @@ class FullyShardedDataParallel {
     check_root_sharded_for("full_state_dict");
     std::map<std::string, torch::Tensor> by_name;
     for (const auto& unit : units_) {
-      auto flat = torch::empty({unit->full_numel()},
+      auto flat = torch::empty({unit->gathered_numel()},
                                torch::TensorOptions().device(options_.device).dtype(unit->shard_dtype()));
       unit->gather_full(flat, unit->shard_dtype());  // lossless, whatever the compute dtype
       for (const auto& p : unit->parameters())
@@ -543,6 +756,11 @@ class FullyShardedDataParallel {
     for (const auto& [name, leaf] : all_leaves_) out.emplace_back(name, by_name.at(name));
     return out;
   }
+
+  // Waits for the reduce-scatters still in flight, so that every shard's .grad is complete. A
+  // backward does it when it ends; a program that reads .grad after a backward that failed half
+  // way calls it.
+  void finish_gradients() { schedule_->finish_gradients(); }
 
   const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
   const comm::AxisGroup& group() const { return group_; }
@@ -600,6 +818,7 @@ class FullyShardedDataParallel {
   FsdpOptions options_;
   std::vector<std::pair<std::string, llama::WeightModule*>> all_leaves_;  // HF names, named_modules order
   std::set<const llama::WeightModule*> claimed_;
+  std::shared_ptr<FsdpSchedule> schedule_;  // before units_: the units point into it
   std::vector<std::unique_ptr<FsdpUnit>> units_;
   bool root_sharded_ = false;
 };

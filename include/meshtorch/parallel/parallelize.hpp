@@ -134,6 +134,10 @@ class ParallelLlama {
 
     // 3. FSDP: a unit per decoder layer, then the root; the shards are allocated, the rest not.
     if constexpr (has_fsdp) {
+      // Under HSDP, DDP's Reducer all-reduces the shards' gradients as autograd delivers them:
+      // the reduce-scatters hand their results to autograd at once instead of staying in flight.
+      if constexpr (has_dp)
+        if (mesh.template size<DP>() > 1) options_.fsdp.reduce_scatters_in_flight = 0;
       fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, mesh.template group<FSDP>(), options_.fsdp);
       for (auto& layer : model_->model->decoder_layers) fsdp_->fully_shard(layer);
       fsdp_->fully_shard(model_);
@@ -519,6 +523,15 @@ inline ParallelizeOptions parallelize_options(const train::TrainArgs& args, torc
   options.activation_checkpointing = activation_checkpointing(args);
   options.loss_chunk = args.loss_chunk;
   return options;
+}
+
+// fully_shard's options from the FSDP chapters' flags: shards and optimizer in fp32 (the dtype
+// the model is built in), compute in `compute_dtype`, gradients reduced in fp32.
+inline FsdpOptions fsdp_options(const train::FsdpArgs& args, torch::ScalarType compute_dtype) {
+  return {.reshard_after_forward = args.reshard_after_forward,
+          .cpu_offload = args.cpu_offload,
+          .mixed_precision = {.param_dtype = compute_dtype, .reduce_dtype = torch::kFloat},
+          .prefetch_layers = args.prefetch_layers};
 }
 
 // Builds the parallel model for the mesh type M from a model on the meta device.
