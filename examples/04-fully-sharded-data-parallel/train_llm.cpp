@@ -6,7 +6,8 @@
 // each rank holding its rows of every weight. Forward all-gathers a unit's weights just before
 // it runs and frees them after (--reshard-after-forward); backward gathers them again and
 // reduce-scatters the gradients, so each rank keeps only its shard of weights, gradients and
-// AdamW state. --cpu-offload keeps all three in CPU memory and steps the optimizer there;
+// AdamW state; the next layer's all-gather is on the wire while a layer computes
+// (--prefetch-layers), and reduce-scatters run while backward goes on. --cpu-offload keeps all three in CPU memory and steps the optimizer there;
 // --dtype bfloat16 computes in bf16 while shards and gradient reduction stay fp32. Checkpoints
 // are sharded: one file per rank.
 #include <meshtorch/meshtorch.hpp>
@@ -18,18 +19,12 @@
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::FSDP<mt::dynamic>>;
 
-struct Chapter4Args : mt::train::TrainArgs {
-  bool reshard_after_forward = true;
-  bool cpu_offload = false;
+struct Chapter4Args : mt::train::TrainArgs, mt::train::FsdpArgs {
   std::string consolidate_to;
 
   void add_to(CLI::App& app) {
     TrainArgs::add_to(app);
-    app.add_flag("--reshard-after-forward,!--no-reshard-after-forward", reshard_after_forward,
-                 "free each layer's gathered weights after its forward and gather them again for backward")
-        ->capture_default_str();
-    app.add_flag("--cpu-offload", cpu_offload, "keep shards, gradients and optimizer state in CPU memory")
-        ->capture_default_str();
+    add_fsdp_flags(app);  // --reshard-after-forward, --cpu-offload, --prefetch-layers
     app.add_option("--consolidate-to", consolidate_to,
                    "write the latest checkpoint of -e as one HF folder (config.json + model.safetensors) here "
                    "and exit; one process, no launcher");
@@ -43,9 +38,7 @@ int train(const Chapter4Args& args) {
   // gradients and optimizer state are fp32; --dtype is the compute dtype (mixed precision).
   const auto config = mt::llama::resolve_model(args.model_name);
   auto options = mt::parallelize_options(args, device);  // -m's weights, --activation-checkpointing, ...
-  options.fsdp = {.reshard_after_forward = args.reshard_after_forward,
-                  .cpu_offload = args.cpu_offload,
-                  .mixed_precision = {.param_dtype = compute_dtype, .reduce_dtype = torch::kFloat}};
+  options.fsdp = mt::fsdp_options(args, compute_dtype);
   auto model = mt::parallelize(
       mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(torch::kFloat)), mesh,
       options);

@@ -16,10 +16,9 @@
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::DP<mt::dynamic>, mt::FSDP<mt::dynamic>, mt::TP<mt::dynamic>>;
 
-struct Chapter7Args : mt::train::TrainArgs {
+struct Chapter7Args : mt::train::TrainArgs, mt::train::FsdpArgs {
   int tp = 2;
   int dp = 1;
-  bool reshard_after_forward = true;
 
   void add_to(CLI::App& app) {
     TrainArgs::add_to(app);
@@ -29,9 +28,7 @@ struct Chapter7Args : mt::train::TrainArgs {
     app.add_option("--dp", dp, "replicas of the FSDP x TP model (HSDP: shard inside, all-reduce across)")
         ->capture_default_str()
         ->check(CLI::PositiveNumber);
-    app.add_flag("--reshard-after-forward,!--no-reshard-after-forward", reshard_after_forward,
-                 "free each layer's gathered weights after its forward and gather them again for backward")
-        ->capture_default_str();
+    add_fsdp_flags(app, /*with_cpu_offload=*/false);  // --reshard-after-forward, --prefetch-layers
   }
 };
 
@@ -42,7 +39,7 @@ int train(const Chapter7Args& args) {
   // The model on the meta device, then the parallel model the mesh type describes.
   const auto config = mt::llama::resolve_model(args.model_name);
   auto options = mt::parallelize_options(args, device);  // -m's weights, --activation-checkpointing, ...
-  options.fsdp = {.reshard_after_forward = args.reshard_after_forward};
+  options.fsdp = mt::fsdp_options(args, dtype);
   auto model = mt::parallelize(
       mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)), mesh, options);
   log.info(model.summary());

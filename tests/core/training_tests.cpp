@@ -192,6 +192,30 @@ TEST_CASE("fused AdamW matches LibTorch's reference AdamW", "[optim]") {
   CHECK(torch::allclose(w1, w2, 1e-6, 1e-6));
 }
 
+TEST_CASE("AdamW zero_grad without set_to_none keeps each gradient's memory and steps as set_to_none does", "[optim]") {
+  torch::manual_seed(0);
+  auto kept = torch::randn({4, 3}, torch::requires_grad());
+  auto freed = kept.detach().clone().requires_grad_(true);
+  mt::train::AdamW keeps({{"w", kept}}, {.lr = 1e-2});
+  mt::train::AdamW frees({{"w", freed}}, {.lr = 1e-2});
+  const void* first_buffer = nullptr;
+  for (int step = 0; step < 3; ++step) {
+    const auto target = torch::randn({4, 3});
+    (kept - target).pow(2).sum().backward();
+    (freed - target).pow(2).sum().backward();
+    if (step == 0) first_buffer = kept.grad().data_ptr();
+    CHECK(kept.grad().data_ptr() == first_buffer);  // accumulated into the zeroed buffer
+    keeps.step();
+    frees.step();
+    keeps.zero_grad(/*set_to_none=*/false);
+    frees.zero_grad();
+    REQUIRE(kept.grad().defined());
+    CHECK(kept.grad().abs().max().item<double>() == 0.0);
+    CHECK_FALSE(freed.grad().defined());
+  }
+  CHECK(torch::equal(kept, freed));
+}
+
 TEST_CASE("the cosine schedule follows CosineAnnealingLR(T_max=1000, eta_min=lr/100)", "[optim]") {
   const mt::train::CosineSchedule schedule(1e-3);
   CHECK(schedule.lr_at(0) == Approx(1e-3));

@@ -47,9 +47,18 @@ class AdamW {
   void set_lr(double lr) { options_.lr = lr; }
   const std::vector<std::pair<std::string, torch::Tensor>>& parameters() const { return params_; }
 
-  // Frees the gradients (set_to_none=True), so the next backward allocates them afresh.
-  void zero_grad() {
-    for (auto& [name, p] : params_) p.mutable_grad() = torch::Tensor();
+  // Frees the gradients (set_to_none), so the next backward allocates them afresh; or zeroes
+  // them in place, keeping their memory: with CPU offload they are host buffers worth keeping
+  // (the guide's zero_grad(set_to_none=False)). Either way the next backward's gradients are
+  // what .grad holds after it.
+  void zero_grad(bool set_to_none = true) {
+    torch::NoGradGuard no_grad;
+    for (auto& [name, p] : params_) {
+      if (set_to_none)
+        p.mutable_grad() = torch::Tensor();
+      else if (p.grad().defined())
+        p.mutable_grad().zero_();
+    }
   }
 
   void step() {

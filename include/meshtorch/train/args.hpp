@@ -37,6 +37,9 @@ inline std::string TrainArgs::fingerprint() const { return app_ ? flags_fingerpr
 
 inline void TrainArgs::add_to(CLI::App& app) {
   app_ = &app;
+  // A flag given twice takes its last value, as Python's argparse does: a launch script's
+  // defaults come first and the caller's additions override them.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("-e,--experiment-name", experiment_name,
                  "name of the run; checkpoints and metrics.jsonl go to <save-dir>/<name>, and a run with the "
                  "same name resumes");
@@ -137,6 +140,20 @@ inline void TrainArgs::add_to(CLI::App& app) {
   app.add_option("--threads", threads, "intra-op threads (0: LibTorch's default)")
       ->capture_default_str()
       ->group(per_rank_flags);
+}
+
+inline void FsdpArgs::add_fsdp_flags(CLI::App& app, bool with_cpu_offload) {
+  app.add_flag("--reshard-after-forward,!--no-reshard-after-forward", reshard_after_forward,
+               "free each layer's gathered weights after its forward and gather them again for backward")
+      ->capture_default_str();
+  if (with_cpu_offload)
+    app.add_flag("--cpu-offload", cpu_offload, "keep shards, gradients and optimizer state in CPU memory")
+        ->capture_default_str();
+  app.add_option("--prefetch-layers", prefetch_layers,
+                 "layers whose all-gather is issued while the one before computes, in forward and backward (0: "
+                 "each gathers when it runs); each costs one layer's gathered weights of memory")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
 }
 
 }  // namespace meshtorch::train

@@ -53,4 +53,15 @@ struct TrainArgs {
   const CLI::App* app_ = nullptr;
 };
 
+// The flags of the chapters that shard with FSDP (4, 5, 7): fully_shard's options. A chapter's
+// args derive from TrainArgs and this, and call add_fsdp_flags after TrainArgs::add_to.
+struct FsdpArgs {
+  bool reshard_after_forward = true;
+  bool cpu_offload = false;
+  std::int64_t prefetch_layers = 1;
+
+  // Defined in train/args.hpp. Without --cpu-offload where the chapter's mesh cannot offload.
+  inline void add_fsdp_flags(CLI::App& app, bool with_cpu_offload = true);
+};
+
 }  // namespace meshtorch::train
