@@ -1,0 +1,13 @@
+# Chapter 5: the recipe against chapter 1 and against itself with checkpointing, prefetch and
+# offload off; pretrained weights read by rank 0 or every rank; launch.sh over a hosts file.
+foreach(check recipe-parity pretrained launch)
+  add_test(NAME "examples: 05-training-llama-405b ${check}"
+           COMMAND Python3::Interpreter ${CMAKE_CURRENT_SOURCE_DIR}/chapter05_checks.py
+                   $<TARGET_FILE:meshrun> $<TARGET_FILE:01-single-gpu> $<TARGET_FILE:05-training-llama-405b>
+                   $<TARGET_FILE:meshtorch-consolidate> ${check})
+  set_tests_properties("examples: 05-training-llama-405b ${check}" PROPERTIES LABELS "examples;multiprocess"
+                       TIMEOUT 300 SKIP_RETURN_CODE 77)
+endforeach()
+add_test(NAME "examples: 05-training-llama-405b bash -n launch.sh"
+         COMMAND bash -n ${PROJECT_SOURCE_DIR}/examples/05-training-llama-405b/launch.sh)
+set_tests_properties("examples: 05-training-llama-405b bash -n launch.sh" PROPERTIES LABELS examples)

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""End-to-end checks of examples/05-training-llama-405b on CPU with Gloo, fp32, one thread per
+rank: the recipe (every layer checkpointed, CPU offload, prefetch, reduce-scatters in flight, a
+chunked loss) against chapter 1 on the same global batch and against itself with all of that
+off; pretrained weights read by rank 0 or by every rank; and launch.sh over a hosts file (ssh
+faked as in chapter 3's checks: each "host" is this machine).
+
+usage: chapter05_checks.py MESHRUN CHAPTER1 CHAPTER5 CONSOLIDATE {recipe-parity|pretrained|launch}
+"""
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from chapter02_checks import (CLIP, COMMON, common_except, compare_grad_norms, compare_losses, compare_params, metrics,
+                              model_file, run)
+from chapter03_checks import FAKES
+from ports import free_port
+
+HERE = pathlib.Path(__file__).resolve().parent
+LAUNCH = HERE.parent.parent / "examples" / "05-training-llama-405b" / "launch.sh"
+LOSS_RTOL = 1e-5
+PARAM_TOL = 1e-4
+
+
+def single(tools, *args):
+    return run([tools["chapter1"], *common_except(args), *args])
+
+
+def recipe(tools, nproc, *args):
+    return run([tools["meshrun"], "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "--",
+                tools["chapter5"], *common_except(args), *args])
+
+
+def recipe_parity(tools):
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["--save-dir", tmp, "--max-steps", "20", "--ckpt-freq", "20", *CLIP]
+        single(tools, "-b", "4", "-e", "one", "--loss-chunk", "7", *flags)
+        out = recipe(tools, 2, "-b", "2", "-e", "recipe", "--cpu-offload", "--loss-chunk", "7", *flags)
+        assert "checkpointed layers: full; prefetch 1 layer(s); shards in CPU memory" in out.stdout, out.stdout
+        compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/recipe"), LOSS_RTOL)
+        compare_grad_norms(metrics(f"{tmp}/one"), metrics(f"{tmp}/recipe"), 1e-4)
+        compare_params(model_file(f"{tmp}/one"), model_file(f"{tmp}/recipe"), PARAM_TOL)
+        # Recomputation, prefetching, offload and the reduce-scatters left in flight change no
+        # number: with all of them off the run is the same, bit for bit.
+        recipe(tools, 2, "-b", "2", "-e", "plain", "--activation-checkpointing", "none", "--prefetch-layers", "0",
+               "--loss-chunk", "7", *flags)
+        a, b = metrics(f"{tmp}/recipe"), metrics(f"{tmp}/plain")
+        assert [r["running_loss"] for r in a] == [r["running_loss"] for r in b], (a, b)
+        compare_params(model_file(f"{tmp}/recipe"), model_file(f"{tmp}/plain"), 0.0)
+
+
+def pretrained(tools):
+    """An HF folder's weights, read by rank 0 and broadcast (the recipe's default) or by every
+    rank for its own rows, train as chapter 1 trains them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe(tools, 2, "-b", "2", "--save-dir", tmp, "-e", "source", "--max-steps", "5", "--ckpt-freq", "5")
+        folder = pathlib.Path(tmp) / "folder"
+        run([tools["consolidate"], str(pathlib.Path(tmp) / "source" / "checkpoint"), str(folder)])
+        flags = ["-m", str(folder), "--save-dir", tmp, "--max-steps", "10", "--ckpt-freq", "10"]
+        single(tools, "-b", "4", "-e", "one", *flags)
+        for read_by in ("rank0", "every-rank"):
+            recipe(tools, 2, "-b", "2", "-e", read_by, "--weights-read-by", read_by, *flags)
+            compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/{read_by}"), LOSS_RTOL)
+            compare_params(model_file(f"{tmp}/one"), model_file(f"{tmp}/{read_by}"), PARAM_TOL)
+
+
+def launch(tools):
+    """launch.sh on two "hosts" (one rank each): both start from the hosts file, the recipe's
+    flags reach the binary, and the caller's flags override its defaults."""
+    if shutil.which("tmux") is None:
+        print("tmux is not installed: skipped")
+        sys.exit(77)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = pathlib.Path(tmp)
+        bindir, fakes = root / "bin", root / "fakes"
+        bindir.mkdir()
+        fakes.mkdir()
+        for name, path in [("meshrun", tools["meshrun"]), ("05-training-llama-405b", tools["chapter5"])]:
+            (bindir / name).symlink_to(pathlib.Path(path).resolve())
+        (fakes / "ssh").write_text(FAKES["ssh"])
+        (fakes / "ssh").chmod(0o755)
+        (root / "hosts").write_text("127.0.0.1\nlocalhost\n")
+        env = dict(os.environ, MESHTORCH_BIN=str(bindir), FAKE_ROOT=str(root), WORKDIR=str(root),
+                   PATH=f"{fakes}:{os.environ['PATH']}", MODEL="llama-tiny", DATA="builtin", NPROC_PER_NODE="1",
+                   THREADS_PER_RANK="1", EXPERIMENT="recipe", SESSION="recipe-test", MASTER_PORT=str(free_port()))
+        dry = subprocess.run([LAUNCH, root / "hosts"], env=dict(env, DRY_RUN="1"), capture_output=True, text=True)
+        assert dry.returncode == 0, dry.stderr
+        commands = [line.replace("\\ ", " ") for line in dry.stdout.splitlines()]  # the remote command is quoted
+        assert len(commands) == 2 and "--node-rank 1" in commands[1], commands
+        for expected in ("NCCL_CROSS_NIC=1", "OMP_NUM_THREADS=1", "05-training-llama-405b", "--cpu-offload",
+                         "-s 4096"):
+            assert expected in commands[0], (expected, commands[0])
+        proc = subprocess.run([LAUNCH, root / "hosts", "-s", "64", "-b", "2", "--dtype", "float32", "--max-steps",
+                               "6", "--log-freq", "3", "--save-dir", str(root / "runs")],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        deadline = time.time() + 240
+        for host in ["127.0.0.1", "localhost"]:
+            tmux_env = dict(env, TMUX_TMPDIR=str(root / f"tmux-{host}"))
+            while subprocess.run(["tmux", "has-session", "-t", "recipe-test"], env=tmux_env,
+                                 capture_output=True).returncode == 0:
+                assert time.time() < deadline, "the tmux sessions did not end"
+                time.sleep(0.5)
+        logs = sorted((root / "logs").glob("*/*/stdout.log"))
+        assert len(logs) == 2, logs
+        text = logs[0].read_text()
+        assert "checkpointed layers: full" in text and "shards in CPU memory" in text, text
+        records = [json.loads(line) for line in (root / "runs" / "recipe" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["global_step"] for r in records] == [3, 6], records
+        print("losses:", [round(r["running_loss"], 6) for r in records])
+
+
+if __name__ == "__main__":
+    tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter5": sys.argv[3], "consolidate": sys.argv[4]}
+    {"recipe-parity": recipe_parity, "pretrained": pretrained, "launch": launch}[sys.argv[5]](tools)
+    print("ok")
