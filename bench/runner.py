@@ -94,7 +94,8 @@ def parse_args():
     p.add_argument("--par-reps", type=int, default=None, help="repetitions of the fsdp, tp and 2d sections (default 3)")
     p.add_argument("--fsdp-variants", default="reshard",
                    help="fsdp section variants, comma-separated: reshard (reshard_after_forward on, the guide's "
-                        "setting), keep (--no-reshard-after-forward), offload (--cpu-offload)")
+                        "setting; each side prefetches as it does by default), keep (--no-reshard-after-forward), "
+                        "offload (--cpu-offload), noprefetch (--prefetch-layers 0 on both sides)")
     p.add_argument("--tp-size", type=int, default=2, help="--tp of the tp and 2d sections (2d: mesh (2/tp, tp))")
     p.add_argument("--fsdp-bin", default=str(ROOT / "build" / "bin" / "04-fully-sharded-data-parallel"),
                    help="our chapter-4 binary")
@@ -565,7 +566,8 @@ PAR_SECTIONS = {
 }
 PAR_RANKS = 2
 FSDP_VARIANTS = {"reshard": ["--reshard-after-forward"], "keep": ["--no-reshard-after-forward"],
-                 "offload": ["--cpu-offload", "--reshard-after-forward"]}
+                 "offload": ["--cpu-offload", "--reshard-after-forward"],
+                 "noprefetch": ["--reshard-after-forward", "--prefetch-layers", "0"]}
 
 
 def par_variants(kind, args):

@@ -110,6 +110,13 @@ def main():
     for decoder in model.model.layers:
         fully_shard(decoder, **fsdp_config)
     fully_shard(model, **fsdp_config)
+    if args.prefetch_layers is not None:
+        # Explicit prefetching, K layers ahead in forward and behind in backward (0: none);
+        # without the flag, fully_shard's own default.
+        layers = list(model.model.layers)
+        for i, layer in enumerate(layers):
+            layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + args.prefetch_layers])
+            layer.set_modules_to_backward_prefetch(layers[max(0, i - args.prefetch_layers):i][::-1])
 
     model.to_empty(device="cpu" if args.cpu_offload else device)
     model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
@@ -245,6 +252,9 @@ def _get_parser():
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                         help="free the gathered parameters after each unit's forward (the guide: on)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
+    parser.add_argument("--prefetch-layers", type=int, default=None,
+                        help="layers prefetched ahead in forward and backward (set_modules_to_*_prefetch); "
+                             "default: fully_shard's own")
     return parser
 
 
