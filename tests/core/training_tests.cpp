@@ -12,6 +12,8 @@
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/grad_clipping.hpp>
+#include <meshtorch/parallel/memory_plan.hpp>
+#include <meshtorch/train/cpu_allocation_counter.hpp>
 
 #include "test_support.hpp"
 
@@ -214,6 +216,44 @@ TEST_CASE("AdamW zero_grad without set_to_none keeps each gradient's memory and 
     CHECK_FALSE(freed.grad().defined());
   }
   CHECK(torch::equal(kept, freed));
+}
+
+TEST_CASE("the memory estimate's activations and loss are what autograd holds, with and without checkpointing and "
+          "a chunked loss",
+          "[memory]") {
+  auto& counter = mt::train::CpuAllocationCounter::install();
+  auto config = mt::llama::presets::llama_tiny;
+  config.vocab_size = 1024;
+  const std::int64_t batch = 4, seq = 128;
+  for (const std::int64_t every : {0, 1, 2}) {
+    for (const std::int64_t chunk : {0, 100}) {
+      INFO("checkpoint every " << every << " layers, loss chunk " << chunk);
+      torch::manual_seed(0);
+      mt::llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta).dtype(torch::kFloat));
+      mt::llama::materialize(model, torch::TensorOptions().dtype(torch::kFloat));
+      mt::llama::init_weights(model);
+      mt::checkpoint_activations(model, {.every = every});
+      model->loss_chunk = chunk;
+      const auto ids = torch::randint(0, config.vocab_size, {batch, seq}, torch::kLong);
+      const auto estimate = mt::estimate_memory(
+          config, {.data_parallel = mt::DataParallelKind::ddp},
+          {.batch = batch, .seq = seq, .compute_bytes = 4, .checkpoint_every = every, .loss_chunk = chunk});
+
+      const double before = static_cast<double>(counter.current());
+      auto loss = model->loss(ids, ids);
+      const double held = static_cast<double>(counter.current()) - before;
+      const double expected = estimate.activations + estimate.loss;
+      INFO("held after forward " << held << " bytes, estimated " << expected);
+      CHECK(std::abs(held - expected) <= 0.1 * expected);
+
+      counter.reset_peak();
+      loss.backward();
+      const double peak = static_cast<double>(counter.peak()) - before;
+      const double expected_peak = estimate.step_peak();
+      INFO("peak in backward " << peak << " bytes, estimated " << expected_peak);
+      CHECK(std::abs(peak - expected_peak) <= 0.1 * expected_peak);
+    }
+  }
 }
 
 TEST_CASE("the cosine schedule follows CosineAnnealingLR(T_max=1000, eta_min=lr/100)", "[optim]") {

@@ -14,6 +14,17 @@ using Plan8b = llama::Plan<mt::Mesh<mt::FSDP<mt::dynamic>, mt::TP<8>>, llama::pr
 using Plan405b = llama::Plan<mt::Mesh<mt::FSDP<8>, mt::TP<8>>, llama::presets::llama_3_1_405b>;
 static_assert(Plan8b::has_tp && Plan405b::tp_extent == 8);
 
+// One rank's device memory for a preset, checked when it compiles: the guide's 405B recipe (seq
+// 4096, batch 1, bf16 compute over fp32 shards in host memory, every layer checkpointed) fits an
+// 80 GiB GPU on 64 ranks of FSDP; without checkpointing the activations alone do not.
+constexpr mt::RunShape recipe{.batch = 1, .seq = 4096, .compute_bytes = 2, .checkpoint_every = 1, .cpu_offload = true};
+using Recipe405b = llama::Plan<mt::Mesh<mt::FSDP<64>>, llama::presets::llama_3_1_405b>;
+static_assert(Recipe405b::peak_bytes(recipe) <= 80 * mt::GiB);
+static_assert(Recipe405b::memory(recipe).trained_state() == 0 && Recipe405b::memory(recipe).host > 100e9);
+static_assert(Recipe405b::memory({.batch = 1, .seq = 4096, .cpu_offload = true}).activations > 80 * mt::GiB);
+// 2D: the TP extent divides what a rank holds and computes.
+static_assert(Plan405b::memory(recipe).gathered < Recipe405b::memory(recipe).gathered / 4);
+
 // Without a TP axis nothing is sharded inside layers.
 using DpPlan = llama::Plan<mt::Mesh<mt::DP<mt::dynamic>>>;
 static_assert(!DpPlan::has_tp && DpPlan::tp_extent == 1 && !DpPlan::sequence_parallel);

@@ -1,22 +1,29 @@
 // meshtorch-plan: what a Llama model costs each rank of a mesh, before launching anything.
 //
 //   meshtorch-plan -m llama-3.1-70b --world 64 --tp 8 --data-parallel fsdp --dtype bfloat16
+//   meshtorch-plan -m llama-3.1-405b --world 64 --dtype float32 --compute-dtype bfloat16 \
+//       --seq-length 4096 --activation-checkpointing full --cpu-offload --json
 //
 // Prints the tensor-parallel plan (chapter 6's), whether the model splits over the TP size
 // (the same check the examples run at start-up), and per rank: parameters, and bytes of weights,
-// gradients and AdamW state under DDP, ZeRO-1 or FSDP over the data-parallel ranks, plus, for
-// FSDP, the largest unit that is gathered whole (a decoder layer's TP piece, or the root). No
-// LibTorch: it is arithmetic on the config.
+// gradients and AdamW state under DDP, ZeRO-1/2 or FSDP over the data-parallel ranks, the
+// largest unit that is gathered whole, and the device memory at the step's peak
+// (parallel/memory_plan.hpp: the trained state, gathered units, reductions in flight,
+// activations, the loss). --json prints the same figures as one JSON object. No LibTorch: it is
+// arithmetic on the config.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/models/llama/config_json.hpp>
+#include <meshtorch/parallel/checkpoint_selection.hpp>
 #include <meshtorch/parallel/llama_plan.hpp>
+#include <meshtorch/parallel/memory_plan.hpp>
 
 namespace mt = meshtorch;
 namespace llama = meshtorch::llama;
@@ -66,7 +73,9 @@ int main(int argc, char** argv) {
   CLI::App app{"meshtorch-plan: a Llama model's parameters and memory per rank of a mesh"};
   std::string model = "llama-tiny";
   int world = 1, tp = 1;
-  std::string data_parallel = "fsdp", dtype = "bfloat16";
+  std::string data_parallel = "fsdp", dtype = "bfloat16", compute_dtype, checkpointing = "none";
+  mt::RunShape run;
+  bool json = false;
   app.add_option("-m,--model-name", model, "a preset (llama-tiny, llama-3.1-8b, ...) or a folder with config.json")
       ->capture_default_str();
   app.add_option("--world", world, "ranks in the job")->capture_default_str()->check(CLI::PositiveNumber);
@@ -79,6 +88,23 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "parameter dtype: float32 or bfloat16")
       ->capture_default_str()
       ->check(CLI::IsMember({"float32", "bfloat16"}));
+  app.add_option("--compute-dtype", compute_dtype, "forward and backward dtype (default: --dtype)")
+      ->check(CLI::IsMember({"float32", "bfloat16"}));
+  app.add_option("-s,--seq-length", run.seq, "positions per sequence")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("-b,--batch-size", run.batch, "sequences per data-parallel rank and micro-batch")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--activation-checkpointing", checkpointing, "none, full or k (every k-th decoder layer)")
+      ->capture_default_str();
+  app.add_flag("--cpu-offload", run.cpu_offload, "FSDP: weights, gradients and AdamW state in host memory");
+  app.add_option("--prefetch-layers", run.prefetch_layers, "FSDP: layers gathered ahead of their turn")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("!--no-reshard-after-forward", run.reshard_after_forward,
+               "FSDP: keep every layer gathered from its forward to its backward");
+  app.add_option("--loss-chunk", run.loss_chunk, "positions per loss chunk: -1 automatic, 0 all at once")
+      ->capture_default_str();
+  app.add_flag("--json", json, "print the figures as one JSON object (bytes)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -90,6 +116,40 @@ int main(int argc, char** argv) {
       throw mt::ConfigError(model + ": " + std::string(*problem) + " (" + std::to_string(tp) + ")");
     const std::int64_t dp = world / tp;
     const double bytes = dtype == "bfloat16" ? 2 : 4;
+    const auto kind = data_parallel == "ddp"    ? mt::DataParallelKind::ddp
+                      : data_parallel == "zero" ? mt::DataParallelKind::zero1
+                      : data_parallel == "zero2" ? mt::DataParallelKind::zero2
+                                                 : mt::DataParallelKind::fsdp;
+    if (run.cpu_offload && kind != mt::DataParallelKind::fsdp)
+      throw mt::ConfigError("--cpu-offload needs --data-parallel fsdp (FSDP's offload of its shards)");
+    run.state_bytes = static_cast<std::int64_t>(bytes);
+    run.compute_bytes = (compute_dtype.empty() ? dtype : compute_dtype) == "bfloat16" ? 2 : 4;
+    run.checkpoint_every = mt::parse_activation_checkpointing(checkpointing).every;
+    const auto estimate = mt::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, run);
+    const auto sizes = tp_rank_sizes(config, tp);
+    const double root = static_cast<double>(sizes.embedding + sizes.head + sizes.final_norm);
+    const double largest = std::max(static_cast<double>(sizes.layer), root);
+    const double held = (estimate.weights + (run.cpu_offload ? estimate.host / 4 : 0)) / bytes;
+
+    if (json) {
+      nlohmann::json out = {{"model", model},
+                            {"world", world},
+                            {"tp", tp},
+                            {"data_parallel", data_parallel},
+                            {"parameters_held", held},
+                            {"weights_bytes", estimate.weights},
+                            {"gradients_bytes", estimate.gradients},
+                            {"optimizer_bytes", estimate.optimizer},
+                            {"host_bytes", estimate.host},
+                            {"gathered_bytes", estimate.gathered},
+                            {"reductions_bytes", estimate.reductions},
+                            {"activations_bytes", estimate.activations},
+                            {"loss_bytes", estimate.loss},
+                            {"backward_peak_bytes", estimate.backward_peak},
+                            {"peak_bytes", estimate.peak()}};
+      std::printf("%s\n", out.dump(2).c_str());
+      return 0;
+    }
 
     std::printf("model %s: %s parameters (hidden %lld, %lld layers, %lld heads / %lld key-value heads, vocab %lld%s)\n",
                 model.c_str(), human(static_cast<double>(config.num_parameters()), "").c_str(),
@@ -101,35 +161,34 @@ int main(int argc, char** argv) {
     if (tp > 1)
       std::printf("plan: %s\n", llama::Plan<mt::Mesh<mt::TP<2>>>::describe_styles().c_str());
 
-    const auto sizes = tp_rank_sizes(config, tp);
-    const double tp_params = static_cast<double>(sizes.total(config.num_hidden_layers));
-    // Weights and gradients in the parameter dtype; AdamW's two moments in it too, as torch's
-    // AdamW keeps them.
-    double weights = tp_params, grads = tp_params, moments = 2 * tp_params;
-    if (data_parallel == "zero") moments /= static_cast<double>(dp);
-    if (data_parallel == "zero2") {
-      grads /= static_cast<double>(dp);
-      moments /= static_cast<double>(dp);
-    }
-    if (data_parallel == "fsdp") {
-      weights /= static_cast<double>(dp);
-      grads /= static_cast<double>(dp);
-      moments /= static_cast<double>(dp);
-    }
-    std::printf("\nper rank (%s):\n", dtype.c_str());
-    std::printf("  %-22s %14s\n", "parameters held", human(weights, "").c_str());
-    std::printf("  %-22s %14s\n", "weights", gigabytes(weights * bytes).c_str());
-    std::printf("  %-22s %14s\n", "gradients", gigabytes(grads * bytes).c_str());
-    std::printf("  %-22s %14s\n", "AdamW state", gigabytes(moments * bytes).c_str());
-    std::printf("  %-22s %14s\n", "total", gigabytes((weights + grads + moments) * bytes).c_str());
-    if (data_parallel == "fsdp" && dp > 1) {
-      const double root = static_cast<double>(sizes.embedding + sizes.head + sizes.final_norm);
-      const double largest = std::max(static_cast<double>(sizes.layer), root);
+    // The trained state, wherever it lives (the host with --cpu-offload).
+    const double weights = run.cpu_offload ? estimate.host / 4 : estimate.weights;
+    const double grads = run.cpu_offload ? estimate.host / 4 : estimate.gradients;
+    const double moments = run.cpu_offload ? estimate.host / 2 : estimate.optimizer;
+    std::printf("\nper rank (%s%s):\n", dtype.c_str(), run.cpu_offload ? ", in host memory" : "");
+    std::printf("  %-22s %14s\n", "parameters held", human(held, "").c_str());
+    std::printf("  %-22s %14s\n", "weights", gigabytes(weights).c_str());
+    std::printf("  %-22s %14s\n", "gradients", gigabytes(grads).c_str());
+    std::printf("  %-22s %14s\n", "AdamW state", gigabytes(moments).c_str());
+    std::printf("  %-22s %14s\n", "total", gigabytes(weights + grads + moments).c_str());
+    if (data_parallel == "fsdp" && dp > 1)
       std::printf("  %-22s %14s  (%s, whole over FSDP: its weights and their gradients)\n", "largest gathered unit",
                   gigabytes(2 * largest * bytes).c_str(), largest == root ? "the root" : "one decoder layer");
+
+    std::printf("\ndevice memory per rank at the step's peak (batch %lld x sequence %lld, compute %s, checkpointing %s):\n",
+                static_cast<long long>(run.batch), static_cast<long long>(run.seq),
+                run.compute_bytes == 2 ? "bfloat16" : "float32", checkpointing.c_str());
+    std::printf("  %-28s %14s\n", "weights, gradients, AdamW", gigabytes(estimate.trained_state()).c_str());
+    if (kind == mt::DataParallelKind::fsdp) {
+      std::printf("  %-28s %14s\n", "gathered units", gigabytes(estimate.gathered).c_str());
+      std::printf("  %-28s %14s\n", "gradients being reduced", gigabytes(estimate.reductions).c_str());
     }
-    std::printf("\nActivations come on top: they grow with batch x sequence and fall with activation checkpointing and,\n"
-                "between layers, with TP's sequence parallel.\n");
+    std::printf("  %-28s %14s\n", "activations", gigabytes(estimate.activations).c_str());
+    std::printf("  %-28s %14s\n", "loss", gigabytes(estimate.loss).c_str());
+    std::printf("  %-28s %14s\n", "backward's extra at once", gigabytes(estimate.backward_peak).c_str());
+    std::printf("  %-28s %14s\n", "peak", gigabytes(estimate.peak()).c_str());
+    std::printf("\nNot counted: the allocator's rounding and caching (reserved beyond allocated), communication\n"
+                "staging, LibTorch's workspace.\n");
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "meshtorch-plan: %s\n", e.what());

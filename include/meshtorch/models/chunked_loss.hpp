@@ -15,6 +15,8 @@
 
 #include <torch/torch.h>
 
+#include <meshtorch/models/loss_chunk.hpp>
+
 namespace meshtorch {
 
 // logits -> what the loss sees (the output projection's post-hooks: tensor parallel's
@@ -69,19 +71,6 @@ inline torch::Tensor chunked_linear_loss(const torch::Tensor& rows, const torch:
                                          const torch::Tensor& targets, std::int64_t chunk, const LogitsHook& after,
                                          const TokenLossSum& loss) {
   return chunked_loss_detail::ChunkedLinearLoss::apply(rows, weight, targets, chunk, after, loss);
-}
-
-// The positions per chunk for `rows` positions of `vocab` logits (this rank's slice): `requested`
-// when positive; 0 means all at once; -1 (automatic) chunks once the batch's fp32 logits would
-// pass 256 MiB, in chunks of 64 MiB of them.
-inline std::int64_t loss_chunk_positions(std::int64_t requested, std::int64_t rows, std::int64_t vocab) {
-  const std::int64_t all = std::max<std::int64_t>(rows, 1);
-  if (requested > 0) return std::min(requested, all);
-  if (requested == 0) return all;
-  constexpr double limit = 256.0 * 1024 * 1024, piece = 64.0 * 1024 * 1024;
-  const double bytes_per_position = static_cast<double>(vocab) * 4;
-  if (static_cast<double>(rows) * bytes_per_position <= limit) return all;
-  return std::max<std::int64_t>(1, static_cast<std::int64_t>(piece / bytes_per_position));
 }
 
 }  // namespace meshtorch

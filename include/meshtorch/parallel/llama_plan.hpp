@@ -21,6 +21,7 @@
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/axis.hpp>
 #include <meshtorch/layout/mesh.hpp>
+#include <meshtorch/parallel/memory_plan.hpp>
 #include <meshtorch/layout/parallel_style.hpp>
 #include <meshtorch/models/llama/config.hpp>
 
@@ -349,6 +350,28 @@ struct Plan {
     if (sequence_parallel && tp_size > 1 && seq_length % tp_size != 0)
       throw ConfigError("--seq-length " + std::to_string(seq_length) + " is not divisible by the TP size " +
                         std::to_string(tp_size) + ": sequence parallel splits every sequence over the TP ranks");
+  }
+
+  // One rank's device memory for a run of the preset on this mesh (parallel/memory_plan.hpp):
+  // FSDP over the FSDP axis (HSDP replicates it over DP), else DDP over DP; extents static.
+  //   constexpr double peak = Plan<Mesh<FSDP<64>>, presets::llama_3_1_405b>::peak_bytes(run);
+  //   static_assert(peak <= 80 * GiB, "does not fit an 80 GiB GPU");
+  // A failed check's note shows both numbers ("the comparison reduces to '(4.6e+11 <= 8.6e+10)'").
+  static constexpr MemoryEstimate memory(RunShape run)
+    requires(has_preset && M::is_static)
+  {
+    LayoutSizes layout;
+    if constexpr (M::template has<FSDP>)
+      layout = {DataParallelKind::fsdp, static_cast<std::int64_t>(M::template static_extent<FSDP>)};
+    else if constexpr (M::template has<DP>)
+      layout = {DataParallelKind::ddp, static_cast<std::int64_t>(M::template static_extent<DP>)};
+    layout.tp = static_cast<std::int64_t>(tp_extent);
+    return estimate_memory(Preset, layout, run);
+  }
+  static constexpr double peak_bytes(RunShape run)
+    requires(has_preset && M::is_static)
+  {
+    return memory(run).peak();
   }
 
   // The mesh and every module's style on one line, for logs and for the fingerprint ranks

@@ -3,6 +3,7 @@
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/llama_plan.hpp>
+#include <meshtorch/parallel/memory_plan.hpp>
 #include <meshtorch/parallel/parallelize.hpp>
 #include <meshtorch/parallel/process_group.hpp>
 #include <meshtorch/parallel/rank.hpp>
