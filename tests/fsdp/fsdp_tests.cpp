@@ -125,9 +125,9 @@ TEST_CASE("fsdp accumulates gradients over micro-batches as one full model does"
   check_parity({.reshard_after_forward = true}, 2, /*tied=*/false, 1e-5, 1e-4);
 }
 
-TEST_CASE("fsdp prefetching two units and one reduce-scatter in flight equals one full model, over micro-batches",
+TEST_CASE("fsdp prefetching two units and two reduce-scatters in flight equals one full model, over micro-batches",
           "[.][prefetch]") {
-  check_parity({.reshard_after_forward = true, .prefetch_layers = 2, .reduce_scatters_in_flight = 1}, 2,
+  check_parity({.reshard_after_forward = true, .prefetch_layers = 2, .reduce_scatters_in_flight = 2}, 2,
                /*tied=*/true, 1e-5, 1e-4);
 }
 

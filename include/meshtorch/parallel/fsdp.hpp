@@ -95,10 +95,11 @@ struct FsdpOptions {
   // prefetches one). Each costs one unit's gathered weights more memory. 0: a unit gathers
   // when it runs.
   std::int64_t prefetch_layers = 1;
-  // Reduce-scatters left running while backward goes on (each holds one unit's gradients);
-  // 0: each waited for at once, its result handed to autograd (what a DDP Reducer over the
-  // shards, HSDP, needs). Whatever the number, backward returns with every gradient in .grad.
-  std::int64_t reduce_scatters_in_flight = 2;
+  // Reduce-scatters left running while backward goes on (each holds one unit's gradients in
+  // the reduce dtype; issuing one more waits for the oldest, as FSDP2 waits for the previous
+  // one); 0: each waited for at once, its result handed to autograd (what a DDP Reducer over
+  // the shards, HSDP, needs). Whatever the number, backward returns with every gradient in .grad.
+  std::int64_t reduce_scatters_in_flight = 1;
 };
 
 class FullyShardedDataParallel;
