@@ -104,6 +104,18 @@ def one_node(meshrun, chapter2):
         check_metrics(root / "runs" / "one")
 
 
+def wait_for_tmux_sessions(root, env, hosts, session, timeout=240):
+    """The runs live in detached tmux sessions (one tmux server per faked host): wait until
+    every host's has ended."""
+    deadline = time.time() + timeout
+    for host in hosts:
+        tmux_env = dict(env, TMUX_TMPDIR=str(root / f"tmux-{host}"))
+        while subprocess.run(["tmux", "has-session", "-t", session], env=tmux_env,
+                             capture_output=True).returncode == 0:
+            assert time.time() < deadline, "the tmux sessions did not end"
+            time.sleep(0.5)
+
+
 def ssh_tmux(meshrun, chapter2):
     with tempfile.TemporaryDirectory() as tmp:
         root, env = setup(tmp, meshrun, chapter2)
@@ -111,14 +123,7 @@ def ssh_tmux(meshrun, chapter2):
         env.update(MASTER_PORT=str(free_port()), WORKDIR=str(root), SESSION="ddp-test")
         run([SCRIPTS / "launch-ssh-tmux.sh", root / "hosts", "1", *TRAIN, "-e", "ssh", "--save-dir", root / "runs"],
             env, root)
-        # The runs live in detached tmux sessions: wait until both have ended.
-        deadline = time.time() + 240
-        for host in ["127.0.0.1", "localhost"]:
-            tmux_env = dict(env, TMUX_TMPDIR=str(root / f"tmux-{host}"))
-            while subprocess.run(["tmux", "has-session", "-t", "ddp-test"], env=tmux_env,
-                                 capture_output=True).returncode == 0:
-                assert time.time() < deadline, "the tmux sessions did not end"
-                time.sleep(0.5)
+        wait_for_tmux_sessions(root, env, ["127.0.0.1", "localhost"], "ddp-test")
         logs = sorted((root / "logs").glob("*/*/stdout.log"))
         assert len(logs) == 2, logs
         assert "rank 1 of 2" in logs[1].read_text(), logs[1].read_text()

@@ -1,6 +1,7 @@
-# Chapter 5: the recipe against chapter 1 and against itself with checkpointing, prefetch and
-# offload off; pretrained weights read by rank 0 or every rank; launch.sh over a hosts file.
-foreach(check recipe-parity pretrained launch)
+# Chapter 5: the recipe with everything on and off against chapter 1, and against itself without
+# checkpointing and prefetch; stop and resume; pretrained weights read by rank 0 or every rank;
+# launch.sh over a hosts file.
+foreach(check recipe-parity resume pretrained launch)
   add_test(NAME "examples: 05-training-llama-405b ${check}"
            COMMAND Python3::Interpreter ${CMAKE_CURRENT_SOURCE_DIR}/chapter05_checks.py
                    $<TARGET_FILE:meshrun> $<TARGET_FILE:01-single-gpu> $<TARGET_FILE:05-training-llama-405b>

@@ -5,7 +5,7 @@ chunked loss) against chapter 1 on the same global batch and against itself with
 off; pretrained weights read by rank 0 or by every rank; and launch.sh over a hosts file (ssh
 faked as in chapter 3's checks: each "host" is this machine).
 
-usage: chapter05_checks.py MESHRUN CHAPTER1 CHAPTER5 CONSOLIDATE {recipe-parity|pretrained|launch}
+usage: chapter05_checks.py MESHRUN CHAPTER1 CHAPTER5 CONSOLIDATE {recipe-parity|resume|pretrained|launch}
 """
 import json
 import os
@@ -14,11 +14,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
-from chapter02_checks import (CLIP, COMMON, common_except, compare_grad_norms, compare_losses, compare_params, metrics,
-                              model_file, run)
-from chapter03_checks import FAKES
+from chapter02_checks import (CLIP, check_stop_and_resume, common_except, compare_grad_norms, compare_losses,
+                              compare_params, metrics, model_file, run)
+from chapter03_checks import FAKES, wait_for_tmux_sessions
 from ports import free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -37,21 +36,35 @@ def recipe(tools, nproc, *args):
 
 
 def recipe_parity(tools):
+    """Chapter 1 with the plain loss against the recipe with everything on (every layer
+    checkpointed, CPU offload, prefetch, a reduce-scatter in flight, the loss in chunks of 7
+    positions) and with everything off, 30 steps with clipping and warmup; then the recipe
+    without checkpointing and prefetch, which must give the same numbers bit for bit."""
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ["--save-dir", tmp, "--max-steps", "20", "--ckpt-freq", "20", *CLIP]
-        single(tools, "-b", "4", "-e", "one", "--loss-chunk", "7", *flags)
+        flags = ["--save-dir", tmp, "--max-steps", "30", "--ckpt-freq", "30", *CLIP]
+        single(tools, "-b", "4", "-e", "one", "--loss-chunk", "0", *flags)
         out = recipe(tools, 2, "-b", "2", "-e", "recipe", "--cpu-offload", "--loss-chunk", "7", *flags)
         assert "checkpointed layers: full; prefetch 1 layer(s); shards in CPU memory" in out.stdout, out.stdout
-        compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/recipe"), LOSS_RTOL)
-        compare_grad_norms(metrics(f"{tmp}/one"), metrics(f"{tmp}/recipe"), 1e-4)
-        compare_params(model_file(f"{tmp}/one"), model_file(f"{tmp}/recipe"), PARAM_TOL)
-        # Recomputation, prefetching, offload and the reduce-scatters left in flight change no
-        # number: with all of them off the run is the same, bit for bit.
-        recipe(tools, 2, "-b", "2", "-e", "plain", "--activation-checkpointing", "none", "--prefetch-layers", "0",
-               "--loss-chunk", "7", *flags)
-        a, b = metrics(f"{tmp}/recipe"), metrics(f"{tmp}/plain")
+        recipe(tools, 2, "-b", "2", "-e", "off", "--activation-checkpointing", "none", "--prefetch-layers", "0",
+               "--loss-chunk", "0", *flags)
+        for run_name in ("recipe", "off"):
+            compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/{run_name}"), LOSS_RTOL)
+            compare_grad_norms(metrics(f"{tmp}/one"), metrics(f"{tmp}/{run_name}"), 1e-4)
+            compare_params(model_file(f"{tmp}/one"), model_file(f"{tmp}/{run_name}"), PARAM_TOL)
+        # Recomputation and prefetching change no number.
+        recipe(tools, 2, "-b", "2", "-e", "same", "--cpu-offload", "--loss-chunk", "7", "--activation-checkpointing",
+               "none", "--prefetch-layers", "0", *flags)
+        a, b = metrics(f"{tmp}/recipe"), metrics(f"{tmp}/same")
         assert [r["running_loss"] for r in a] == [r["running_loss"] for r in b], (a, b)
-        compare_params(model_file(f"{tmp}/recipe"), model_file(f"{tmp}/plain"), 0.0)
+        compare_params(model_file(f"{tmp}/recipe"), model_file(f"{tmp}/same"), 0.0)
+
+
+def resume(tools):
+    """The recipe stopped at step 20 and resumed to 30 logs the straight run's losses."""
+    with tempfile.TemporaryDirectory() as tmp:
+        check_stop_and_resume(lambda *args: recipe(tools, 2, *args), tmp,
+                              ["-b", "2", "--save-dir", tmp, "--ckpt-freq", "10", "--cpu-offload", "--loss-chunk", "7"])
+        compare_params(model_file(f"{tmp}/straight"), model_file(f"{tmp}/stopped"), 1e-6)
 
 
 def pretrained(tools):
@@ -99,13 +112,7 @@ def launch(tools):
                                "6", "--log-freq", "3", "--save-dir", str(root / "runs")],
                               env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
-        deadline = time.time() + 240
-        for host in ["127.0.0.1", "localhost"]:
-            tmux_env = dict(env, TMUX_TMPDIR=str(root / f"tmux-{host}"))
-            while subprocess.run(["tmux", "has-session", "-t", "recipe-test"], env=tmux_env,
-                                 capture_output=True).returncode == 0:
-                assert time.time() < deadline, "the tmux sessions did not end"
-                time.sleep(0.5)
+        wait_for_tmux_sessions(root, env, ["127.0.0.1", "localhost"], "recipe-test")
         logs = sorted((root / "logs").glob("*/*/stdout.log"))
         assert len(logs) == 2, logs
         text = logs[0].read_text()
@@ -117,5 +124,5 @@ def launch(tools):
 
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter5": sys.argv[3], "consolidate": sys.argv[4]}
-    {"recipe-parity": recipe_parity, "pretrained": pretrained, "launch": launch}[sys.argv[5]](tools)
+    {"recipe-parity": recipe_parity, "resume": resume, "pretrained": pretrained, "launch": launch}[sys.argv[5]](tools)
     print("ok")
