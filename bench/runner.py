@@ -95,7 +95,8 @@ def parse_args():
     p.add_argument("--fsdp-variants", default="reshard",
                    help="fsdp section variants, comma-separated: reshard (reshard_after_forward on, the guide's "
                         "setting; each side prefetches as it does by default), keep (--no-reshard-after-forward), "
-                        "offload (--cpu-offload), noprefetch (--prefetch-layers 0 on both sides)")
+                        "offload (--cpu-offload), noprefetch (--prefetch-layers 0 on both sides), ac (every decoder "
+                        "layer checkpointed on both sides: chapter 5's recipe)")
     p.add_argument("--tp-size", type=int, default=2, help="--tp of the tp and 2d sections (2d: mesh (2/tp, tp))")
     p.add_argument("--fsdp-bin", default=str(ROOT / "build" / "bin" / "04-fully-sharded-data-parallel"),
                    help="our chapter-4 binary")
@@ -567,7 +568,8 @@ PAR_SECTIONS = {
 PAR_RANKS = 2
 FSDP_VARIANTS = {"reshard": ["--reshard-after-forward"], "keep": ["--no-reshard-after-forward"],
                  "offload": ["--cpu-offload", "--reshard-after-forward"],
-                 "noprefetch": ["--reshard-after-forward", "--prefetch-layers", "0"]}
+                 "noprefetch": ["--reshard-after-forward", "--prefetch-layers", "0"],
+                 "ac": ["--reshard-after-forward", "--activation-checkpointing", "full"]}
 
 
 def par_variants(kind, args):

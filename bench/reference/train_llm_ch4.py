@@ -38,12 +38,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from metrics_summary import summarize
 from train_llm_ch1 import LocalTimer, _get_parser as _ch1_parser, _load_and_preprocess_data, peak_rss_gb, reset_peak_rss
@@ -117,6 +118,10 @@ def main():
         for i, layer in enumerate(layers):
             layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + args.prefetch_layers])
             layer.set_modules_to_backward_prefetch(layers[max(0, i - args.prefetch_layers):i][::-1])
+    if args.activation_checkpointing == "full":
+        # The guide's chapter 5: every decoder layer recomputed in backward, applied after sharding.
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                       check_fn=lambda module: isinstance(module, LlamaDecoderLayer))
 
     model.to_empty(device="cpu" if args.cpu_offload else device)
     model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
@@ -255,6 +260,8 @@ def _get_parser():
     parser.add_argument("--prefetch-layers", type=int, default=None,
                         help="layers prefetched ahead in forward and backward (set_modules_to_*_prefetch); "
                              "default: fully_shard's own")
+    parser.add_argument("--activation-checkpointing", default="none", choices=["none", "full"],
+                        help="full: checkpoint_wrapper on every decoder layer (the guide's chapter 5)")
     return parser
 
 
