@@ -129,7 +129,11 @@ int main(int argc, char** argv) {
     const auto sizes = tp_rank_sizes(config, tp);
     const double root = static_cast<double>(sizes.embedding + sizes.head + sizes.final_norm);
     const double largest = std::max(static_cast<double>(sizes.layer), root);
-    const double held = (estimate.weights + (run.cpu_offload ? estimate.host / 4 : 0)) / bytes;
+    // The trained state wherever it lives: the same amounts on the host with --cpu-offload.
+    auto on_device = run;
+    on_device.cpu_offload = false;
+    const auto state = mt::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, on_device);
+    const double held = state.weights / bytes;
 
     if (json) {
       nlohmann::json out = {{"model", model},
@@ -162,9 +166,7 @@ int main(int argc, char** argv) {
       std::printf("plan: %s\n", llama::Plan<mt::Mesh<mt::TP<2>>>::describe_styles().c_str());
 
     // The trained state, wherever it lives (the host with --cpu-offload).
-    const double weights = run.cpu_offload ? estimate.host / 4 : estimate.weights;
-    const double grads = run.cpu_offload ? estimate.host / 4 : estimate.gradients;
-    const double moments = run.cpu_offload ? estimate.host / 2 : estimate.optimizer;
+    const double weights = state.weights, grads = state.gradients, moments = state.optimizer;
     std::printf("\nper rank (%s%s):\n", dtype.c_str(), run.cpu_offload ? ", in host memory" : "");
     std::printf("  %-22s %14s\n", "parameters held", human(held, "").c_str());
     std::printf("  %-22s %14s\n", "weights", gigabytes(weights).c_str());
