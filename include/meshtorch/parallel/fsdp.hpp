@@ -144,39 +144,39 @@ inline PendingWork pending(c10::intrusive_ptr<c10d::Work> work, const std::strin
   return PendingWork(std::move(work), [] { return std::monostate{}; }, what, group);
 }
 
-// Issues the all-gather of the group's flat buffers, concatenated in rank order into output
-// (group.size() x input.numel()).
-inline PendingWork start_all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
-                                         const std::string& what) {
+// Issues a collective between two flat buffers (`issue_on` calls the backend); on a group of one
+// rank the output is the input.
+template <class IssueOn>
+PendingWork start_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
+                       const std::string& what, IssueOn issue_on) {
   comm::detail::check_device(what, group, input);
   comm::detail::check_device(what, group, output);
   if (group.size() == 1) {
     output.copy_(input);
     return PendingWork::ready(std::monostate{});
   }
+  return pending(comm::detail::issue(what, group, input, [&] { return issue_on(*group.backend()); }), what, group);
+}
+
+// Issues the all-gather of the group's flat buffers, concatenated in rank order into output
+// (group.size() x input.numel()).
+inline PendingWork start_all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
+                                         const std::string& what) {
   c10d::AllgatherOptions options;
   options.timeout = group.timeout();
-  return pending(
-      comm::detail::issue(what, group, input, [&] { return group.backend()->_allgather_base(output, input, options); }),
-      what, group);
+  return start_flat(group, output, input, what,
+                    [&](c10d::Backend& backend) { return backend._allgather_base(output, input, options); });
 }
 
 // Issues the sum over the group of input's rank()-th block into output (Gloo has no AVG: the
 // caller divides by the group size).
 inline PendingWork start_reduce_scatter_sum_flat(const comm::AxisGroup& group, torch::Tensor& output,
                                                  torch::Tensor& input, const std::string& what) {
-  comm::detail::check_device(what, group, input);
-  comm::detail::check_device(what, group, output);
-  if (group.size() == 1) {
-    output.copy_(input);
-    return PendingWork::ready(std::monostate{});
-  }
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
   options.timeout = group.timeout();
-  return pending(comm::detail::issue(what, group, input,
-                                     [&] { return group.backend()->_reduce_scatter_base(output, input, options); }),
-                 what, group);
+  return start_flat(group, output, input, what,
+                    [&](c10d::Backend& backend) { return backend._reduce_scatter_base(output, input, options); });
 }
 
 // Whether the autograd engine is running a backward on this thread: a forward hook called then
@@ -223,6 +223,14 @@ class FsdpSchedule {
 
  private:
   void finish_oldest_reduction();
+  // Backward ends before the optimizer steps: whatever reduce-scatters are left then are waited
+  // for by the engine's final callback, queued once, in the outermost backward (a checkpointed
+  // layer's recomputation runs a nested one, whose callbacks run when that layer is done).
+  void queue_final_callback_once() {
+    if (final_callback_queued_) return;
+    final_callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_gradients(); });
+  }
 
   std::int64_t prefetch_;
   std::int64_t in_flight_;
@@ -491,13 +499,7 @@ inline void FsdpSchedule::before_forward(FsdpUnit& unit) {
 }
 
 inline void FsdpSchedule::before_backward(FsdpUnit& unit) {
-  // Backward ends before the optimizer steps: whatever reduce-scatters are left then are waited
-  // for by the engine's final callback, queued here in the outermost backward (a checkpointed
-  // layer's recomputation runs a nested one, whose callbacks run when that layer is done).
-  if (!final_callback_queued_) {
-    final_callback_queued_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_gradients(); });
-  }
+  queue_final_callback_once();  // here, in the outermost backward
   unit.start_unshard();
   const auto here = std::find(order_.begin(), order_.end(), &unit);
   std::int64_t issued = 0;
@@ -514,10 +516,7 @@ inline std::vector<torch::Tensor> FsdpSchedule::after_backward(FsdpUnit& unit,
                                                                const std::vector<torch::Tensor>& full_grads) {
   auto reduction = unit.start_reduce_scatter(full_grads);
   if (in_flight_ == 0) return unit.shard_gradients(reduction);
-  if (!final_callback_queued_) {
-    final_callback_queued_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_gradients(); });
-  }
+  queue_final_callback_once();
   reductions_.push_back(std::move(reduction));
   while (static_cast<std::int64_t>(reductions_.size()) > in_flight_) finish_oldest_reduction();
   return std::vector<torch::Tensor>(full_grads.size());
@@ -629,9 +628,10 @@ class FullyShardedDataParallel {
 
   // Makes a unit of the weights under `module` that no earlier unit holds, and hooks its
   // forward. Shard the decoder layers first, then the root (the model passed to the
-  // constructor), which takes the rest.
+  // constructor), which takes the rest. `reshard_after_forward` overrides the options' for this
+  // unit (FSDP2's per-call argument); the root keeps its weights gathered whatever it says.
   template <class Impl>
-  FsdpUnit& fully_shard(torch::nn::ModuleHolder<Impl>& module) {
+  FsdpUnit& fully_shard(torch::nn::ModuleHolder<Impl>& module, std::optional<bool> reshard_after_forward = {}) {
     const bool is_root = module.ptr().get() == root_.get();
     const std::string name = module_name(module.ptr().get());
     if (root_sharded_)
@@ -652,8 +652,10 @@ class FullyShardedDataParallel {
                                     "(rank {})",
                                     (is_root ? std::string("the root") : "'" + name + "'"), group_.global_rank()));
     for (auto& [n, leaf] : leaves) claimed_.insert(leaf);
+    auto unit_options = options_;
+    if (reshard_after_forward) unit_options.reshard_after_forward = *reshard_after_forward;
     units_.push_back(std::make_unique<FsdpUnit>(is_root ? std::string("root") : name, is_root, std::move(leaves), group_,
-                                                options_, schedule_));
+                                                unit_options, schedule_));
     FsdpUnit* unit = units_.back().get();
     schedule_->add(unit, is_root);
     module->hooks.pre.push_back([this, unit](const torch::Tensor& input) {
