@@ -30,26 +30,11 @@ namespace llama = meshtorch::llama;
 
 namespace {
 
-struct Sizes {
-  std::int64_t layer = 0;      // one decoder layer's parameters on a TP rank
-  std::int64_t embedding = 0;  // embed_tokens on a TP rank
-  std::int64_t head = 0;       // lm_head on a TP rank (0 when tied)
-  std::int64_t final_norm = 0;
-  std::int64_t total(std::int64_t layers) const { return layers * layer + embedding + head + final_norm; }
-};
-
-// Parameters one TP rank holds under the sequence-parallel plan: q/k/v/o, gate/up/down,
-// embedding and head split by tp; norms whole. The counts come from the config's overflow-safe
-// arithmetic, after validate() has refused any config whose counts leave int64.
-Sizes tp_rank_sizes(const llama::Config& c, std::int64_t tp) {
+// The overflow-safe counts: validate() has refused any config whose counts leave int64.
+mt::TpRankParameters tp_rank_sizes(const llama::Config& c, std::int64_t tp) {
   const auto counts = c.parameter_counts();
   if (!counts) throw mt::ConfigError("the model's parameter count overflows 64 bits");
-  Sizes s;
-  s.layer = counts->attention / tp + counts->mlp / tp + counts->layer_norms;
-  s.embedding = counts->embedding / tp;
-  s.head = counts->head / tp;
-  s.final_norm = counts->final_norm;
-  return s;
+  return mt::tp_rank_parameters(*counts, tp);
 }
 
 std::string human(double value, const char* unit) {
@@ -127,7 +112,7 @@ int main(int argc, char** argv) {
     run.checkpoint_every = mt::parse_activation_checkpointing(checkpointing).every;
     const auto estimate = mt::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, run);
     const auto sizes = tp_rank_sizes(config, tp);
-    const double root = static_cast<double>(sizes.embedding + sizes.head + sizes.final_norm);
+    const double root = static_cast<double>(sizes.root());
     const double largest = std::max(static_cast<double>(sizes.layer), root);
     // The trained state wherever it lives: the same amounts on the host with --cpu-offload.
     auto on_device = run;

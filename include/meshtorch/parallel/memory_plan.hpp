@@ -93,14 +93,31 @@ constexpr double layer_activation_bytes_per_token(const llama::Config& c, std::i
   return norms + attention + mlp;
 }
 
+// Parameters one TP rank holds under the sequence-parallel plan: q/k/v/o, gate/up/down, the
+// embedding and the head split by tp; the norms whole.
+struct TpRankParameters {
+  std::int64_t layer = 0;      // one decoder layer's
+  std::int64_t embedding = 0;  // embed_tokens
+  std::int64_t head = 0;       // lm_head (0 when tied)
+  std::int64_t final_norm = 0;
+  constexpr std::int64_t root() const { return embedding + head + final_norm; }
+};
+
+constexpr TpRankParameters tp_rank_parameters(const llama::Config::ParameterCounts& counts, std::int64_t tp) {
+  return {.layer = counts.attention / tp + counts.mlp / tp + counts.layer_norms,
+          .embedding = counts.embedding / tp,
+          .head = counts.head / tp,
+          .final_norm = counts.final_norm};
+}
+
 constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes layout, RunShape run) {
   MemoryEstimate m;
   const auto counts = c.parameter_counts().value_or(llama::Config::ParameterCounts{});
   const double tp = static_cast<double>(layout.tp), n = static_cast<double>(layout.data_parallel_ranks);
   const double state = static_cast<double>(run.state_bytes), d = static_cast<double>(run.compute_bytes);
-  // A TP rank's parameters: the projections and the embedding/head split, the norms whole.
-  const double layer = static_cast<double>(counts.attention + counts.mlp) / tp + static_cast<double>(counts.layer_norms);
-  const double root = static_cast<double>(counts.embedding + counts.head) / tp + static_cast<double>(counts.final_norm);
+  const auto rank_parameters = tp_rank_parameters(counts, layout.tp);
+  const double layer = static_cast<double>(rank_parameters.layer);
+  const double root = static_cast<double>(rank_parameters.root());
   const double params = layer * static_cast<double>(c.num_hidden_layers) + root;
 
   // The trained state.
