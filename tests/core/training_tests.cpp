@@ -471,3 +471,15 @@ TEST_CASE("a checkpoint that lost a file or its link is an error, never a fresh 
   CHECK(fs::read_symlink(dir / "checkpoint") == "ckpt-00000010");
   fs::remove_all(dir);
 }
+
+TEST_CASE("a GPU rank's host threads share the CPUs it may run on among the node's ranks", "[device]") {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  REQUIRE(sched_getaffinity(0, sizeof allowed, &allowed) == 0);
+  const int cpus = CPU_COUNT(&allowed);
+  CHECK(mt::train::host_threads_per_rank(1) == cpus);
+  CHECK(mt::train::host_threads_per_rank(0) == cpus);  // a missing LOCAL_WORLD_SIZE counts as one rank
+  CHECK(mt::train::host_threads_per_rank(cpus) == 1);
+  CHECK(mt::train::host_threads_per_rank(4 * cpus) == 1);  // never none
+  if (cpus >= 2) CHECK(mt::train::host_threads_per_rank(2) == cpus / 2);
+}

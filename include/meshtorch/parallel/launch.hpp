@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/device_mesh.hpp>
@@ -53,10 +54,15 @@ inline std::filesystem::path flight_recorder_dir(const train::TrainArgs& args, c
 // the flags in the fingerprint: anything else all ranks must agree on.
 template <MeshType M>
 Launch<M> launch(const train::TrainArgs& args, std::vector<int> extents = {}, const std::string& plan = {}) {
-  if (args.threads > 0) torch::set_num_threads(args.threads);
   train::use_deterministic_algorithms(args.deterministic);
   auto env = comm::launch_env();
   const auto device = train::resolve_device(args.device, env.local_rank);
+  // --threads, else on a GPU the node's CPUs shared among its ranks; on the CPU the launcher's
+  // OMP_NUM_THREADS (LibTorch's default).
+  if (args.threads > 0)
+    torch::set_num_threads(args.threads);
+  else if (device.is_cuda())
+    torch::set_num_threads(train::host_threads_per_rank(env.local_world_size));
   const auto dtype = train::resolve_dtype(args.dtype, device);
   auto mesh = comm::init<M>({.device = device.is_cuda() ? comm::Device::cuda : comm::Device::cpu,
                              .timeout = comm::collective_timeout(args.timeout_s),
@@ -66,7 +72,7 @@ Launch<M> launch(const train::TrainArgs& args, std::vector<int> extents = {}, co
   if (mesh.world_size() > 1) comm::Watchdog::instance().arm(flight_recorder_dir(args, env));
   comm::install_stack_dumps();  // SIGUSR1 (meshrun --dump-stacks) writes every thread's stack
   train::Logger log(mesh.rank());
-  log.info(mesh.describe());
+  log.info(fmt::format("{}; {} intra-op thread(s)", mesh.describe(), torch::get_num_threads()));
   torch::manual_seed(args.seed);
   return {std::move(env), device, dtype, std::move(mesh), log};
 }

@@ -1,9 +1,12 @@
 #pragma once
 // --device and --dtype as the guide uses them: a GPU in bf16 where there is one, else the CPU
 // in fp32. The GPU of a rank is comm::local_cuda_device's, the one its NCCL groups are bound to.
+#include <sched.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <string>
+#include <thread>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -20,6 +23,17 @@ inline torch::Device resolve_device(const std::string& flag, int local_rank = 0)
       flag == "cuda" || (flag == "auto" && comm::built_with_cuda && torch::cuda::is_available());
   if (!want_cuda) return torch::Device(torch::kCPU);
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(comm::local_cuda_device(local_rank)));
+}
+
+// Intra-op threads for a rank that computes on a GPU: the CPUs this process may run on, shared
+// by the ranks of its node, as the guide sets OMP_NUM_THREADS to the CPUs per GPU. Launchers
+// set 1 (torchrun, meshrun), which would leave CPU offload's AdamW and the data on one core.
+inline int host_threads_per_rank(int local_world_size) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  const int cpus = sched_getaffinity(0, sizeof allowed, &allowed) == 0 ? CPU_COUNT(&allowed)
+                                                                       : static_cast<int>(std::thread::hardware_concurrency());
+  return std::max(1, cpus / std::max(1, local_world_size));
 }
 
 inline torch::ScalarType resolve_dtype(const std::string& flag, const torch::Device& device) {
