@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <meshtorch/comm/comm.hpp>
+#include <meshtorch/comm/flight_recorder.hpp>
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 
@@ -103,6 +104,49 @@ TEST_CASE("the chunked loss under TP (loss parallel, and Megatron's gathered log
   // 7 positions per chunk: 64 positions in 10 chunks, the last one short.
   check_parity<llama::Plan<Tp2>>(tied_gqa_config(), 2, 7);
   check_parity<llama::Plan<Tp2, llama::presets::llama_tiny, llama::TensorParallelStyles>>(llama::presets::llama_tiny, 2, 7);
+}
+
+// What one backward of the sequence-parallel plan issues over TP as all-reduces: the flight
+// recorder's entries after `last_id`.
+std::vector<nlohmann::json> all_reduces_after(std::uint64_t last_id) {
+  std::vector<nlohmann::json> found;
+  for (const auto& entry : mt::comm::FlightRecorder::instance().entries())
+    if (entry["id"].get<std::uint64_t>() > last_id && entry["op"] == "all_reduce") found.push_back(entry);
+  return found;
+}
+
+std::uint64_t last_recorded_id() {
+  const auto entries = mt::comm::FlightRecorder::instance().entries();
+  return entries.empty() ? 0 : entries.back()["id"].get<std::uint64_t>();
+}
+
+TEST_CASE("sequence-parallel norm gradients are summed over TP in one all-reduce per backward", "[.][tp_sp_coalesced]") {
+  auto mesh = mt::comm::init<Tp2>();
+  const auto config = llama::presets::llama_tiny;
+  auto model = seeded_llama(config, 7);
+  auto parallel = mt::apply_tensor_parallel<llama::Plan<Tp2, llama::presets::llama_tiny>>(model, mesh.group<mt::TP>());
+  torch::manual_seed(11);
+  const auto ids = torch::randint(0, config.vocab_size, {2, 32}, torch::kLong);
+  for (int micro = 0; micro < 2; ++micro) {  // the second accumulates into the first's gradients
+    auto loss = parallel.loss(ids, ids);
+    const auto before = last_recorded_id();
+    loss.backward();
+    const auto reduces = all_reduces_after(before);
+    REQUIRE(reduces.size() == 1);  // not one per norm: 2 per layer and the final norm
+    CHECK(reduces[0]["shape"] ==
+          std::vector<std::int64_t>{(2 * config.num_hidden_layers + 1) * config.hidden_size});
+  }
+  // The norms' gradients are twice one micro-batch's, summed over the ranks: the same on both.
+  const auto norm = model->named_parameters()["model.layers.1.post_attention_layernorm.weight"].grad();
+  const auto gathered = mt::comm::all_gather(mesh.group<mt::TP>(), norm.unsqueeze(0), 0);
+  CHECK(torch::equal(gathered[0], gathered[1]));
+
+  // A backward that does not start at TensorParallel::loss would leave the partial sums: refused
+  // at the first norm it reaches, the final one.
+  model->zero_grad();
+  auto plain = model->loss(ids, ids);
+  CHECK_THROWS_WITH(plain.backward(), Catch::Contains("did not start at TensorParallel::loss") &&
+                                          Catch::Contains("'model.norm.weight'"));
 }
 
 TEST_CASE("vocab-parallel cross entropy equals cross entropy over the whole vocabulary", "[.][tp_loss]") {

@@ -14,8 +14,9 @@
 //                    it is, or all-gather to Replicate.
 //   RowwiseParallel  Replicate input -> this rank's chunk; the partial sums leave by all-reduce
 //                    (Replicate) or reduce-scatter along the sequence (Shard<1>).
-//   SequenceParallel the norm runs on its sequence shard; its weight enters through
-//                    Style::weight (f), so the weight's gradient is all-reduced.
+//   SequenceParallel the norm runs on its sequence shard; its weight's gradient is a partial
+//                    sum, which Style::weight (f) all-reduces: once per backward for all the
+//                    norms together (tp_detail::NormGradientSum), not once per norm.
 //   PrepareModuleInput enters the region once for a module whose children (q, k, v) share the
 //                    input, so those children do not enter it again.
 // The one exception is the vocabulary-sharded embedding: token ids are not activations, so it
@@ -24,12 +25,15 @@
 // positions stay right while the residual stream is sharded along the sequence.
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <fmt/format.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -52,6 +56,96 @@ inline torch::Tensor chunk_of(const torch::Tensor& full, const comm::AxisGroup& 
   return full.chunk(group.size(), dim)[group.rank()].contiguous();
 }
 
+// The weights of the sequence-parallel norms: each rank's gradient of one covers its part of the
+// sequence, and the weight's gradient is their sum over TP (the style's weight Redistribution,
+// Partial -> Replicate: an all-reduce). Summed as backward reaches each norm, that is one
+// blocking all-reduce per norm (2 per layer and the final norm). Instead each norm passes TP x its
+// partial gradient on, and when the backward ends, after the wrappers' own callbacks (FSDP's
+// reduce-scatters, DDP's buckets), the trained gradients of all the norms are averaged over TP in
+// one all-reduce: the mean over ranks of g + TP x partial_r is g + the sum of the partials,
+// whatever g held before (earlier micro-batches, the same on every TP rank) and whatever linear
+// reductions (means over FSDP or DP) the wrappers applied in between.
+class NormGradientSum : public std::enable_shared_from_this<NormGradientSum> {
+ public:
+  explicit NormGradientSum(comm::AxisGroup group) : group_(std::move(group)) {}
+
+  void add(const std::string& name, torch::Tensor trained) { trained_.emplace_back(name, std::move(trained)); }
+  // The tensors whose .grad the optimizer reads, by weight name: the norm weights themselves
+  // unless a wrapper (FSDP, ZeRO-2) trains pieces of them.
+  void use_trained(const std::map<std::string, torch::Tensor>& by_name) {
+    for (auto& [name, tensor] : trained_) {
+      const auto it = by_name.find(name);
+      if (it == by_name.end())
+        throw ConfigError(fmt::format("tensor parallel: nothing trains the sequence-parallel norm weight '{}' on {}",
+                                      name, group_.describe()));
+      tensor = it->second;
+    }
+  }
+  bool empty() const { return trained_.empty(); }
+
+  // On the loss: its gradient is the first of the backward, in the outermost graph task (a
+  // checkpointed layer's recomputation runs a nested one), where the sum is queued.
+  torch::Tensor start_backward_at(const torch::Tensor& loss) {
+    if (trained_.empty() || !loss.requires_grad() || !torch::GradMode::is_enabled()) return loss;
+    auto view = loss.view_as(loss);
+    view.register_hook([self = shared_from_this()](const torch::Tensor& grad) {
+      self->queue_sum();
+      return grad;
+    });
+    return view;
+  }
+
+  // On a norm weight (a parametrization): TP x its gradient, summed when the backward ends.
+  torch::Tensor partial_gradient_of(const torch::Tensor& weight, const std::string& name) {
+    if (!weight.requires_grad() || !torch::GradMode::is_enabled()) return weight;  // no backward to come
+    auto view = weight.view_as(weight);
+    view.register_hook([self = shared_from_this(), name](const torch::Tensor& grad) {
+      if (self->queued_for_ == -1)
+        throw ConfigError(fmt::format("tensor parallel: the gradient of the sequence-parallel norm '{}' reached a "
+                                      "backward that did not start at TensorParallel::loss (or ParallelLlama::loss), "
+                                      "so its sum over the {} would never run; compute the loss through them",
+                                      name, self->group_.describe()));
+      return grad * static_cast<double>(self->group_.size());
+    });
+    return view;
+  }
+
+ private:
+  void queue_sum() {
+    const auto task = torch::autograd::get_current_graph_task_id();
+    if (task == queued_for_) return;
+    queued_for_ = task;
+    // Queued from the first final callback, the sum runs after every callback queued during the
+    // backward: the wrappers' reductions are in .grad by then.
+    torch::autograd::Engine::get_default_engine().queue_callback([self = shared_from_this()] {
+      torch::autograd::Engine::get_default_engine().queue_callback([self] { self->sum(); });
+    });
+  }
+
+  void sum() {
+    queued_for_ = -1;
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> grads;
+    for (auto& [name, tensor] : trained_)
+      if (tensor.grad().defined()) grads.push_back(tensor.mutable_grad());
+    if (grads.empty()) return;
+    std::vector<torch::Tensor> flat_pieces;
+    std::vector<std::int64_t> sizes;
+    for (const auto& g : grads) {
+      flat_pieces.push_back(g.reshape(-1));
+      sizes.push_back(g.numel());
+    }
+    const auto on_group = torch::Device(group_.device_name());
+    auto flat = comm::all_reduce(group_, torch::cat(flat_pieces).to(on_group), comm::ReduceOp::avg);
+    auto averaged = flat.to(grads.front().device()).split_with_sizes(sizes);
+    for (std::size_t i = 0; i < grads.size(); ++i) grads[i].copy_(averaged[i].view_as(grads[i]));
+  }
+
+  comm::AxisGroup group_;
+  std::vector<std::pair<std::string, torch::Tensor>> trained_;
+  std::int64_t queued_for_ = -1;  // the graph task the sum is queued for; -1: none
+};
+
 }  // namespace tp_detail
 
 template <class PlanT>
@@ -59,7 +153,8 @@ class TensorParallel {
   using S = typename PlanT::styles;
 
  public:
-  TensorParallel(llama::LlamaForCausalLM& model, const comm::AxisGroup& group) : model_(model), group_(group) {
+  TensorParallel(llama::LlamaForCausalLM& model, const comm::AxisGroup& group)
+      : model_(model), group_(group), norm_gradients_(std::make_shared<tp_detail::NormGradientSum>(group)) {
     PlanT::validate(model->config, group.size());
     if (PlanT::tp_extent != dynamic && static_cast<int>(PlanT::tp_extent) != group.size())
       throw ConfigError(fmt::format("TensorParallel: the plan's TP extent is {} but the group {} has {} ranks",
@@ -106,7 +201,13 @@ class TensorParallel {
   // the vocabulary and the softmax is computed across the TP ranks (Megatron's vocab-parallel
   // cross entropy), so no rank ever holds [batch, seq, vocab] logits.
   torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
-    return model_->loss(input_ids, labels);
+    return norm_gradients_->start_backward_at(model_->loss(input_ids, labels));
+  }
+
+  // The sequence-parallel norms' weights, whose gradients are summed over TP when a backward ends:
+  // a wrapper that trains pieces of them (FSDP) names those here, by weight name.
+  void sum_norm_gradients_into(const std::map<std::string, torch::Tensor>& trained_by_name) {
+    norm_gradients_->use_trained(trained_by_name);
   }
 
   // The full (unsharded) value of every parameter under its HF name, gathered over TP; every rank
@@ -193,12 +294,16 @@ class TensorParallel {
         add_leave<Style>(module.hooks);
       }
     } else if constexpr (SequenceParallelStyle<Style>) {
-      // Each rank's gradient covers its part of the sequence; the weight's is their sum. The
-      // weight enters forward through f (identity; all-reduce of the gradient), which also holds
-      // when a wrapper (FSDP) swaps the weight tensor for a gathered one.
-      const auto group = group_;
-      module.parametrizations.push_back(
-          [group](const torch::Tensor& w) { return comm::redistribute_differentiable<typename Style::weight>(w, group); });
+      // Each rank's gradient covers its part of the sequence; the weight's is their sum, the
+      // all-reduce of the style's weight Redistribution, run for all norms at once when the
+      // backward ends. A parametrization, so it holds when a wrapper (FSDP) swaps the weight
+      // tensor for a gathered one.
+      static_assert(Style::weight::forward == Collective::none && Style::weight::backward == Collective::all_reduce,
+                    "a sequence-parallel norm's weight is replicated forward and its gradient summed over TP");
+      norm_gradients_->add(name + ".weight", module.weight);
+      module.parametrizations.push_back([sum = norm_gradients_, weight_name = name + ".weight"](const torch::Tensor& w) {
+        return sum->partial_gradient_of(w, weight_name);
+      });
     } else {
       static_assert(std::is_same_v<Style, NoParallel>, "this style does not apply to a leaf module");
     }
@@ -258,6 +363,7 @@ class TensorParallel {
   comm::AxisGroup group_;
   // The dim along which each sharded weight was cut, by HF name, to gather it back for saving.
   std::map<std::string, std::int64_t> sharded_;
+  std::shared_ptr<tp_detail::NormGradientSum> norm_gradients_;
 };
 
 // Applies Plan's tensor-parallel styles to `model` over the TP group (weights sharded in place).
