@@ -49,6 +49,7 @@ int train(const Chapter5Args& args) {
                        args.model_name, config.num_parameters(), fsdp.units().size(), fsdp.local_numel(),
                        fsdp.largest_unit_numel(), args.activation_checkpointing, args.prefetch_layers,
                        args.cpu_offload ? " in CPU memory" : " on the device"));
+  if (!options.weights_from.empty()) log.info(model.load_report());
 
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
   // With --cpu-offload the shards are CPU tensors: the fused AdamW steps on the CPU.

@@ -1,11 +1,12 @@
 # Chapter 5: the recipe with everything on and off against chapter 1, and against itself without
 # checkpointing and prefetch; stop and resume; pretrained weights read by rank 0 or every rank;
-# launch.sh over a hosts file.
-foreach(check recipe-parity resume pretrained launch)
+# a 400 MB folder written by transformers loaded within half the folder plus its largest tensor
+# (with the bench environment; skipped without it); launch.sh over a hosts file.
+foreach(check recipe-parity resume pretrained load-folder launch)
   add_test(NAME "examples: 05-training-llama-405b ${check}"
            COMMAND Python3::Interpreter ${CMAKE_CURRENT_SOURCE_DIR}/chapter05_checks.py
                    $<TARGET_FILE:meshrun> $<TARGET_FILE:01-single-gpu> $<TARGET_FILE:05-training-llama-405b>
-                   $<TARGET_FILE:meshtorch-consolidate> ${check})
+                   $<TARGET_FILE:meshtorch-consolidate> ${check} ${PROJECT_SOURCE_DIR}/bench/.venv/bin/python)
   set_tests_properties("examples: 05-training-llama-405b ${check}" PROPERTIES LABELS "examples;multiprocess"
                        TIMEOUT 300 SKIP_RETURN_CODE 77)
 endforeach()

@@ -2,15 +2,19 @@
 """End-to-end checks of examples/05-training-llama-405b on CPU with Gloo, fp32, one thread per
 rank: the recipe (every layer checkpointed, CPU offload, prefetch, reduce-scatters in flight, a
 chunked loss) against chapter 1 on the same global batch and against itself with all of that
-off; pretrained weights read by rank 0 or by every rank; and launch.sh over a hosts file (ssh
-faked as in chapter 3's checks: each "host" is this machine).
+off; pretrained weights read by rank 0 or by every rank; a 400 MB bf16 folder that transformers
+wrote, loaded by every rank for its own rows within half the folder plus its largest tensor; and
+launch.sh over a hosts file (ssh faked as in chapter 3's checks: each "host" is this machine).
 
-usage: chapter05_checks.py MESHRUN CHAPTER1 CHAPTER5 CONSOLIDATE {recipe-parity|resume|pretrained|launch}
+usage: chapter05_checks.py MESHRUN CHAPTER1 CHAPTER5 CONSOLIDATE CHECK [VENV_PYTHON]
+  CHECK: recipe-parity, resume, pretrained, load-folder (needs VENV_PYTHON with transformers) or launch
 """
 import json
 import os
 import pathlib
+import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -21,6 +25,8 @@ from chapter03_checks import FAKES, wait_for_tmux_sessions
 from ports import free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
+MAKE_FOLDER = HERE.parent / "hf_parity" / "make_transformers_folder.py"
+MIB = 2**20
 LAUNCH = HERE.parent.parent / "examples" / "05-training-llama-405b" / "launch.sh"
 LOSS_RTOL = 1e-5
 PARAM_TOL = 1e-4
@@ -82,6 +88,76 @@ def pretrained(tools):
             compare_params(model_file(f"{tmp}/one"), model_file(f"{tmp}/{read_by}"), PARAM_TOL)
 
 
+def safetensors_sizes(folder):
+    """{tensor name: bytes} of every tensor in a folder's safetensors files (their JSON headers)."""
+    sizes = {}
+    for path in pathlib.Path(folder).glob("*.safetensors"):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                sizes[name] = entry["data_offsets"][1] - entry["data_offsets"][0]
+    return sizes
+
+
+COMPARE_FOLDERS = """
+import sys, pathlib, torch
+from safetensors.torch import load_file
+def tensors(folder):
+    out = {}
+    for path in sorted(pathlib.Path(folder).glob("*.safetensors")):
+        out.update(load_file(path))
+    return out
+theirs, ours = tensors(sys.argv[1]), tensors(sys.argv[2])
+assert sorted(theirs) == sorted(ours), (sorted(theirs), sorted(ours))
+for name, tensor in theirs.items():
+    assert torch.equal(tensor.float(), ours[name].float()), name
+print(f"{len(theirs)} tensors equal")
+"""
+
+
+def load_folder(tools):
+    """A folder of about 400 MB that transformers wrote (five bf16 safetensors files and an
+    index) loaded by 2 ranks, each reading only its rows: what building and filling the model
+    adds to a rank's resident set at its peak is its pieces plus at most the folder's largest
+    tensor. In the files' bf16 that is half the folder plus the largest tensor; the recipe keeps
+    fp32 pieces (its master weights), twice their bytes in the files, and the check says both.
+    The pieces equal the files' slices: one step at learning rate 0 (the warmup's first), saved
+    and consolidated, gives the folder's tensors back bit for bit. Rank 0 reading for everyone
+    holds a whole weight at once beside its pieces (the one buffer every weight is read or
+    received into): the same bound, with the largest tensor whole instead of its half."""
+    python = tools.get("python")
+    if not python or not os.access(python, os.X_OK):
+        print(f"skipped: no bench environment at {python} (install it with bench/setup-python)")
+        sys.exit(77)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = pathlib.Path(tmp) / "transformers"
+        run([python, str(MAKE_FOLDER), str(folder), "--size", "400mb"])
+        sizes = safetensors_sizes(folder)
+        folder_mib, largest_mib = sum(sizes.values()) / MIB, max(sizes.values()) / MIB
+        assert len(list(folder.glob("*.safetensors"))) >= 4 and 380 < folder_mib < 400, (folder_mib, sizes)
+        for read_by in ("every-rank", "rank0"):
+            out = recipe(tools, 2, "-m", str(folder), "--weights-read-by", read_by, "-s", "32", "-b", "1",
+                         "--save-dir", tmp, "-e", read_by, "--max-steps", "1", "--ckpt-freq", "1",
+                         "--lr-schedule", "warmup-decay", "--warmup-steps", "10", "--warmup-type", "linear")
+            reports = re.findall(r"\[rank=(\d+)\] \[INFO\] weights from \S+ read by \S+: this rank read (\d+) of the model's (\d+) elements; resident set "
+                                 r"\+(\d+) MiB at the peak of loading, its pieces (\d+) MiB", out.stdout)
+            assert len(reports) == 2, out.stdout
+            for rank, read, whole, growth, pieces in sorted(reports):
+                growth, pieces = int(growth), int(pieces)
+                print(f"{read_by}, rank {rank}: read {int(read) / int(whole):.2f} of the elements; resident set "
+                      f"+{growth} MiB at the peak of loading: its fp32 pieces {pieces} MiB + {growth - pieces} MiB "
+                      f"read at once (folder {folder_mib:.0f} MiB, largest tensor {largest_mib:.0f} MiB; in the "
+                      f"files' bf16 the pieces and the reads come to {pieces / 2 + growth - pieces:.0f} MiB, "
+                      f"half the folder plus the largest tensor {folder_mib / 2 + largest_mib:.0f} MiB)")
+                assert pieces >= folder_mib - 2, (pieces, folder_mib)  # fp32 halves of a bf16 folder
+                bound = largest_mib + 8  # + 8 MiB: the listing, headers and what else the build allocates
+                assert growth - pieces <= bound, (read_by, rank, growth, pieces, bound)
+        consolidated = pathlib.Path(tmp) / "consolidated"
+        run([tools["consolidate"], str(pathlib.Path(tmp) / "every-rank" / "checkpoint"), str(consolidated)])
+        print(run([python, "-c", COMPARE_FOLDERS, str(folder), str(consolidated)]).stdout.strip())
+
+
 def launch(tools):
     """launch.sh on two "hosts" (one rank each): both start from the hosts file, the recipe's
     flags reach the binary, and the caller's flags override its defaults."""
@@ -123,6 +199,8 @@ def launch(tools):
 
 
 if __name__ == "__main__":
-    tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter5": sys.argv[3], "consolidate": sys.argv[4]}
-    {"recipe-parity": recipe_parity, "resume": resume, "pretrained": pretrained, "launch": launch}[sys.argv[5]](tools)
+    tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter5": sys.argv[3], "consolidate": sys.argv[4],
+             "python": sys.argv[6] if len(sys.argv) > 6 else None}
+    {"recipe-parity": recipe_parity, "resume": resume, "pretrained": pretrained, "load-folder": load_folder,
+     "launch": launch}[sys.argv[5]](tools)
     print("ok")

@@ -2,10 +2,12 @@
 attention, head_dim not hidden_size / heads, llama3 rope scaling whose frequencies fall in all three
 bands, rope_theta not 10000) saved with save_pretrained into sharded safetensors.
 
-    python make_transformers_folder.py OUT [--legacy-config]
+    python make_transformers_folder.py OUT [--legacy-config] [--size tiny|400mb]
 
 With --legacy-config, config.json is then rewritten in the earlier generation's fields (top-level
 rope_theta and rope_scaling, torch_dtype), which transformers still reads to the same model.
+--size 400mb writes a model of 201M parameters in bf16 (about 400 MB in five files of at most
+100 MB, with an index), for measuring how much memory loading takes.
 """
 import argparse
 import json
@@ -15,24 +17,35 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
+SIZES = {
+    "tiny": {"config": dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=24, dtype="float32"),
+             "shard": "100KB"},
+    "400mb": {"config": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                             num_attention_heads=16, num_key_value_heads=4, head_dim=64, dtype="bfloat16"),
+              "shard": "100MB"},
+}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
     parser.add_argument("--legacy-config", action="store_true")
+    parser.add_argument("--size", choices=SIZES, default="tiny")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=24, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-        dtype="float32")
+        **SIZES[args.size]["config"])
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():  # norms away from 1, so a weight read into the wrong norm shows
             p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(args.out, max_shard_size="100KB")
+    model = model.to(getattr(torch, SIZES[args.size]["config"]["dtype"]))  # the files' dtype
+    model.save_pretrained(args.out, max_shard_size=SIZES[args.size]["shard"])
     written = json.load(open(os.path.join(args.out, "config.json")))
     assert "rope_parameters" in written and "rope_theta" not in written, written
     shards = [f for f in os.listdir(args.out) if f.endswith(".safetensors")]

@@ -234,10 +234,20 @@ namespace {
 // piece equals the reference weight's piece (bf16 -> fp32 exactly). Read by every rank, each
 // reads from disk only the rows its pieces lie in: about a quarter of the model, with the whole
 // rows of the weights TP cuts along dim 1. Read by rank 0, rank 0 reads the model once and the
-// others nothing.
+// others nothing. Read by local rank 0 on 4 ranks told they are 2 nodes of 2, ranks 0 and 2
+// read the model once each and their node's other rank nothing.
 void check_folder_load(mt::WeightsReadBy read_by) {
   using M = mt::Mesh<mt::FSDP<mt::dynamic>, mt::TP<mt::dynamic>>;
-  auto mesh = mt::comm::init<M>({.timeout = std::chrono::seconds(60), .extents = {mt::from_world_size, 2}});
+  auto env = mt::comm::launch_env();
+  if (read_by == mt::WeightsReadBy::local_rank0) {
+    REQUIRE(env.world_size == 4);
+    env.local_world_size = 2;
+    env.local_rank = env.rank % 2;
+  }
+  auto mesh = mt::comm::init<M>({.timeout = std::chrono::seconds(60), .env = env, .extents = {mt::from_world_size, 2}});
+  const int first_of_node = read_by == mt::WeightsReadBy::local_rank0 ? mesh.rank() - mesh.rank() % 2 : 0;
+  CHECK(mesh.node().ranks() == (read_by == mt::WeightsReadBy::local_rank0 ? std::vector<int>{first_of_node, first_of_node + 1}
+                                                                          : mesh.world().ranks()));
   const auto config = llama::presets::llama_tiny;
   torch::manual_seed(5);
   llama::LlamaForCausalLM reference(config, torch::TensorOptions().device(torch::kMeta));
@@ -281,7 +291,7 @@ void check_folder_load(mt::WeightsReadBy read_by) {
     CHECK(fraction > 0.25);
     CHECK(fraction < 0.45);
   } else {
-    CHECK(fraction == (mesh.rank() == 0 ? 1.0 : 0.0));
+    CHECK(fraction == (mesh.rank() == first_of_node ? 1.0 : 0.0));
   }
   mt::comm::barrier(mesh.world());
   if (mesh.rank() == 0) std::filesystem::remove_all(dir);
@@ -295,6 +305,11 @@ TEST_CASE("rank body: 2D loads a bf16 model folder, every rank reading only its 
 
 TEST_CASE("rank body: 2D loads a bf16 model folder read by rank 0 and broadcast", "[.][parallelize_load_rank0]") {
   check_folder_load(mt::WeightsReadBy::rank0);
+}
+
+TEST_CASE("rank body: 2D on two nodes loads a bf16 model folder read by each node's local rank 0",
+          "[.][parallelize_load_local_rank0]") {
+  check_folder_load(mt::WeightsReadBy::local_rank0);
 }
 
 TEST_CASE("parallelize refuses a model that is not on the meta device", "[single][parallelize]") {

@@ -105,6 +105,17 @@ class DeviceMesh {
   const AxisGroup& axis_group(std::size_t axis_index) const { return group(1u << axis_index); }
   // All ranks, for job-wide barriers and broadcasts.
   const AxisGroup& world() const { return world_; }
+  // The ranks of this rank's node (LOCAL_RANK 0 .. LOCAL_WORLD_SIZE-1), which share node-local
+  // storage: the world on one node. Launchers number a node's ranks contiguously (torchrun,
+  // meshrun); a job whose nodes run different numbers of ranks has no node group.
+  const AxisGroup& node() const {
+    if (!node_)
+      throw ConfigError(fmt::format("rank {}: no node group: LOCAL_WORLD_SIZE {} does not divide the world size {} "
+                                    "into nodes of consecutive ranks (rank {} is local rank {}); start the same "
+                                    "number of ranks on every node",
+                                    env_.rank, env_.local_world_size, env_.world_size, env_.rank, env_.local_rank));
+    return *node_;
+  }
 
   template <MeshType N>
   friend DeviceMesh<N> init(InitOptions options);
@@ -120,6 +131,7 @@ class DeviceMesh {
   // Indexed by axis mask; the mask of every axis is world_.
   std::array<AxisGroup, (1u << ndim)> groups_;
   AxisGroup world_;
+  std::optional<AxisGroup> node_;
 };
 
 // The fingerprint ranks compare: the mesh type, the device and the caller's string.
@@ -195,6 +207,14 @@ DeviceMesh<M> init(InitOptions options) {
   std::vector<int> everyone(static_cast<std::size_t>(env.world_size));
   for (int r = 0; r < env.world_size; ++r) everyone[r] = r;
   mesh.world_ = make_group("world", "meshtorch/world/", std::move(everyone));
+  if (single_node) {
+    mesh.node_ = mesh.world_;
+  } else if (env.world_size % env.local_world_size == 0 && env.rank % env.local_world_size == env.local_rank) {
+    std::vector<int> node_ranks(static_cast<std::size_t>(env.local_world_size));
+    for (int i = 0; i < env.local_world_size; ++i) node_ranks[i] = env.rank - env.local_rank + i;
+    const std::string prefix = "meshtorch/node/" + std::to_string(node_ranks.front()) + "/";
+    mesh.node_ = make_group("node", prefix, std::move(node_ranks));
+  }
   // Progress reports through the store, so a stalled collective names its culprit.
   if (env.world_size > 1) Watchdog::instance().attach(store, env.rank, env.world_size, options.timeout);
   return mesh;

@@ -240,25 +240,46 @@ class SafetensorsRowReader {
   // Rows [first_row, first_row + count) of `entry` (one of header().entries) as a new CPU tensor;
   // a 0-d tensor whole.
   torch::Tensor read_rows(const SafetensorsEntry& entry, std::int64_t first_row, std::int64_t count) {
-    auto shape = entry.shape;
-    std::uint64_t offset = entry.begin;
-    if (!shape.empty()) {
-      if (first_row < 0 || count < 0 || first_row + count > shape[0])
-        throw DataError(fmt::format("{}: tensor '{}': rows [{}, {}) lie outside its {} rows", where_, entry.name,
-                                    first_row, first_row + count, shape[0]));
-      const std::uint64_t row_bytes = shape[0] == 0 ? 0 : (entry.end - entry.begin) / static_cast<std::uint64_t>(shape[0]);
-      offset += row_bytes * static_cast<std::uint64_t>(first_row);
-      shape[0] = count;
-    }
-    auto t = torch::empty(shape, torch::TensorOptions().dtype(entry.dtype));
-    in_.clear();
-    in_.seekg(static_cast<std::streamoff>(header_.data_start + offset));
-    in_.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
-    if (!in_) throw DataError(fmt::format("{}: tensor '{}' could not be read (truncated file?)", where_, entry.name));
+    auto t = torch::empty(rows_shape(entry, count), torch::TensorOptions().dtype(entry.dtype));
+    read_rows_into(entry, first_row, count, t);
     return t;
   }
 
+  // The same into `out`, a contiguous CPU tensor of that shape and the entry's dtype: a buffer
+  // the caller reuses from one tensor to the next.
+  void read_rows_into(const SafetensorsEntry& entry, std::int64_t first_row, std::int64_t count, torch::Tensor& out) {
+    std::uint64_t offset = entry.begin;
+    if (!entry.shape.empty()) {
+      if (first_row < 0 || count < 0 || first_row + count > entry.shape[0])
+        throw DataError(fmt::format("{}: tensor '{}': rows [{}, {}) lie outside its {} rows", where_, entry.name,
+                                    first_row, first_row + count, entry.shape[0]));
+      offset += row_bytes(entry) * static_cast<std::uint64_t>(first_row);
+    }
+    if (out.sizes() != c10::IntArrayRef(rows_shape(entry, count)) || out.scalar_type() != entry.dtype ||
+        !out.is_contiguous() || !out.device().is_cpu())
+      throw DataError(fmt::format("{}: tensor '{}': the buffer to read into is {} {} on {}, not the rows' {} {}",
+                                  where_, entry.name, c10::toString(out.scalar_type()), c10::str(out.sizes()),
+                                  out.device().str(), c10::toString(entry.dtype),
+                                  c10::str(c10::IntArrayRef(rows_shape(entry, count)))));
+    in_.clear();
+    in_.seekg(static_cast<std::streamoff>(header_.data_start + offset));
+    in_.read(static_cast<char*>(out.data_ptr()), static_cast<std::streamsize>(out.numel() * out.element_size()));
+    if (!in_) throw DataError(fmt::format("{}: tensor '{}' could not be read (truncated file?)", where_, entry.name));
+  }
+
+  // Bytes of one row of `entry` (of the whole tensor when 0-d).
+  static std::uint64_t row_bytes(const SafetensorsEntry& entry) {
+    if (entry.shape.empty()) return entry.end - entry.begin;
+    return entry.shape[0] == 0 ? 0 : (entry.end - entry.begin) / static_cast<std::uint64_t>(entry.shape[0]);
+  }
+
  private:
+  static std::vector<std::int64_t> rows_shape(const SafetensorsEntry& entry, std::int64_t count) {
+    auto shape = entry.shape;
+    if (!shape.empty()) shape[0] = count;
+    return shape;
+  }
+
   std::filesystem::path path_;
   std::string where_;
   std::ifstream in_;

@@ -52,6 +52,7 @@
 #include <meshtorch/parallel/llama_plan.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/zero_stage2.hpp>
+#include <meshtorch/train/memory.hpp>
 #include <meshtorch/train/timers.hpp>
 #include <meshtorch/train/train_args.hpp>
 
@@ -65,12 +66,16 @@ enum class WeightsReadBy {
   // The guide's way: rank 0 reads each weight whole and broadcasts it over the world; every rank
   // keeps its piece. Only rank 0 needs the files.
   rank0,
+  // Local rank 0 of each node reads each weight whole and broadcasts it over its node: for
+  // node-local copies of the folder (the guide's advice to keep $HF_HOME on each node's disk).
+  local_rank0,
 };
 
 inline WeightsReadBy parse_weights_read_by(const std::string& text) {
   if (text == "every-rank") return WeightsReadBy::every_rank;
   if (text == "rank0") return WeightsReadBy::rank0;
-  throw ConfigError(fmt::format("--weights-read-by '{}': use every-rank or rank0", text));
+  if (text == "local-rank0") return WeightsReadBy::local_rank0;
+  throw ConfigError(fmt::format("--weights-read-by '{}': use every-rank, rank0 or local-rank0", text));
 }
 
 struct ParallelizeOptions {
@@ -112,6 +117,10 @@ class ParallelLlama {
 
   ParallelLlama(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, ParallelizeOptions options)
       : model_(std::move(model)), options_(std::move(options)), world_(mesh.world()), coordinate_(mesh.describe()) {
+    // What building and filling the pieces adds to the resident set at its peak is kept: the
+    // measure that no rank held the whole model.
+    const auto rss_before_build = train::rss_bytes();
+    train::reset_peak_rss();
     options_.fsdp.device = options_.device;
     if constexpr (has_dp) replica_ = mesh.template coord<DP>();
     if constexpr (has_dp || has_fsdp) data_parallel_ = data_parallel_group(mesh);
@@ -139,7 +148,11 @@ class ParallelLlama {
       if constexpr (has_dp)
         if (mesh.template size<DP>() > 1) options_.fsdp.reduce_scatters_in_flight = 0;
       fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, mesh.template group<FSDP>(), options_.fsdp);
-      for (auto& layer : model_->model->decoder_layers) fsdp_->fully_shard(layer);
+      // As torchtitan: the last layer keeps its weights from forward to backward, which starts
+      // with it (resharding would free them only to gather them again at once).
+      auto& layers = model_->model->decoder_layers;
+      for (std::size_t i = 0; i < layers.size(); ++i)
+        fsdp_->fully_shard(layers[i], i + 1 < layers.size() ? std::nullopt : std::optional<bool>(false));
       fsdp_->fully_shard(model_);
     } else {
       for (auto& [name, leaf] : llama::weight_modules(*model_))
@@ -150,9 +163,12 @@ class ParallelLlama {
     if (options_.weights_from.empty())
       initialise(dtype);
     else if (options_.weights_read_by == WeightsReadBy::rank0)
-      load_weights_from_rank0(options_.weights_from);
+      load_weights_through(options_.weights_from, world_);
+    else if (options_.weights_read_by == WeightsReadBy::local_rank0)
+      load_weights_through(options_.weights_from, mesh.node());
     else
       load_weights(options_.weights_from);
+    load_rss_growth_ = train::peak_rss_bytes() - rss_before_build;
 
     // 5. Replication over DP: DDP's bucketed all-reduce of whatever this rank trains (nothing to
     //    do for a DP axis of one rank).
@@ -164,7 +180,16 @@ class ParallelLlama {
         throw ConfigError(fmt::format("parallelize: zero_stage2 on {}: FSDP already shards gradients (and weights); "
                                       "use ZeRO-2 on a mesh with DP and no FSDP",
                                       std::string(M::name)));
-      if (mesh.template size<DP>() == 1) return;
+      if (mesh.template size<DP>() > 1) replicate(mesh);
+    }
+    // The sequence-parallel norms' gradients are summed over TP where the optimizer reads them.
+    if constexpr (has_tp) tp_->sum_norm_gradients_into(trained_by_name());
+  }
+
+ private:
+  // 5. DDP (or ZeRO-2) over a DP axis of more than one rank.
+  void replicate(const comm::DeviceMesh<M>& mesh) {
+    if constexpr (has_dp) {
       std::vector<std::pair<std::string, torch::Tensor>> replicated;
       for (auto& [name, tensor] : named_parameters())
         if (tensor.numel() > 0) replicated.emplace_back(name, tensor);
@@ -182,6 +207,7 @@ class ParallelLlama {
     }
   }
 
+ public:
   ParallelLlama(ParallelLlama&&) noexcept = default;
   ParallelLlama& operator=(ParallelLlama&&) noexcept = default;
 
@@ -318,11 +344,31 @@ class ParallelLlama {
   // Elements of weights this rank read from -m's folder (0 when initialised): its pieces, plus
   // the whole rows of weights TP cuts along dim 1.
   std::int64_t elements_read_from_folder() const { return read_elements_; }
-  // Elements of weights this rank holds.
+  // How far this rank's resident set rose while parallelize built and filled its pieces, at the
+  // peak: the pieces it keeps (on the CPU) plus what reading held at once.
+  std::int64_t load_rss_growth_bytes() const { return load_rss_growth_; }
+  // Elements of weights this rank holds, and their bytes.
   std::int64_t local_numel() const {
     std::int64_t n = 0;
     for (const auto& [name, tensor] : named_parameters()) n += tensor.numel();
     return n;
+  }
+  std::int64_t local_bytes() const {
+    std::int64_t n = 0;
+    for (const auto& [name, tensor] : named_parameters()) n += tensor.numel() * tensor.element_size();
+    return n;
+  }
+  // "weights from DIR read by rank0: this rank read 123 of the model's 456 elements; resident set
+  // +78 MiB at the peak of loading, its pieces 70 MiB": the line a chapter logs after loading.
+  std::string load_report() const {
+    constexpr double mib = 1024.0 * 1024.0;
+    const char* read_by = options_.weights_read_by == WeightsReadBy::rank0         ? "rank0"
+                          : options_.weights_read_by == WeightsReadBy::local_rank0 ? "local-rank0"
+                                                                                    : "every-rank";
+    return fmt::format("weights from {} read by {}: this rank read {} of the model's {} elements; resident set "
+                       "+{:.0f} MiB at the peak of loading, its pieces {:.0f} MiB",
+                       options_.weights_from.string(), read_by, read_elements_, model_->config.num_parameters(),
+                       static_cast<double>(load_rss_growth_) / mib, static_cast<double>(local_bytes()) / mib);
   }
 
   llama::LlamaForCausalLM& module() { return model_; }
@@ -395,7 +441,19 @@ class ParallelLlama {
   void load_weights(const std::filesystem::path& dir) {
     std::set<std::string> loaded;
     const auto trained = trained_by_name();
-    for (const auto& file : llama::weight_files(dir)) {
+    const auto files = llama::weight_files(dir);
+    // Every header first: a wrong shape stops the load before anything is read, and the read
+    // buffer is sized once, for the largest piece.
+    std::int64_t largest_read = 0;
+    for (const auto& file : files)
+      for (const auto& entry : io::read_safetensors_header(file).entries)
+        if (is_loaded(entry.name)) {
+          check_shape(entry, file);
+          largest_read = std::max(largest_read, rows_read_for(entry).second *
+                                                    static_cast<std::int64_t>(io::SafetensorsRowReader::row_bytes(entry)));
+        }
+    auto buffer = torch::empty({largest_read}, torch::TensorOptions().dtype(torch::kByte));
+    for (const auto& file : files) {
       io::SafetensorsRowReader reader(file);
       for (const auto& entry : reader.header().entries) {
         const auto& name = entry.name;
@@ -405,8 +463,11 @@ class ParallelLlama {
         const auto box = piece_box(name, entry.shape);
         const auto read_box = entry.shape.empty() ? box : io::rows(io::whole(entry.shape), box.offsets[0],
                                                                    box.offsets[0] + box.sizes[0]);
-        const auto rows = reader.read_rows(entry, box.dim() ? box.offsets[0] : 0, box.dim() ? box.sizes[0] : 0)
-                              .to(options_.device);
+        const auto [first_row, row_count] = rows_read_for(entry);
+        auto read = view_of_buffer(buffer, entry.shape.empty() ? entry.shape : rows_shape(entry.shape, row_count),
+                                   entry.dtype);
+        reader.read_rows_into(entry, first_row, row_count, read);
+        const auto rows = read.to(options_.device);
         read_elements_ += rows.numel();
         keep_piece(trained, name, io::view_of(rows, read_box, box), file.string());
         loaded.insert(name);
@@ -416,17 +477,40 @@ class ParallelLlama {
       if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", dir.string(), name));
   }
 
-  // Rank 0 reads each weight whole and broadcasts it over the world; every rank keeps its piece.
-  // Rank 0 checks every file first and sends the list of weights (or what is wrong with them), so
-  // a bad folder is an error on every rank, not a hang in the next broadcast.
-  void load_weights_from_rank0(const std::filesystem::path& dir) {
+  // The rows of a folder's tensor that this rank's piece lies in: [first, first + count).
+  std::pair<std::int64_t, std::int64_t> rows_read_for(const io::SafetensorsEntry& entry) const {
+    if (entry.shape.empty()) return {0, 1};
+    const auto box = piece_box(entry.name, entry.shape);
+    return {box.offsets[0], box.sizes[0]};
+  }
+  static std::vector<std::int64_t> rows_shape(std::vector<std::int64_t> shape, std::int64_t rows) {
+    shape[0] = rows;
+    return shape;
+  }
+  // `buffer`'s first bytes as a tensor of `shape` and `dtype`: the one buffer each weight is read
+  // (or received) into in turn, so that loading leaves no buffer per weight behind for glibc's
+  // heap to keep (measured: with one per weight, a rank's resident set peaked up to 99 MiB
+  // higher in some runs and not in others).
+  static torch::Tensor view_of_buffer(torch::Tensor& buffer, const std::vector<std::int64_t>& shape,
+                                      torch::ScalarType dtype) {
+    const auto bytes = c10::multiply_integers(shape) * static_cast<std::int64_t>(c10::elementSize(dtype));
+    if (buffer.numel() < bytes) buffer = torch::empty({bytes}, buffer.options());
+    return buffer.narrow(0, 0, bytes).view(dtype).view(shape);
+  }
+
+  // The group's rank 0 (the world's, or each node's) reads each weight whole and broadcasts it
+  // over the group; every rank keeps its piece. The reader checks every file first and sends the
+  // list of weights (or what is wrong with them), so a bad folder is an error on every rank, not
+  // a hang in the next broadcast.
+  void load_weights_through(const std::filesystem::path& dir, const comm::AxisGroup& group) {
+    const bool reader_rank = group.rank() == 0;
     struct Listed {
       std::filesystem::path file;
       io::SafetensorsEntry entry;
     };
     std::vector<Listed> listed;
     nlohmann::json listing = nlohmann::json::object();
-    if (world_.rank() == 0) {
+    if (reader_rank) {
       try {
         auto weights = nlohmann::json::array();
         for (const auto& file : llama::weight_files(dir))
@@ -441,29 +525,46 @@ class ParallelLlama {
         listing["error"] = e.what();
       }
     }
-    listing = nlohmann::json::parse(comm::all_gather_object(world_, world_.rank() == 0 ? listing.dump() : "").front());
-    if (listing.contains("error"))
-      throw DataError(fmt::format("rank 0, reading {} for every rank: {}", dir.string(), listing["error"].get<std::string>()));
+    const int reader = group.global_rank_of(0);
+    listing = nlohmann::json::parse(comm::all_gather_object(group, reader_rank ? listing.dump() : "").front());
+    const std::string error = listing.contains("error") ? listing["error"].get<std::string>() : "";
+    // Each node's reader decides for its node: the others learn of a failure here, not in a hang.
+    std::string first_error = error.empty() ? "" : fmt::format("rank {}, reading {} for its ranks: {}", reader, dir.string(), error);
+    if (group.size() < world_.size())
+      for (const auto& other : comm::all_gather_object(world_, first_error))
+        if (first_error.empty() && !other.empty()) first_error = other;
+    if (!first_error.empty()) throw DataError(first_error);
 
     std::set<std::string> loaded;
     const auto trained = trained_by_name();
-    std::optional<io::SafetensorsRowReader> reader;
+    std::optional<io::SafetensorsRowReader> file_reader;
+    // One buffer for every weight, as big as the largest, read into on the reader and received
+    // into on the others (on the CPU the reader's is the one it broadcasts from).
+    std::int64_t largest = 0;
+    for (const auto& weight : listing["weights"])
+      largest = std::max(largest, c10::multiply_integers(weight["shape"].get<std::vector<std::int64_t>>()) *
+                                      static_cast<std::int64_t>(c10::elementSize(
+                                          static_cast<torch::ScalarType>(weight["dtype"].get<int>()))));
+    auto read_buffer = torch::empty({reader_rank ? largest : 0}, torch::TensorOptions().dtype(torch::kByte));
+    auto receive_buffer = torch::empty({reader_rank && options_.device.is_cpu() ? 0 : largest},
+                                       torch::TensorOptions().dtype(torch::kByte).device(options_.device));
     for (std::size_t i = 0; i < listing["weights"].size(); ++i) {
       const auto& weight = listing["weights"][i];
       const auto name = weight["name"].get<std::string>();
       const auto shape = weight["shape"].get<std::vector<std::int64_t>>();
+      const auto dtype = static_cast<torch::ScalarType>(weight["dtype"].get<int>());
       torch::Tensor full;
-      if (world_.rank() == 0) {
-        if (!reader || reader->path() != listed[i].file) reader.emplace(listed[i].file);
-        full = reader->read_rows(listed[i].entry, 0, shape.empty() ? 0 : shape[0]).to(options_.device);
+      if (reader_rank) {
+        if (!file_reader || file_reader->path() != listed[i].file) file_reader.emplace(listed[i].file);
+        auto read = view_of_buffer(read_buffer, shape, dtype);
+        file_reader->read_rows_into(listed[i].entry, 0, shape.empty() ? 0 : shape[0], read);
+        full = options_.device.is_cpu() ? read : view_of_buffer(receive_buffer, shape, dtype).copy_(read);
         read_elements_ += full.numel();
       } else {
-        full = torch::empty(shape, torch::TensorOptions()
-                                       .dtype(static_cast<torch::ScalarType>(weight["dtype"].get<int>()))
-                                       .device(options_.device));
+        full = view_of_buffer(receive_buffer, shape, dtype);
       }
-      full = comm::broadcast(world_, full, 0);
-      keep_piece(trained, name, piece_of(name, full), "rank 0's " + dir.string());
+      full = comm::broadcast(group, full, 0);
+      keep_piece(trained, name, piece_of(name, full), fmt::format("rank {}'s {}", reader, dir.string()));
       loaded.insert(name);
     }
     for (const auto& [name, shape] : global_shapes_)
@@ -496,6 +597,7 @@ class ParallelLlama {
   std::string coordinate_;
   int replica_ = 0;  // the DP coordinate: replicas other than 0 write nothing
   std::int64_t read_elements_ = 0;  // of weights read from a model folder (load_weights)
+  std::int64_t load_rss_growth_ = 0;
   std::vector<std::pair<std::string, std::vector<std::int64_t>>> global_shapes_;
   std::optional<comm::AxisGroup> data_parallel_;
   std::unique_ptr<TensorParallel<plan>> tp_;

@@ -118,7 +118,8 @@ inline void TrainArgs::add_to(CLI::App& app) {
       ->check(CLI::Range(std::int64_t{-1}, std::numeric_limits<std::int64_t>::max()));
   app.add_option("--weights-read-by", weights_read_by,
                  "who reads a model folder's weights (-m): every-rank (each reads only the rows of its pieces) or "
-                 "rank0 (rank 0 reads each weight and broadcasts it; for files only rank 0 sees)")
+                 "rank0 (rank 0 reads each weight and broadcasts it; for files only rank 0 sees) or local-rank0 (each node's "
+                 "local rank 0 reads and broadcasts over its node; for copies on each node's disk)")
       ->capture_default_str()
       ->check(CLI::IsMember({"every-rank", "rank0"}));
   app.add_option("--activation-checkpointing", activation_checkpointing,

@@ -1,6 +1,7 @@
 #pragma once
 // Memory figures for the metrics: allocator statistics on CUDA (as torch.cuda.memory_stats),
 // the process's peak resident set on CPU. Peaks are reset after each log line, as in the guide.
+#include <cstdint>
 #include <fstream>
 #include <map>
 #include <string>
@@ -28,6 +29,11 @@ inline double kib_field_from_proc_status(const std::string& field) {
   }
   return 0;
 }
+
+// This process's resident set now and at its peak (since start or the last reset_peak_rss()).
+inline std::int64_t rss_bytes() { return static_cast<std::int64_t>(kib_field_from_proc_status("VmRSS")) * 1024; }
+inline std::int64_t peak_rss_bytes() { return static_cast<std::int64_t>(kib_field_from_proc_status("VmHWM")) * 1024; }
+inline void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }  // VmHWM := VmRSS
 
 // GiB figures under the guide's names: on CUDA the device's total memory and the caching
 // allocator's current and peak allocated and reserved bytes (torch.cuda.memory_stats), peaks
@@ -61,7 +67,7 @@ inline void reset_peak_memory(const torch::Device& device) {
 #else
   (void)device;
 #endif
-  std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to the current RSS
+  reset_peak_rss();
 }
 
 }  // namespace meshtorch::train

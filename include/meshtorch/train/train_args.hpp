@@ -37,7 +37,7 @@ struct TrainArgs {
   double min_lr_ratio = 1e-4;
   double max_grad_norm = 0;  // 0: no clipping
   std::int64_t loss_chunk = -1;  // positions whose logits the loss computes at once; -1 automatic
-  std::string weights_read_by = "every-rank";  // who reads -m's weights: every-rank or rank0 (parallel/parallelize.hpp)
+  std::string weights_read_by = "every-rank";  // who reads -m's weights: every-rank, rank0 or local-rank0 (parallel/parallelize.hpp)
   std::string activation_checkpointing = "none";  // none, full or k (parallel/activation_checkpointing.hpp)
   bool measure_waiting = false;  // time/waiting: a barrier after each step's data (multi-rank chapters)
   bool deterministic = false;  // deterministic algorithms only (train::use_deterministic_algorithms)
