@@ -7,6 +7,9 @@
   04-fully-sharded-data-parallel, 06-tensor-parallel and 07-2d-parallel under meshrun against the
   guide's FSDP2, tensor-parallel and 2D scripts under torchrun (opt-in: --only fsdp,tp,2d);
 - ch1-bf16: chapter 1 in bfloat16 (opt-in: --only ch1-bf16);
+- ch5: chapter 5's memory savers against their cost, each beside the Python stack's (opt-in:
+  --only ch5): activation checkpointing at llama-100m, sequence 1024, 2 ranks of FSDP, and the
+  chunked loss at a vocabulary of 128256, sequence 2048, in chapter 1;
 - compile-time: the cost of including meshtorch.
 Each pair runs in turns (A/B/A/B...) so that a change in the machine's load hits both sides alike,
 then medians and ratios per pair. Run it through bench/run, which prepares the Python environment.
@@ -51,7 +54,7 @@ DDP_RANKS = 2
 # A plain bench/run runs DEFAULT_SECTIONS (about 16 minutes on 2 idle cores); the others would take
 # it past 20 minutes (fsdp + tp + 2d about 6 more at llama-tiny, ch1-bf16 about as long as ch1), so
 # they are opt-in through --only.
-SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "zero2", "ch1-bf16", "compile-time"]
+SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "zero2", "ch5", "ch1-bf16", "compile-time"]
 DEFAULT_SECTIONS = ["ch1", "ddp", "compile-time"]
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 IMPL_NAMES = {"ours": "meshtorch", "hf-eager": "HF eager", "hf-compile": "HF compile",
@@ -106,6 +109,9 @@ def parse_args():
     p.add_argument("--bf16-compile-sizes", default="",
                    help="sizes at which ch1-bf16 also runs the torch.compile variant (default: none)")
     p.add_argument("--meshrun", default=str(ROOT / "build" / "bin" / "meshrun"), help="our launcher")
+    p.add_argument("--ch5-bin", default=str(ROOT / "build" / "bin" / "05-training-llama-405b"),
+                   help="our chapter-5 binary (the ch5 section)")
+    p.add_argument("--ch5-reps", type=int, default=1, help="repetitions of the ch5 section (default 1: ~12 minutes)")
     p.add_argument("--engine-bin", default=str(ROOT / "build" / "bin" / "08-alternative-frameworks"),
                    help="our chapter-8 binary (the zero2 section)")
     p.add_argument("--quick", action="store_true", help="one run per side and few steps: checks the wiring, not a measurement")
@@ -800,6 +806,132 @@ def par_section(kind, args, corpus, runs_dir, out, machine):
     return report, {kind: report.split("\n", 2)[2]}, expected, sum(len(v) for v in results.values())
 
 
+# The ch5 section: issue 14's targets. Activation checkpointing: llama-100m, batch 1 x sequence
+# 1024 per rank, 2 ranks x 1 thread of FSDP; ours is chapter 5's binary with the recipe's
+# checkpointing on or off (its other defaults as they are), theirs the guide's FSDP2 script with
+# checkpoint_wrapper on every decoder layer or without. The chunked loss: chapter 1 at hidden 512,
+# 2 layers, vocabulary 128256, batch 1 x sequence 2048, 2 threads; ours with the automatic chunks
+# or --loss-chunk 0, theirs transformers' loss (full logits). Every run with a fixed mmap threshold
+# (MALLOC_MMAP_THRESHOLD_, both stacks use glibc's malloc), so that freed activations leave the
+# resident set and peak RSS measures what is held at once.
+CH5_PARTS = {
+    "checkpointing": dict(spec=dict(config=REFERENCE / "configs" / "llama-100m", batch=1, seq=1024, steps=4, warmup=1),
+                          variants={"none": ["--activation-checkpointing", "none"],
+                                    "full": ["--activation-checkpointing", "full"]},
+                          targets="peak RSS full / none <= 0.6, step time <= 1.4"),
+    "loss": dict(spec=dict(config=REFERENCE / "configs" / "llama-vocab128k", batch=1, seq=2048, steps=4, warmup=1),
+                 variants={"plain": ["--loss-chunk", "0"], "chunked": []},
+                 targets="peak RSS chunked / plain <= 0.5, step time within 10%",
+                 torch_variants=["plain"]),  # transformers has no chunked loss: its plain run is the baseline
+}
+
+
+def ch5_command(part, side, variant, spec, name, args, corpus, runs_dir):
+    flags = CH5_PARTS[part]["variants"][variant]
+    common = ["-m", str(spec["config"]), "-d", str(corpus), "-b", str(spec["batch"]), "-s", str(spec["seq"]),
+              "--max-steps", str(spec["steps"]), "--log-freq", "1", "--lr", "3e-4", "--seed", "0",
+              "--dtype", "float32", "-e", name, "--save-dir", str(runs_dir)]
+    ours = ["--device", "cpu", "--ckpt-freq", "1000000"]
+    if part == "loss":
+        common += ["--threads", "2"]
+        if side == "ours":
+            return [args.bin, *common, *ours, *flags]
+        return [sys.executable, str(REFERENCE / "train_llm_ch1.py"), *common, "--warmup-steps", str(spec["warmup"])]
+    common += ["--threads", "1", *flags]
+    if side == "ours":
+        return [args.meshrun, "--nproc-per-node", str(PAR_RANKS), "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port()), "--", args.ch5_bin, *common, *ours]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    return [*launcher, "--standalone", "--nproc-per-node", str(PAR_RANKS), str(REFERENCE / "train_llm_ch4.py"),
+            *common, "--warmup-steps", str(spec["warmup"])]
+
+
+def ch5_section(args, corpus, runs_dir, out, machine):
+    """The ch5 section; returns (report, docs sections, runs expected, runs done)."""
+    missing = [p for p in (args.ch5_bin, args.bin, args.meshrun) if not os.access(p, os.X_OK)]
+    if missing and not args.reference_only:
+        line = "ch5: skipped: " + ", ".join(os.path.relpath(p, ROOT) for p in missing) + " not built"
+        log(line)
+        print(f"## Chapter 5\n\n{line}\n")
+        return line, {}, 0, 0
+    sides = ["torch"] if args.reference_only else ["ours", "torch"]
+    started = time.perf_counter()
+    results, expected = {}, 0
+    for part, meta in CH5_PARTS.items():
+        spec = dict(meta["spec"])
+        if args.quick:
+            spec.update(steps=2, warmup=1)
+        runs = [(v, side) for v in meta["variants"] for side in sides
+                if side == "ours" or v in meta.get("torch_variants", meta["variants"])]
+        for rep in range(1, args.ch5_reps + 1):
+            # The order turns every repetition, so a trend in the load favours no run.
+            for v, side in runs[rep % len(runs):] + runs[:rep % len(runs)]:
+                expected += 1
+                name = f"ch5-{part}-{v}-{side}-r{rep}"
+                threads = "2" if part == "loss" else "1"
+                env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, HF_HUB_OFFLINE="1",
+                           TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                           MALLOC_MMAP_THRESHOLD_="1048576")
+                summary = run_cmd(ch5_command(part, side, v, spec, name, args, corpus, runs_dir), spec, name, args,
+                                  runs_dir, env)
+                if summary is not None:
+                    results.setdefault((part, v, side), {})[rep] = summary
+    minutes = round((time.perf_counter() - started) / 60, 1)
+    r2 = lambda v: f"{v:.2f}" if v is not None else "—"
+    med = lambda runs, key: median_of(list(runs.values()), key)
+    label = {"ours": "meshtorch", "torch": "PyTorch"}
+    lines = [f"## Chapter 5: memory savers ({machine['date']}, commit {machine['commit']})", "",
+             f"{machine['cpu']}, {machine['cores']} cores; fp32, MALLOC_MMAP_THRESHOLD_=1048576 on both stacks, "
+             f"{args.ch5_reps} repetition(s), {minutes} minutes. Checkpointing: llama-100m, batch 1 x sequence 1024 "
+             "per rank, 2 ranks x 1 thread of FSDP (ours: chapter 5; PyTorch: the guide's FSDP2 script with "
+             "checkpoint_wrapper on every decoder layer). Loss: chapter 1 at hidden 512, 2 layers, vocabulary "
+             "128256, batch 1 x sequence 2048, 2 threads (ours chunked automatically or --loss-chunk 0; PyTorch: "
+             "transformers' loss over the full logits). Step times are medians after the first step; RSS is rank "
+             "0's peak. Ratios are medians over repetitions of the ratio within one.", "",
+             "| part | variant | stack | ms/step | forward | backward | update | peak RSS GB |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for part, meta in CH5_PARTS.items():
+        for v in meta["variants"]:
+            for side in ("ours", "torch"):
+                if side == "torch" and v not in meta.get("torch_variants", meta["variants"]):
+                    continue
+                runs = results.get((part, v, side), {})
+                if not runs:
+                    lines.append(f"| {part} | {v} | {label[side]} | not run |  |  |  |  |")
+                    continue
+                lines.append(f"| {part} | {v} | {label[side]} | {fmt(med(runs, 'time/total'))} | "
+                             + " | ".join(fmt(med(runs, f"time/{p}")) for p in ("forward", "backward", "update"))
+                             + f" | {fmt(med(runs, 'peak_rss_gb'), 2)} |")
+    lines += ["", "| part | ratio | peak RSS | ms/step | target |", "| --- | --- | ---: | ---: | --- |"]
+    for part, meta in CH5_PARTS.items():
+        saver, base = list(meta["variants"])[::-1]
+        torch_variants = meta.get("torch_variants", meta["variants"])
+        get = lambda v, side: results.get((part, v, side), {})
+        for side in ("ours", "torch"):
+            if side == "torch" and saver not in torch_variants:
+                continue
+            a, b = get(saver, side), get(base, side)
+            lines.append(f"| {part} | {label[side]} {saver} / {base} | {r2(paired(a, b, 'peak_rss_gb'))} "
+                         f"| {r2(paired(a, b, 'time/total'))} | {meta['targets'] if side == 'ours' else ''} |")
+        for v in (base, saver):
+            # Against PyTorch's run of the same variant, or of its baseline where it has no saver.
+            theirs = v if v in torch_variants else base
+            a, b = get(v, "ours"), get(theirs, "torch")
+            lines.append(f"| {part} | ours {v} / PyTorch {theirs} | {r2(paired(a, b, 'peak_rss_gb'))} "
+                         f"| {r2(paired(a, b, 'time/total'))} | |")
+    if args.quick:
+        lines += ["", "**--quick: one short run per side; this checks the wiring and measures nothing.**"]
+    report = "\n".join(lines) + "\n"
+    (out / "ch5.md").write_text(report)
+    (out / "ch5.json").write_text(json.dumps(
+        {"machine": machine, "runs": [{"part": part, "variant": v, "side": side, "rep": r, **x}
+                                      for (part, v, side), runs in results.items() for r, x in runs.items()]},
+        indent=1))
+    print(report)
+    return report, {"ch5": report.split("\n", 2)[2]}, expected, sum(len(v) for v in results.values())
+
+
 def main():
     args = parse_args()
     sections = SECTIONS if args.only == "all" else [s for s in args.only.split(",") if s]
@@ -828,6 +960,7 @@ def main():
             ("ddp", lambda: ddp_section(args, corpus, runs_dir, out, machine)),
             *[(k, lambda k=k: par_section(k, args, corpus, runs_dir, out, machine)) for k in PAR_SECTIONS],
             ("zero2", lambda: zero2_section(args, corpus, runs_dir, out, machine)),
+            ("ch5", lambda: ch5_section(args, corpus, runs_dir, out, machine)),
             ("ch1-bf16", lambda: chapter1(bf16_args, corpus, runs_dir, out, machine, stem="chapter1-bf16"))]
     for name, section in runs:
         if name in sections:
