@@ -24,6 +24,7 @@
 //   parallel.loss(ids, ids).backward();            // every collective is in the wrappers
 //
 // The object owns the wrappers, whose hooks live in the model: keep it alive while the model runs.
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -31,6 +32,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -71,10 +73,19 @@ enum class WeightsReadBy {
   local_rank0,
 };
 
+// The --weights-read-by spelling of each choice.
+inline constexpr std::array<std::pair<WeightsReadBy, std::string_view>, 3> weights_read_by_names{
+    {{WeightsReadBy::every_rank, "every-rank"}, {WeightsReadBy::rank0, "rank0"}, {WeightsReadBy::local_rank0, "local-rank0"}}};
+
+inline std::string_view to_string(WeightsReadBy read_by) {
+  for (const auto& [value, name] : weights_read_by_names)
+    if (value == read_by) return name;
+  return "?";
+}
+
 inline WeightsReadBy parse_weights_read_by(const std::string& text) {
-  if (text == "every-rank") return WeightsReadBy::every_rank;
-  if (text == "rank0") return WeightsReadBy::rank0;
-  if (text == "local-rank0") return WeightsReadBy::local_rank0;
+  for (const auto& [value, name] : weights_read_by_names)
+    if (text == name) return value;
   throw ConfigError(fmt::format("--weights-read-by '{}': use every-rank, rank0 or local-rank0", text));
 }
 
@@ -362,12 +373,10 @@ class ParallelLlama {
   // +78 MiB at the peak of loading, its pieces 70 MiB": the line a chapter logs after loading.
   std::string load_report() const {
     constexpr double mib = 1024.0 * 1024.0;
-    const char* read_by = options_.weights_read_by == WeightsReadBy::rank0         ? "rank0"
-                          : options_.weights_read_by == WeightsReadBy::local_rank0 ? "local-rank0"
-                                                                                    : "every-rank";
     return fmt::format("weights from {} read by {}: this rank read {} of the model's {} elements; resident set "
                        "+{:.0f} MiB at the peak of loading, its pieces {:.0f} MiB",
-                       options_.weights_from.string(), read_by, read_elements_, model_->config.num_parameters(),
+                       options_.weights_from.string(), to_string(options_.weights_read_by), read_elements_,
+                       model_->config.num_parameters(),
                        static_cast<double>(load_rss_growth_) / mib, static_cast<double>(local_bytes()) / mib);
   }
 
