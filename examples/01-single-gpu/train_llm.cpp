@@ -10,6 +10,7 @@
 #include <meshtorch/parallel/grad_clipping.hpp>
 #include <meshtorch/parallel/training_data.hpp>
 #include <meshtorch/train/args.hpp>
+#include <meshtorch/train/tensorboard.hpp>
 
 namespace mt = meshtorch;
 
@@ -34,8 +35,10 @@ int train(const mt::train::TrainArgs& args) {
   mt::train::AdamW optimizer(mt::train::named_trainable_parameters(*model), {.lr = args.lr});
   const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());
 
-  // The experiment folder: metrics, checkpoints, and resuming from the last one.
-  mt::train::Experiment experiment(args, /*rank=*/0, sampler.global_batch(), device);
+  // The experiment folder: metrics (and TensorBoard files with --tensorboard), checkpoints, and
+  // resuming from the last one.
+  mt::train::Experiment experiment(args, /*rank=*/0, sampler.global_batch(), device,
+                                   mt::train::tensorboard_tracker(args, /*rank=*/0));
   experiment.log().info(fmt::format("model {}: {} parameters, {} on {}; {} blocks of {} tokens, {} steps per epoch",
                                     args.model_name, config.num_parameters(), mt::llama::dtype_name(dtype), device.str(),
                                     blocks.size(), args.seq_length, sampler.steps_per_epoch()));

@@ -14,6 +14,7 @@
 #include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/parallel/training_data.hpp>
 #include <meshtorch/train/args.hpp>
+#include <meshtorch/train/tensorboard.hpp>
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::DP<mt::dynamic>>;
@@ -68,7 +69,8 @@ int train(const Chapter2Args& args) {
       log.info(fmt::format("ZeroRedundancyOptimizer: this rank holds {} elements of optimizer state for {} of {} "
                            "parameters", optimizer.state_numel(), optimizer.owned_parameters().size(), named.size()));
 
-    mt::train::Experiment experiment(args, mesh.rank(), sampler.global_batch(), device);
+    mt::train::Experiment experiment(args, mesh.rank(), sampler.global_batch(), device,
+                                   mt::train::tensorboard_tracker(args, mesh.rank()));
     auto state = experiment.resume(model, optimizer);
     mt::train::PhaseTimers timers(device);
 

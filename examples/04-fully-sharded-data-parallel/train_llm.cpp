@@ -15,6 +15,7 @@
 #include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/parallel/training_data.hpp>
 #include <meshtorch/train/args.hpp>
+#include <meshtorch/train/tensorboard.hpp>
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::FSDP<mt::dynamic>>;
@@ -55,7 +56,8 @@ int train(const Chapter4Args& args) {
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
   const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());
 
-  mt::train::Experiment experiment(args, mesh.rank(), sampler.global_batch(), device);
+  mt::train::Experiment experiment(args, mesh.rank(), sampler.global_batch(), device,
+                                   mt::train::tensorboard_tracker(args, mesh.rank()));
   auto state = experiment.resume(model, optimizer);
   mt::train::PhaseTimers timers(device);
 

@@ -8,12 +8,20 @@
 #include <numbers>
 #include <set>
 
+#include <google/protobuf/compiler/parser.h>
+#include <google/protobuf/descriptor.pb.h>
+#include <google/protobuf/dynamic_message.h>
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/text_format.h>
+
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/grad_clipping.hpp>
 #include <meshtorch/parallel/memory_plan.hpp>
 #include <meshtorch/train/cpu_allocation_counter.hpp>
+#include <meshtorch/train/tensorboard.hpp>
 
 #include "test_support.hpp"
 
@@ -122,7 +130,7 @@ TEST_CASE("documents are packed into full blocks and the remainder dropped", "[d
   std::ofstream(dir / "x.bin") << "not tokens";
   CHECK_THAT(error_of([&] { mt::data::load_dataset((dir / "x.bin").string(), 2); }), Catch::Contains("magic number"));
   CHECK_THAT(error_of([&] { mt::data::load_dataset((dir / "missing.txt").string(), 2); }),
-             Catch::Contains("neither 'builtin' nor an existing file"));
+             Catch::Contains("neither 'builtin', an existing file or folder"));
   CHECK_THAT(error_of([&] { mt::data::load_dataset((dir / "a.txt").string(), 100); }),
              Catch::Contains("do not fill one block"));
   CHECK_THAT(error_of([&] { blocks.check_vocab(200); }), Catch::Contains("outside the model's vocab_size 200"));
@@ -482,4 +490,105 @@ TEST_CASE("a GPU rank's host threads share the CPUs it may run on among the node
   CHECK(mt::train::host_threads_per_rank(cpus) == 1);
   CHECK(mt::train::host_threads_per_rank(4 * cpus) == 1);  // never none
   if (cpus >= 2) CHECK(mt::train::host_threads_per_rank(2) == cpus / 2);
+}
+
+namespace {
+
+// The records of a TFRecord file, each checked against its two masked CRC-32Cs.
+std::vector<std::string> tfrecords(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<std::string> records;
+  std::uint64_t length = 0;
+  while (in.read(reinterpret_cast<char*>(&length), sizeof length)) {
+    std::uint32_t length_crc = 0, data_crc = 0;
+    in.read(reinterpret_cast<char*>(&length_crc), sizeof length_crc);
+    REQUIRE(length_crc == mt::train::tensorboard_detail::masked_crc32c(&length, sizeof length));
+    std::string data(length, '\0');
+    in.read(data.data(), static_cast<std::streamsize>(length));
+    in.read(reinterpret_cast<char*>(&data_crc), sizeof data_crc);
+    REQUIRE(in);
+    REQUIRE(data_crc == mt::train::tensorboard_detail::masked_crc32c(data.data(), data.size()));
+    records.push_back(std::move(data));
+  }
+  return records;
+}
+
+// tensorflow.Event messages decoded by libprotobuf over the header's schema, as text format.
+class EventDecoder {
+ public:
+  EventDecoder() {
+    const auto schema = mt::train::tensorboard_detail::event_schema;
+    google::protobuf::io::ArrayInputStream input(schema.data(), static_cast<int>(schema.size()));
+    google::protobuf::io::Tokenizer tokenizer(&input, nullptr);
+    google::protobuf::FileDescriptorProto file;
+    REQUIRE(google::protobuf::compiler::Parser().Parse(&tokenizer, &file));
+    file.set_name("event.proto");
+    const auto* built = pool_.BuildFile(file);
+    REQUIRE(built);
+    event_ = factory_.GetPrototype(built->FindMessageTypeByName("Event"));
+  }
+  std::string decode(const std::string& data) {
+    std::unique_ptr<google::protobuf::Message> event(event_->New());
+    REQUIRE(event->ParseFromString(data));
+    std::string text;
+    google::protobuf::TextFormat::PrintToString(*event, &text);
+    return text;
+  }
+
+ private:
+  google::protobuf::DescriptorPool pool_;
+  google::protobuf::DynamicMessageFactory factory_{&pool_};
+  const google::protobuf::Message* event_ = nullptr;
+};
+
+}  // namespace
+
+TEST_CASE("TensorBoard event files: TFRecord framing with masked CRC-32C, Event messages, the run folders",
+          "[tensorboard]") {
+  // CRC-32C's check value ("123456789" -> 0xE3069283), masked as TFRecord masks it.
+  const std::uint32_t check = 0xE3069283u;
+  CHECK(mt::train::tensorboard_detail::masked_crc32c("123456789", 9) == ((check >> 15) | (check << 17)) + 0xa282ead8u);
+
+  const auto dir = fresh_dir("tensorboard");
+  fs::path file;
+  {
+    mt::train::TensorBoardTracker tracker(dir / "run", "seed=3\nlr=0.001\n");
+    REQUIRE(tracker.path());
+    file = *tracker.path();
+    tracker.on_start(20);
+    nlohmann::ordered_json record{{"global_step", 30}, {"lr", 0.001}, {"running_loss", 2.5}, {"note", "text"}};
+    tracker.on_metrics(record);
+  }
+  CHECK(file.parent_path() == dir / "run");
+  CHECK_THAT(file.filename().string(), Catch::StartsWith("events.out.tfevents."));
+  const auto records = tfrecords(file);
+  REQUIRE(records.size() == 4);  // the file version, the flags, the session start, the scalars
+  EventDecoder decoder;
+  std::vector<std::string> events;
+  for (const auto& data : records) events.push_back(decoder.decode(data));
+  CHECK_THAT(events[0], Catch::Contains("file_version: \"brain.Event:2\"") && Catch::Contains("wall_time: "));
+  CHECK_THAT(events[1], Catch::Contains("tag: \"flags\"") && Catch::Contains("plugin_name: \"text\"") &&
+                                   Catch::Contains("dtype: DT_STRING") && Catch::Contains("seed=3\\nlr=0.001"));
+  CHECK_THAT(events[2], Catch::Contains("step: 20") && Catch::Contains("status: START"));
+  CHECK_THAT(events[3], Catch::Contains("step: 30") && Catch::Contains("tag: \"lr\"") &&
+                                   Catch::Contains("simple_value: 0.001") && Catch::Contains("tag: \"running_loss\"") &&
+                                   Catch::Contains("simple_value: 2.5") && !Catch::Contains("note"));
+
+  // The three modes' run folders on rank 3 of 4, two ranks per node.
+  using mt::train::TrackingRanks;
+  const fs::path exp = "runs/x";
+  CHECK_FALSE(mt::train::tensorboard_run_dir(exp, TrackingRanks::rank0, 3, 1, 2));
+  CHECK(*mt::train::tensorboard_run_dir(exp, TrackingRanks::rank0, 0, 0, 2) == exp / "tensorboard");
+  CHECK_FALSE(mt::train::tensorboard_run_dir(exp, TrackingRanks::node, 3, 1, 2));
+  CHECK(*mt::train::tensorboard_run_dir(exp, TrackingRanks::node, 2, 0, 2) == exp / "tensorboard" / "node-1");
+  CHECK(*mt::train::tensorboard_run_dir(exp, TrackingRanks::all, 3, 1, 2) == exp / "tensorboard" / "rank-3");
+  CHECK_THAT(error_of([] { mt::train::parse_tracking_ranks("some"); }), Catch::Contains("use rank0, node or all"));
+
+  // --tensorboard without -e, and a program that forgets the tracker, are refused by name.
+  mt::train::TrainArgs args;
+  args.tensorboard = true;
+  CHECK_THAT(error_of([&] { mt::train::tensorboard_tracker(args, 0); }), Catch::Contains("give -e"));
+  CHECK_THAT(error_of([&] { mt::train::Experiment(args, 0, 8, torch::kCPU); }),
+             Catch::Contains("without a tracker"));
+  fs::remove_all(dir);
 }

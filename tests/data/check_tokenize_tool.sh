@@ -31,4 +31,23 @@ cmp -s "$tmp/sp.jsonl" "$tmp/sp-want.jsonl" || { diff "$tmp/sp.jsonl" "$tmp/sp-w
 # Bad input names the line.
 if printf '[1, 2]\nnot json\n' | "$tool" "$fixtures/bpe" --decode >/dev/null 2>"$tmp/err"; then fail "--decode accepted a line that is not JSON"; fi
 grep -q "standard input line 2" "$tmp/err" || fail "the error does not name line 2: $(cat "$tmp/err")"
+# --prepare: the corpus as a JSONL data set tokenised into its cache (the fixture's <bos>/<eos>
+# around each text), then found current on the second call.
+mkdir "$tmp/data"
+python3 -c 'import json, sys; [print(json.dumps({"text": json.loads(l)})) for l in open(sys.argv[1]) if l.strip()]' \
+  "$fixtures/corpus.jsonl" >"$tmp/data/train.jsonl"
+first="$("$tool" "$fixtures/bpe" --prepare "$tmp/data" -t 2)"
+second="$("$tool" "$fixtures/bpe" --prepare "$tmp/data")"
+texts=$(wc -l <"$fixtures/corpus.jsonl")
+ids=$(python3 -c 'import json, sys; print(sum(len(json.loads(l)) + 2 for l in open(sys.argv[1])))' "$tmp/want.jsonl")
+python3 - "$first" "$second" "$texts" "$ids" <<'PY' || fail "--prepare: $first / $second"
+import json, os, sys
+first, second = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+assert first["written"] and not second["written"], (first, second)
+assert first["cache"] == second["cache"] and os.path.exists(first["cache"]), first
+assert first["documents"] == int(sys.argv[3]) and first["tokens"] == int(sys.argv[4]), (first, sys.argv[3:])
+PY
+if "$tool" "$fixtures/bpe" --prepare "$tmp/data" --dataset-subset nope >/dev/null 2>"$tmp/err"; then fail "--prepare accepted a missing subset"; fi
+grep -q "has no such subfolder" "$tmp/err" || fail "the missing subset is not named: $(cat "$tmp/err")"
+
 echo "meshtorch-tokenize: ids equal the reference on $(wc -l <"$fixtures/corpus.jsonl") texts, both tokenizers"

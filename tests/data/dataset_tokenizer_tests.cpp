@@ -8,6 +8,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <meshtorch/data/data_files.hpp>
 #include <meshtorch/data/dataset_tokenizer.hpp>
 #include <meshtorch/models/llama/weights.hpp>
 
@@ -23,6 +24,16 @@ fs::path fresh_dir(const std::string& name) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir;
+}
+
+template <class Work>
+std::string error_of(Work&& work) {
+  try {
+    work();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no error";
 }
 
 std::vector<std::int32_t> all_tokens(const mt::data::TokenBlocks& blocks) {
@@ -100,5 +111,129 @@ TEST_CASE("the dtype of a folder's config.json is what --dtype auto loads", "[da
   std::ofstream(dir / "config.json") << j.dump();
   CHECK_FALSE(mt::llama::pretrained_dtype(dir).has_value());
   CHECK_FALSE(mt::llama::pretrained_dtype("llama-tiny").has_value());
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a data set is a file or a folder (with --dataset-subset) or a pattern and other files are listed", "[dataset][files]") {
+  const auto dir = fresh_dir("files");
+  fs::create_directories(dir / "set" / "train" / "nested");
+  fs::create_directories(dir / "set" / "valid");
+  fs::create_directories(dir / "set" / "train" / ".meshtorch-cache");
+  std::ofstream(dir / "set" / "train" / "b.jsonl") << R"({"text": "b"})" << "\n";
+  std::ofstream(dir / "set" / "train" / "nested" / "a.txt") << "a\n";
+  std::ofstream(dir / "set" / "train" / "README.md") << "not data\n";
+  std::ofstream(dir / "set" / "train" / ".hidden.txt") << "hidden\n";
+  std::ofstream(dir / "set" / "train" / ".meshtorch-cache" / "x.txt") << "a cache's own\n";
+
+  const auto train = mt::data::resolve_data_files((dir / "set").string(), "train");
+  REQUIRE(train.files.size() == 2);
+  CHECK(train.files[0].filename() == "b.jsonl");  // path order: "b.jsonl" < "nested/a.txt"
+  CHECK(train.files[1].filename() == "a.txt");
+  REQUIRE(train.ignored.size() == 1);
+  CHECK(train.ignored[0].filename() == "README.md");
+  CHECK(train.root == dir / "set" / "train");
+
+  const auto pattern = mt::data::resolve_data_files((dir / "set" / "train" / "*.jsonl").string());
+  REQUIRE(pattern.files.size() == 1);
+  CHECK(pattern.files[0].filename() == "b.jsonl");
+
+  CHECK_THAT(error_of([&] { mt::data::resolve_data_files((dir / "set").string(), "test"); }),
+             Catch::Contains("--dataset-subset 'test'") && Catch::Contains("its subsets: train, valid"));
+  CHECK_THAT(error_of([&] { mt::data::resolve_data_files((dir / "set" / "train" / "b.jsonl").string(), "x"); }),
+             Catch::Contains("is not a folder"));
+  CHECK_THAT(error_of([&] { mt::data::resolve_data_files((dir / "set" / "valid").string()); }),
+             Catch::Contains("holds no .txt, .jsonl, .json or .bin file"));
+  CHECK_THAT(error_of([&] { mt::data::resolve_data_files((dir / "*.none").string()); }),
+             Catch::Contains("the pattern matches no file"));
+  std::ofstream(dir / "set" / "train" / "ids.bin") << "x";
+  CHECK_THAT(error_of([&] { mt::data::resolve_data_files((dir / "set" / "train").string()); }),
+             Catch::Contains("mixes 1 llm.c .bin token file(s) with 2 text/JSONL file(s)"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("the token cache is written once, mapped after, and replaced when a file or the tokenizer changes",
+          "[dataset][cache]") {
+  const auto dir = fresh_dir("cache");
+  const auto data = dir / "data";
+  fs::create_directories(data);
+  std::ofstream(data / "a.txt") << "first document\n\nsecond document\n";
+  {
+    std::ofstream out(data / "b.jsonl");
+    out << R"({"text": "third"})" << "\n\n" << R"({"instruction": "add", "input": "", "output": "4"})" << "\n";
+  }
+  const mt::data::DatasetRequest request{.name = data.string(), .model = "llama-tiny"};
+  mt::data::CachedDataset dataset(request, 2);
+  CHECK(dataset.cache_path().parent_path() == data / ".meshtorch-cache");
+
+  bool built = false;
+  const auto cached = dataset.open_or_build(&built);
+  CHECK(built);
+  // The byte tokenizer's ids of the same documents, in file order.
+  std::vector<std::int32_t> want;
+  const mt::data::ByteTokenizer bytes;
+  for (const char* text : {"first document", "second document", "third"}) bytes.encode_document(text, want);
+  bytes.encode_document(mt::data::format_alpaca("add", "", "4"), want);
+  REQUIRE(cached.count == want.size());
+  CHECK(std::ranges::equal(cached.span(), want));
+  CHECK(cached.stats.files == 2);
+  CHECK(cached.stats.documents == 4);
+  CHECK(cached.stats.skipped_lines == 1);
+  CHECK(cached.min_id == *std::ranges::min_element(want));
+  CHECK(cached.max_id == *std::ranges::max_element(want));
+  CHECK(fs::file_size(dataset.cache_path()) == want.size() * 4 + sizeof(mt::data::TokenCacheFooter));
+
+  const auto blocks = mt::data::blocks_of(cached, 8, dataset.source_name());
+  CHECK(blocks.size() == static_cast<std::int64_t>(want.size() / 8));
+  CHECK(blocks.dropped_tokens() == static_cast<std::int64_t>(want.size() % 8));
+  want.resize(want.size() / 8 * 8);
+  CHECK(all_tokens(blocks) == want);
+  const auto report = dataset.report(cached, 8, built);
+  CHECK_THAT(report, Catch::Contains("2 file(s), 4 document(s)") && Catch::Contains("1 blank line(s) skipped") &&
+                         Catch::Contains("(written now)"));
+  CHECK_THAT(error_of([&] { blocks.check_vocab(257); }), Catch::Contains("token id 257 lies outside"));
+
+  // A second start maps the same file: no write.
+  const auto written = fs::last_write_time(dataset.cache_path());
+  const auto again = mt::data::CachedDataset(request).open_or_build(&built);
+  CHECK_FALSE(built);
+  CHECK(fs::last_write_time(dataset.cache_path()) == written);
+  CHECK(std::ranges::equal(again.span(), cached.span()));
+  CHECK(again.ids.get() != cached.ids.get());  // a mapping of its own, not a copy in this process
+
+  // A cut-short file is refused with the reason and written again (as a new file, renamed over the
+  // old one: a mapping in a running job keeps its pages).
+  const std::vector<std::int32_t> cached_ids(cached.span().begin(), cached.span().end());
+  fs::resize_file(dataset.cache_path(), fs::file_size(dataset.cache_path()) - 3);
+  std::string why;
+  CHECK_FALSE(dataset.open(&why));
+  CHECK_THAT(why, Catch::Contains("no token-cache footer"));
+  const auto rewritten = mt::data::CachedDataset(request).open_or_build(&built);
+  CHECK(built);
+  CHECK(std::ranges::equal(rewritten.span(), cached_ids));
+
+  // An edited file, or a folder tokenizer, gives another key and another file.
+  std::ofstream(data / "a.txt", std::ios::app) << "\nmore\n";
+  const mt::data::CachedDataset edited(request);
+  CHECK(edited.cache_path() != dataset.cache_path());
+  const auto model = dir / "model";
+  fs::create_directories(model);
+  fs::copy_file(fixtures / "bpe" / "tokenizer.json", model / "tokenizer.json");
+  fs::copy_file(fixtures / "bpe" / "tokenizer_config.json", model / "tokenizer_config.json");
+  mt::data::CachedDataset with_tokenizer({.name = data.string(), .model = model.string()});
+  CHECK(with_tokenizer.cache_path() != edited.cache_path());
+  with_tokenizer.open_or_build(&built);
+  CHECK(built);
+  CHECK_THAT(with_tokenizer.tokenizer_note(), Catch::Contains("byte-level BPE"));
+  // A second start finds the cache current without loading the tokenizer.
+  mt::data::CachedDataset cached_start({.name = data.string(), .model = model.string()});
+  cached_start.open_or_build(&built);
+  CHECK_FALSE(built);
+  CHECK_THAT(cached_start.tokenizer_note(), Catch::Contains("not loaded: its token cache is current"));
+
+  // $MESHTORCH_DATA_CACHE moves it (a node-local folder).
+  ::setenv("MESHTORCH_DATA_CACHE", (dir / "elsewhere").c_str(), 1);
+  const mt::data::CachedDataset moved(request);
+  ::unsetenv("MESHTORCH_DATA_CACHE");
+  CHECK(moved.cache_path().parent_path() == dir / "elsewhere");
   fs::remove_all(dir);
 }

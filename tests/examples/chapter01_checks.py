@@ -166,7 +166,8 @@ def common_except(common, flags):
 
 
 def folder_tokenizer(binary):
-    """A model folder with a tokenizer.json trains on a JSONL data set tokenised by it."""
+    """A model folder with a tokenizer.json trains on a folder of JSONL files tokenised by it, through
+    the token cache: written on the first start, mapped on the next, written again after an edit."""
     fixture = pathlib.Path(__file__).resolve().parent.parent / "data" / "fixtures" / "bpe"
     tokenizer = json.loads((fixture / "tokenizer.json").read_text())
     vocab = max([*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]) + 1
@@ -182,23 +183,48 @@ def folder_tokenizer(binary):
             "max_position_embeddings": 256, "tie_word_embeddings": False}))
         corpus = pathlib.Path(__file__).resolve().parent.parent / "data" / "fixtures" / "corpus.jsonl"
         lines = [json.loads(line) for line in corpus.read_text().splitlines() if line.strip()]
-        data = pathlib.Path(tmp) / "data.jsonl"
-        data.write_text("".join(json.dumps({"text": text}) + "\n" for text in lines * 4))
-        out = run(binary, "-m", str(folder), "-d", str(data), "-s", "32", "-b", "2", "-e", "folder",
-                  "--save-dir", tmp, "--max-steps", "20", "--log-freq", "10", "--ckpt-freq", "1000")
-        assert "tokenizer: " in out.stdout and "byte tokenizer" not in out.stdout, out.stdout
-        records = metrics(tmp, "folder")
-        assert [r["global_step"] for r in records] == [10, 20], records
-        print(f"running_loss {records[0]['running_loss']:.4f} -> {records[1]['running_loss']:.4f} with the "
+        # A folder data set: -d data --dataset-subset train reads data/train's two JSONL parts in
+        # path order; its other file is reported, a blank line counted.
+        train = pathlib.Path(tmp) / "data" / "train"
+        train.mkdir(parents=True)
+        records = [json.dumps({"text": text}) + "\n" for text in lines * 4]
+        half = len(records) // 2
+        (train / "part-0.jsonl").write_text("".join(records[:half]) + "\n")
+        (train / "part-1.jsonl").write_text("".join(records[half:]))
+        (train / "NOTES.md").write_text("not data")
+        (pathlib.Path(tmp) / "data" / "valid").mkdir()
+        data_flags = ["-m", str(folder), "-d", str(pathlib.Path(tmp) / "data"), "--dataset-subset", "train",
+                      "-s", "32", "-b", "2", "--save-dir", tmp, "--log-freq", "10", "--ckpt-freq", "1000"]
+        out = run(binary, *data_flags, "-e", "folder", "--max-steps", "20")
+        assert "data: byte-level BPE" in out.stdout and "byte tokenizer" not in out.stdout, out.stdout
+        for fact in ["(subset train): 2 file(s) (1 other file(s) not read: NOTES.md)", f"{len(records)} document(s)",
+                     "1 blank line(s) skipped", "(written now)"]:
+            assert fact in out.stdout, f"'{fact}' not in:\n{out.stdout}"
+        records_run = metrics(tmp, "folder")
+        assert [r["global_step"] for r in records_run] == [10, 20], records_run
+        print(f"running_loss {records_run[0]['running_loss']:.4f} -> {records_run[1]['running_loss']:.4f} with the "
               f"folder's tokenizer ({vocab} ids)")
-        assert records[1]["running_loss"] < records[0]["running_loss"], records
+        assert records_run[1]["running_loss"] < records_run[0]["running_loss"], records_run
+        # The second start maps the cache the first wrote, and trains on the same tokens.
+        caches = list((pathlib.Path(tmp) / "data" / "train" / ".meshtorch-cache").glob("tokens-*.i32"))
+        assert len(caches) == 1, caches
+        again = run(binary, *data_flags, "-e", "again", "--max-steps", "10")
+        assert "(reused)" in again.stdout, again.stdout
+        assert metrics(tmp, "again")[0]["running_loss"] == records_run[0]["running_loss"]
+        # An edited data file is tokenised again, into a cache of its own.
+        with open(train / "part-1.jsonl", "a") as f:
+            f.write(records[0])
+        edited = run(binary, *data_flags, "-e", "edited", "--max-steps", "10")
+        assert "(written now)" in edited.stdout and f"{len(records) + 1} document(s)" in edited.stdout, edited.stdout
+        assert len(list(caches[0].parent.glob("tokens-*.i32"))) == 2
 
 
 def bad_input(binary):
     with tempfile.TemporaryDirectory() as tmp:
         cases = [
             (["-m", "no-such-model"], "neither a preset"),
-            (["-d", f"{tmp}/missing.txt"], "neither 'builtin' nor an existing file"),
+            (["-d", f"{tmp}/missing.txt"], "neither 'builtin', an existing file or folder"),
+            (["-d", tmp, "--dataset-subset", "nope"], "has no such subfolder"),
             (["-b", "100000"], "do not fill one global batch"),
         ]
         config_dir = pathlib.Path(tmp) / "model"

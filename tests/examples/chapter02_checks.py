@@ -2,7 +2,7 @@
 """End-to-end checks of examples/02-distributed-data-parallel (and the chapter-3 launch paths),
 run by CTest on CPU with Gloo, fp32, one thread per rank.
 
-usage: chapter02_checks.py MESHRUN CHAPTER1 CHAPTER2 {ddp-parity|grad-accum-parity|zero-parity|resume|two-nodes|flag-mismatch|elastic}
+usage: chapter02_checks.py MESHRUN CHAPTER1 CHAPTER2 {ddp-parity|grad-accum-parity|zero-parity|resume|two-nodes|flag-mismatch|elastic|token-cache|tensorboard}
 """
 import json
 import os
@@ -276,6 +276,113 @@ def two_nodes(tools):
         compare_params(model_file(f"{tmp}/one-node"), model_file(f"{tmp}/two-nodes"), 1e-6)
 
 
+def token_cache(tools):
+    """-d a text file on 2 ranks: rank 0 tokenises it once into its token cache and both ranks map
+    it; a second start reuses it; two nodes whose cache folders differ (MESHTORCH_DATA_CACHE on
+    node-local disk) each write their own, and every run logs the same losses."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = pathlib.Path(tmp) / "corpus.txt"
+        data.write_text("\n\n".join(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (1 + i % 5)
+                                    for i in range(200)) + "\n")
+        flags = ["-d", str(data), "-b", "2", "--save-dir", tmp, "--max-steps", "10", "--ckpt-freq", "1000"]
+        first = ddp(tools, 2, *flags, "-e", "first")
+        assert "(written now)" in first.stdout, first.stdout
+        caches = list((data.parent / ".meshtorch-cache").glob("tokens-*.i32"))
+        assert len(caches) == 1, caches
+        written = caches[0].stat().st_mtime_ns
+        second = ddp(tools, 2, *flags, "-e", "second")
+        assert "(reused)" in second.stdout, second.stdout
+        assert caches[0].stat().st_mtime_ns == written, "the second start rewrote the cache"
+        compare_losses(metrics(f"{tmp}/first"), metrics(f"{tmp}/second"), 1e-9)
+        port = free_port()
+        nodes = [subprocess.Popen([tools["meshrun"], "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node",
+                                   "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-timeout",
+                                   "60", "--", tools["chapter2"], *COMMON, *flags, "-e", "two-nodes"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=dict(ENV, MESHTORCH_DATA_CACHE=f"{tmp}/node{rank}-cache"))
+                 for rank in range(2)]
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+        for rank, (node, output) in enumerate(zip(nodes, outputs)):
+            assert node.returncode == 0, f"node {rank} failed ({node.returncode}):\n{output}"
+            assert len(list(pathlib.Path(f"{tmp}/node{rank}-cache").glob("tokens-*.i32"))) == 1, \
+                f"node {rank} wrote no cache of its own:\n{output}"
+        compare_losses(metrics(f"{tmp}/first"), metrics(f"{tmp}/two-nodes"), 1e-6)
+
+
+VENV_PYTHON = pathlib.Path(__file__).resolve().parents[2] / "bench" / ".venv" / "bin" / "python"
+# Metrics every rank computes alike (the global batch's loss, the schedule, the data position).
+GLOBAL_METRICS = ["running_loss", "lr", "epoch", "epoch_progress", "num_batches_remaining"]
+
+
+def as_float32(x):
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def read_run(run_dir):
+    out = subprocess.run([str(VENV_PYTHON), str(pathlib.Path(__file__).with_name("read_tensorboard.py")),
+                          str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"reading {run_dir} failed:\n{out.stderr}"
+    return json.loads(out.stdout)
+
+
+def check_run(run, records, keys, where):
+    """`run` (read_tensorboard.py's JSON) holds, for each of `keys`, the records' values at their steps."""
+    steps = [r["global_step"] for r in records]
+    assert run["file_versions"] and all(v == "brain.Event:2" for v in run["file_versions"]), (where, run)
+    for key in keys:
+        got = run["scalars"].get(key)
+        assert got, f"{where}: no scalar '{key}' (has {sorted(run['scalars'])})"
+        assert [step for step, _ in got] == steps, (where, key, got, steps)
+        for (step, value), record in zip(got, records):
+            assert value == as_float32(record[key]), f"{where}: {key} at step {step} is {value}, metrics.jsonl {record[key]}"
+
+
+def tensorboard(tools):
+    """--tensorboard in each --tracking-ranks mode on 2 ranks: the tensorboard package's reader
+    finds, in every run folder the mode makes, each metric of metrics.jsonl at its steps (rank 0's
+    run: every value equal as float32; the others: the global ones), the flags as text, and a
+    session start where a run resumed."""
+    probe = subprocess.run([str(VENV_PYTHON), "-c", "import tensorboard"], capture_output=True) \
+        if VENV_PYTHON.exists() else None
+    if probe is None or probe.returncode != 0:
+        print(f"skipped: {VENV_PYTHON} with the tensorboard package is needed (bench/setup-python)")
+        sys.exit(77)
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["-b", "2", "--save-dir", tmp, "--max-steps", "10", "--log-freq", "5", "--tensorboard"]
+        ddp(tools, 2, *flags, "-e", "rank0", "--tracking-ranks", "rank0")
+        ddp(tools, 2, *flags, "-e", "all", "--tracking-ranks", "all")
+        port = free_port()
+        nodes = [subprocess.Popen([tools["meshrun"], "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node",
+                                   "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-timeout",
+                                   "60", "--", tools["chapter2"], *COMMON, *flags, "-e", "node", "--tracking-ranks",
+                                   "node"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+                 for rank in range(2)]
+        for rank, node in enumerate(nodes):
+            output = node.communicate(timeout=300)[0]
+            assert node.returncode == 0, f"node {rank} failed ({node.returncode}):\n{output}"
+
+        expected_runs = {"rank0": ["."], "all": ["rank-0", "rank-1"], "node": ["node-0", "node-1"]}
+        for mode, runs in expected_runs.items():
+            root = pathlib.Path(tmp) / mode / "tensorboard"
+            subfolders = sorted(p.name for p in root.iterdir() if p.is_dir())
+            assert subfolders == ([] if runs == ["."] else runs), (mode, subfolders)
+            records = metrics(pathlib.Path(tmp) / mode)
+            every_key = [k for k, v in records[0].items()
+                         if k != "global_step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+            for index, name in enumerate(runs):
+                run = read_run(root / name)
+                check_run(run, records, every_key if index == 0 else GLOBAL_METRICS, f"{mode}/{name}")
+                assert f'tracking-ranks="{mode}"' in run["texts"].get("flags", ""), run["texts"]
+            print(f"{mode}: {len(runs)} run(s), {len(every_key)} metrics at steps "
+                  f"{[r['global_step'] for r in records]} equal to metrics.jsonl")
+
+        # A resumed run marks its restart, so that TensorBoard drops what came after the checkpoint.
+        ddp(tools, 2, *flags, "--max-steps", "20", "-e", "rank0", "--tracking-ranks", "rank0")
+        run = read_run(pathlib.Path(tmp) / "rank0" / "tensorboard")
+        assert run["files"] == 2 and run["session_starts"] == [[10, 1]], run
+        check_run(run, metrics(pathlib.Path(tmp) / "rank0"), GLOBAL_METRICS, "rank0 resumed")
+
+
 def elastic(tools):
     """An elastic job of 1 to 2 nodes loses a node: node 0 restarts alone, resumes from the 2-rank
     checkpoint resharded onto 1 rank, and with --global-batch-size keeps the batch and data order
@@ -312,5 +419,5 @@ if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter2": sys.argv[3]}
     {"ddp-parity": ddp_parity, "grad-accum-parity": grad_accum_parity, "zero-parity": zero_parity,
      "resume": resume, "two-nodes": two_nodes, "flag-mismatch": flag_mismatch,
-     "elastic": elastic}[sys.argv[4]](tools)
+     "elastic": elastic, "token-cache": token_cache, "tensorboard": tensorboard}[sys.argv[4]](tools)
     print("ok")

@@ -325,9 +325,10 @@ TEST_CASE("a damaged llm.c .bin dataset names the file and what is wrong", "[dat
   write_bin(16, 0, 100);
   CHECK(error() ==
         path.string() + ": 100 bytes, shorter than the 1024-byte header of an llm.c token file (truncated?)");
+  // A folder is a data set of its files; one with none is refused by name.
   fs::remove(path);
   fs::create_directory(path);
-  CHECK(error() == "-d/--dataset-name '" + path.string() + "' is not a regular file (a directory, device or pipe)");
+  CHECK(error() == "-d/--dataset-name '" + path.string() + "': the folder holds no .txt, .jsonl, .json or .bin file");
   fs::remove_all(dir);
 }
 

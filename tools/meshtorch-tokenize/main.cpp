@@ -2,6 +2,8 @@
 // shell. Each line of standard input becomes one line of output: its ids as a JSON array
 // (without added <bos>/<eos>, as HF's add_special_tokens=False), or with --decode, a JSON array of
 // ids becomes its text. With --json, texts are JSON strings on both sides, so they may hold newlines.
+// With --prepare DATA, it tokenises a data set (-d's file, folder or pattern) into its token cache
+// once, before a job, as the first training start would, and says what it did as JSON.
 #include <chrono>
 #include <iostream>
 #include <string>
@@ -10,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/data/cached_dataset.hpp>
 #include <meshtorch/data/folder_tokenizer.hpp>
 
 namespace mt = meshtorch;
@@ -75,6 +78,24 @@ void decode_lines(const mt::data::TextTokenizer& tokenizer, bool json) {
   }
 }
 
+// The data set's token cache written (or found current), timed: {"cache", "written", "files",
+// "documents", "tokens", "seconds"} on one line. A folder without a tokenizer gives the byte tokenizer.
+void prepare(const std::string& model_dir, const std::string& data, const std::string& subset, unsigned threads) {
+  const auto start = std::chrono::steady_clock::now();
+  mt::data::CachedDataset dataset({.name = data, .subset = subset, .model = model_dir}, threads);
+  bool written = false;
+  const auto cached = dataset.open_or_build(&written);
+  const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
+  std::cout << nlohmann::json{{"cache", dataset.cache_path().string()},
+                              {"written", written},
+                              {"files", cached.stats.files},
+                              {"documents", cached.stats.documents},
+                              {"tokens", cached.count},
+                              {"seconds", seconds.count()}}
+                   .dump()
+            << '\n';
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -82,15 +103,27 @@ int main(int argc, char** argv) {
   std::string model_dir;
   bool decode = false, verbose = false, json = false, time_only = false;
   unsigned threads = 0;
-  app.add_option("model_dir", model_dir, "folder holding tokenizer.json or tokenizer.model")->required();
+  app.add_option("model_dir", model_dir,
+                 "folder holding tokenizer.json or tokenizer.model (with --prepare, a folder without either "
+                 "means the byte tokenizer)")
+      ->required();
   app.add_flag("--decode", decode, "read JSON arrays of ids, print their text");
   app.add_flag("--json", json, "texts are JSON strings (one a line), so they may hold newlines");
   app.add_flag("--benchmark", time_only, "encode all input lines at once and print only the count and time, as JSON");
+  std::string prepare_data, subset;
+  app.add_option("--prepare", prepare_data,
+                 "tokenise this data set (a file, folder or pattern, as -d takes) into its token cache and print "
+                 "what was done as JSON");
+  app.add_option("--dataset-subset", subset, "with --prepare: the subfolder of its folder to read");
   app.add_option("-t,--threads", threads, "encoding threads (0: one per core)")->capture_default_str();
   app.add_flag("-v,--verbose", verbose, "print which tokenizer was chosen, and its <bos>/<eos>, on standard error");
   CLI11_PARSE(app, argc, argv);
   try {
     std::ios::sync_with_stdio(false);
+    if (!prepare_data.empty()) {
+      prepare(model_dir, prepare_data, subset, threads);
+      return 0;
+    }
     std::string note;
     const auto tokenizer = mt::data::load_tokenizer(model_dir, &note);
     if (verbose) std::cerr << note << '\n';

@@ -1,39 +1,24 @@
 #pragma once
-// Which tokenizer a data set is read with, and loading it so: a text or JSONL file (-d) with a model
-// folder holding a tokenizer (-m) is tokenised by the folder's tokenizer; `builtin` keeps the byte
-// tokenizer and an llm.c .bin file its own ids, as does any data set with a preset model.
+// Data sets as training reads them: `builtin` in memory, anything else through its token cache
+// (cached_dataset.hpp), as TokenBlocks over the mapped file; and a file tokenised in memory with
+// a given tokenizer.
 //
 // Link requirements: PCRE2 and libsentencepiece (CMake target meshtorch::tokenizers), and LibTorch.
+#include <cstdint>
 #include <filesystem>
-#include <memory>
 #include <string>
 
 #include <fmt/format.h>
+#include <torch/torch.h>
 
+#include <meshtorch/data/cached_dataset.hpp>
 #include <meshtorch/data/dataset.hpp>
-#include <meshtorch/data/folder_tokenizer.hpp>
 
 namespace meshtorch::data {
 
-// The folder's tokenizer when it applies to `dataset_name`, else nullptr (the byte tokenizer or
-// the file's own ids). `note` (if given) receives what was chosen, for the caller's log.
-inline std::unique_ptr<TextTokenizer> tokenizer_for_dataset(const std::string& dataset_name,
-                                                            const std::string& model_name_or_dir,
-                                                            std::string* note = nullptr) {
-  const auto ext = std::filesystem::path(dataset_name).extension().string();
-  const bool text_data = dataset_name != "builtin" && ext != ".bin";
-  if (!text_data || !folder_has_tokenizer(model_name_or_dir)) {
-    if (note)
-      *note = dataset_name == "builtin" || ext == ".bin"
-                  ? "byte tokenizer (built-in corpus) or the file's own ids"
-                  : fmt::format("byte tokenizer ({} holds no tokenizer)", model_name_or_dir);
-    return nullptr;
-  }
-  return load_tokenizer(model_name_or_dir, note);
-}
-
 // A text (documents separated by blank lines) or JSONL file tokenised with `tokenizer` on
-// `threads` threads (0: one per core), each document as [<bos>] ids <eos>, packed into blocks.
+// `threads` threads (0: one per core), each document as [<bos>] ids <eos>, packed into blocks, in
+// memory (no cache).
 inline TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length, const TextTokenizer& tokenizer,
                                 unsigned threads = 0) {
   const std::filesystem::path path(name);
@@ -44,13 +29,28 @@ inline TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length
   return TokenBlocks(tokenizer.encode_documents(documents, threads), seq_length, name);
 }
 
-// What an example calls with -d and -m: the folder's tokenizer for text and JSONL, otherwise
-// load_dataset(name, seq_length) as before.
+// Blocks over the cached ids without a copy: the tensor keeps the mapping alive.
+inline TokenBlocks blocks_of(const CachedTokens& cached, std::int64_t seq_length, std::string source) {
+  auto ids = cached.count == 0
+                 ? torch::empty({0}, torch::kInt)
+                 : torch::from_blob(const_cast<std::int32_t*>(cached.ids.get()), {static_cast<std::int64_t>(cached.count)},
+                                    [mapping = cached.ids](void*) {}, torch::TensorOptions().dtype(torch::kInt));
+  return TokenBlocks(std::move(ids), seq_length, std::move(source), TokenBlocks::IdRange{cached.min_id, cached.max_id});
+}
+
+// What an example calls with -d and -m on one process: 'builtin' in memory, anything else through
+// its token cache. `note` (if given) receives the tokenizer and the data line for the log.
 inline TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length, const std::string& model_name_or_dir,
-                                std::string* note = nullptr) {
-  if (const auto tokenizer = tokenizer_for_dataset(name, model_name_or_dir, note))
-    return load_dataset(name, seq_length, *tokenizer);
-  return load_dataset(name, seq_length);
+                                std::string* note = nullptr, const std::string& subset = {}) {
+  if (name == "builtin" && subset.empty()) {
+    if (note) *note = "byte tokenizer (built-in corpus)";
+    return load_dataset(name, seq_length);
+  }
+  CachedDataset dataset({.name = name, .subset = subset, .model = model_name_or_dir});
+  bool built = false;
+  const auto cached = dataset.open_or_build(&built);
+  if (note) *note = fmt::format("{}; {}", dataset.tokenizer_note(), dataset.report(cached, seq_length, built));
+  return blocks_of(cached, seq_length, dataset.source_name());
 }
 
 }  // namespace meshtorch::data

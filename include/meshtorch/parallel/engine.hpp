@@ -20,6 +20,8 @@
 //
 // Every rank builds the same engine from the same file (its canonical text is in the start-up
 // fingerprint, so ranks with different configs stop at once, naming the difference).
+//
+// Link requirements: meshtorch::tracking (its Experiment writes TensorBoard files with --tensorboard).
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -47,6 +49,7 @@
 #include <meshtorch/train/log.hpp>
 #include <meshtorch/train/lr_schedule.hpp>
 #include <meshtorch/train/state.hpp>
+#include <meshtorch/train/tensorboard.hpp>
 #include <meshtorch/train/timers.hpp>
 
 namespace meshtorch {
@@ -87,7 +90,8 @@ class Engine {
         model_(build_model()),
         optimizer_(build_optimizer()),
         schedule_(config_.schedule()),
-        experiment_(args_, run_.mesh.rank(), *config_.train_batch_size, run_.device),
+        experiment_(args_, run_.mesh.rank(), *config_.train_batch_size, run_.device,
+                    train::tensorboard_tracker(args_, run_.mesh.rank())),
         timers_(run_.device),
         step_loss_(zero_loss()) {
     run_.log.info(fmt::format("engine: ZeRO stage {} ({}) over {} ranks: micro batch {} per rank, {} accumulation "

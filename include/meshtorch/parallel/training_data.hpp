@@ -1,16 +1,20 @@
 #pragma once
 // The data of a training run, as every chapter prepares it: the dataset of -d tokenised (with
-// the tokenizer of the -m folder when it has one, else the byte tokenizer) and packed into -s
-// blocks (rank 0 of the job first, so that a download or a tokeniser cache is made once on
-// shared storage), checked against the model's vocabulary, and the
+// the tokenizer of the -m folder when it has one, else the byte tokenizer) once into a token
+// cache that every rank maps (rank 0 writes it; a node that cannot see it writes its own), packed
+// into -s blocks, checked against the model's vocabulary, and the
 // data-parallel-invariant sampler that gives data-parallel rank r its part of each global batch
 // (every TP rank of a data-parallel coordinate the same part). Needs meshtorch::tokenizers
 // (PCRE2, sentencepiece), so the umbrella header leaves it out.
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #include <fmt/format.h>
 
 #include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/comm/env.hpp>
 #include <meshtorch/data/dataset.hpp>
 #include <meshtorch/data/dataset_tokenizer.hpp>
 #include <meshtorch/data/sampler.hpp>
@@ -43,15 +47,73 @@ inline std::int64_t micro_batches_per_step(const train::TrainArgs& args, std::in
   return args.global_batch_size / per_micro_batch;
 }
 
-// `world`: every rank of the job (rank 0 loads first); nothing on one process.
+namespace training_data_detail {
+
+// Every rank learns the first rank's error of a phase (or none), so that no rank waits for one
+// that has failed.
+inline void raise_first_error(const comm::AxisGroup& world, const std::string& error) {
+  for (const auto& other : comm::all_gather_object(world, error))
+    if (!other.empty()) throw DataError(other);
+}
+
+template <class Work>
+std::string error_of(int rank, const Work& work) {
+  try {
+    work();
+    return {};
+  } catch (const CommError&) {
+    throw;
+  } catch (const std::exception& e) {
+    return fmt::format("rank {}: {}", rank, e.what());
+  }
+}
+
+// -d through its token cache on every rank of `world`: rank 0 tokenises (or finds the cache
+// current); a node whose ranks cannot see rank 0's file (a cache folder on node-local disk, as the
+// guide's $HF_HOME advice has it) has its lowest rank tokenise into its own; then every rank maps
+// the file. `report` receives the data line.
+inline data::TokenBlocks load_cached(const train::TrainArgs& args, const comm::AxisGroup& world, std::string& note) {
+  const int rank = world.global_rank();
+  std::optional<data::CachedDataset> dataset;
+  raise_first_error(world, error_of(rank, [&] {
+                      dataset.emplace(data::DatasetRequest{
+                          .name = args.dataset_name, .subset = args.dataset_subset, .model = args.model_name});
+                    }));
+  bool built = false;
+  raise_first_error(world, error_of(rank, [&] {
+                      if (world.rank() == 0 && !dataset->open()) dataset->build(), built = true;
+                    }));
+  // Which nodes see rank 0's file: "host visible" from every rank.
+  const bool visible = dataset->open().has_value();
+  const auto views = comm::all_gather_object(world, fmt::format("{} {}", comm::host_name(), visible ? 1 : 0));
+  bool lowest_blind_rank_on_host = !visible;
+  for (int r = 0; r < world.rank() && lowest_blind_rank_on_host; ++r)
+    lowest_blind_rank_on_host = views[static_cast<std::size_t>(r)] != fmt::format("{} 0", comm::host_name());
+  raise_first_error(world, error_of(rank, [&] {
+                      if (lowest_blind_rank_on_host) dataset->build(), built = true;
+                    }));
+  std::string why;
+  auto cached = dataset->open(&why);
+  std::string error = cached ? std::string() : fmt::format("rank {} on {}: the token cache is not readable after rank 0 "
+                                                           "and this node's first rank wrote it: {}",
+                                                           rank, comm::host_name(), why);
+  raise_first_error(world, error);
+  note = fmt::format("{}; {}", dataset->tokenizer_note(), dataset->report(*cached, args.seq_length, built));
+  return data::blocks_of(*cached, args.seq_length, dataset->source_name());
+}
+
+}  // namespace training_data_detail
+
+// `world`: every rank of the job; nothing on one process. -d other than 'builtin' goes through its
+// token cache (data/token_cache.hpp), written once and mapped by every rank.
 inline TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size,
                                        DataParallelCoordinate data_parallel = {},
                                        const comm::AxisGroup* world = nullptr) {
-  std::string tokenizer_note;
-  auto load = [&] { return data::load_dataset(args.dataset_name, args.seq_length, args.model_name, &tokenizer_note); };
-  auto blocks = world ? rank_zero_first(*world, load) : load();
-  if (!tokenizer_note.empty() && (!world || world->rank() == 0))
-    train::Logger(world ? world->global_rank() : 0).info(fmt::format("tokenizer: {}", tokenizer_note));
+  std::string note;
+  auto blocks = world && args.dataset_name != "builtin"
+                    ? training_data_detail::load_cached(args, *world, note)
+                    : data::load_dataset(args.dataset_name, args.seq_length, args.model_name, &note, args.dataset_subset);
+  if (!world || world->rank() == 0) train::Logger(world ? world->global_rank() : 0).info(fmt::format("data: {}", note));
   blocks.check_vocab(vocab_size);
   data::DpInvariantSampler sampler({.num_samples = blocks.size(),
                                     .batch_size = args.batch_size,

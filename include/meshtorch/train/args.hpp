@@ -50,8 +50,20 @@ inline void TrainArgs::add_to(CLI::App& app) {
   app.add_flag("--no-resume", no_resume,
                "start at step 0 even when -e's folder holds a checkpoint (this run's first save replaces it)")
       ->excludes(resume_from_flag);
-  app.add_option("-d,--dataset-name", dataset_name, "'builtin' or a .txt, .jsonl or llm.c .bin file")
+  app.add_option("-d,--dataset-name", dataset_name,
+                 "'builtin', a .txt, .jsonl or llm.c .bin file, a folder of them or a pattern such as 'data/*.jsonl'; "
+                 "tokenised once into <its folder>/.meshtorch-cache (or $MESHTORCH_DATA_CACHE)")
       ->capture_default_str();
+  app.add_flag("--tensorboard", tensorboard,
+               "write TensorBoard event files (every metric, the flags) under <save-dir>/<experiment>/tensorboard; "
+               "W&B imports them with `wandb sync --sync-tensorboard`");
+  app.add_option("--tracking-ranks", tracking_ranks,
+                 "which ranks write them: rank0 (one run), node (local rank 0 of each node, a run per node) or all "
+                 "(a run per rank)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"rank0", "node", "all"}));
+  app.add_option("--dataset-subset", dataset_subset, "the subfolder of -d's folder to train on (an HF data set's "
+                                                     "configuration name)");
   app.add_option("-m,--model-name", model_name,
                  "a preset (llama-tiny, llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, llama-3.1-405b) or a "
                  "directory with an HF config.json (and optionally model.safetensors)")

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -47,14 +48,18 @@ struct Checkpointing {
 
 // The flags a resumed run must share with the run that saved it.
 inline RunIdentity run_identity(const TrainArgs& args, std::int64_t global_batch) {
-  return {args.seed, args.seq_length, global_batch, args.dataset_name, args.model_name};
+  const auto dataset =
+      args.dataset_subset.empty() ? args.dataset_name : fmt::format("{} (subset {})", args.dataset_name, args.dataset_subset);
+  return {args.seed, args.seq_length, global_batch, dataset, args.model_name};
 }
 
 class Experiment {
  public:
   // `global_batch`: samples per optimizer step over all data-parallel ranks and micro-batches;
-  // tokens_per_s counts them all.
-  Experiment(const TrainArgs& args, int rank, std::int64_t global_batch, torch::Device device)
+  // tokens_per_s counts them all. `tracker`: where this rank's metrics go besides metrics.jsonl
+  // (train::tensorboard_tracker(args, rank) for --tensorboard), or nullptr.
+  Experiment(const TrainArgs& args, int rank, std::int64_t global_batch, torch::Device device,
+             std::unique_ptr<MetricsTracker> tracker = nullptr)
       : log_(rank),
         rank_(rank),
         identity_(run_identity(args, global_batch)),
@@ -62,7 +67,12 @@ class Experiment {
         max_steps_(args.max_steps),
         num_epochs_(args.num_epochs),
         no_resume_(args.no_resume),
-        window_(device, /*tokens_per_step=*/global_batch * args.seq_length) {
+        window_(device, /*tokens_per_step=*/global_batch * args.seq_length),
+        tracker_(std::move(tracker)) {
+    // A program that builds its Experiment without a tracker would ignore the flag: say so.
+    if (args.tensorboard && !tracker_)
+      throw ConfigError("--tensorboard: this program builds its Experiment without a tracker; pass "
+                        "train::tensorboard_tracker(args, rank) (train/tensorboard.hpp, link meshtorch::tracking)");
     if (!args.resume_from.empty()) resume_from_ = args.resume_from;
     if (!args.experiment_name.empty()) {
       dir_ = std::filesystem::path(args.save_dir) / args.experiment_name;
@@ -89,6 +99,7 @@ class Experiment {
                                  "checkpoint; moved to {}",
                                  (*dir_ / "metrics.jsonl").string(), later, state.global_step,
                                  MetricsFile::discarded_name));
+    if (tracker_) tracker_->on_start(state.global_step);
     return state;
   }
 
@@ -144,6 +155,7 @@ class Experiment {
       log_.info(format_metrics(record));
       if (metrics_) metrics_->append(record);
     }
+    if (tracker_) tracker_->on_metrics(record);
     window_.close(state, timers);
   }
 
@@ -178,6 +190,7 @@ class Experiment {
   std::optional<std::filesystem::path> dir_;
   std::optional<MetricsFile> metrics_;
   LogWindow window_;
+  std::unique_ptr<MetricsTracker> tracker_;
 };
 
 }  // namespace meshtorch::train

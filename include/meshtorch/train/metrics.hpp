@@ -2,6 +2,7 @@
 // Metrics lines under the guide's keys, appended as one JSON object per log step to
 // <save-dir>/<experiment>/metrics.jsonl (rank 0 only), so runs on any mesh can be compared.
 #include <cerrno>
+#include <cstdint>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -18,6 +19,15 @@
 #include <meshtorch/train/timers.hpp>
 
 namespace meshtorch::train {
+
+// Where a rank's metrics go besides metrics.jsonl (train/tensorboard.hpp writes TensorBoard event
+// files): the Experiment calls on_start with the step the run starts at (after resuming), then
+// on_metrics with each record, on every rank that has a tracker.
+struct MetricsTracker {
+  virtual ~MetricsTracker() = default;
+  virtual void on_start(std::int64_t global_step) = 0;
+  virtual void on_metrics(const nlohmann::ordered_json& record) = 0;
+};
 
 class MetricsFile {
  public:

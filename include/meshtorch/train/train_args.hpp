@@ -16,6 +16,9 @@ struct TrainArgs {
   std::string resume_from;      // a checkpoint or experiment folder to start from instead of -e's
   bool no_resume = false;       // start at step 0 even when -e's folder holds a checkpoint
   std::string dataset_name = "builtin";
+  std::string dataset_subset;  // a subfolder of the folder -d names (data/data_files.hpp)
+  bool tensorboard = false;    // event files under <save-dir>/<experiment>/tensorboard (train/tensorboard.hpp)
+  std::string tracking_ranks = "rank0";  // which ranks write them: rank0, node or all
   std::string model_name = "llama-tiny";
   std::string save_dir = "runs";
   std::uint64_t seed = 0;

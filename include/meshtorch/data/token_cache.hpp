@@ -1,0 +1,215 @@
+#pragma once
+// A data set's token ids, tokenised once and kept in a file that every later start maps into
+// memory instead of reading: a 10 GB corpus costs each rank page cache, not private memory, and a
+// cached start takes the time of an open and an mmap. No LibTorch (meshtorch-tokenize --prepare
+// writes caches without it).
+//
+// On disk: the ids as little-endian int32 from offset 0, then a 64-byte footer (written last,
+// so a file cut short has none): magic "MTTOKEN1", the key, the id count, the documents, the
+// lines skipped, the smallest and largest id, the files read. The key hashes what the ids depend
+// on (the tokenizer's files and each data file's path, size and modification time), so an edited
+// data file or another tokenizer gets a file of its own. Written through AtomicFile: a crash
+// leaves no file, never a half one.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+// XXH3 header-only, as io/safetensors_reader.hpp uses it (no link step).
+#ifndef XXH_INLINE_ALL
+#define XXH_INLINE_ALL
+#define MESHTORCH_UNDEF_XXH_INLINE_ALL
+#endif
+#include <xxhash.h>
+#ifdef MESHTORCH_UNDEF_XXH_INLINE_ALL
+#undef XXH_INLINE_ALL
+#undef MESHTORCH_UNDEF_XXH_INLINE_ALL
+#endif
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include <meshtorch/data/documents.hpp>
+#include <meshtorch/error.hpp>
+#include <meshtorch/io/atomic_file.hpp>
+
+namespace meshtorch::data {
+
+static_assert(std::endian::native == std::endian::little, "the token cache stores little-endian ids");
+
+struct TokenCacheFooter {
+  char magic[8] = {'M', 'T', 'T', 'O', 'K', 'E', 'N', '1'};
+  std::uint64_t key = 0;
+  std::uint64_t token_count = 0;
+  std::uint64_t documents = 0;
+  std::uint64_t skipped_lines = 0;
+  std::int32_t min_id = 0;
+  std::int32_t max_id = 0;
+  std::uint64_t files = 0;
+  std::uint64_t reserved = 0;
+};
+static_assert(sizeof(TokenCacheFooter) == 64);
+
+// A key over strings: the tokenizer's identity, then each data file's stamp.
+class TokenCacheKey {
+ public:
+  TokenCacheKey() { XXH3_64bits_reset(&state_); add("meshtorch token cache 1"); }
+
+  void add(std::string_view text) {
+    const std::uint64_t size = text.size();  // the length first, so "ab"+"c" differs from "a"+"bc"
+    XXH3_64bits_update(&state_, &size, sizeof size);
+    XXH3_64bits_update(&state_, text.data(), text.size());
+  }
+  // A file by content (tokenizer files: small, and a rewrite with the same stamp must not match).
+  void add_file_contents(const std::filesystem::path& path) {
+    std::error_code error;
+    if (!std::filesystem::is_regular_file(path, error)) return add(fmt::format("{}: absent", path.filename().string()));
+    add(path.filename().string());
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    if (fd < 0) throw DataError(fmt::format("{}: cannot open ({})", path.string(), std::strerror(errno)));
+    char block[1 << 16];
+    for (ssize_t n; (n = ::read(fd, block, sizeof block)) != 0;) {
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        ::close(fd);
+        throw DataError(fmt::format("{}: read failed ({})", path.string(), std::strerror(errno)));
+      }
+      XXH3_64bits_update(&state_, block, static_cast<std::size_t>(n));
+    }
+    ::close(fd);
+  }
+  // A data file by path, size and modification time: hashing a 10 GB corpus at every start
+  // would cost what the cache saves. An edit changes the size or the time.
+  void add_file_stamp(const std::filesystem::path& path) {
+    struct stat info {};
+    if (::stat(path.c_str(), &info) != 0)
+      throw DataError(fmt::format("{}: cannot stat ({})", path.string(), std::strerror(errno)));
+    add(fmt::format("{}|{}|{}.{:09}", std::filesystem::absolute(path).lexically_normal().string(), info.st_size,
+                    info.st_mtim.tv_sec, info.st_mtim.tv_nsec));
+  }
+
+  std::uint64_t value() const { return XXH3_64bits_digest(&state_); }
+
+ private:
+  XXH3_state_t state_{};
+};
+
+// The cached ids, over the mapped file (read-only), which stays mapped while a copy of `ids` lives.
+struct CachedTokens {
+  std::shared_ptr<const std::int32_t> ids;
+  std::size_t count = 0;
+  std::int32_t min_id = 0, max_id = -1;
+  TokenStreamStats stats;
+  std::filesystem::path path;
+
+  std::span<const std::int32_t> span() const { return {ids.get(), count}; }
+};
+
+inline std::filesystem::path token_cache_path(const std::filesystem::path& cache_dir, std::uint64_t key) {
+  return cache_dir / fmt::format("tokens-{:016x}.i32", key);
+}
+
+// The cache file for `key` mapped, or nullopt with `why` when it is absent, belongs to another
+// key, or is cut short (the caller then tokenises again and replaces it).
+inline std::optional<CachedTokens> open_token_cache(const std::filesystem::path& path, std::uint64_t key,
+                                                    std::string* why = nullptr) {
+  auto refuse = [&](std::string reason) -> std::optional<CachedTokens> {
+    if (why) *why = fmt::format("{}: {}", path.string(), reason);
+    return std::nullopt;
+  };
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return refuse(errno == ENOENT ? "not written yet" : fmt::format("cannot open ({})", std::strerror(errno)));
+  struct stat info {};
+  TokenCacheFooter footer;
+  const bool read_ok = ::fstat(fd, &info) == 0 && info.st_size >= static_cast<off_t>(sizeof footer) &&
+                       ::pread(fd, &footer, sizeof footer, info.st_size - static_cast<off_t>(sizeof footer)) ==
+                           static_cast<ssize_t>(sizeof footer);
+  if (!read_ok || std::memcmp(footer.magic, TokenCacheFooter{}.magic, sizeof footer.magic) != 0) {
+    ::close(fd);
+    return refuse("no token-cache footer (cut short?)");
+  }
+  if (footer.key != key) {
+    ::close(fd);
+    return refuse(fmt::format("made for key {:016x}, not {:016x}", footer.key, key));
+  }
+  const auto bytes = footer.token_count * sizeof(std::int32_t);
+  if (static_cast<std::uint64_t>(info.st_size) != bytes + sizeof footer) {
+    ::close(fd);
+    return refuse(fmt::format("{} bytes, but its footer counts {} ids ({} bytes)", info.st_size, footer.token_count,
+                              bytes + sizeof footer));
+  }
+  CachedTokens cached{.count = static_cast<std::size_t>(footer.token_count),
+                      .min_id = footer.min_id,
+                      .max_id = footer.max_id,
+                      .stats = {footer.files, footer.documents, footer.skipped_lines},
+                      .path = path};
+  if (footer.token_count == 0) {
+    ::close(fd);
+    return cached;
+  }
+  void* address = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);  // the mapping keeps the file
+  if (address == MAP_FAILED) return refuse(fmt::format("mmap of {} bytes failed ({})", bytes, std::strerror(errno)));
+  cached.ids = std::shared_ptr<const std::int32_t>(static_cast<const std::int32_t*>(address),
+                                                   [bytes](const std::int32_t* data) {
+                                                     ::munmap(const_cast<std::int32_t*>(data), bytes);
+                                                   });
+  return cached;
+}
+
+// Appends ids to a new cache file and publishes it with its footer at finish().
+class TokenCacheWriter {
+ public:
+  TokenCacheWriter(const std::filesystem::path& path, std::uint64_t key) : path_(path), file_(prepare(path)) {
+    footer_.key = key;
+    footer_.min_id = std::numeric_limits<std::int32_t>::max();
+    footer_.max_id = std::numeric_limits<std::int32_t>::min();
+  }
+
+  void append(std::span<const std::int32_t> ids) {
+    if (ids.empty()) return;
+    const auto [low, high] = std::ranges::minmax(ids);
+    footer_.min_id = std::min(footer_.min_id, low);
+    footer_.max_id = std::max(footer_.max_id, high);
+    footer_.token_count += ids.size();
+    file_.write(ids.data(), ids.size_bytes());
+  }
+
+  void finish(const TokenStreamStats& stats) {
+    footer_.files = stats.files;
+    footer_.documents = stats.documents;
+    footer_.skipped_lines = stats.skipped_lines;
+    if (footer_.token_count == 0) footer_.min_id = 0, footer_.max_id = -1;
+    file_.write(&footer_, sizeof footer_);
+    file_.commit();
+  }
+
+ private:
+  static std::filesystem::path prepare(const std::filesystem::path& path) {
+    std::error_code error;
+    std::filesystem::create_directories(path.parent_path(), error);
+    if (error)
+      throw DataError(fmt::format("{}: cannot create the token cache folder ({}); set MESHTORCH_DATA_CACHE to a "
+                                  "writable folder",
+                                  path.parent_path().string(), error.message()));
+    return path;
+  }
+
+  std::filesystem::path path_;
+  io::AtomicFile file_;
+  TokenCacheFooter footer_;
+};
+
+}  // namespace meshtorch::data
