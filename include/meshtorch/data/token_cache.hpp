@@ -15,16 +15,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-// XXH3 header-only, as io/safetensors_reader.hpp uses it (no link step).
-#ifndef XXH_INLINE_ALL
-#define XXH_INLINE_ALL
-#define MESHTORCH_UNDEF_XXH_INLINE_ALL
-#endif
-#include <xxhash.h>
-#ifdef MESHTORCH_UNDEF_XXH_INLINE_ALL
-#undef XXH_INLINE_ALL
-#undef MESHTORCH_UNDEF_XXH_INLINE_ALL
-#endif
 
 #include <algorithm>
 #include <bit>
@@ -44,6 +34,7 @@
 #include <meshtorch/data/documents.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/atomic_file.hpp>
+#include <meshtorch/io/xxh3.hpp>
 
 namespace meshtorch::data {
 

@@ -5,9 +5,8 @@
 // reach memory). io/safetensors.hpp's load_safetensors reads whole files; this is its
 // counterpart for sharded checkpoints and consolidation.
 //
-// Checksums are XXH3-64 from libxxhash (Debian libxxhash-dev), used header-only
-// (XXH_INLINE_ALL), so the header-only library needs no link step; it hashes at tens of GB/s,
-// far above disk speed, so verifying a checkpoint costs one read of it and no CPU to speak of.
+// Checksums are XXH3-64 (io/xxh3.hpp); it hashes far above disk speed, so verifying a checkpoint
+// costs one read of it and no CPU to speak of.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,17 +26,8 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#ifndef XXH_INLINE_ALL
-#define XXH_INLINE_ALL
-#define MESHTORCH_UNDEF_XXH_INLINE_ALL
-#endif
-#include <xxhash.h>
-#ifdef MESHTORCH_UNDEF_XXH_INLINE_ALL
-#undef XXH_INLINE_ALL
-#undef MESHTORCH_UNDEF_XXH_INLINE_ALL
-#endif
-
 #include <meshtorch/error.hpp>
+#include <meshtorch/io/xxh3.hpp>
 #include <meshtorch/io/atomic_file.hpp>
 #include <meshtorch/io/safetensors.hpp>
 
