@@ -19,7 +19,7 @@ int train(const mt::train::TrainArgs& args) {
   mt::train::use_deterministic_algorithms(args.deterministic);
   if (args.measure_waiting) throw mt::ConfigError("--measure-waiting: one process waits for no other rank");
   const auto device = mt::train::resolve_device(args.device);
-  const auto dtype = mt::train::resolve_dtype(args.dtype, device);
+  const auto dtype = mt::train::resolve_dtype(args.dtype, device, mt::llama::weights_dtype(args.model_name));
   torch::manual_seed(args.seed);
 
   // The model: from a preset or a config.json; no memory is touched until materialize().

@@ -170,5 +170,10 @@ TEST_CASE("unknown fields that do not change the computation are listed once", "
   std::vector<std::string> ignored;
   CHECK(mt::llama::resolve_model(dir.string(), &ignored) == file.config);
   CHECK(ignored == file.ignored_fields);
+  // The line the Experiment logs once on rank 0; none for a preset.
+  CHECK(mt::llama::unread_config_fields_note(dir.string()) ==
+        dir.string() + ": 3 field(s) not read, as they do not change the computation: "
+                       "rope_parameters.attention_factor, my_custom_note, output_attentions");
+  CHECK(mt::llama::unread_config_fields_note("llama-tiny").empty());
   std::filesystem::remove_all(dir);
 }

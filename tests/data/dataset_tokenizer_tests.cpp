@@ -11,6 +11,7 @@
 #include <meshtorch/data/data_files.hpp>
 #include <meshtorch/data/dataset_tokenizer.hpp>
 #include <meshtorch/models/llama/weights.hpp>
+#include <meshtorch/train/device.hpp>
 
 namespace mt = meshtorch;
 namespace fs = std::filesystem;
@@ -98,7 +99,7 @@ TEST_CASE("a text data set with a SentencePiece folder is tokenised with its <s>
   fs::remove_all(dir);
 }
 
-TEST_CASE("the dtype of a folder's config.json is what --dtype auto loads", "[dataset][config]") {
+TEST_CASE("the dtype of a folder's pretrained weights is what --dtype auto trains in", "[dataset][config]") {
   const auto dir = fresh_dir("dtype");
   auto j = mt::llama::config_to_json(mt::llama::presets::llama_tiny, "bfloat16");
   std::ofstream(dir / "config.json") << j.dump();
@@ -111,6 +112,19 @@ TEST_CASE("the dtype of a folder's config.json is what --dtype auto loads", "[da
   std::ofstream(dir / "config.json") << j.dump();
   CHECK_FALSE(mt::llama::pretrained_dtype(dir).has_value());
   CHECK_FALSE(mt::llama::pretrained_dtype("llama-tiny").has_value());
+
+  // --dtype auto takes the dtype of pretrained weights (a config-only folder is a model from
+  // scratch: the device's default); explicit flags win; float16 is refused with the fix.
+  j["dtype"] = "bfloat16";
+  std::ofstream(dir / "config.json") << j.dump();
+  CHECK_FALSE(mt::llama::weights_dtype(dir).has_value());
+  CHECK(mt::train::resolve_dtype("auto", torch::kCPU, mt::llama::weights_dtype(dir)) == torch::kFloat);
+  mt::io::save_safetensors(dir / "model.safetensors", {{"x", torch::zeros({2}, torch::kBFloat16)}});
+  CHECK(mt::llama::weights_dtype(dir) == torch::kBFloat16);
+  CHECK(mt::train::resolve_dtype("auto", torch::kCPU, mt::llama::weights_dtype(dir)) == torch::kBFloat16);
+  CHECK(mt::train::resolve_dtype("float32", torch::kCPU, mt::llama::weights_dtype(dir)) == torch::kFloat);
+  CHECK_THAT(error_of([] { mt::train::resolve_dtype("auto", torch::kCPU, torch::kHalf); }),
+             Catch::Contains("float16") && Catch::Contains("--dtype bfloat16 or --dtype float32"));
   fs::remove_all(dir);
 }
 

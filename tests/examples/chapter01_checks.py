@@ -180,7 +180,7 @@ def folder_tokenizer(binary):
         (folder / "config.json").write_text(json.dumps({
             "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": vocab, "rms_norm_eps": 1e-5,
-            "max_position_embeddings": 256, "tie_word_embeddings": False}))
+            "max_position_embeddings": 256, "tie_word_embeddings": False, "output_attentions": False}))
         corpus = pathlib.Path(__file__).resolve().parent.parent / "data" / "fixtures" / "corpus.jsonl"
         lines = [json.loads(line) for line in corpus.read_text().splitlines() if line.strip()]
         # A folder data set: -d data --dataset-subset train reads data/train's two JSONL parts in
@@ -198,6 +198,7 @@ def folder_tokenizer(binary):
         out = run(binary, *data_flags, "-e", "folder", "--max-steps", "20")
         assert "data: byte-level BPE" in out.stdout and "byte tokenizer" not in out.stdout, out.stdout
         for fact in ["(subset train): 2 file(s) (1 other file(s) not read: NOTES.md)", f"{len(records)} document(s)",
+                     "1 field(s) not read, as they do not change the computation: output_attentions",
                      "1 blank line(s) skipped", "(written now)"]:
             assert fact in out.stdout, f"'{fact}' not in:\n{out.stdout}"
         records_run = metrics(tmp, "folder")

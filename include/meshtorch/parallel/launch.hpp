@@ -25,6 +25,7 @@
 #include <meshtorch/comm/stack_dump.hpp>
 #include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/layout/mesh.hpp>
+#include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/train/args.hpp>
 #include <meshtorch/train/device.hpp>
 #include <meshtorch/train/log.hpp>
@@ -63,7 +64,7 @@ Launch<M> launch(const train::TrainArgs& args, std::vector<int> extents = {}, co
     torch::set_num_threads(args.threads);
   else if (device.is_cuda())
     torch::set_num_threads(train::host_threads_per_rank(env.local_world_size));
-  const auto dtype = train::resolve_dtype(args.dtype, device);
+  const auto dtype = train::resolve_dtype(args.dtype, device, llama::weights_dtype(args.model_name));
   auto mesh = comm::init<M>({.device = device.is_cuda() ? comm::Device::cuda : comm::Device::cpu,
                              .timeout = comm::collective_timeout(args.timeout_s),
                              .fingerprint = args.fingerprint() + plan,

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -36,9 +37,18 @@ inline int host_threads_per_rank(int local_world_size) {
   return std::max(1, cpus / std::max(1, local_world_size));
 }
 
-inline torch::ScalarType resolve_dtype(const std::string& flag, const torch::Device& device) {
+// `weights_dtype`: the dtype of the pretrained weights -m loads, if it says one
+// (llama::weights_dtype): `--dtype auto` takes it, as transformers 5's from_pretrained does;
+// otherwise auto is bf16 on a GPU and fp32 on the CPU. float16 is refused: training in it needs
+// loss scaling, which meshtorch does not do.
+inline torch::ScalarType resolve_dtype(const std::string& flag, const torch::Device& device,
+                                       std::optional<torch::ScalarType> weights_dtype = std::nullopt) {
   if (flag == "float32") return torch::kFloat;
   if (flag == "bfloat16") return torch::kBFloat16;
+  if (weights_dtype == torch::kHalf)
+    throw ConfigError("--dtype auto: -m's config.json says its weights are float16, and training in float16 needs "
+                      "loss scaling, which meshtorch does not do; pass --dtype bfloat16 or --dtype float32");
+  if (weights_dtype) return *weights_dtype;
   return device.is_cuda() ? torch::kBFloat16 : torch::kFloat;
 }
 

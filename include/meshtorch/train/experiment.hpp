@@ -25,6 +25,7 @@
 #include <torch/torch.h>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/models/llama/config_json.hpp>
 #include <meshtorch/train/checkpoint.hpp>
 #include <meshtorch/train/log.hpp>
 #include <meshtorch/train/metrics.hpp>
@@ -73,6 +74,9 @@ class Experiment {
     if (args.tensorboard && !tracker_)
       throw ConfigError("--tensorboard: this program builds its Experiment without a tracker; pass "
                         "train::tensorboard_tracker(args, rank) (train/tensorboard.hpp, link meshtorch::tracking)");
+    // Said once per job: what -m's config.json holds that the run does not read.
+    if (rank_ == 0)
+      if (const auto note = llama::unread_config_fields_note(args.model_name); !note.empty()) log_.info(note);
     if (!args.resume_from.empty()) resume_from_ = args.resume_from;
     if (!args.experiment_name.empty()) {
       dir_ = std::filesystem::path(args.save_dir) / args.experiment_name;

@@ -316,4 +316,15 @@ inline Config resolve_model(const std::string& name_or_dir, std::vector<std::str
                                 name_or_dir, fmt::join(known, ", ")));
 }
 
+// The line a run logs once about -m's config.json fields that it does not read because they do not
+// change the computation ("output_attentions", "rope_parameters.attention_factor"), or "" when
+// there are none (and for a preset).
+inline std::string unread_config_fields_note(const std::string& name_or_dir) {
+  std::vector<std::string> ignored;
+  resolve_model(name_or_dir, &ignored);
+  if (ignored.empty()) return {};
+  return fmt::format("{}: {} field(s) not read, as they do not change the computation: {}", name_or_dir,
+                     ignored.size(), fmt::join(ignored, ", "));
+}
+
 }  // namespace meshtorch::llama

@@ -145,6 +145,14 @@ inline std::optional<torch::ScalarType> pretrained_dtype(const std::filesystem::
   return *name == "bfloat16" ? torch::kBFloat16 : *name == "float16" ? torch::kHalf : torch::kFloat;
 }
 
+// The dtype `--dtype auto` trains a folder's pretrained weights in: its config.json's, when the
+// folder holds weights (a config-only folder is a model from scratch: the device's default).
+inline std::optional<torch::ScalarType> weights_dtype(const std::filesystem::path& model_name_or_dir) {
+  if (!std::filesystem::is_directory(model_name_or_dir) || !has_pretrained_weights(model_name_or_dir))
+    return std::nullopt;
+  return pretrained_dtype(model_name_or_dir);
+}
+
 // `-m` names a preset or a folder: a folder's weights, if it holds any, replace the
 // initialisation. Returns whether weights were loaded.
 inline bool load_pretrained_weights_if_present(LlamaForCausalLM& lm, const std::filesystem::path& model_name_or_dir) {
