@@ -357,6 +357,11 @@ def update_docs(sections):
         text = text[: a + len(begin)] + "\n" + body.strip() + "\n" + text[b:]
     page.write_text(text)
     log("tables written into docs/performance.md")
+    chart = ROOT / "docs" / "images" / "performance-ratios.png"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "meshtorch-plot"), "ratios", str(page), "-o",
+                           str(chart)], capture_output=True, text=True)
+    log(f"the ratios chart redrawn: {chart}" if proc.returncode == 0 else
+        f"the ratios chart was not redrawn (tools/meshtorch-plot failed):\n{proc.stderr}")
 
 
 def chapter1(args, corpus, runs_dir, out, machine, stem="chapter1"):
