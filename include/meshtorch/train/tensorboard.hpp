@@ -10,7 +10,7 @@
 // event.proto, summary.proto and tensor.proto that we write, with their field numbers).
 //
 // Why the few messages are encoded here and not through libprotobuf: Debian's libsentencepiece,
-// which the examples link for tokenizer.model, carries its own protobuf-lite 3.14 with exported
+// which the examples link for tokenizer.model, carries its own copy of protobuf-lite with exported
 // symbols, and a process that also loads libprotobuf 3.21 crashes before main() (libprotobuf's
 // static initialisers call into sentencepiece's copy). The encoder below writes only varints,
 // fixed-width numbers and length-delimited fields; the tests decode its output with libprotobuf over
