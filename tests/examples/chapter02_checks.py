@@ -308,6 +308,21 @@ def token_cache(tools):
                 f"node {rank} wrote no cache of its own:\n{output}"
         compare_losses(metrics(f"{tmp}/first"), metrics(f"{tmp}/two-nodes"), 1e-6)
 
+        # A malformed line, met by rank 0 while it writes the cache: every rank stops at once with
+        # rank 0's message (file and line), none waits for a cache that will never come.
+        bad = pathlib.Path(tmp) / "bad.jsonl"
+        bad.write_text('{"text": "fine"}\n{"text": 3}\n')
+        started = time.monotonic()
+        proc = ddp(tools, 2, *flags, "-d", str(bad), "-e", "bad", expect_ok=False)
+        seconds = time.monotonic() - started
+        assert proc.returncode != 0, proc.stdout
+        text = proc.stdout + proc.stderr
+        assert f"rank 0: {bad}:2: field 'text' must be a string" in text, text
+        assert seconds < 30, f"the failed start took {seconds:.1f} s"
+        assert not (pathlib.Path(tmp) / ".meshtorch-cache").exists() or \
+            not list((pathlib.Path(tmp) / ".meshtorch-cache").glob("tokens-*.i32.tmp*")), "a partial cache was left"
+        print(f"a malformed line stopped both ranks in {seconds:.1f} s, naming rank 0 and {bad.name}:2")
+
 
 VENV_PYTHON = pathlib.Path(__file__).resolve().parents[2] / "bench" / ".venv" / "bin" / "python"
 # Metrics every rank computes alike (the global batch's loss, the schedule, the data position).
