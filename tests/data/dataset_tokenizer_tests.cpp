@@ -188,13 +188,14 @@ TEST_CASE("the token cache is written once, mapped after, and replaced when a fi
   for (const char* text : {"first document", "second document", "third"}) bytes.encode_document(text, want);
   bytes.encode_document(mt::data::format_alpaca("add", "", "4"), want);
   REQUIRE(cached.count == want.size());
-  CHECK(std::ranges::equal(cached.span(), want));
+  CHECK(cached.id_bytes == 2);  // the byte tokenizer's 258 ids fit 16 bits: half the file
+  CHECK(cached.to_vector() == want);
   CHECK(cached.stats.files == 2);
   CHECK(cached.stats.documents == 4);
   CHECK(cached.stats.skipped_lines == 1);
   CHECK(cached.min_id == *std::ranges::min_element(want));
   CHECK(cached.max_id == *std::ranges::max_element(want));
-  CHECK(fs::file_size(dataset.cache_path()) == want.size() * 4 + sizeof(mt::data::TokenCacheFooter));
+  CHECK(fs::file_size(dataset.cache_path()) == want.size() * 2 + sizeof(mt::data::TokenCacheFooter));
 
   const auto blocks = mt::data::blocks_of(cached, 8, dataset.source_name());
   CHECK(blocks.size() == static_cast<std::int64_t>(want.size() / 8));
@@ -211,19 +212,19 @@ TEST_CASE("the token cache is written once, mapped after, and replaced when a fi
   const auto again = mt::data::CachedDataset(request).open_or_build(&built);
   CHECK_FALSE(built);
   CHECK(fs::last_write_time(dataset.cache_path()) == written);
-  CHECK(std::ranges::equal(again.span(), cached.span()));
+  CHECK(again.to_vector() == cached.to_vector());
   CHECK(again.ids.get() != cached.ids.get());  // a mapping of its own, not a copy in this process
 
   // A cut-short file is refused with the reason and written again (as a new file, renamed over the
   // old one: a mapping in a running job keeps its pages).
-  const std::vector<std::int32_t> cached_ids(cached.span().begin(), cached.span().end());
+  const std::vector<std::int32_t> cached_ids = cached.to_vector();
   fs::resize_file(dataset.cache_path(), fs::file_size(dataset.cache_path()) - 3);
   std::string why;
   CHECK_FALSE(dataset.open(&why));
   CHECK_THAT(why, Catch::Contains("no token-cache footer"));
   const auto rewritten = mt::data::CachedDataset(request).open_or_build(&built);
   CHECK(built);
-  CHECK(std::ranges::equal(rewritten.span(), cached_ids));
+  CHECK(rewritten.to_vector() == cached_ids);
 
   // An edited file, or a folder tokenizer, gives another key and another file.
   std::ofstream(data / "a.txt", std::ios::app) << "\nmore\n";
@@ -243,6 +244,25 @@ TEST_CASE("the token cache is written once, mapped after, and replaced when a fi
   cached_start.open_or_build(&built);
   CHECK_FALSE(built);
   CHECK_THAT(cached_start.tokenizer_note(), Catch::Contains("not loaded: its token cache is current"));
+
+  // 32-bit ids (a vocabulary over 65536, Llama 3's), and an id that breaks a 16-bit promise.
+  {
+    const std::vector<std::int32_t> ids{5, 128000, 3};
+    mt::data::TokenCacheWriter wide(dir / "wide.ids", 7, 4);
+    wide.append(ids);
+    wide.finish({});
+    const auto opened = mt::data::open_token_cache(dir / "wide.ids", 7);
+    REQUIRE(opened);
+    CHECK(opened->id_bytes == 4);
+    CHECK(opened->to_vector() == ids);
+    CHECK(opened->max_id == 128000);
+    CHECK(all_tokens(mt::data::blocks_of(*opened, 3, "wide")) == ids);
+    std::string why;
+    CHECK_FALSE(mt::data::open_token_cache(dir / "wide.ids", 8, &why));
+    CHECK_THAT(why, Catch::Contains("made for key 0000000000000007, not 0000000000000008"));
+    mt::data::TokenCacheWriter narrow(dir / "narrow.ids", 8, 2);
+    CHECK_THAT(error_of([&] { narrow.append(ids); }), Catch::Contains("token id 128000 does not fit the 16 bits"));
+  }
 
   // $MESHTORCH_DATA_CACHE moves it (a node-local folder).
   ::setenv("MESHTORCH_DATA_CACHE", (dir / "elsewhere").c_str(), 1);

@@ -207,7 +207,7 @@ def folder_tokenizer(binary):
               f"folder's tokenizer ({vocab} ids)")
         assert records_run[1]["running_loss"] < records_run[0]["running_loss"], records_run
         # The second start maps the cache the first wrote, and trains on the same tokens.
-        caches = list((pathlib.Path(tmp) / "data" / "train" / ".meshtorch-cache").glob("tokens-*.i32"))
+        caches = list((pathlib.Path(tmp) / "data" / "train" / ".meshtorch-cache").glob("tokens-*.ids"))
         assert len(caches) == 1, caches
         again = run(binary, *data_flags, "-e", "again", "--max-steps", "10")
         assert "(reused)" in again.stdout, again.stdout
@@ -217,7 +217,7 @@ def folder_tokenizer(binary):
             f.write(records[0])
         edited = run(binary, *data_flags, "-e", "edited", "--max-steps", "10")
         assert "(written now)" in edited.stdout and f"{len(records) + 1} document(s)" in edited.stdout, edited.stdout
-        assert len(list(caches[0].parent.glob("tokens-*.i32"))) == 2
+        assert len(list(caches[0].parent.glob("tokens-*.ids"))) == 2
 
 
 def bad_input(binary):

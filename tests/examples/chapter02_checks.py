@@ -287,7 +287,7 @@ def token_cache(tools):
         flags = ["-d", str(data), "-b", "2", "--save-dir", tmp, "--max-steps", "10", "--ckpt-freq", "1000"]
         first = ddp(tools, 2, *flags, "-e", "first")
         assert "(written now)" in first.stdout, first.stdout
-        caches = list((data.parent / ".meshtorch-cache").glob("tokens-*.i32"))
+        caches = list((data.parent / ".meshtorch-cache").glob("tokens-*.ids"))
         assert len(caches) == 1, caches
         written = caches[0].stat().st_mtime_ns
         second = ddp(tools, 2, *flags, "-e", "second")
@@ -304,7 +304,7 @@ def token_cache(tools):
         outputs = [node.communicate(timeout=300)[0] for node in nodes]
         for rank, (node, output) in enumerate(zip(nodes, outputs)):
             assert node.returncode == 0, f"node {rank} failed ({node.returncode}):\n{output}"
-            assert len(list(pathlib.Path(f"{tmp}/node{rank}-cache").glob("tokens-*.i32"))) == 1, \
+            assert len(list(pathlib.Path(f"{tmp}/node{rank}-cache").glob("tokens-*.ids"))) == 1, \
                 f"node {rank} wrote no cache of its own:\n{output}"
         compare_losses(metrics(f"{tmp}/first"), metrics(f"{tmp}/two-nodes"), 1e-6)
 
@@ -320,7 +320,7 @@ def token_cache(tools):
         assert f"rank 0: {bad}:2: field 'text' must be a string" in text, text
         assert seconds < 30, f"the failed start took {seconds:.1f} s"
         assert not (pathlib.Path(tmp) / ".meshtorch-cache").exists() or \
-            not list((pathlib.Path(tmp) / ".meshtorch-cache").glob("tokens-*.i32.tmp*")), "a partial cache was left"
+            not list((pathlib.Path(tmp) / ".meshtorch-cache").glob("tokens-*.ids.tmp*")), "a partial cache was left"
         print(f"a malformed line stopped both ranks in {seconds:.1f} s, naming rank 0 and {bad.name}:2")
 
 

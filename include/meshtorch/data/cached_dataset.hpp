@@ -102,14 +102,16 @@ class CachedDataset {
   void build() {
     DocumentEncoder encode = byte_encoder();
     std::unique_ptr<TextTokenizer> tokenizer;
+    std::uint32_t id_bytes = 2;  // the byte tokenizer's 258 ids, and llm.c's uint16 files
     if (folder_tokenizer_) {
       tokenizer = load_tokenizer(request_.model, &tokenizer_note_);
+      id_bytes = id_bytes_for(tokenizer->vocab_size());
       encode = [&tokenizer, this](std::span<const std::string> documents, std::vector<std::int32_t>& out) {
         const auto ids = tokenizer->encode_documents(documents, threads_);
         out.insert(out.end(), ids.begin(), ids.end());
       };
     }
-    TokenCacheWriter writer(cache_path_, key_);
+    TokenCacheWriter writer(cache_path_, key_, id_bytes);
     const auto stats = tokenize_files(data_, encode, [&](std::span<const std::int32_t> ids) { writer.append(ids); });
     writer.finish(stats);
   }

@@ -18,8 +18,9 @@
 
 namespace meshtorch::data {
 
-// The ids cut into blocks of seq_length, the remainder dropped (and counted). Over a 1-D int32
-// tensor that may map a token cache file: the blocks are a view, never a copy.
+// The ids cut into blocks of seq_length, the remainder dropped (and counted). Over a 1-D int32 (or,
+// from a token cache, uint16) tensor that may map a token cache file: the blocks are a view, never
+// a copy.
 class TokenBlocks {
  public:
   struct IdRange {
@@ -52,13 +53,19 @@ class TokenBlocks {
   // a second team of intra-op threads competing with the training step's.
   torch::Tensor gather(const std::vector<std::int64_t>& indices) const {
     auto rows = torch::empty({static_cast<std::int64_t>(indices.size()), seq_length_}, torch::kLong);
-    auto* out = rows.data_ptr<std::int64_t>();
-    const auto* tokens = blocks_.data_ptr<std::int32_t>();
-    for (const auto row : indices) {
-      if (row < 0 || row >= size())
-        throw DataError(fmt::format("{}: block {} requested of {}", source_, row, size()));
-      out = std::copy_n(tokens + row * seq_length_, seq_length_, out);
-    }
+    auto copy_rows = [&](const auto* tokens) {
+      auto* out = rows.data_ptr<std::int64_t>();
+      for (const auto row : indices) {
+        if (row < 0 || row >= size())
+          throw DataError(fmt::format("{}: block {} requested of {}", source_, row, size()));
+        out = std::copy_n(tokens + row * seq_length_, seq_length_, out);
+      }
+    };
+    // uint16 ids come from a token cache of a vocabulary that fits 16 bits; int32 otherwise.
+    if (blocks_.scalar_type() == torch::kUInt16)
+      copy_rows(static_cast<const std::uint16_t*>(blocks_.const_data_ptr()));
+    else
+      copy_rows(blocks_.const_data_ptr<std::int32_t>());
     return rows;
   }
 

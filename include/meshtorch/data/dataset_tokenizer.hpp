@@ -29,12 +29,14 @@ inline TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length
   return TokenBlocks(tokenizer.encode_documents(documents, threads), seq_length, name);
 }
 
-// Blocks over the cached ids without a copy: the tensor keeps the mapping alive.
+// Blocks over the cached ids without a copy (uint16 or int32, as the cache holds them): the tensor
+// keeps the mapping alive.
 inline TokenBlocks blocks_of(const CachedTokens& cached, std::int64_t seq_length, std::string source) {
+  const auto dtype = cached.id_bytes == 2 ? torch::kUInt16 : torch::kInt;
   auto ids = cached.count == 0
-                 ? torch::empty({0}, torch::kInt)
-                 : torch::from_blob(const_cast<std::int32_t*>(cached.ids.get()), {static_cast<std::int64_t>(cached.count)},
-                                    [mapping = cached.ids](void*) {}, torch::TensorOptions().dtype(torch::kInt));
+                 ? torch::empty({0}, dtype)
+                 : torch::from_blob(const_cast<void*>(cached.ids.get()), {static_cast<std::int64_t>(cached.count)},
+                                    [mapping = cached.ids](void*) {}, torch::TensorOptions().dtype(dtype));
   return TokenBlocks(std::move(ids), seq_length, std::move(source), TokenBlocks::IdRange{cached.min_id, cached.max_id});
 }
 

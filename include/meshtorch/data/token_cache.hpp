@@ -4,9 +4,11 @@
 // cached start takes the time of an open and an mmap. No LibTorch (meshtorch-tokenize --prepare
 // writes caches without it).
 //
-// On disk: the ids as little-endian int32 from offset 0, then a 64-byte footer (written last,
-// so a file cut short has none): magic "MTTOKEN1", the key, the id count, the documents, the
-// lines skipped, the smallest and largest id, the files read. The key hashes what the ids depend
+// On disk: the ids as little-endian uint16 (when the vocabulary has at most 65536 ids: GPT-2's,
+// Llama 2's, the byte tokenizer's, llm.c's files) or int32 (Llama 3's 128256) from offset 0, then a
+// 64-byte footer (written last, so a file cut short has none): magic "MTTOKEN2", the key, the id
+// count, the documents, the lines skipped, the smallest and largest id, the files read, the bytes
+// per id. The key hashes what the ids depend
 // on (the tokenizer's files and each data file's path, size and modification time), so an edited
 // data file or another tokenizer gets a file of its own. Written through AtomicFile: a crash
 // leaves no file, never a half one.
@@ -28,6 +30,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -41,7 +44,7 @@ namespace meshtorch::data {
 static_assert(std::endian::native == std::endian::little, "the token cache stores little-endian ids");
 
 struct TokenCacheFooter {
-  char magic[8] = {'M', 'T', 'T', 'O', 'K', 'E', 'N', '1'};
+  char magic[8] = {'M', 'T', 'T', 'O', 'K', 'E', 'N', '2'};
   std::uint64_t key = 0;
   std::uint64_t token_count = 0;
   std::uint64_t documents = 0;
@@ -49,14 +52,18 @@ struct TokenCacheFooter {
   std::int32_t min_id = 0;
   std::int32_t max_id = 0;
   std::uint64_t files = 0;
-  std::uint64_t reserved = 0;
+  std::uint32_t id_bytes = 4;  // 2 or 4
+  std::uint32_t reserved = 0;
 };
 static_assert(sizeof(TokenCacheFooter) == 64);
+
+// 2 when every id of a vocabulary of `vocab_size` fits 16 bits, else 4.
+inline std::uint32_t id_bytes_for(std::int64_t vocab_size) { return vocab_size <= 65536 ? 2 : 4; }
 
 // A key over strings: the tokenizer's identity, then each data file's stamp.
 class TokenCacheKey {
  public:
-  TokenCacheKey() { XXH3_64bits_reset(&state_); add("meshtorch token cache 1"); }
+  TokenCacheKey() { XXH3_64bits_reset(&state_); add("meshtorch token cache 2"); }
 
   void add(std::string_view text) {
     const std::uint64_t size = text.size();  // the length first, so "ab"+"c" differs from "a"+"bc"
@@ -97,19 +104,28 @@ class TokenCacheKey {
   XXH3_state_t state_{};
 };
 
-// The cached ids, over the mapped file (read-only), which stays mapped while a copy of `ids` lives.
+// The cached ids, over the mapped file (read-only), which stays mapped while a copy of `ids` lives:
+// `count` ids of `id_bytes` bytes each (uint16 or int32).
 struct CachedTokens {
-  std::shared_ptr<const std::int32_t> ids;
+  std::shared_ptr<const void> ids;
   std::size_t count = 0;
+  std::uint32_t id_bytes = 4;
   std::int32_t min_id = 0, max_id = -1;
   TokenStreamStats stats;
   std::filesystem::path path;
 
-  std::span<const std::int32_t> span() const { return {ids.get(), count}; }
+  std::int32_t operator[](std::size_t i) const {
+    return id_bytes == 2 ? static_cast<const std::uint16_t*>(ids.get())[i] : static_cast<const std::int32_t*>(ids.get())[i];
+  }
+  std::vector<std::int32_t> to_vector() const {
+    std::vector<std::int32_t> out(count);
+    for (std::size_t i = 0; i < count; ++i) out[i] = (*this)[i];
+    return out;
+  }
 };
 
 inline std::filesystem::path token_cache_path(const std::filesystem::path& cache_dir, std::uint64_t key) {
-  return cache_dir / fmt::format("tokens-{:016x}.i32", key);
+  return cache_dir / fmt::format("tokens-{:016x}.ids", key);
 }
 
 // The cache file for `key` mapped, or nullopt with `why` when it is absent, belongs to another
@@ -135,13 +151,18 @@ inline std::optional<CachedTokens> open_token_cache(const std::filesystem::path&
     ::close(fd);
     return refuse(fmt::format("made for key {:016x}, not {:016x}", footer.key, key));
   }
-  const auto bytes = footer.token_count * sizeof(std::int32_t);
+  if (footer.id_bytes != 2 && footer.id_bytes != 4) {
+    ::close(fd);
+    return refuse(fmt::format("its footer says {} bytes per id (2 or 4 expected)", footer.id_bytes));
+  }
+  const auto bytes = footer.token_count * footer.id_bytes;
   if (static_cast<std::uint64_t>(info.st_size) != bytes + sizeof footer) {
     ::close(fd);
     return refuse(fmt::format("{} bytes, but its footer counts {} ids ({} bytes)", info.st_size, footer.token_count,
                               bytes + sizeof footer));
   }
   CachedTokens cached{.count = static_cast<std::size_t>(footer.token_count),
+                      .id_bytes = footer.id_bytes,
                       .min_id = footer.min_id,
                       .max_id = footer.max_id,
                       .stats = {footer.files, footer.documents, footer.skipped_lines},
@@ -153,18 +174,18 @@ inline std::optional<CachedTokens> open_token_cache(const std::filesystem::path&
   void* address = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
   ::close(fd);  // the mapping keeps the file
   if (address == MAP_FAILED) return refuse(fmt::format("mmap of {} bytes failed ({})", bytes, std::strerror(errno)));
-  cached.ids = std::shared_ptr<const std::int32_t>(static_cast<const std::int32_t*>(address),
-                                                   [bytes](const std::int32_t* data) {
-                                                     ::munmap(const_cast<std::int32_t*>(data), bytes);
-                                                   });
+  cached.ids = std::shared_ptr<const void>(address, [bytes](const void* data) { ::munmap(const_cast<void*>(data), bytes); });
   return cached;
 }
 
 // Appends ids to a new cache file and publishes it with its footer at finish().
 class TokenCacheWriter {
  public:
-  TokenCacheWriter(const std::filesystem::path& path, std::uint64_t key) : path_(path), file_(prepare(path)) {
+  // `id_bytes`: 2 (every id below 65536; a larger one is an error) or 4.
+  TokenCacheWriter(const std::filesystem::path& path, std::uint64_t key, std::uint32_t id_bytes)
+      : path_(path), file_(prepare(path)) {
     footer_.key = key;
+    footer_.id_bytes = id_bytes;
     footer_.min_id = std::numeric_limits<std::int32_t>::max();
     footer_.max_id = std::numeric_limits<std::int32_t>::min();
   }
@@ -175,7 +196,12 @@ class TokenCacheWriter {
     footer_.min_id = std::min(footer_.min_id, low);
     footer_.max_id = std::max(footer_.max_id, high);
     footer_.token_count += ids.size();
-    file_.write(ids.data(), ids.size_bytes());
+    if (footer_.id_bytes == 4) return file_.write(ids.data(), ids.size_bytes());
+    if (low < 0 || high > 65535)
+      throw DataError(fmt::format("{}: token id {} does not fit the 16 bits the vocabulary promised", path_.string(),
+                                  low < 0 ? low : high));
+    narrow_.assign(ids.begin(), ids.end());
+    file_.write(narrow_.data(), narrow_.size() * sizeof(std::uint16_t));
   }
 
   void finish(const TokenStreamStats& stats) {
@@ -201,6 +227,7 @@ class TokenCacheWriter {
   std::filesystem::path path_;
   io::AtomicFile file_;
   TokenCacheFooter footer_;
+  std::vector<std::uint16_t> narrow_;
 };
 
 }  // namespace meshtorch::data
