@@ -53,30 +53,30 @@ TEST_CASE("a JSONL data set with a model folder is tokenised by the folder's tok
   fs::copy_file(fixtures / "bpe" / "tokenizer.json", model / "tokenizer.json");
   fs::copy_file(fixtures / "bpe" / "tokenizer_config.json", model / "tokenizer_config.json");
   const auto data = dir / "train.jsonl";
+  std::vector<std::string> texts;
   {
     std::ofstream out(data);
-    for (int i = 0; i < 40; ++i)
-      out << nlohmann::json({{"text", "document " + std::to_string(i) + ": the quick brown fox, café 数据 🙂"}}).dump() << "\n";
+    for (int i = 0; i < 40; ++i) {
+      texts.push_back("document " + std::to_string(i) + ": the quick brown fox, café 数据 🙂");
+      out << nlohmann::json({{"text", texts.back()}}).dump() << "\n";
+    }
   }
   std::string note;
-  const auto tokenizer = mt::data::tokenizer_for_dataset(data.string(), model.string(), &note);
-  REQUIRE(tokenizer);
-  CHECK_THAT(note, Catch::Contains("byte-level BPE"));
-
-  const auto blocks = mt::data::load_dataset(data.string(), 16, model.string());
-  const auto documents = mt::data::read_jsonl_documents(data);
-  auto want = tokenizer->encode_documents(documents, 1);
+  const auto blocks = mt::data::load_dataset(data.string(), 16, model.string(), &note);
+  CHECK_THAT(note, Catch::Contains("byte-level BPE") && Catch::Contains("40 document(s)"));
+  const auto tokenizer = mt::data::load_tokenizer(model);
+  auto want = tokenizer->encode_documents(texts, 1);
   want.resize(want.size() / 16 * 16);  // packing drops the remainder
   CHECK(all_tokens(blocks) == want);
   CHECK(want.front() == 0);  // <|begin_of_text|>
   blocks.check_vocab(tokenizer->vocab_size());
 
-  // A folder without a tokenizer, `builtin`, or a preset: the byte tokenizer, as before.
-  CHECK_FALSE(mt::data::tokenizer_for_dataset(data.string(), (dir / "nothing").string()));
-  CHECK_FALSE(mt::data::tokenizer_for_dataset("builtin", model.string()));
-  CHECK_FALSE(mt::data::tokenizer_for_dataset(data.string(), "llama-tiny"));
-  CHECK(all_tokens(mt::data::load_dataset(data.string(), 16, "llama-tiny")) ==
-        all_tokens(mt::data::load_dataset(data.string(), 16)));
+  // A folder without a tokenizer, or a preset: the byte tokenizer, as `builtin` has.
+  std::string byte_note;
+  const auto bytes = all_tokens(mt::data::load_dataset(data.string(), 16, (dir / "nothing").string(), &byte_note));
+  CHECK_THAT(byte_note, Catch::StartsWith("byte tokenizer"));
+  CHECK(all_tokens(mt::data::load_dataset(data.string(), 16, "llama-tiny")) == bytes);
+  CHECK(all_tokens(mt::data::load_dataset(data.string(), 16)) == bytes);
   fs::remove_all(dir);
 }
 
@@ -269,5 +269,91 @@ TEST_CASE("the token cache is written once, mapped after, and replaced when a fi
   const mt::data::CachedDataset moved(request);
   ::unsetenv("MESHTORCH_DATA_CACHE");
   CHECK(moved.cache_path().parent_path() == dir / "elsewhere");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("conversations are written in the folder's chat template and keep the template's own tokens",
+          "[dataset][chat]") {
+  const auto dir = fresh_dir("chat");
+  const auto model = dir / "model";
+  fs::create_directories(model);
+  fs::copy_file(fixtures / "bpe" / "tokenizer.json", model / "tokenizer.json");
+  // The template in tokenizer_config.json as a list of named templates (the older layout).
+  const std::string chat =
+      "{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+      "{{ raise_exception('this template knows no role ' + m['role']) }}{% endif %}"
+      "{{ m['role'] }}: {{ m['content'] | trim }}<|eot_id|>{% endfor %}";
+  auto config = nlohmann::json::parse(std::ifstream(fixtures / "bpe" / "tokenizer_config.json"));
+  config["chat_template"] = {{{"name", "tool_use"}, {"template", "unused"}}, {{"name", "default"}, {"template", chat}}};
+  std::ofstream(model / "tokenizer_config.json") << config.dump();
+
+  const auto data = dir / "data";
+  fs::create_directories(data);
+  {
+    std::ofstream out(data / "chat.jsonl");
+    out << R"({"messages": [{"role": "user", "content": " Hi 🙂 "}, {"role": "assistant", "content": "Hello."}]})"
+        << "\n"
+        << R"({"text": "plain text between"})" << "\n";
+  }
+  const auto tokenizer = mt::data::load_tokenizer(model);
+  std::vector<std::int32_t> want = tokenizer->encode("<|begin_of_text|>user: Hi 🙂<|eot_id|>assistant: Hello.<|eot_id|>");
+  const std::vector<std::string> plain{"plain text between"};
+  const auto framed = tokenizer->encode_documents(plain, 1);
+  want.insert(want.end(), framed.begin(), framed.end());
+  CHECK(want.front() == 0);  // one <|begin_of_text|>, the template's: nothing added to a conversation
+
+  mt::data::CachedDataset dataset({.name = data.string(), .model = model.string()}, 1);
+  bool built = false;
+  const auto cached = dataset.open_or_build(&built);
+  CHECK(built);
+  CHECK(cached.to_vector() == want);
+  CHECK_THAT(dataset.tokenizer_note(), Catch::Contains("chat template") && Catch::Contains("'chat_template'"));
+
+  // chat_template.jinja (what transformers 5 writes) wins over tokenizer_config.json, and a new
+  // template is a new cache.
+  std::ofstream(model / "chat_template.jinja") << "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}";
+  mt::data::CachedDataset with_file({.name = data.string(), .model = model.string()}, 1);
+  CHECK(with_file.cache_path() != dataset.cache_path());
+  const auto rewritten = with_file.open_or_build(&built);
+  CHECK(built);
+  auto want_file = tokenizer->encode("[user]  Hi 🙂 \n[assistant] Hello.\n");
+  want_file.insert(want_file.end(), framed.begin(), framed.end());
+  CHECK(rewritten.to_vector() == want_file);
+  fs::remove(model / "chat_template.jinja");
+
+  // The template's raise_exception, and records that are not conversations, name file and line.
+  auto build_error = [&](const std::string& line) {
+    std::ofstream(data / "chat.jsonl") << "{\"text\": \"first\"}\n" << line << "\n";
+    return error_of([&] { mt::data::CachedDataset({.name = data.string(), .model = model.string()}, 1).build(); });
+  };
+  const auto where = (data / "chat.jsonl").string() + ":2";
+  CHECK_THAT(build_error(R"({"messages": [{"role": "system", "content": "x"}]})"),
+             Catch::Contains(where) && Catch::Contains("this template knows no role system"));
+  CHECK_THAT(build_error(R"({"messages": []})"), Catch::Contains(where) && Catch::Contains("non-empty list"));
+  CHECK_THAT(build_error(R"({"messages": [{"content": "x"}]})"),
+             Catch::Contains(where) && Catch::Contains("messages[0] needs a string 'role'"));
+  CHECK_THAT(build_error(R"({"messages": [{"role": "user", "content": 5}]})"),
+             Catch::Contains("messages[0] 'content' must be a string, a list or null"));
+  CHECK_THAT(build_error(R"({"messages": [{"role": "user", "content": "x"}], "tools": "all"})"),
+             Catch::Contains("'tools' must be a list"));
+
+  // A conversation without a template (the byte tokenizer, or a folder without one) names the fix.
+  std::ofstream(data / "chat.jsonl") << R"({"messages": [{"role": "user", "content": "x"}]})" << "\n";
+  CHECK_THAT(error_of([&] { mt::data::CachedDataset({.name = data.string(), .model = "llama-tiny"}).build(); }),
+             Catch::Contains((data / "chat.jsonl").string() + ":1") &&
+                 Catch::Contains("-m must name a model folder with chat_template.jinja"));
+
+  // A template that does not parse, or a list without "default", names the file.
+  config["chat_template"] = "{% for m in messages %}unclosed";
+  std::ofstream(model / "tokenizer_config.json") << config.dump();
+  CHECK_THAT(error_of([&] { mt::data::ChatTemplate::from_folder(model); }),
+             Catch::Contains("tokenizer_config.json 'chat_template'") && Catch::Contains("not valid Jinja"));
+  config["chat_template"] = {{{"name", "tool_use"}, {"template", "x"}}, {{"name", "rag"}, {"template", "y"}}};
+  std::ofstream(model / "tokenizer_config.json") << config.dump();
+  CHECK_THAT(error_of([&] { mt::data::ChatTemplate::from_folder(model); }),
+             Catch::Contains("names no 'default' template (it has: tool_use, rag)"));
+  config.erase("chat_template");
+  std::ofstream(model / "tokenizer_config.json") << config.dump();
+  CHECK_FALSE(mt::data::ChatTemplate::from_folder(model).has_value());
   fs::remove_all(dir);
 }

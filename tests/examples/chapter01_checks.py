@@ -166,8 +166,9 @@ def common_except(common, flags):
 
 
 def folder_tokenizer(binary):
-    """A model folder with a tokenizer.json trains on a folder of JSONL files tokenised by it, through
-    the token cache: written on the first start, mapped on the next, written again after an edit."""
+    """A model folder with a tokenizer.json and a chat template trains on a folder of JSONL files
+    (texts and conversations) tokenised by it, through the token cache: written on the first start,
+    mapped on the next, written again after an edit."""
     fixture = pathlib.Path(__file__).resolve().parent.parent / "data" / "fixtures" / "bpe"
     tokenizer = json.loads((fixture / "tokenizer.json").read_text())
     vocab = max([*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]) + 1
@@ -177,6 +178,8 @@ def folder_tokenizer(binary):
         folder.mkdir()
         for name in ["tokenizer.json", "tokenizer_config.json"]:
             (folder / name).write_bytes((fixture / name).read_bytes())
+        (folder / "chat_template.jinja").write_text(
+            "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|eot_id|>{% endfor %}")
         (folder / "config.json").write_text(json.dumps({
             "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": vocab, "rms_norm_eps": 1e-5,
@@ -184,10 +187,14 @@ def folder_tokenizer(binary):
         corpus = pathlib.Path(__file__).resolve().parent.parent / "data" / "fixtures" / "corpus.jsonl"
         lines = [json.loads(line) for line in corpus.read_text().splitlines() if line.strip()]
         # A folder data set: -d data --dataset-subset train reads data/train's two JSONL parts in
-        # path order; its other file is reported, a blank line counted.
+        # path order; its other file is reported, a blank line counted. Texts, then conversations
+        # in the folder's chat template.
         train = pathlib.Path(tmp) / "data" / "train"
         train.mkdir(parents=True)
         records = [json.dumps({"text": text}) + "\n" for text in lines * 4]
+        records += [json.dumps({"messages": [{"role": "user", "content": lines[i]},
+                                             {"role": "assistant", "content": lines[i + 1]}]}) + "\n"
+                    for i in range(0, 40, 2)]
         half = len(records) // 2
         (train / "part-0.jsonl").write_text("".join(records[:half]) + "\n")
         (train / "part-1.jsonl").write_text("".join(records[half:]))
@@ -197,6 +204,7 @@ def folder_tokenizer(binary):
                       "-s", "32", "-b", "2", "--save-dir", tmp, "--log-freq", "10", "--ckpt-freq", "1000"]
         out = run(binary, *data_flags, "-e", "folder", "--max-steps", "20")
         assert "data: byte-level BPE" in out.stdout and "byte tokenizer" not in out.stdout, out.stdout
+        assert f"chat template {folder / 'chat_template.jinja'}" in out.stdout, out.stdout
         for fact in ["(subset train): 2 file(s) (1 other file(s) not read: NOTES.md)", f"{len(records)} document(s)",
                      "1 field(s) not read, as they do not change the computation: output_attentions",
                      "1 blank line(s) skipped", "(written now)"]:

@@ -2,17 +2,25 @@
 // shell. Each line of standard input becomes one line of output: its ids as a JSON array
 // (without added <bos>/<eos>, as HF's add_special_tokens=False), or with --decode, a JSON array of
 // ids becomes its text. With --json, texts are JSON strings on both sides, so they may hold newlines.
-// With --prepare DATA, it tokenises a data set (-d's file, folder or pattern) into its token cache
-// once, before a job, as the first training start would, and says what it did as JSON.
+// With --chat, each line is a conversation ({"messages": [...], "tools": [...]} as in a JSONL data
+// set, or the list of messages alone) written in the folder's chat template, and its ids are
+// printed as apply_chat_template(tokenize=True) gives them; --chat-text prints the rendered text
+// as a JSON string instead. With --prepare DATA, it tokenises a data set (-d's file, folder or
+// pattern) into its token cache once, before a job, as the first training start would, and says
+// what it did as JSON.
 #include <chrono>
+#include <filesystem>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <meshtorch/data/cached_dataset.hpp>
+#include <meshtorch/data/chat_template.hpp>
+#include <meshtorch/data/documents.hpp>
 #include <meshtorch/data/folder_tokenizer.hpp>
 
 namespace mt = meshtorch;
@@ -34,7 +42,7 @@ void encode_lines(const mt::data::TextTokenizer& tokenizer, unsigned threads, bo
       try {
         line = nlohmann::json::parse(line).get<std::string>();
       } catch (const nlohmann::json::exception& e) {
-        throw mt::DataError("standard input line " + std::to_string(number) + ": not a JSON string (" + e.what() + ")");
+        throw mt::DataError(fmt::format("standard input line {}: not a JSON string ({})", number, e.what()));
       }
     }
     lines.push_back(std::move(line));
@@ -68,13 +76,42 @@ void decode_lines(const mt::data::TextTokenizer& tokenizer, bool json) {
     try {
       ids = nlohmann::json::parse(line).get<std::vector<std::int32_t>>();
     } catch (const nlohmann::json::exception& e) {
-      throw mt::DataError("standard input line " + std::to_string(number) + ": not a JSON array of ids (" + e.what() + ")");
+      throw mt::DataError(fmt::format("standard input line {}: not a JSON array of ids ({})", number, e.what()));
     }
     const auto text = tokenizer.decode(ids);
     if (json)
       std::cout << nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
     else
       std::cout << text << '\n';
+  }
+}
+
+// Conversations, one a line, in the folder's chat template: their ids, or (`text_only`) the text.
+void chat_lines(const mt::data::TextTokenizer& tokenizer, const std::filesystem::path& model_dir, bool text_only) {
+  const auto chat = mt::data::ChatTemplate::from_folder(model_dir);
+  if (!chat)
+    throw mt::ConfigError(fmt::format("{}: holds no chat template (chat_template.jinja or tokenizer_config.json "
+                                      "'chat_template')",
+                                      model_dir.string()));
+  std::string line;
+  for (std::size_t number = 1; std::getline(std::cin, line); ++number) {
+    const auto where = fmt::format("standard input line {}", number);
+    nlohmann::ordered_json record;
+    try {
+      record = nlohmann::ordered_json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      throw mt::DataError(fmt::format("{}: not valid JSON ({})", where, e.what()));
+    }
+    if (record.is_array()) record = {{"messages", std::move(record)}};
+    if (!record.is_object() || !record.contains("messages"))
+      throw mt::DataError(fmt::format("{}: needs a 'messages' list (or to be one)", where));
+    mt::data::check_conversation(record, where);
+    const auto tools = record.contains("tools") ? record["tools"] : nlohmann::ordered_json();
+    const auto text = chat->render(record["messages"], tools, /*add_generation_prompt=*/false, where);
+    if (text_only)
+      std::cout << nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+    else
+      std::cout << nlohmann::json(tokenizer.encode(text)).dump() << '\n';
   }
 }
 
@@ -101,7 +138,7 @@ void prepare(const std::string& model_dir, const std::string& data, const std::s
 int main(int argc, char** argv) {
   CLI::App app{"Encode text lines to token ids (or decode ids) with a model folder's tokenizer"};
   std::string model_dir;
-  bool decode = false, verbose = false, json = false, time_only = false;
+  bool decode = false, verbose = false, json = false, time_only = false, chat = false, chat_text = false;
   unsigned threads = 0;
   app.add_option("model_dir", model_dir,
                  "folder holding tokenizer.json or tokenizer.model (with --prepare, a folder without either "
@@ -109,6 +146,10 @@ int main(int argc, char** argv) {
       ->required();
   app.add_flag("--decode", decode, "read JSON arrays of ids, print their text");
   app.add_flag("--json", json, "texts are JSON strings (one a line), so they may hold newlines");
+  app.add_flag("--chat", chat,
+               "read conversations ({\"messages\": [...]} or a list of messages, one a line), print the ids of "
+               "each in the folder's chat template");
+  app.add_flag("--chat-text", chat_text, "as --chat, but print the rendered text as a JSON string");
   app.add_flag("--benchmark", time_only, "encode all input lines at once and print only the count and time, as JSON");
   std::string prepare_data, subset;
   app.add_option("--prepare", prepare_data,
@@ -127,7 +168,9 @@ int main(int argc, char** argv) {
     std::string note;
     const auto tokenizer = mt::data::load_tokenizer(model_dir, &note);
     if (verbose) std::cerr << note << '\n';
-    if (time_only)
+    if (chat || chat_text)
+      chat_lines(*tokenizer, model_dir, chat_text);
+    else if (time_only)
       benchmark(*tokenizer, threads);
     else if (decode)
       decode_lines(*tokenizer, json);

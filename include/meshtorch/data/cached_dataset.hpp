@@ -1,11 +1,12 @@
 #pragma once
 // A data set (-d, --dataset-subset) tokenised once into its token cache and mapped at every later
-// start: which tokenizer reads it (the -m folder's when it has one, else the byte tokenizer; an
-// llm.c .bin file's own ids), the cache file's key and place, writing it and opening it. No
+// start: which tokenizer reads it (the -m folder's when it has one, with its chat template for
+// conversations, else the byte tokenizer; an llm.c .bin file's own ids), the cache file's key and
+// place, writing it and opening it. No
 // LibTorch: meshtorch-tokenize --prepare uses it; TokenBlocks over the cache is in
 // dataset_tokenizer.hpp.
 //
-// Link requirements: PCRE2 and libsentencepiece (CMake target meshtorch::tokenizers).
+// Link requirements: PCRE2, libsentencepiece and minja (CMake target meshtorch::tokenizers).
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -17,37 +18,13 @@
 
 #include <fmt/format.h>
 
+#include <meshtorch/data/chat_template.hpp>
 #include <meshtorch/data/data_files.hpp>
 #include <meshtorch/data/documents.hpp>
 #include <meshtorch/data/folder_tokenizer.hpp>
 #include <meshtorch/data/token_cache.hpp>
 
 namespace meshtorch::data {
-
-// The folder's tokenizer when it applies to `data`, else nullptr (the byte tokenizer or the files'
-// own ids). `note` (if given) receives what was chosen, for the caller's log.
-inline std::unique_ptr<TextTokenizer> tokenizer_for_dataset(const DataFiles& data, const std::string& model_name_or_dir,
-                                                            std::string* note = nullptr) {
-  if (data.tokenized) {
-    if (note) *note = "the llm.c files' own ids";
-    return nullptr;
-  }
-  if (!folder_has_tokenizer(model_name_or_dir)) {
-    if (note) *note = fmt::format("byte tokenizer ({} holds no tokenizer)", model_name_or_dir);
-    return nullptr;
-  }
-  return load_tokenizer(model_name_or_dir, note);
-}
-
-inline std::unique_ptr<TextTokenizer> tokenizer_for_dataset(const std::string& dataset_name,
-                                                            const std::string& model_name_or_dir,
-                                                            std::string* note = nullptr) {
-  if (dataset_name == "builtin") {
-    if (note) *note = "byte tokenizer (built-in corpus)";
-    return nullptr;
-  }
-  return tokenizer_for_dataset(resolve_data_files(dataset_name), model_name_or_dir, note);
-}
 
 // Where a data set's token cache goes: $MESHTORCH_DATA_CACHE when set (a node-local folder when
 // the data's folder is read-only, as the guide points $HF_HOME at node-local disk), else
@@ -79,7 +56,8 @@ class CachedDataset {
     } else if (folder_tokenizer_) {
       // The folder's tokenizer files decide which tokenizer is built and how: their contents are the key.
       key.add("folder tokenizer");
-      for (const char* name : {"tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json"})
+      for (const char* name : {"tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
+                               "special_tokens_map.json", "chat_template.jinja"})
         key.add_file_contents(std::filesystem::path(request.model) / name);
       tokenizer_note_ = fmt::format("the tokenizer of {} (not loaded: its token cache is current)", request.model);
     } else {
@@ -103,16 +81,29 @@ class CachedDataset {
     DocumentEncoder encode = byte_encoder();
     std::unique_ptr<TextTokenizer> tokenizer;
     std::uint32_t id_bytes = 2;  // the byte tokenizer's 258 ids, and llm.c's uint16 files
+    std::optional<ChatTemplate> chat_template;
+    ChatRenderer chat;
     if (folder_tokenizer_) {
       tokenizer = load_tokenizer(request_.model, &tokenizer_note_);
       id_bytes = id_bytes_for(tokenizer->vocab_size());
-      encode = [&tokenizer, this](std::span<const std::string> documents, std::vector<std::int32_t>& out) {
-        const auto ids = tokenizer->encode_documents(documents, threads_);
+      encode = [&tokenizer, this](const DocumentBatch& batch, std::vector<std::int32_t>& out) {
+        const auto ids = tokenizer->encode_documents(batch.texts, threads_, batch.from_chat_template);
         out.insert(out.end(), ids.begin(), ids.end());
       };
+      // Loaded with the tokenizer, so a folder with a broken template fails here even when no
+      // record is a conversation: the template is the model's, and the next data set may need it.
+      chat_template = ChatTemplate::from_folder(request_.model);
+      if (chat_template) {
+        tokenizer_note_ += fmt::format("; chat template {}", chat_template->origin());
+        chat = [&chat_template](const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
+                                const std::string& where) {
+          return chat_template->render(messages, tools, /*add_generation_prompt=*/false, where);
+        };
+      }
     }
     TokenCacheWriter writer(cache_path_, key_, id_bytes);
-    const auto stats = tokenize_files(data_, encode, [&](std::span<const std::int32_t> ids) { writer.append(ids); });
+    const auto stats =
+        tokenize_files(data_, encode, [&](std::span<const std::int32_t> ids) { writer.append(ids); }, chat);
     writer.finish(stats);
   }
 

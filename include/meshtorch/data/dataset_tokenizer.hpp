@@ -1,9 +1,8 @@
 #pragma once
 // Data sets as training reads them: `builtin` in memory, anything else through its token cache
-// (cached_dataset.hpp), as TokenBlocks over the mapped file; and a file tokenised in memory with
-// a given tokenizer.
+// (cached_dataset.hpp), as TokenBlocks over the mapped file.
 //
-// Link requirements: PCRE2 and libsentencepiece (CMake target meshtorch::tokenizers), and LibTorch.
+// Link requirements: PCRE2, libsentencepiece and minja (CMake target meshtorch::tokenizers), and LibTorch.
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -15,19 +14,6 @@
 #include <meshtorch/data/dataset.hpp>
 
 namespace meshtorch::data {
-
-// A text (documents separated by blank lines) or JSONL file tokenised with `tokenizer` on
-// `threads` threads (0: one per core), each document as [<bos>] ids <eos>, packed into blocks, in
-// memory (no cache).
-inline TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length, const TextTokenizer& tokenizer,
-                                unsigned threads = 0) {
-  const std::filesystem::path path(name);
-  if (!std::filesystem::is_regular_file(path))
-    throw DataError(fmt::format("-d/--dataset-name '{}' is not an existing text or JSONL file", name));
-  const auto ext = path.extension().string();
-  const auto documents = ext == ".jsonl" || ext == ".json" ? read_jsonl_documents(path) : read_text_documents(path);
-  return TokenBlocks(tokenizer.encode_documents(documents, threads), seq_length, name);
-}
 
 // Blocks over the cached ids without a copy (uint16 or int32, as the cache holds them): the tensor
 // keeps the mapping alive.

@@ -1,8 +1,10 @@
 #pragma once
 // A data set's documents, read as a stream: plain text (documents separated by blank lines),
-// JSONL (a "text" field, or alpaca-style instruction/input/output in alpaca's template), or
-// pre-tokenised llm.c .bin files (uint16 ids), over the files data_files.hpp resolves, tokenised
-// a batch at a time so that neither the text nor its ids need to sit in memory whole. No LibTorch.
+// JSONL (a "text" field, alpaca-style instruction/input/output in alpaca's template, or a
+// conversation's "messages" in the model folder's chat template), or pre-tokenised llm.c .bin
+// files (uint16 ids), over the files data_files.hpp resolves, tokenised a batch at a time so that
+// neither the text nor its ids need to sit in memory whole. No LibTorch, and no Jinja: a chat
+// template comes in as a ChatRenderer (chat_template.hpp makes one).
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
@@ -38,7 +40,34 @@ struct TokenStreamStats {
   std::uint64_t skipped_lines = 0;  // blank JSONL lines: nothing to train on, but counted and logged
 };
 
-// Each document of a text file (documents separated by blank lines) to `sink(std::string&&)`.
+// Documents as the tokenizer receives them, a batch at a time: each text, and whether a chat
+// template wrote it. A template writes its own special tokens (<bos>, end-of-turn), so its ids are
+// kept as encoded, as transformers' apply_chat_template(tokenize=True) gives them; any other
+// document is framed as [<bos>] ids <eos>.
+struct DocumentBatch {
+  std::vector<std::string> texts;
+  std::vector<std::uint8_t> from_chat_template;  // one flag per text
+  std::size_t bytes = 0;
+
+  void add(std::string&& text, bool chat) {
+    bytes += text.size();
+    texts.push_back(std::move(text));
+    from_chat_template.push_back(chat ? 1 : 0);
+  }
+  bool empty() const { return texts.empty(); }
+  void clear() {
+    texts.clear();
+    from_chat_template.clear();
+    bytes = 0;
+  }
+};
+
+// A conversation's text: (messages, tools or null, where) -> the chat template's rendering. `where`
+// is the data file and line, for the template's errors.
+using ChatRenderer =
+    std::function<std::string(const nlohmann::ordered_json&, const nlohmann::ordered_json&, const std::string&)>;
+
+// Each document of a text file (documents separated by blank lines) to `sink(std::string&&, false)`.
 template <class Sink>
 void for_each_text_document(const std::filesystem::path& path, Sink&& sink, TokenStreamStats& stats) {
   std::ifstream in(path);
@@ -47,7 +76,7 @@ void for_each_text_document(const std::filesystem::path& path, Sink&& sink, Toke
   auto emit = [&] {
     if (current.empty()) return;
     ++stats.documents;
-    sink(std::move(current));
+    sink(std::move(current), false);
     current.clear();
   };
   while (std::getline(in, line)) {
@@ -62,10 +91,31 @@ void for_each_text_document(const std::filesystem::path& path, Sink&& sink, Toke
   ++stats.files;
 }
 
-// Each record of a JSONL file: its "text", or an alpaca record (instruction/input/output) in the
-// alpaca template. A malformed line is an error naming file and line; a blank one is counted.
+// A conversation record: "messages" a non-empty list of objects with a string "role" and a
+// "content" that is a string, a list (typed parts) or null; "tools", if there, a list.
+inline void check_conversation(const nlohmann::ordered_json& record, const std::string& where) {
+  const auto& messages = record["messages"];
+  if (!messages.is_array() || messages.empty())
+    throw DataError(fmt::format("{}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects", where));
+  for (std::size_t i = 0; i < messages.size(); ++i) {
+    const auto& message = messages[i];
+    if (!message.is_object() || !message.contains("role") || !message["role"].is_string())
+      throw DataError(fmt::format("{}: messages[{}] needs a string 'role'", where, i));
+    if (message.contains("content") && !message["content"].is_string() && !message["content"].is_array() &&
+        !message["content"].is_null())
+      throw DataError(fmt::format("{}: messages[{}] 'content' must be a string, a list or null", where, i));
+  }
+  if (record.contains("tools") && !record["tools"].is_array() && !record["tools"].is_null())
+    throw DataError(fmt::format("{}: 'tools' must be a list of tool schemas", where));
+}
+
+// Each record of a JSONL file: its "text", an alpaca record (instruction/input/output) in the
+// alpaca template, or a conversation ("messages", and "tools" if any) in `chat`'s template, to
+// `sink(std::string&&, bool from_chat_template)`. A malformed line is an error naming file and
+// line; a blank one is counted.
 template <class Sink>
-void for_each_jsonl_document(const std::filesystem::path& path, Sink&& sink, TokenStreamStats& stats) {
+void for_each_jsonl_document(const std::filesystem::path& path, Sink&& sink, TokenStreamStats& stats,
+                             const ChatRenderer& chat = {}) {
   std::ifstream in(path);
   if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
   std::string line;
@@ -75,9 +125,10 @@ void for_each_jsonl_document(const std::filesystem::path& path, Sink&& sink, Tok
       continue;
     }
     const std::string where = fmt::format("{}:{}", path.string(), number);
-    nlohmann::json record;
+    // Ordered, so that a template's tojson writes a message's fields in the file's order, as Python does.
+    nlohmann::ordered_json record;
     try {
-      record = nlohmann::json::parse(line);
+      record = nlohmann::ordered_json::parse(line);
     } catch (const nlohmann::json::parse_error& e) {
       throw DataError(fmt::format("{}: not valid JSON ({})", where, e.what()));
     }
@@ -90,28 +141,24 @@ void for_each_jsonl_document(const std::filesystem::path& path, Sink&& sink, Tok
     if (!record.is_object()) throw DataError(fmt::format("{}: each line must be a JSON object", where));
     ++stats.documents;
     if (record.contains("text")) {
-      sink(string_field("text"));
+      sink(string_field("text"), false);
     } else if (record.contains("instruction") && record.contains("output")) {
-      sink(format_alpaca(string_field("instruction"), string_field("input"), string_field("output")));
+      sink(format_alpaca(string_field("instruction"), string_field("input"), string_field("output")), false);
+    } else if (record.contains("messages")) {
+      check_conversation(record, where);
+      if (!chat)
+        throw DataError(fmt::format("{}: a conversation ('messages') is written in the model's chat template, and "
+                                    "there is none: -m must name a model folder with chat_template.jinja or "
+                                    "tokenizer_config.json 'chat_template'",
+                                    where));
+      const auto tools = record.contains("tools") ? record["tools"] : nlohmann::ordered_json();
+      sink(chat(record["messages"], tools, where), true);
     } else {
-      throw DataError(fmt::format("{}: needs a 'text' field or 'instruction' and 'output' fields", where));
+      throw DataError(
+          fmt::format("{}: needs a 'text' field, 'instruction' and 'output' fields, or 'messages'", where));
     }
   }
   ++stats.files;
-}
-
-inline std::vector<std::string> read_text_documents(const std::filesystem::path& path) {
-  std::vector<std::string> documents;
-  TokenStreamStats stats;
-  for_each_text_document(path, [&](std::string&& document) { documents.push_back(std::move(document)); }, stats);
-  return documents;
-}
-
-inline std::vector<std::string> read_jsonl_documents(const std::filesystem::path& path) {
-  std::vector<std::string> documents;
-  TokenStreamStats stats;
-  for_each_jsonl_document(path, [&](std::string&& document) { documents.push_back(std::move(document)); }, stats);
-  return documents;
 }
 
 // llm.c's token file: a 256 x int32 header (magic 20240520, version 1, token count), then uint16
@@ -152,38 +199,35 @@ inline std::vector<std::int32_t> read_llmc_tokens(const std::filesystem::path& p
   return {raw.begin(), raw.end()};
 }
 
-// Appends each document of a batch, in order, as the tokenizer frames it ([<bos>] ids <eos>).
-using DocumentEncoder = std::function<void(std::span<const std::string>, std::vector<std::int32_t>&)>;
+// Appends each document of a batch, in order, as the tokenizer frames it (see DocumentBatch).
+using DocumentEncoder = std::function<void(const DocumentBatch&, std::vector<std::int32_t>&)>;
 
 inline DocumentEncoder byte_encoder() {
-  return [](std::span<const std::string> documents, std::vector<std::int32_t>& out) {
+  return [](const DocumentBatch& batch, std::vector<std::int32_t>& out) {
     const ByteTokenizer tokenizer;
-    for (const auto& document : documents) tokenizer.encode_document(document, out);
+    for (const auto& document : batch.texts) tokenizer.encode_document(document, out);
   };
 }
 
 // Every file's ids in order, handed to `sink(std::span<const std::int32_t>)` a batch of about
 // `batch_bytes` of text at a time, so that neither the text nor its ids sit in memory whole.
-// llm.c .bin files give their own ids.
+// llm.c .bin files give their own ids; conversations are written with `chat`.
 template <class Sink>
 TokenStreamStats tokenize_files(const DataFiles& data, const DocumentEncoder& encode, Sink&& sink,
-                                std::size_t batch_bytes = std::size_t{32} << 20) {
+                                const ChatRenderer& chat = {}, std::size_t batch_bytes = std::size_t{32} << 20) {
   TokenStreamStats stats;
-  std::vector<std::string> batch;
+  DocumentBatch batch;
   std::vector<std::int32_t> ids;
-  std::size_t bytes = 0;
   auto flush = [&] {
     if (batch.empty()) return;
     ids.clear();
     encode(batch, ids);
     sink(std::span<const std::int32_t>(ids));
     batch.clear();
-    bytes = 0;
   };
-  auto add = [&](std::string&& document) {
-    bytes += document.size();
-    batch.push_back(std::move(document));
-    if (bytes >= batch_bytes) flush();
+  auto add = [&](std::string&& document, bool from_chat_template) {
+    batch.add(std::move(document), from_chat_template);
+    if (batch.bytes >= batch_bytes) flush();
   };
   for (const auto& file : data.files) {
     if (data.tokenized) {
@@ -191,7 +235,7 @@ TokenStreamStats tokenize_files(const DataFiles& data, const DocumentEncoder& en
       sink(std::span<const std::int32_t>(tokens));
       ++stats.files;
     } else if (data_format_of(file) == DataFormat::jsonl) {
-      for_each_jsonl_document(file, add, stats);
+      for_each_jsonl_document(file, add, stats, chat);
     } else {
       for_each_text_document(file, add, stats);
     }

@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <span>
 #include <string>
 #include <string_view>
@@ -60,14 +61,25 @@ class TextTokenizer {
     return out;
   }
 
-  // The documents encoded on `threads` threads and concatenated in order, each as [<bos>] ids <eos>.
-  std::vector<std::int32_t> encode_documents(std::span<const std::string> documents, unsigned threads = 0) const {
+  // The documents encoded on `threads` threads and concatenated in order, each as [<bos>] ids <eos>
+  // except those flagged in `from_chat_template` (one flag per document, or none): a chat
+  // template wrote their special tokens, so their ids stay as encoded.
+  std::vector<std::int32_t> encode_documents(std::span<const std::string> documents, unsigned threads = 0,
+                                             std::span<const std::uint8_t> from_chat_template = {}) const {
+    if (!from_chat_template.empty() && from_chat_template.size() != documents.size())
+      throw std::invalid_argument(fmt::format("encode_documents: {} chat-template flags for {} documents",
+                                              from_chat_template.size(), documents.size()));
     const auto batch = encode_batch(documents, threads);
     std::size_t total = 0;
     for (const auto& ids : batch) total += ids.size() + 2;
     std::vector<std::int32_t> out;
     out.reserve(total);
-    for (const auto& ids : batch) append_document(ids, out);
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      if (!from_chat_template.empty() && from_chat_template[i])
+        out.insert(out.end(), batch[i].begin(), batch[i].end());
+      else
+        append_document(batch[i], out);
+    }
     return out;
   }
 

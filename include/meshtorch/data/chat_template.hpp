@@ -1,0 +1,158 @@
+#pragma once
+// A model folder's chat template, which turns a conversation ({"messages": [{"role", "content"}]})
+// into the text the model is trained on, rendered as transformers' apply_chat_template renders it:
+// chat_template.jinja when the folder has one (transformers 5 writes it), else tokenizer_config.json's
+// "chat_template" (a string, or a list of named templates of which "default" is used); Jinja with
+// trim_blocks and lstrip_blocks; the variables `messages`, `tools`, `add_generation_prompt`, the
+// folder's special tokens (`bos_token`, `eos_token`, ...), `raise_exception(message)` and
+// `strftime_now(format)` (the local time, as transformers gives it). Nothing is added to what the
+// template writes: no system-role or tool polyfills.
+//
+// Jinja is minja's (one header, MIT): Debian packages no C++ Jinja engine, and one written here
+// would be a second, less tested copy of what minja does for exactly these templates.
+//
+// Link requirements: minja's header (fetched by scripts/setup; CMake target meshtorch::tokenizers).
+#include <chrono>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <fmt/format.h>
+#include <minja/minja.hpp>
+#include <nlohmann/json.hpp>
+
+#include <meshtorch/error.hpp>
+#include <meshtorch/io/json_file.hpp>
+#include <meshtorch/io/model_folder.hpp>
+
+namespace meshtorch::data {
+
+class ChatTemplate {
+ public:
+  // The folder's chat template, or nothing when it has none.
+  static std::optional<ChatTemplate> from_folder(const std::filesystem::path& dir) {
+    std::string source, origin;
+    std::optional<nlohmann::json> config;
+    const auto config_path = dir / "tokenizer_config.json";
+    if (io::present_in_folder(config_path))
+      config = io::read_json_file<ConfigError>(io::model_file(dir, "tokenizer_config.json", named_by(dir)));
+    if (io::present_in_folder(dir / "chat_template.jinja")) {
+      const auto path = io::model_file(dir, "chat_template.jinja", named_by(dir));
+      source = read_template_file(path);
+      origin = path.string();
+    } else if (config && config->contains("chat_template") && !(*config)["chat_template"].is_null()) {
+      source = template_from_config((*config)["chat_template"], config_path);
+      origin = fmt::format("{} 'chat_template'", config_path.string());
+    } else {
+      return std::nullopt;
+    }
+    nlohmann::ordered_json special_tokens = nlohmann::ordered_json::object();
+    if (config) add_special_tokens(*config, config_path, special_tokens);
+    if (io::present_in_folder(dir / "special_tokens_map.json"))
+      add_special_tokens(io::read_json_file<ConfigError>(io::model_file(dir, "special_tokens_map.json", named_by(dir))),
+                         dir / "special_tokens_map.json", special_tokens);
+    return ChatTemplate(source, origin, special_tokens);
+  }
+
+  // `source` is Jinja; `origin` names where it came from in error messages; `special_tokens` maps
+  // names (bos_token, ...) to token strings the template may use.
+  ChatTemplate(const std::string& source, std::string origin, const nlohmann::ordered_json& special_tokens)
+      : origin_(std::move(origin)) {
+    try {
+      root_ = minja::Parser::parse(source, {.trim_blocks = true, .lstrip_blocks = true, .keep_trailing_newline = false});
+    } catch (const std::exception& e) {
+      throw ConfigError(fmt::format("{}: the chat template is not valid Jinja: {}", origin_, e.what()));
+    }
+    globals_ = minja::Context::make(minja::Value(special_tokens));
+    globals_->set("strftime_now", minja::Value::callable([](const std::shared_ptr<minja::Context>&,
+                                                             minja::ArgumentsValue& args) {
+                    args.expectArgs("strftime_now", {1, 1}, {0, 0});
+                    return minja::Value(local_time_as(args.args[0].get<std::string>()));
+                  }));
+  }
+
+  // The text of a conversation: `messages` a list of {"role", "content", ...} objects, `tools` a
+  // list of tool schemas or null. A template's raise_exception, or any other failure, is an error
+  // naming `where` (the data file and line) and the template.
+  std::string render(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
+                     bool add_generation_prompt, const std::string& where) const {
+    nlohmann::ordered_json values = {{"messages", messages}, {"add_generation_prompt", add_generation_prompt}};
+    values["tools"] = tools;
+    try {
+      return root_->render(minja::Context::make(minja::Value(values), globals_));
+    } catch (const std::exception& e) {
+      throw DataError(fmt::format("{}: the chat template ({}) failed: {}", where, origin_, e.what()));
+    }
+  }
+
+  const std::string& origin() const { return origin_; }
+
+ private:
+  static std::string named_by(const std::filesystem::path& dir) {
+    return fmt::format("{}: the chat template file", dir.string());
+  }
+
+  static std::string read_template_file(const std::filesystem::path& path) {
+    std::ifstream in(path, std::ios::binary);
+    std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    if (!in.good() && !in.eof()) throw ConfigError(fmt::format("{}: could not be read", path.string()));
+    return text;
+  }
+
+  // "chat_template": a string, or [{"name": ..., "template": ...}] where "default" is the one used.
+  static std::string template_from_config(const nlohmann::json& field, const std::filesystem::path& path) {
+    if (field.is_string()) return field.get<std::string>();
+    if (field.is_array()) {
+      std::string names;
+      for (const auto& entry : field) {
+        if (!entry.is_object() || !entry.contains("name") || !entry.contains("template") ||
+            !entry["name"].is_string() || !entry["template"].is_string())
+          throw ConfigError(fmt::format("{}: each entry of 'chat_template' must be {{\"name\": ..., \"template\": ...}}, "
+                                        "got {}",
+                                        path.string(), entry.dump()));
+        if (entry["name"] == "default") return entry["template"].get<std::string>();
+        names += (names.empty() ? "" : ", ") + entry["name"].get<std::string>();
+      }
+      throw ConfigError(fmt::format("{}: 'chat_template' names no 'default' template (it has: {})", path.string(),
+                                    names.empty() ? "none" : names));
+    }
+    throw ConfigError(fmt::format("{}: 'chat_template' must be a string or a list of named templates, got {}",
+                                  path.string(), field.dump()));
+  }
+
+  // The special tokens transformers passes to the template, as strings (a token may be written as
+  // {"content": ...}); names already set are kept, so tokenizer_config.json wins.
+  static void add_special_tokens(const nlohmann::json& config, const std::filesystem::path& path,
+                                 nlohmann::ordered_json& out) {
+    for (const char* name : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"}) {
+      const auto it = config.find(name);
+      if (it == config.end() || it->is_null() || out.contains(name)) continue;
+      if (it->is_string())
+        out[name] = it->get<std::string>();
+      else if (it->is_object() && it->contains("content") && (*it)["content"].is_string())
+        out[name] = (*it)["content"].get<std::string>();
+      else
+        throw ConfigError(fmt::format("{}: field '{}' must be a token string, got {}", path.string(), name, it->dump()));
+    }
+  }
+
+  // strftime itself, not fmt's chrono: templates use glibc's flags (Llama 3.1's "%d %b %Y", "%-d").
+  static std::string local_time_as(const std::string& format) {
+    const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+    std::tm local{};
+    localtime_r(&now, &local);
+    char text[256];
+    const auto size = std::strftime(text, sizeof text, format.c_str(), &local);
+    return std::string(text, size);
+  }
+
+  std::string origin_;
+  std::shared_ptr<minja::TemplateNode> root_;
+  std::shared_ptr<minja::Context> globals_;
+};
+
+}  // namespace meshtorch::data
