@@ -403,6 +403,15 @@ inline std::vector<std::string> all_gather_object(const AxisGroup& group, const 
   return objects;
 }
 
+// A phase's outcome agreed by the group: every rank passes its error ("" for none) and, if any
+// rank failed, every rank throws the lowest failing rank's error, so that no rank goes on to wait
+// for one that has stopped.
+template <class Error = DataError>
+void raise_first_error(const AxisGroup& group, const std::string& error) {
+  for (const auto& other : all_gather_object(group, error))
+    if (!other.empty()) throw Error(other);
+}
+
 // The same collectives addressed by mesh and axis kind: all_reduce(mesh, axis<TP>, t).
 #define MESHTORCH_AXIS_FORM(collective)                                                  \
   template <class M, template <std::size_t> class Kind, class... Args>                   \

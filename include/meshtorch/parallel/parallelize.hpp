@@ -538,11 +538,12 @@ class ParallelLlama {
     listing = nlohmann::json::parse(comm::all_gather_object(group, reader_rank ? listing.dump() : "").front());
     const std::string error = listing.contains("error") ? listing["error"].get<std::string>() : "";
     // Each node's reader decides for its node: the others learn of a failure here, not in a hang.
-    std::string first_error = error.empty() ? "" : fmt::format("rank {}, reading {} for its ranks: {}", reader, dir.string(), error);
+    const std::string reader_error =
+        error.empty() ? "" : fmt::format("rank {}, reading {} for its ranks: {}", reader, dir.string(), error);
     if (group.size() < world_.size())
-      for (const auto& other : comm::all_gather_object(world_, first_error))
-        if (first_error.empty() && !other.empty()) first_error = other;
-    if (!first_error.empty()) throw DataError(first_error);
+      comm::raise_first_error(world_, reader_error);
+    else if (!reader_error.empty())
+      throw DataError(reader_error);
 
     std::set<std::string> loaded;
     const auto trained = trained_by_name();

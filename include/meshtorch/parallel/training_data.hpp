@@ -49,13 +49,6 @@ inline std::int64_t micro_batches_per_step(const train::TrainArgs& args, std::in
 
 namespace training_data_detail {
 
-// Every rank learns the first rank's error of a phase (or none), so that no rank waits for one
-// that has failed.
-inline void raise_first_error(const comm::AxisGroup& world, const std::string& error) {
-  for (const auto& other : comm::all_gather_object(world, error))
-    if (!other.empty()) throw DataError(other);
-}
-
 template <class Work>
 std::string error_of(int rank, const Work& work) {
   try {
@@ -75,29 +68,29 @@ std::string error_of(int rank, const Work& work) {
 inline data::TokenBlocks load_cached(const train::TrainArgs& args, const comm::AxisGroup& world, std::string& note) {
   const int rank = world.global_rank();
   std::optional<data::CachedDataset> dataset;
-  raise_first_error(world, error_of(rank, [&] {
-                      dataset.emplace(data::DatasetRequest{
-                          .name = args.dataset_name, .subset = args.dataset_subset, .model = args.model_name});
-                    }));
+  comm::raise_first_error(world, error_of(rank, [&] {
+                            dataset.emplace(data::DatasetRequest{
+                                .name = args.dataset_name, .subset = args.dataset_subset, .model = args.model_name});
+                          }));
   bool built = false;
-  raise_first_error(world, error_of(rank, [&] {
-                      if (world.rank() == 0 && !dataset->open()) dataset->build(), built = true;
-                    }));
+  comm::raise_first_error(world, error_of(rank, [&] {
+                            if (world.rank() == 0 && !dataset->open()) dataset->build(), built = true;
+                          }));
   // Which nodes see rank 0's file: "host visible" from every rank.
   const bool visible = dataset->open().has_value();
   const auto views = comm::all_gather_object(world, fmt::format("{} {}", comm::host_name(), visible ? 1 : 0));
   bool lowest_blind_rank_on_host = !visible;
   for (int r = 0; r < world.rank() && lowest_blind_rank_on_host; ++r)
     lowest_blind_rank_on_host = views[static_cast<std::size_t>(r)] != fmt::format("{} 0", comm::host_name());
-  raise_first_error(world, error_of(rank, [&] {
-                      if (lowest_blind_rank_on_host) dataset->build(), built = true;
-                    }));
+  comm::raise_first_error(world, error_of(rank, [&] {
+                            if (lowest_blind_rank_on_host) dataset->build(), built = true;
+                          }));
   std::string why;
   auto cached = dataset->open(&why);
   std::string error = cached ? std::string() : fmt::format("rank {} on {}: the token cache is not readable after rank 0 "
                                                            "and this node's first rank wrote it: {}",
                                                            rank, comm::host_name(), why);
-  raise_first_error(world, error);
+  comm::raise_first_error(world, error);
   note = fmt::format("{}; {}", dataset->tokenizer_note(), dataset->report(*cached, args.seq_length, built));
   return data::blocks_of(*cached, args.seq_length, dataset->source_name());
 }
