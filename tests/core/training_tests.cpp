@@ -20,6 +20,7 @@
 #include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/grad_clipping.hpp>
 #include <meshtorch/parallel/memory_plan.hpp>
+#include <meshtorch/train/caching_host_allocator.hpp>
 #include <meshtorch/train/cpu_allocation_counter.hpp>
 #include <meshtorch/train/tensorboard.hpp>
 
@@ -591,4 +592,60 @@ TEST_CASE("TensorBoard event files: TFRecord framing with masked CRC-32C, Event 
   CHECK_THAT(error_of([&] { mt::train::Experiment(args, 0, 8, torch::kCPU); }),
              Catch::Contains("without a tracker"));
   fs::remove_all(dir);
+}
+
+TEST_CASE("the caching host allocator hands a freed large block out again for its size and frees small ones",
+          "[host-allocator]") {
+  auto& cache = mt::train::CachingHostAllocator::instance();
+  cache.release_cached();
+  const std::size_t block = 3 << 20;
+  void* where = nullptr;
+  {
+    auto big = cache.allocate(block);
+    where = big.get();
+    REQUIRE(where != nullptr);
+  }
+  CHECK(cache.cached_bytes() == block);
+  auto again = cache.allocate(block);
+  CHECK(again.get() == where);  // the same block, not a new one
+  CHECK(cache.cached_bytes() == 0);
+  auto other = cache.allocate(block + 64);
+  CHECK(other.get() != where);  // another size is another block
+  { auto small = cache.allocate(1000); }
+  CHECK(cache.cached_bytes() == 0);  // small blocks are malloc's
+  // raw_allocate/raw_deallocate (one deleter for every block, as the Allocator contract asks).
+  void* raw = cache.raw_allocate(2 << 20);
+  cache.raw_deallocate(raw);
+  CHECK(cache.cached_bytes() == (2u << 20));
+  // Freed blocks beyond the cap go back to the system: 5 x 256 MiB (never touched, so never resident).
+  const auto reserved = cache.reserved_bytes();
+  {
+    std::vector<c10::DataPtr> blocks;
+    for (int i = 0; i < 5; ++i) blocks.push_back(cache.allocate(std::size_t{256} << 20));
+    CHECK(cache.reserved_bytes() == reserved + 5 * (std::size_t{256} << 20));
+  }
+  CHECK(cache.cached_bytes() <= mt::train::CachingHostAllocator::max_cached_bytes);
+  CHECK(cache.reserved_bytes() < reserved + 5 * (std::size_t{256} << 20));
+  cache.release_cached();
+  CHECK(cache.cached_bytes() == 0);
+
+  // Installed, it serves LibTorch's CPU tensors.
+  mt::train::CachingHostAllocator::install();
+  void* tensor_data = nullptr;
+  {
+    auto t = torch::ones({1 << 20}, torch::kFloat);
+    tensor_data = t.data_ptr();
+  }
+  CHECK(cache.cached_bytes() == (4u << 20));
+  auto t = torch::empty({1 << 20}, torch::kFloat);
+  CHECK(t.data_ptr() == tensor_data);
+
+  // The environment's choice, and a wrong one named.
+  ::setenv("MESHTORCH_HOST_ALLOCATOR", "default", 1);
+  CHECK(mt::train::use_host_allocator_from_environment() == "default");
+  ::setenv("MESHTORCH_HOST_ALLOCATOR", "jemalloc", 1);
+  CHECK_THAT(error_of([] { mt::train::use_host_allocator_from_environment(); }),
+             Catch::Contains("MESHTORCH_HOST_ALLOCATOR is 'jemalloc'") && Catch::Contains("'caching'"));
+  ::unsetenv("MESHTORCH_HOST_ALLOCATOR");
+  CHECK(mt::train::use_host_allocator_from_environment() == "caching");
 }

@@ -27,6 +27,7 @@
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/train/args.hpp>
+#include <meshtorch/train/caching_host_allocator.hpp>
 #include <meshtorch/train/device.hpp>
 #include <meshtorch/train/log.hpp>
 
@@ -58,6 +59,8 @@ Launch<M> launch(const train::TrainArgs& args, std::vector<int> extents = {}, co
   train::use_deterministic_algorithms(args.deterministic);
   auto env = comm::launch_env();
   const auto device = train::resolve_device(args.device, env.local_rank);
+  // Before anything is allocated: CPU runs cache large host blocks (train/caching_host_allocator.hpp).
+  const std::string host_allocator = device.is_cpu() ? train::use_host_allocator_from_environment() : "";
   // --threads, else on a GPU the node's CPUs shared among its ranks; on the CPU the launcher's
   // OMP_NUM_THREADS (LibTorch's default).
   if (args.threads > 0)
@@ -73,7 +76,8 @@ Launch<M> launch(const train::TrainArgs& args, std::vector<int> extents = {}, co
   if (mesh.world_size() > 1) comm::Watchdog::instance().arm(flight_recorder_dir(args, env));
   comm::install_stack_dumps();  // SIGUSR1 (meshrun --dump-stacks) writes every thread's stack
   train::Logger log(mesh.rank());
-  log.info(fmt::format("{}; {} intra-op thread(s)", mesh.describe(), torch::get_num_threads()));
+  log.info(fmt::format("{}; {} intra-op thread(s){}", mesh.describe(), torch::get_num_threads(),
+                       host_allocator.empty() ? "" : fmt::format("; {} CPU allocator", host_allocator)));
   torch::manual_seed(args.seed);
   return {std::move(env), device, dtype, std::move(mesh), log};
 }
