@@ -594,7 +594,7 @@ TEST_CASE("TensorBoard event files: TFRecord framing with masked CRC-32C, Event 
   fs::remove_all(dir);
 }
 
-TEST_CASE("the caching host allocator hands a freed large block out again for its size and frees small ones",
+TEST_CASE("the caching host allocator hands a freed large block out again for its size and evicts the oldest",
           "[host-allocator]") {
   auto& cache = mt::train::CachingHostAllocator::instance();
   cache.release_cached();
@@ -617,6 +617,15 @@ TEST_CASE("the caching host allocator hands a freed large block out again for it
   void* raw = cache.raw_allocate(2 << 20);
   cache.raw_deallocate(raw);
   CHECK(cache.cached_bytes() == (2u << 20));
+  // A size the cache cannot serve first gives back as many bytes of the oldest cached blocks.
+  {
+    const auto before = cache.reserved_bytes();
+    auto bigger = cache.allocate(5 << 20);
+    CHECK(cache.cached_bytes() == 0);  // the 2 MiB block went back to the system
+    CHECK(cache.reserved_bytes() == before - (2u << 20) + (5u << 20));
+  }
+  CHECK(cache.cached_bytes() == (5u << 20));
+  cache.release_cached();
   // Freed blocks beyond the cap go back to the system: 5 x 256 MiB (never touched, so never resident).
   const auto reserved = cache.reserved_bytes();
   {

@@ -1,7 +1,7 @@
 #pragma once
 // LibTorch's CPU allocator with a cache for large blocks, as CUDA's caching allocator keeps device
 // blocks: a freed block of at least 1 MiB is kept by its exact size and handed out again for that
-// size. A training step allocates the same sizes at every step (a layer's gathered weights, the
+// size; a size it cannot serve first gives back as many bytes of the blocks cached longest. A training step allocates the same sizes at every step (a layer's gathered weights, the
 // flat buffer Gloo's all-gather copies through, gradients, activations), so after the first step
 // they come from the cache. Without it glibc serves such blocks from its heap once its dynamic
 // mmap threshold has grown past them, and the heap fragments: measured at llama-100m, chapter 7
@@ -14,9 +14,11 @@
 // launch() installs it on CPU runs; MESHTORCH_HOST_ALLOCATOR=default keeps LibTorch's own.
 #include <cstddef>
 #include <cstdlib>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <c10/core/Allocator.h>
@@ -47,16 +49,21 @@ class CachingHostAllocator final : public c10::Allocator {
 
   c10::DataPtr allocate(std::size_t nbytes) override {
     void* data = nullptr;
+    std::vector<void*> evicted;
     if (nbytes >= min_cached_bytes) {
       std::lock_guard lock(mutex_);
       ++stats_.large_allocations;
       if (auto it = free_.find(nbytes); it != free_.end() && !it->second.empty()) {
         data = it->second.back();
         it->second.pop_back();
+        std::erase_if(order_, [&](const auto& entry) { return entry.second == data; });
         cached_bytes_ -= nbytes;
         ++stats_.served_from_cache;
+      } else {
+        evicted = evict_locked(nbytes);
       }
     }
+    for (void* block : evicted) c10::free_cpu(block);
     if (!data && nbytes > 0) {
       data = c10::alloc_cpu(nbytes);
       if (nbytes >= min_cached_bytes) {
@@ -108,6 +115,7 @@ class CachingHostAllocator final : public c10::Allocator {
     {
       std::lock_guard lock(mutex_);
       blocks.swap(free_);
+      order_.clear();
       reserved_bytes_ -= cached_bytes_;
       cached_bytes_ = 0;
     }
@@ -117,6 +125,26 @@ class CachingHostAllocator final : public c10::Allocator {
 
  private:
   CachingHostAllocator() = default;
+
+  // A size the cache cannot serve is a phase whose blocks differ from the last one's (backward's
+  // gradients after forward's activations): the blocks cached longest are given back, at least
+  // as many bytes as are now asked for, so that the cache holds what recurs and not the previous
+  // phase's sizes on top of this one's (which would raise the peak the cache is meant to lower).
+  std::vector<void*> evict_locked(std::size_t wanted) {
+    std::vector<void*> evicted;
+    std::size_t freed = 0;
+    while (freed < wanted && !order_.empty()) {
+      const auto [size, data] = order_.front();
+      order_.pop_front();
+      auto& list = free_[size];
+      std::erase(list, data);
+      evicted.push_back(data);
+      freed += size;
+      cached_bytes_ -= size;
+      reserved_bytes_ -= size;
+    }
+    return evicted;
+  }
 
   static void release(void* data) {
     if (!data) return;
@@ -129,6 +157,7 @@ class CachingHostAllocator final : public c10::Allocator {
         self.live_.erase(it);
         if (self.cached_bytes_ + nbytes <= max_cached_bytes) {
           self.free_[nbytes].push_back(data);
+          self.order_.emplace_back(nbytes, data);
           self.cached_bytes_ += nbytes;
           return;
         }
@@ -141,6 +170,7 @@ class CachingHostAllocator final : public c10::Allocator {
   mutable std::mutex mutex_;
   std::unordered_map<void*, std::size_t> live_;                // large blocks in tensors, by address
   std::unordered_map<std::size_t, std::vector<void*>> free_;  // cached blocks, by size
+  std::deque<std::pair<std::size_t, void*>> order_;            // cached blocks, oldest first
   std::size_t cached_bytes_ = 0;
   std::size_t reserved_bytes_ = 0;
   Stats stats_;
