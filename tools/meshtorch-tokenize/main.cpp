@@ -93,6 +93,7 @@ void chat_lines(const mt::data::TextTokenizer& tokenizer, const std::filesystem:
     throw mt::ConfigError(fmt::format("{}: holds no chat template (chat_template.jinja or tokenizer_config.json "
                                       "'chat_template')",
                                       model_dir.string()));
+  const auto render = chat->for_training();
   std::string line;
   for (std::size_t number = 1; std::getline(std::cin, line); ++number) {
     const auto where = fmt::format("standard input line {}", number);
@@ -105,9 +106,7 @@ void chat_lines(const mt::data::TextTokenizer& tokenizer, const std::filesystem:
     if (record.is_array()) record = {{"messages", std::move(record)}};
     if (!record.is_object() || !record.contains("messages"))
       throw mt::DataError(fmt::format("{}: needs a 'messages' list (or to be one)", where));
-    mt::data::check_conversation(record, where);
-    const auto tools = record.contains("tools") ? record["tools"] : nlohmann::ordered_json();
-    const auto text = chat->render(record["messages"], tools, /*add_generation_prompt=*/false, where);
+    const auto text = mt::data::conversation_text(record, render, where);
     if (text_only)
       std::cout << nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
     else

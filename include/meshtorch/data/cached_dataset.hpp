@@ -95,10 +95,7 @@ class CachedDataset {
       chat_template = ChatTemplate::from_folder(request_.model);
       if (chat_template) {
         tokenizer_note_ += fmt::format("; chat template {}", chat_template->origin());
-        chat = [&chat_template](const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
-                                const std::string& where) {
-          return chat_template->render(messages, tools, /*add_generation_prompt=*/false, where);
-        };
+        chat = chat_template->for_training();
       }
     }
     TokenCacheWriter writer(cache_path_, key_, id_bytes);

@@ -11,7 +11,8 @@
 // Jinja is minja's (one header, MIT): Debian packages no C++ Jinja engine, and one written here
 // would be a second, less tested copy of what minja does for exactly these templates.
 //
-// Link requirements: minja's header (fetched by scripts/setup; CMake target meshtorch::tokenizers).
+// Link requirements: minja's header (fetched by scripts/setup), PCRE2 and libsentencepiece (the
+// folder's tokenizer files are read by folder_tokenizer.hpp's helpers): CMake target meshtorch::tokenizers.
 #include <chrono>
 #include <ctime>
 #include <filesystem>
@@ -25,9 +26,9 @@
 #include <minja/minja.hpp>
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/data/documents.hpp>
+#include <meshtorch/data/folder_tokenizer.hpp>
 #include <meshtorch/error.hpp>
-#include <meshtorch/io/json_file.hpp>
-#include <meshtorch/io/model_folder.hpp>
 
 namespace meshtorch::data {
 
@@ -36,14 +37,11 @@ class ChatTemplate {
   // The folder's chat template, or nothing when it has none.
   static std::optional<ChatTemplate> from_folder(const std::filesystem::path& dir) {
     std::string source, origin;
-    std::optional<nlohmann::json> config;
     const auto config_path = dir / "tokenizer_config.json";
-    if (io::present_in_folder(config_path))
-      config = io::read_json_file<ConfigError>(io::model_file(dir, "tokenizer_config.json", named_by(dir)));
-    if (io::present_in_folder(dir / "chat_template.jinja")) {
-      const auto path = io::model_file(dir, "chat_template.jinja", named_by(dir));
-      source = read_template_file(path);
-      origin = path.string();
+    const auto config = folder_detail::read_json_if_present(dir, "tokenizer_config.json");
+    if (const auto path = folder_detail::folder_file_if_present(dir, "chat_template.jinja")) {
+      source = read_template_file(*path);
+      origin = path->string();
     } else if (config && config->contains("chat_template") && !(*config)["chat_template"].is_null()) {
       source = template_from_config((*config)["chat_template"], config_path);
       origin = fmt::format("{} 'chat_template'", config_path.string());
@@ -52,9 +50,8 @@ class ChatTemplate {
     }
     nlohmann::ordered_json special_tokens = nlohmann::ordered_json::object();
     if (config) add_special_tokens(*config, config_path, special_tokens);
-    if (io::present_in_folder(dir / "special_tokens_map.json"))
-      add_special_tokens(io::read_json_file<ConfigError>(io::model_file(dir, "special_tokens_map.json", named_by(dir))),
-                         dir / "special_tokens_map.json", special_tokens);
+    if (const auto map = folder_detail::read_json_if_present(dir, "special_tokens_map.json"))
+      add_special_tokens(*map, dir / "special_tokens_map.json", special_tokens);
     return ChatTemplate(source, origin, special_tokens);
   }
 
@@ -75,6 +72,14 @@ class ChatTemplate {
                   }));
   }
 
+  // What training writes a conversation with (documents.hpp): no generation prompt. It refers to
+  // this template, which must outlive it.
+  ChatRenderer for_training() const {
+    return [this](const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools, const std::string& where) {
+      return render(messages, tools, /*add_generation_prompt=*/false, where);
+    };
+  }
+
   // The text of a conversation: `messages` a list of {"role", "content", ...} objects, `tools` a
   // list of tool schemas or null. A template's raise_exception, or any other failure, is an error
   // naming `where` (the data file and line) and the template.
@@ -92,10 +97,6 @@ class ChatTemplate {
   const std::string& origin() const { return origin_; }
 
  private:
-  static std::string named_by(const std::filesystem::path& dir) {
-    return fmt::format("{}: the chat template file", dir.string());
-  }
-
   static std::string read_template_file(const std::filesystem::path& path) {
     std::ifstream in(path, std::ios::binary);
     std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
@@ -124,19 +125,14 @@ class ChatTemplate {
                                   path.string(), field.dump()));
   }
 
-  // The special tokens transformers passes to the template, as strings (a token may be written as
-  // {"content": ...}); names already set are kept, so tokenizer_config.json wins.
+  // The special tokens transformers passes to the template, as strings; names already set are
+  // kept, so tokenizer_config.json wins.
   static void add_special_tokens(const nlohmann::json& config, const std::filesystem::path& path,
                                  nlohmann::ordered_json& out) {
     for (const char* name : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"}) {
       const auto it = config.find(name);
       if (it == config.end() || it->is_null() || out.contains(name)) continue;
-      if (it->is_string())
-        out[name] = it->get<std::string>();
-      else if (it->is_object() && it->contains("content") && (*it)["content"].is_string())
-        out[name] = (*it)["content"].get<std::string>();
-      else
-        throw ConfigError(fmt::format("{}: field '{}' must be a token string, got {}", path.string(), name, it->dump()));
+      out[name] = folder_detail::token_string(*it, name, path);
     }
   }
 

@@ -109,6 +109,18 @@ inline void check_conversation(const nlohmann::ordered_json& record, const std::
     throw DataError(fmt::format("{}: 'tools' must be a list of tool schemas", where));
 }
 
+// A conversation record ({"messages": [...], "tools": [...]}) checked and written with `chat`.
+inline std::string conversation_text(const nlohmann::ordered_json& record, const ChatRenderer& chat,
+                                     const std::string& where) {
+  check_conversation(record, where);
+  if (!chat)
+    throw DataError(fmt::format("{}: a conversation ('messages') is written in the model's chat template, and "
+                                "there is none: -m must name a model folder with chat_template.jinja or "
+                                "tokenizer_config.json 'chat_template'",
+                                where));
+  return chat(record["messages"], record.contains("tools") ? record["tools"] : nlohmann::ordered_json(), where);
+}
+
 // Each record of a JSONL file: its "text", an alpaca record (instruction/input/output) in the
 // alpaca template, or a conversation ("messages", and "tools" if any) in `chat`'s template, to
 // `sink(std::string&&, bool from_chat_template)`. A malformed line is an error naming file and
@@ -145,14 +157,7 @@ void for_each_jsonl_document(const std::filesystem::path& path, Sink&& sink, Tok
     } else if (record.contains("instruction") && record.contains("output")) {
       sink(format_alpaca(string_field("instruction"), string_field("input"), string_field("output")), false);
     } else if (record.contains("messages")) {
-      check_conversation(record, where);
-      if (!chat)
-        throw DataError(fmt::format("{}: a conversation ('messages') is written in the model's chat template, and "
-                                    "there is none: -m must name a model folder with chat_template.jinja or "
-                                    "tokenizer_config.json 'chat_template'",
-                                    where));
-      const auto tools = record.contains("tools") ? record["tools"] : nlohmann::ordered_json();
-      sink(chat(record["messages"], tools, where), true);
+      sink(conversation_text(record, chat, where), true);
     } else {
       throw DataError(
           fmt::format("{}: needs a 'text' field, 'instruction' and 'output' fields, or 'messages'", where));

@@ -48,19 +48,23 @@ struct ConfigToken {
   std::optional<std::int32_t> id;
 };
 
-// tokenizer_config.json's "bos_token": a string, {"content": "..."} (AddedToken), or null for none.
+// A special token as tokenizer_config.json or special_tokens_map.json writes it (field `field` of
+// `path`): a string, or {"content": "..."} (AddedToken).
+inline std::string token_string(const nlohmann::json& value, const std::string& field,
+                                const std::filesystem::path& path) {
+  if (value.is_string()) return value.get<std::string>();
+  if (value.is_object() && value.contains("content") && value["content"].is_string())
+    return value["content"].get<std::string>();
+  throw ConfigError(fmt::format("{}: field '{}' must be a token string, got {}", path.string(), field, value.dump()));
+}
+
+// tokenizer_config.json's "bos_token": a token string (see token_string), or null for none.
 inline ConfigToken token_from_config(const nlohmann::json& config, const std::string& field,
                                      const TextTokenizer& tokenizer, const std::filesystem::path& path) {
   const auto it = config.find(field);
   if (it == config.end()) return {};
   if (it->is_null()) return {true, std::nullopt};
-  std::string content;
-  if (it->is_string())
-    content = it->get<std::string>();
-  else if (it->is_object() && it->contains("content") && (*it)["content"].is_string())
-    content = (*it)["content"].get<std::string>();
-  else
-    throw ConfigError(fmt::format("{}: field '{}' must be a token string, got {}", path.string(), field, it->dump()));
+  const auto content = token_string(*it, field, path);
   const auto id = tokenizer.token_to_id(content);
   if (!id)
     throw ConfigError(fmt::format("{}: field '{}' names {}, which is not a token of {}",

@@ -49,31 +49,30 @@ class CachingHostAllocator final : public c10::Allocator {
 
   c10::DataPtr allocate(std::size_t nbytes) override {
     void* data = nullptr;
-    std::vector<void*> evicted;
     if (nbytes >= min_cached_bytes) {
-      std::lock_guard lock(mutex_);
-      ++stats_.large_allocations;
-      if (auto it = free_.find(nbytes); it != free_.end() && !it->second.empty()) {
-        data = it->second.back();
-        it->second.pop_back();
-        std::erase_if(order_, [&](const auto& entry) { return entry.second == data; });
-        cached_bytes_ -= nbytes;
-        ++stats_.served_from_cache;
-      } else {
-        evicted = evict_locked(nbytes);
-      }
-    }
-    for (void* block : evicted) c10::free_cpu(block);
-    if (!data && nbytes > 0) {
-      data = c10::alloc_cpu(nbytes);
-      if (nbytes >= min_cached_bytes) {
+      std::vector<void*> evicted;
+      {
         std::lock_guard lock(mutex_);
-        reserved_bytes_ += nbytes;
+        ++stats_.large_allocations;
+        if (auto it = free_.find(nbytes); it != free_.end() && !it->second.empty()) {
+          data = it->second.back();
+          it->second.pop_back();
+          std::erase_if(order_, [&](const auto& entry) { return entry.second == data; });
+          cached_bytes_ -= nbytes;
+          ++stats_.served_from_cache;
+        } else {
+          evicted = evict_locked(nbytes);
+        }
       }
-    }
-    if (data && nbytes >= min_cached_bytes) {
+      // The system's part outside the lock: freeing and allocating may take the kernel's time.
+      for (void* block : evicted) c10::free_cpu(block);
+      const bool made = data == nullptr;
+      if (made) data = c10::alloc_cpu(nbytes);
       std::lock_guard lock(mutex_);
+      if (made) reserved_bytes_ += nbytes;
       live_[data] = nbytes;
+    } else if (nbytes > 0) {
+      data = c10::alloc_cpu(nbytes);
     }
     return {data, data, &CachingHostAllocator::release, c10::Device(c10::kCPU)};
   }
