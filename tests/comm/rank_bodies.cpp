@@ -252,6 +252,12 @@ TEST_CASE("rank body: differentiable collectives over TP", "[.rank_differentiabl
     expect_equal(y, torch::full({2, 3}, s, f64), "g forward");
     (y * torch::full({2, 3}, 10.0 * (r + 1), f64)).sum().backward();
     expect_equal(x.grad(), torch::full({2, 3}, 10.0 * (r + 1), f64), "g backward");
+    // Every Redistribution runs through one autograd node type (its steps are values), so a
+    // program compiles that node once, not once per placement pair.
+    auto f_out = copy_to_parallel_region(leaf(torch::ones({2}, f64)), tp);
+    REQUIRE(y.grad_fn());
+    REQUIRE(f_out.grad_fn());
+    CHECK(y.grad_fn()->name() == f_out.grad_fn()->name());
   }
   {
     INFO("scatter: local chunk forward, all-gather backward");

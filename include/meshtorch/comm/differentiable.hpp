@@ -1,8 +1,8 @@
 #pragma once
 // Collectives that autograd can differentiate. A layout Redistribution (layout/redistribution.hpp)
 // names an activation's move between placements and its gradient's move back; one
-// torch::autograd::Function runs both, each through redistribute<From, To> (redistribute.hpp),
-// so the collective is the one collective_for<> chose at compile time:
+// torch::autograd::Function runs both, each as the redistribute_step<From, To> (redistribute.hpp)
+// that collective_for<> chose at compile time:
 //
 //   function (Megatron-LM's name)               forward          backward
 //   copy_to_parallel_region            (f)      identity         all-reduce
@@ -25,26 +25,29 @@ namespace meshtorch::comm {
 
 namespace detail {
 
-// The group rides in the autograd context as a capsule: IValue has no slot for our own types.
-struct GroupCapsule : torch::CustomClassHolder {
-  explicit GroupCapsule(AxisGroup g) : group(std::move(g)) {}
+// The group and the backward step ride in the autograd context as a capsule: IValue has no slot
+// for our own types.
+struct RedistributeCapsule : torch::CustomClassHolder {
+  RedistributeCapsule(AxisGroup g, RedistributeStep b) : group(std::move(g)), backward(b) {}
   AxisGroup group;
+  RedistributeStep backward;
 };
 
-template <RedistributionType R>
-struct RedistributeFunction : torch::autograd::Function<RedistributeFunction<R>> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const AxisGroup& group) {
-    ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupCapsule>(group));
+// One autograd function for every Redistribution: its steps are values made at compile time
+// (redistribute_step), so a program has one node type, not one per placement pair.
+struct RedistributeFunction : torch::autograd::Function<RedistributeFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const AxisGroup& group,
+                               const RedistributeStep& forward_step, const RedistributeStep& backward_step) {
+    ctx->saved_data["redistribute"] =
+        c10::IValue::make_capsule(c10::make_intrusive<RedistributeCapsule>(group, backward_step));
     // An output that is the input itself would not be recorded as this function's output.
-    if constexpr (R::forward == Collective::none)
-      return x.view_as(x);
-    else
-      return redistribute<typename R::from, typename R::to>(x, group);
+    if (forward_step.collective == Collective::none) return x.view_as(x);
+    return redistribute(x, group, forward_step);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto& group = static_cast<GroupCapsule*>(ctx->saved_data["group"].toCapsule().get())->group;
-    return {redistribute<typename R::grad_of_to, typename R::grad_of_from>(grads[0], group), torch::Tensor()};
+    const auto& saved = *static_cast<RedistributeCapsule*>(ctx->saved_data["redistribute"].toCapsule().get());
+    return {redistribute(grads[0], saved.group, saved.backward), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -56,7 +59,8 @@ torch::Tensor redistribute_differentiable(const torch::Tensor& x, const AxisGrou
   if constexpr (R::forward == Collective::none && R::backward == Collective::none)
     return x;
   else
-    return detail::RedistributeFunction<R>::apply(x, group);
+    return detail::RedistributeFunction::apply(x, group, redistribute_step<typename R::from, typename R::to>,
+                                               redistribute_step<typename R::grad_of_to, typename R::grad_of_from>);
 }
 
 // f: identity forward, all-reduce (sum) backward. Enters a tensor-parallel region.

@@ -3,6 +3,7 @@
 // picks at compile time, so an impossible pair (Shard -> Partial) does not compile.
 // Shards are equal pieces: the sharded dim must divide by the axis size.
 #include <cstdint>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -34,26 +35,53 @@ inline torch::Tensor local_chunk(const AxisGroup& group, const torch::Tensor& te
   return tensor.chunk(group.size(), dim)[group.rank()].contiguous();
 }
 
+// The collective collective_for<From, To> picked at compile time, as a value the run time
+// performs. One run-time path for every pair keeps one copy of the code (and one autograd node
+// type in differentiable.hpp) in a program, however many placements its plans name.
+struct RedistributeStep {
+  Collective collective = Collective::none;
+  int from_dim = 0;  // the shard dims of From and To, where they are Shard placements
+  int to_dim = 0;
+  std::string_view from_name, to_name;  // for error messages
+};
+
+namespace detail {
+template <Placement P>
+inline constexpr int placement_dim = 0;
+template <int Dim>
+inline constexpr int placement_dim<Shard<Dim>> = Dim;
+}  // namespace detail
+
+template <Placement From, Placement To>
+inline constexpr RedistributeStep redistribute_step{collective_for<From, To>, detail::placement_dim<From>,
+                                                    detail::placement_dim<To>, From::name, To::name};
+
+inline torch::Tensor redistribute(const torch::Tensor& tensor, const AxisGroup& group, const RedistributeStep& step) {
+  switch (step.collective) {
+    case Collective::none:
+      return tensor;
+    case Collective::local_chunk:
+      return local_chunk(group, tensor, detail::shard_dim(group, tensor, step.to_dim, step.to_name));
+    case Collective::all_gather:
+      return all_gather(group, tensor, detail::shard_dim(group, tensor, step.from_dim, step.from_name));
+    case Collective::all_reduce:
+      return all_reduce(group, tensor.clone());
+    case Collective::reduce_scatter:
+      return reduce_scatter(group, tensor, detail::shard_dim(group, tensor, step.to_dim, step.to_name));
+    case Collective::all_to_all: {
+      const int64_t from = detail::shard_dim(group, tensor, step.from_dim, step.from_name);
+      const int64_t to = detail::shard_dim(group, tensor, step.to_dim, step.to_name);
+      // Shard<-1> and Shard<1> of a 2-d tensor are the same placement.
+      if (from == to) return tensor;
+      return all_to_all(group, tensor, to, from);
+    }
+  }
+  throw detail::collective_error("redistribute", group, fmt::format("unknown collective {}", static_cast<int>(step.collective)));
+}
+
 template <Placement From, Placement To>
 torch::Tensor redistribute(const torch::Tensor& tensor, const AxisGroup& group) {
-  constexpr Collective collective = collective_for<From, To>;
-  if constexpr (collective == Collective::none) {
-    return tensor;
-  } else if constexpr (collective == Collective::local_chunk) {
-    return local_chunk(group, tensor, detail::shard_dim(group, tensor, To::dim, To::name));
-  } else if constexpr (collective == Collective::all_gather) {
-    return all_gather(group, tensor, detail::shard_dim(group, tensor, From::dim, From::name));
-  } else if constexpr (collective == Collective::all_reduce) {
-    return all_reduce(group, tensor.clone());
-  } else if constexpr (collective == Collective::reduce_scatter) {
-    return reduce_scatter(group, tensor, detail::shard_dim(group, tensor, To::dim, To::name));
-  } else {
-    const int64_t from = detail::shard_dim(group, tensor, From::dim, From::name);
-    const int64_t to = detail::shard_dim(group, tensor, To::dim, To::name);
-    // Shard<-1> and Shard<1> of a 2-d tensor are the same placement.
-    if (from == to) return tensor;
-    return all_to_all(group, tensor, to, from);
-  }
+  return redistribute(tensor, group, redistribute_step<From, To>);
 }
 
 template <Placement From, Placement To, class M, template <std::size_t> class Kind>
