@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/comm/collective_failure.hpp>
 #include <meshtorch/comm/env.hpp>
 #include <meshtorch/comm/flight_recorder.hpp>
 #include <meshtorch/comm/hang_analysis.hpp>
@@ -92,6 +93,41 @@ TEST_CASE("the flight recorder numbers collectives per group and keeps the last 
   CHECK(entries[2]["ended_s"].get<double>() >= entries[2]["issued_s"].get<double>());
   REQUIRE(recorder.longest_wait());
   CHECK(recorder.longest_wait()->op == "all_gather");
+}
+
+TEST_CASE("a failed collective goes to the handler the watchdog installs, else is marked failed", "[recorder]") {
+  auto& recorder = FlightRecorder::instance();
+  REQUIRE(recorder.enabled());
+  int group = 0;
+  const auto state_of = [&](std::uint64_t id) {
+    for (const auto& entry : recorder.entries())
+      if (entry["id"] == id) return entry["state"].get<std::string>();
+    return std::string("not recorded");
+  };
+
+  // No watchdog in this process: the collective is marked failed and the caller goes on.
+  set_collective_failure_handler(nullptr);
+  const auto unwatched = recorder.record(&group, "TP", {0, 1}, "gloo", "all_reduce", shape, "Float");
+  recorder.waiting(unwatched);
+  report_collective_failure(unwatched, "all_reduce over the TP group [0, 1]", "Connection closed by peer");
+  CHECK(state_of(unwatched) == "failed");
+
+  // With a handler installed (Watchdog::attach / arm does that), it gets the collective.
+  static std::uint64_t handled_record = 0;
+  static std::string handled_collective, handled_what;
+  set_collective_failure_handler([](std::uint64_t record, const std::string& collective, const std::string& what) {
+    handled_record = record;
+    handled_collective = collective;
+    handled_what = what;
+  });
+  const auto watched = recorder.record(&group, "TP", {0, 1}, "gloo", "all_gather", shape, "Float");
+  recorder.waiting(watched);
+  report_collective_failure(watched, "all_gather over the TP group [0, 1]", "Timed out waiting 1000ms");
+  set_collective_failure_handler(nullptr);
+  CHECK(handled_record == watched);
+  CHECK(handled_collective == "all_gather over the TP group [0, 1]");
+  CHECK(handled_what == "Timed out waiting 1000ms");
+  CHECK(state_of(watched) == "waiting");  // the handler decides what becomes of it
 }
 
 TEST_CASE("recording a collective costs well under a microsecond", "[recorder]") {

@@ -3,6 +3,7 @@
 // redistribution and differentiable collectives, the flight recorder and the watchdog.
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/backend.hpp>
+#include <meshtorch/comm/collective_failure.hpp>
 #include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/comm/device_mesh.hpp>
 #include <meshtorch/comm/differentiable.hpp>

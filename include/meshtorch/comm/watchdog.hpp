@@ -47,6 +47,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <meshtorch/comm/collective_failure.hpp>
 #include <meshtorch/comm/env.hpp>
 #include <meshtorch/comm/flight_recorder.hpp>
 #include <meshtorch/comm/hang_analysis.hpp>
@@ -85,6 +86,7 @@ class Watchdog {
       world_size_ = world_size;
       timeout_ = timeout;
     }
+    install_failure_handler();
     std::call_once(started_, [this] {
       thread_ = std::thread([this] { loop(); });
       std::atexit([] { instance().stop(); });
@@ -99,6 +101,7 @@ class Watchdog {
       dump_dir_ = std::move(dump_dir);
       armed_ = true;
     }
+    install_failure_handler();
     install_signal_handlers();
   }
 
@@ -205,6 +208,13 @@ class Watchdog {
   }
 
  private:
+  // Collectives report their failures here from now on (comm/collective_failure.hpp).
+  static void install_failure_handler() {
+    set_collective_failure_handler([](std::uint64_t record, const std::string& collective, const std::string& what) {
+      instance().collective_failed(record, collective, what);
+    });
+  }
+
   static constexpr auto store_timeout = std::chrono::seconds(2);
   static constexpr auto grace = std::chrono::seconds(10);
   static constexpr auto fatal_poll = std::chrono::milliseconds(50);

@@ -10,8 +10,9 @@
 // watchdog.
 //
 // Every collective issued through detail::issue and waited through Work::wait is recorded in the
-// flight recorder (comm/flight_recorder.hpp); a failed wait goes to the watchdog, which, once
-// armed by launch(), names the rank that stalled and ends the process (comm/watchdog.hpp).
+// flight recorder (comm/flight_recorder.hpp); a failed wait is reported (comm/collective_failure.hpp)
+// to the watchdog, which, once armed by launch(), names the rank that stalled and ends the
+// process (comm/watchdog.hpp).
 #include <chrono>
 #include <exception>
 #include <functional>
@@ -23,8 +24,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/comm/collective_failure.hpp>
 #include <meshtorch/comm/flight_recorder.hpp>
-#include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/error.hpp>
 
 namespace meshtorch::comm {
@@ -111,7 +112,7 @@ class Work {
         else
           work_->wait();
       } catch (const std::exception& e) {
-        Watchdog::instance().collective_failed(record_, collective_ + " over the " + group_.describe(), e.what());
+        report_collective_failure(record_, collective_ + " over the " + group_.describe(), e.what());
         throw detail::collective_error(
             collective_, group_,
             fmt::format("{} (timeout {} ms)", e.what(), group_.timeout().count()));

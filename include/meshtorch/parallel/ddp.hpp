@@ -28,9 +28,9 @@
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/comm/collective_failure.hpp>
 #include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/comm/flight_recorder.hpp>
-#include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/parallel/process_group.hpp>
 
@@ -119,7 +119,7 @@ class RecordedAllReduceHook : public c10d::CppCommHookInterface<c10::intrusive_p
     future->addCallback([record, what = "DDP all_reduce of gradient bucket " + std::to_string(bucket.getIndex()) +
                                         " over the " + group_.describe()](c10::ivalue::Future& done) {
       if (done.hasError())
-        comm::Watchdog::instance().collective_failed(record, what, done.tryRetrieveErrorMessage());
+        comm::report_collective_failure(record, what, done.tryRetrieveErrorMessage());
       else
         comm::FlightRecorder::instance().completed(record);
     });
