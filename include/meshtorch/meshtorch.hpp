@@ -6,7 +6,7 @@
 //
 // Left out, because few translation units need them and each adds to every one's compile time
 // (docs/code-style.md#what-the-umbrella-header-includes): a program's flags and start-up
-// (train/args.hpp, which pulls in CLI11; parallel/launch.hpp), its training data
+// (train/args.hpp, which pulls in CLI11; comm/init.hpp; parallel/launch.hpp), its training data
 // (parallel/training_data.hpp, the tokenizers: link meshtorch::tokenizers), and the sharded
 // checkpoint engine (parallel/sharded_checkpoint.hpp, io/sharded_tensor.hpp).
 #include <meshtorch/error.hpp>

@@ -22,6 +22,7 @@
 #include <torch/torch.h>
 
 #include <meshtorch/comm/comm.hpp>
+#include <meshtorch/comm/init.hpp>
 #include <meshtorch/io/safetensors.hpp>
 #include <meshtorch/io/sharded_tensor.hpp>
 #include <meshtorch/layout/layout.hpp>

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <meshtorch/comm/comm.hpp>
+#include <meshtorch/comm/init.hpp>
 #include <meshtorch/layout/layout.hpp>
 
 using namespace meshtorch;

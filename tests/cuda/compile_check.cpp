@@ -1,4 +1,5 @@
 // Instantiates meshtorch's CUDA-only code so that it is compiled in CI (see CMakeLists.txt).
+#include <meshtorch/comm/init.hpp>
 #include <meshtorch/meshtorch.hpp>
 
 namespace mt = meshtorch;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include <meshtorch/comm/init.hpp>
 #include <meshtorch/meshtorch.hpp>
 
 namespace mt = meshtorch;

@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include <meshtorch/comm/comm.hpp>
+#include <meshtorch/comm/init.hpp>
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/parallel.hpp>
 #include <meshtorch/train/caching_host_allocator.hpp>

@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include <meshtorch/comm/comm.hpp>
+#include <meshtorch/comm/init.hpp>
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/parallel.hpp>
 

@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 
 #include <meshtorch/comm/comm.hpp>
+#include <meshtorch/comm/init.hpp>
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/parallelize.hpp>

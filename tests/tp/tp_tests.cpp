@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <meshtorch/comm/comm.hpp>
+#include <meshtorch/comm/init.hpp>
 #include <meshtorch/comm/flight_recorder.hpp>
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>

@@ -15,7 +15,7 @@
 #include <fmt/ranges.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include <meshtorch/comm/backend.hpp>
+#include <meshtorch/comm/device.hpp>
 #include <meshtorch/error.hpp>
 
 namespace meshtorch::comm {

@@ -22,13 +22,10 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <meshtorch/comm/device.hpp>
 #include <meshtorch/error.hpp>
 
 namespace meshtorch::comm {
-
-enum class Device { cpu, cuda };
-
-inline std::string to_string(Device device) { return device == Device::cpu ? "cpu" : "cuda"; }
 
 // The network endpoint Gloo binds to. One job on one node talks over loopback; across nodes,
 // GLOO_SOCKET_IFNAME picks the interface as it does in PyTorch, else the host name's address.

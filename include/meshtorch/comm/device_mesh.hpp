@@ -1,5 +1,7 @@
 #pragma once
-// DeviceMesh<M>: a Mesh type brought to life on this rank. init<M>() rendezvouses through a
+// DeviceMesh<M>: a Mesh type brought to life on this rank, made by comm::init<M>()
+// (comm/init.hpp, which start-up code includes: it brings in Gloo, the rendezvous and the
+// watchdog, which code that only uses a mesh does not compile). init rendezvouses through a
 // TCPStore, checks that every rank runs the same mesh (fingerprint), resolves the dynamic
 // extents (given in InitOptions::extents, one of them left to the world size) and creates this
 // rank's process group along each axis and along each set of merged axes (group<DP, FSDP>(),
@@ -17,15 +19,10 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
-#include <meshtorch/comm/backend.hpp>
 #include <meshtorch/comm/env.hpp>
-#include <meshtorch/comm/fingerprint.hpp>
-#include <meshtorch/comm/local_device.hpp>
-#include <meshtorch/comm/rendezvous.hpp>
-#include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/layout/mesh_shape.hpp>
@@ -46,12 +43,6 @@ struct InitOptions {
   // missing trailing value or from_world_size takes the ranks the world has left.
   std::vector<int> extents;
 };
-
-template <MeshType M>
-class DeviceMesh;
-
-template <MeshType M>
-DeviceMesh<M> init(InitOptions options = {});
 
 template <MeshType M>
 class DeviceMesh {
@@ -117,6 +108,7 @@ class DeviceMesh {
     return *node_;
   }
 
+  // Only comm::init (comm/init.hpp) makes one.
   template <MeshType N>
   friend DeviceMesh<N> init(InitOptions options);
 
@@ -133,91 +125,5 @@ class DeviceMesh {
   AxisGroup world_;
   std::optional<AxisGroup> node_;
 };
-
-// The fingerprint ranks compare: the mesh type, the device and the caller's string.
-template <MeshType M>
-std::string mesh_fingerprint(Device device, const std::string& user) {
-  std::string out = std::string(M::name) + " on " + to_string(device);
-  // The mesh on a line of its own: a mismatch names the first line that differs.
-  return user.empty() ? out : out + "\n" + user;
-}
-
-template <MeshType M>
-DeviceMesh<M> init(InitOptions options) {
-  LaunchEnv env = options.env ? *options.env : launch_env();
-  const std::string fingerprint = mesh_fingerprint<M>(options.device, options.fingerprint);
-  auto store = rendezvous(env, options.timeout);
-  // Before anything that depends on the mesh: ranks that disagree about it stop here.
-  check_fingerprints(*store, env.rank, env.world_size, fingerprint, options.timeout);
-
-  DeviceMesh<M> mesh(env, MeshShape<M>::resolve(env.world_size, options.extents));
-  mesh.device_ = options.device;
-  mesh.fingerprint_ = fingerprint;
-  mesh.store_ = store;
-
-  int cuda_device = -1;
-  if (options.device == Device::cuda) {
-    cuda_device = local_cuda_device(env.local_rank, "comm::init with Device::cuda");
-#if defined(MESHTORCH_WITH_CUDA)
-    c10::cuda::set_device(static_cast<c10::DeviceIndex>(cuda_device));
-#endif
-  }
-  const bool single_node = env.local_world_size == env.world_size;
-  // Gloo serves CPU meshes and, on CUDA meshes, each group's CPU companion for metadata.
-  auto gloo_device = make_gloo_device(single_node);
-  auto make_group = [&](const std::string& axis_name, const std::string& prefix,
-                        std::vector<int> ranks) {
-    int group_rank = 0;
-    for (std::size_t i = 0; i < ranks.size(); ++i)
-      if (ranks[i] == env.rank) group_rank = static_cast<int>(i);
-    BackendRequest request{options.device,
-                           c10::make_intrusive<c10d::PrefixStore>(prefix, store),
-                           group_rank,
-                           static_cast<int>(ranks.size()),
-                           options.timeout,
-                           gloo_device,
-                           cuda_device};
-    try {
-      c10::intrusive_ptr<c10d::Backend> metadata_backend;
-      if (options.device == Device::cuda) {
-        BackendRequest metadata_request = request;
-        metadata_request.device = Device::cpu;
-        metadata_request.store = c10::make_intrusive<c10d::PrefixStore>(prefix + "metadata/", store);
-        metadata_backend = make_backend(metadata_request);
-      }
-      return AxisGroup(axis_name, std::move(ranks), env.rank, make_backend(request),
-                       options.timeout, options.device, std::move(metadata_backend), cuda_device);
-    } catch (const ConfigError&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw CommError(fmt::format("rank {}: creating its {} group of {} failed: {}",
-                                  env.rank, axis_name, M::name, e.what()));
-    }
-  };
-
-  const auto& shape = mesh.shape_;
-  for (unsigned mask = 1; mask <= MeshShape<M>::all_axes; ++mask) {
-    if (M::ndim > 1 && mask == MeshShape<M>::all_axes) break;  // that one is the world
-    const std::string axis_name = MeshShape<M>::mask_name(mask);
-    auto ranks = shape.slice_ranks(mask, env.rank);
-    // The slice is named by its lowest rank, the same on all its members.
-    const std::string prefix = "meshtorch/" + axis_name + "/" + std::to_string(ranks.front()) + "/";
-    mesh.groups_[mask] = make_group(axis_name, prefix, std::move(ranks));
-  }
-  std::vector<int> everyone(static_cast<std::size_t>(env.world_size));
-  for (int r = 0; r < env.world_size; ++r) everyone[r] = r;
-  mesh.world_ = make_group("world", "meshtorch/world/", std::move(everyone));
-  if (single_node) {
-    mesh.node_ = mesh.world_;
-  } else if (env.world_size % env.local_world_size == 0 && env.rank % env.local_world_size == env.local_rank) {
-    std::vector<int> node_ranks(static_cast<std::size_t>(env.local_world_size));
-    for (int i = 0; i < env.local_world_size; ++i) node_ranks[i] = env.rank - env.local_rank + i;
-    const std::string prefix = "meshtorch/node/" + std::to_string(node_ranks.front()) + "/";
-    mesh.node_ = make_group("node", prefix, std::move(node_ranks));
-  }
-  // Progress reports through the store, so a stalled collective names its culprit.
-  if (env.world_size > 1) Watchdog::instance().attach(store, env.rank, env.world_size, options.timeout);
-  return mesh;
-}
 
 }  // namespace meshtorch::comm

@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 namespace meshtorch::comm {
 
@@ -140,11 +140,16 @@ class FlightRecorder {
                              std::chrono::duration<double>(now - oldest->wait_started).count()};
   }
 
+  // progress() and entries() are for the watchdog's reports and dumps. They are templates
+  // (Json is always nlohmann::json) so that their JSON is compiled only where they are used,
+  // which includes <nlohmann/json.hpp>: every collective's code includes this header.
+
   // This process's progress: per group the last sequence number issued and completed, the
   // last collective, and the wait under way. What the watchdog publishes through the store.
-  nlohmann::json progress() const {
+  template <class Json = nlohmann::json>
+  Json progress() const {
     std::lock_guard lock(mutex_);
-    nlohmann::json out = {{"groups", nlohmann::json::array()}};
+    Json out = {{"groups", Json::array()}};
     for (const auto& group : groups_)
       out["groups"].push_back({{"group", group->name},
                                {"axis", group->axis},
@@ -152,32 +157,33 @@ class FlightRecorder {
                                {"issued", group->issued},
                                {"completed", group->completed},
                                {"op", group->last_op}});
-    if (const FlightEntry* last = find(last_)) out["last"] = brief(*last);
+    if (const FlightEntry* last = find(last_)) out["last"] = brief<Json>(*last);
     const FlightEntry* oldest = nullptr;
     for (const auto& entry : ring_)
       if (entry.id && entry.state == CollectiveState::waiting && (!oldest || entry.id < oldest->id))
         oldest = &entry;
     if (oldest) {
-      out["waiting"] = brief(*oldest);
+      out["waiting"] = brief<Json>(*oldest);
       out["waiting"]["seconds"] = std::chrono::duration<double>(Clock::now() - oldest->wait_started).count();
     }
     return out;
   }
 
   // The ring, oldest first, with wall-clock times (seconds since the epoch).
-  nlohmann::json entries() const {
+  template <class Json = nlohmann::json>
+  Json entries() const {
     std::lock_guard lock(mutex_);
     const double offset = wall_offset();
-    auto wall = [&](Clock::time_point t) -> nlohmann::json {
+    auto wall = [&](Clock::time_point t) -> Json {
       if (t == Clock::time_point{}) return nullptr;
       return std::chrono::duration<double>(t.time_since_epoch()).count() + offset;
     };
-    nlohmann::json out = nlohmann::json::array();
+    Json out = Json::array();
     const std::uint64_t first = next_id_ >= ring_.size() ? next_id_ - ring_.size() + 1 : 1;
     for (std::uint64_t id = first; id <= next_id_; ++id) {
       const FlightEntry& e = ring_[id % ring_.size()];
       if (e.id != id) continue;
-      auto entry = brief(e);
+      auto entry = brief<Json>(e);
       entry["id"] = e.id;
       entry["ranks"] = e.group->ranks;
       if (!e.detail.empty()) entry["detail"] = e.detail;
@@ -205,7 +211,8 @@ class FlightRecorder {
   }
 
   // With the tensor's shape and dtype, so that a desync of sizes or types is named too.
-  static nlohmann::json brief(const FlightEntry& e) {
+  template <class Json>
+  static Json brief(const FlightEntry& e) {
     return {{"group", e.group->name}, {"seq", e.seq},     {"op", e.op},
             {"state", to_string(e.state)}, {"shape", e.shape}, {"dtype", e.dtype}};
   }

@@ -21,6 +21,7 @@
 #include <torch/torch.h>
 
 #include <meshtorch/comm/device_mesh.hpp>
+#include <meshtorch/comm/init.hpp>
 #include <meshtorch/comm/env.hpp>
 #include <meshtorch/comm/stack_dump.hpp>
 #include <meshtorch/comm/watchdog.hpp>
