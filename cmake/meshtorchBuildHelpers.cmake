@@ -26,3 +26,18 @@ function(meshtorch_compile_fail_test name source expected)
             -I${PROJECT_SOURCE_DIR}/include ${CMAKE_CURRENT_SOURCE_DIR}/${source})
   set_tests_properties(${name} PROPERTIES PASS_REGULAR_EXPRESSION "${expected}" LABELS compile-fail)
 endfunction()
+
+# meshtorch_torch_compile_fail_test(NAME SOURCE EXPECTED_REGEX): the same for a SOURCE that
+# includes LibTorch, compiled with the include paths and definitions every program gets (those
+# of meshtorch_pch, which links meshtorch and LibTorch), without the precompiled header.
+function(meshtorch_torch_compile_fail_test name source expected)
+  set(includes "$<TARGET_PROPERTY:meshtorch_pch,INCLUDE_DIRECTORIES>")
+  set(definitions "$<TARGET_PROPERTY:meshtorch_pch,COMPILE_DEFINITIONS>")
+  add_test(NAME ${name}
+    COMMAND ${CMAKE_CXX_COMPILER} -std=c++20 -fsyntax-only
+            "$<$<BOOL:${includes}>:-I$<JOIN:${includes},;-I>>"
+            "$<$<BOOL:${definitions}>:-D$<JOIN:${definitions},;-D>>"
+            ${CMAKE_CURRENT_SOURCE_DIR}/${source}
+    COMMAND_EXPAND_LISTS)
+  set_tests_properties(${name} PROPERTIES PASS_REGULAR_EXPRESSION "${expected}" LABELS compile-fail)
+endfunction()

@@ -44,6 +44,31 @@ struct InitOptions {
   std::vector<int> extents;
 };
 
+namespace detail {
+// The body of comm::init, defined by comm/init.hpp. Declared here so that init<M>() below can
+// say which header to include when it is missing, instead of "init is not a member of comm".
+template <class Deferred>
+struct MeshStartUp;
+}  // namespace detail
+
+template <MeshType M>
+class DeviceMesh;
+
+// comm::init<M>(options): the start of a distributed program (rendezvous, fingerprint check,
+// the groups, the watchdog). Its body is in comm/init.hpp, which the file that starts the
+// program includes; `Deferred` only delays the check until init is called.
+template <MeshType M, class Deferred = void>
+DeviceMesh<M> init(InitOptions options = {}) {
+  constexpr bool start_up_included = requires { sizeof(detail::MeshStartUp<Deferred>); };
+  static_assert(start_up_included,
+                "comm::init: the start-up is not in <meshtorch/meshtorch.hpp>; include "
+                "<meshtorch/comm/init.hpp> (or <meshtorch/parallel/launch.hpp>) in the file that starts the program");
+  if constexpr (start_up_included)
+    return detail::MeshStartUp<Deferred>::template start<M>(std::move(options));
+  else
+    throw ConfigError("comm::init: comm/init.hpp is not included");  // not compiled: the assertion stops first
+}
+
 template <MeshType M>
 class DeviceMesh {
  public:
@@ -109,8 +134,8 @@ class DeviceMesh {
   }
 
   // Only comm::init (comm/init.hpp) makes one.
-  template <MeshType N>
-  friend DeviceMesh<N> init(InitOptions options);
+  template <class Deferred>
+  friend struct detail::MeshStartUp;
 
  private:
   DeviceMesh(LaunchEnv env, MeshShape<M> shape) : env_(std::move(env)), shape_(shape) {}

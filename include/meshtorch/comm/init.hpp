@@ -34,8 +34,18 @@ std::string mesh_fingerprint(Device device, const std::string& user) {
   return user.empty() ? out : out + "\n" + user;
 }
 
+namespace detail {
+
+// comm::init<M>(options)'s body (comm::init itself is declared in device_mesh.hpp).
+template <class Deferred>
+struct MeshStartUp {
+  template <MeshType M>
+  static DeviceMesh<M> start(InitOptions options);
+};
+
+template <class Deferred>
 template <MeshType M>
-DeviceMesh<M> init(InitOptions options) {
+DeviceMesh<M> MeshStartUp<Deferred>::start(InitOptions options) {
   LaunchEnv env = options.env ? *options.env : launch_env();
   const std::string fingerprint = mesh_fingerprint<M>(options.device, options.fingerprint);
   auto store = rendezvous(env, options.timeout);
@@ -112,9 +122,6 @@ DeviceMesh<M> init(InitOptions options) {
   return mesh;
 }
 
-template <MeshType M>
-DeviceMesh<M> init() {
-  return init<M>(InitOptions{});
-}
+}  // namespace detail
 
 }  // namespace meshtorch::comm
