@@ -4,8 +4,9 @@
 // is 2.1 GB per sequence. Forward takes each chunk's logits, its loss, and at once its gradients
 // with respect to the rows and the weight (as Liger's fused linear cross entropy does), then drops
 // the logits; backward only scales the kept gradients. The projection costs what it costs
-// unchunked (one forward and two gradient products per chunk, the weight's accumulated in place); what is held from forward to
-// backward is a gradient the size of the rows and one the size of the weight, not the logits.
+// unchunked (one forward and two gradient products per chunk, the weight's accumulated in
+// place); what is held from forward to backward is a gradient the size of the rows and one the
+// size of the weight, not the logits.
 // The weight and the rows come in as inputs, so their gradients leave through this function
 // once, whatever wrapper produced them (FSDP's gather, a tensor-parallel shard, a tied embedding).
 #include <algorithm>
@@ -37,10 +38,10 @@ struct ChunkedLinearLoss : torch::autograd::Function<ChunkedLinearLoss> {
     torch::Tensor grad_rows = want_rows ? torch::empty_like(rows) : torch::Tensor();
     torch::Tensor grad_weight = want_weight ? torch::zeros_like(weight) : torch::Tensor();
     const auto w = weight.detach();
+    const bool want_logits_grad = want_rows || want_weight;
     for (std::int64_t start = 0; start < rows.size(0); start += chunk) {
       const auto n = std::min(chunk, rows.size(0) - start);
       const auto r = rows.narrow(0, start, n).detach();
-      const bool want_logits_grad = want_rows || want_weight;
       // Autograd runs only from the logits on (the hook and the loss, which may hold collectives);
       // the projection's two gradient products are written here, into their places: the weight's
       // accumulates inside the GEMM (addmm_), instead of a weight-sized product per chunk that
@@ -51,7 +52,10 @@ struct ChunkedLinearLoss : torch::autograd::Function<ChunkedLinearLoss> {
       total += chunk_loss.detach();
       if (!want_logits_grad) continue;
       const auto grad_logits = torch::autograd::grad({chunk_loss}, {logits}).front();
-      if (want_rows) grad_rows.narrow(0, start, n).copy_(grad_logits.mm(w));
+      if (want_rows) {
+        auto grad_rows_chunk = grad_rows.narrow(0, start, n);
+        at::mm_out(grad_rows_chunk, grad_logits, w);
+      }
       if (want_weight) grad_weight.addmm_(grad_logits.t(), r);
     }
     ctx->save_for_backward({grad_rows, grad_weight});
