@@ -112,7 +112,7 @@ TEST_CASE("a failed collective goes to the handler the watchdog installs, else i
   report_collective_failure(unwatched, "all_reduce over the TP group [0, 1]", "Connection closed by peer");
   CHECK(state_of(unwatched) == "failed");
 
-  // With a handler installed (Watchdog::attach / arm does that), it gets the collective.
+  // With a handler installed (Watchdog::arm does that), it gets the collective.
   static std::uint64_t handled_record = 0;
   static std::string handled_collective, handled_what;
   set_collective_failure_handler([](std::uint64_t record, const std::string& collective, const std::string& what) {

@@ -86,7 +86,6 @@ class Watchdog {
       world_size_ = world_size;
       timeout_ = timeout;
     }
-    install_failure_handler();
     std::call_once(started_, [this] {
       thread_ = std::thread([this] { loop(); });
       std::atexit([] { instance().stop(); });
@@ -208,7 +207,8 @@ class Watchdog {
   }
 
  private:
-  // Collectives report their failures here from now on (comm/collective_failure.hpp).
+  // Collectives report their failures here once armed (comm/collective_failure.hpp): unarmed,
+  // collective_failed only marks the record failed, which is what happens with no handler.
   static void install_failure_handler() {
     set_collective_failure_handler([](std::uint64_t record, const std::string& collective, const std::string& what) {
       instance().collective_failed(record, collective, what);
