@@ -10,6 +10,7 @@ cmake -S "$source_dir/consumer" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Rel
   -DCMAKE_PREFIX_PATH="$work/prefix" -DMESHTORCH_LIBTORCH="$libtorch" \
   -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" >/dev/null
 cmake --build "$work/build" | grep -vE '^\[[0-9]+/[0-9]+\]' || true  # only compiler messages
-[[ -x "$work/build/consumer" && -x "$work/build/chat" ]] || { echo "the consumer project did not build"; exit 1; }
+[[ -x "$work/build/consumer" && -x "$work/build/consumer_compiled" && -x "$work/build/chat" ]] || { echo "the consumer project did not build"; exit 1; }
 "$work/build/consumer"
+"$work/build/consumer_compiled"
 "$work/build/chat"

@@ -15,11 +15,12 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 #include <meshtorch/data/data_files.hpp>
 #include <meshtorch/data/tokenizer.hpp>
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::data {
 
@@ -93,78 +94,20 @@ void for_each_text_document(const std::filesystem::path& path, Sink&& sink, Toke
 
 // A conversation record: "messages" a non-empty list of objects with a string "role" and a
 // "content" that is a string, a list (typed parts) or null; "tools", if there, a list.
-inline void check_conversation(const nlohmann::ordered_json& record, const std::string& where) {
-  const auto& messages = record["messages"];
-  if (!messages.is_array() || messages.empty())
-    throw DataError(fmt::format("{}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects", where));
-  for (std::size_t i = 0; i < messages.size(); ++i) {
-    const auto& message = messages[i];
-    if (!message.is_object() || !message.contains("role") || !message["role"].is_string())
-      throw DataError(fmt::format("{}: messages[{}] needs a string 'role'", where, i));
-    if (message.contains("content") && !message["content"].is_string() && !message["content"].is_array() &&
-        !message["content"].is_null())
-      throw DataError(fmt::format("{}: messages[{}] 'content' must be a string, a list or null", where, i));
-  }
-  if (record.contains("tools") && !record["tools"].is_array() && !record["tools"].is_null())
-    throw DataError(fmt::format("{}: 'tools' must be a list of tool schemas", where));
-}
+MESHTORCH_DECL void check_conversation(const nlohmann::ordered_json& record, const std::string& where);
 
 // A conversation record ({"messages": [...], "tools": [...]}) checked and written with `chat`.
-inline std::string conversation_text(const nlohmann::ordered_json& record, const ChatRenderer& chat,
-                                     const std::string& where) {
-  check_conversation(record, where);
-  if (!chat)
-    throw DataError(fmt::format("{}: a conversation ('messages') is written in the model's chat template, and "
-                                "there is none: -m must name a model folder with chat_template.jinja or "
-                                "tokenizer_config.json 'chat_template'",
-                                where));
-  return chat(record["messages"], record.contains("tools") ? record["tools"] : nlohmann::ordered_json(), where);
-}
+MESHTORCH_DECL std::string conversation_text(const nlohmann::ordered_json& record, const ChatRenderer& chat,
+                                             const std::string& where);
+
+// A document as a reader hands it on: its text, and whether a chat template wrote it.
+using DocumentSink = std::function<void(std::string&&, bool from_chat_template)>;
 
 // Each record of a JSONL file: its "text", an alpaca record (instruction/input/output) in the
 // alpaca template, or a conversation ("messages", and "tools" if any) in `chat`'s template, to
-// `sink(std::string&&, bool from_chat_template)`. A malformed line is an error naming file and
-// line; a blank one is counted.
-template <class Sink>
-void for_each_jsonl_document(const std::filesystem::path& path, Sink&& sink, TokenStreamStats& stats,
-                             const ChatRenderer& chat = {}) {
-  std::ifstream in(path);
-  if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
-  std::string line;
-  for (std::size_t number = 1; std::getline(in, line); ++number) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) {
-      ++stats.skipped_lines;
-      continue;
-    }
-    const std::string where = fmt::format("{}:{}", path.string(), number);
-    // Ordered, so that a template's tojson writes a message's fields in the file's order, as Python does.
-    nlohmann::ordered_json record;
-    try {
-      record = nlohmann::ordered_json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
-      throw DataError(fmt::format("{}: not valid JSON ({})", where, e.what()));
-    }
-    auto string_field = [&](const char* name) -> std::string {
-      auto it = record.find(name);
-      if (it == record.end() || it->is_null()) return {};
-      if (!it->is_string()) throw DataError(fmt::format("{}: field '{}' must be a string", where, name));
-      return it->get<std::string>();
-    };
-    if (!record.is_object()) throw DataError(fmt::format("{}: each line must be a JSON object", where));
-    ++stats.documents;
-    if (record.contains("text")) {
-      sink(string_field("text"), false);
-    } else if (record.contains("instruction") && record.contains("output")) {
-      sink(format_alpaca(string_field("instruction"), string_field("input"), string_field("output")), false);
-    } else if (record.contains("messages")) {
-      sink(conversation_text(record, chat, where), true);
-    } else {
-      throw DataError(
-          fmt::format("{}: needs a 'text' field, 'instruction' and 'output' fields, or 'messages'", where));
-    }
-  }
-  ++stats.files;
-}
+// `sink`. A malformed line is an error naming file and line; a blank one is counted.
+MESHTORCH_DECL void for_each_jsonl_document(const std::filesystem::path& path, const DocumentSink& sink,
+                                            TokenStreamStats& stats, const ChatRenderer& chat = {});
 
 // llm.c's token file: a 256 x int32 header (magic 20240520, version 1, token count), then uint16
 // tokens. The header is checked against the file's size before the tokens are allocated.
@@ -250,3 +193,78 @@ TokenStreamStats tokenize_files(const DataFiles& data, const DocumentEncoder& en
 }
 
 }  // namespace meshtorch::data
+
+#if MESHTORCH_DEFINITIONS
+#include <nlohmann/json.hpp>
+
+namespace meshtorch::data {
+
+MESHTORCH_DECL void check_conversation(const nlohmann::ordered_json& record, const std::string& where) {
+  const auto& messages = record["messages"];
+  if (!messages.is_array() || messages.empty())
+    throw DataError(fmt::format("{}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects", where));
+  for (std::size_t i = 0; i < messages.size(); ++i) {
+    const auto& message = messages[i];
+    if (!message.is_object() || !message.contains("role") || !message["role"].is_string())
+      throw DataError(fmt::format("{}: messages[{}] needs a string 'role'", where, i));
+    if (message.contains("content") && !message["content"].is_string() && !message["content"].is_array() &&
+        !message["content"].is_null())
+      throw DataError(fmt::format("{}: messages[{}] 'content' must be a string, a list or null", where, i));
+  }
+  if (record.contains("tools") && !record["tools"].is_array() && !record["tools"].is_null())
+    throw DataError(fmt::format("{}: 'tools' must be a list of tool schemas", where));
+}
+
+MESHTORCH_DECL std::string conversation_text(const nlohmann::ordered_json& record, const ChatRenderer& chat,
+                                             const std::string& where) {
+  check_conversation(record, where);
+  if (!chat)
+    throw DataError(fmt::format("{}: a conversation ('messages') is written in the model's chat template, and "
+                                "there is none: -m must name a model folder with chat_template.jinja or "
+                                "tokenizer_config.json 'chat_template'",
+                                where));
+  return chat(record["messages"], record.contains("tools") ? record["tools"] : nlohmann::ordered_json(), where);
+}
+
+MESHTORCH_DECL void for_each_jsonl_document(const std::filesystem::path& path, const DocumentSink& sink,
+                                            TokenStreamStats& stats, const ChatRenderer& chat) {
+  std::ifstream in(path);
+  if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
+  std::string line;
+  for (std::size_t number = 1; std::getline(in, line); ++number) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) {
+      ++stats.skipped_lines;
+      continue;
+    }
+    const std::string where = fmt::format("{}:{}", path.string(), number);
+    // Ordered, so that a template's tojson writes a message's fields in the file's order, as Python does.
+    nlohmann::ordered_json record;
+    try {
+      record = nlohmann::ordered_json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      throw DataError(fmt::format("{}: not valid JSON ({})", where, e.what()));
+    }
+    auto string_field = [&](const char* name) -> std::string {
+      auto it = record.find(name);
+      if (it == record.end() || it->is_null()) return {};
+      if (!it->is_string()) throw DataError(fmt::format("{}: field '{}' must be a string", where, name));
+      return it->get<std::string>();
+    };
+    if (!record.is_object()) throw DataError(fmt::format("{}: each line must be a JSON object", where));
+    ++stats.documents;
+    if (record.contains("text")) {
+      sink(string_field("text"), false);
+    } else if (record.contains("instruction") && record.contains("output")) {
+      sink(format_alpaca(string_field("instruction"), string_field("input"), string_field("output")), false);
+    } else if (record.contains("messages")) {
+      sink(conversation_text(record, chat, where), true);
+    } else {
+      throw DataError(
+          fmt::format("{}: needs a 'text' field, 'instruction' and 'output' fields, or 'messages'", where));
+    }
+  }
+  ++stats.files;
+}
+
+}  // namespace meshtorch::data
+#endif  // MESHTORCH_DEFINITIONS

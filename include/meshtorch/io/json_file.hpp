@@ -15,10 +15,10 @@
 #include <string_view>
 #include <vector>
 
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::io {
 
@@ -28,9 +28,26 @@ inline constexpr int max_json_depth = 64;
 inline constexpr std::uint64_t max_json_bytes = 100'000'000;
 
 // Parses `text`; `where` names the file in messages, `document` what the top level is ("the
-// header", "the file") in the message about a repeated key.
+// header", "the file") in the message about a repeated key. With MESHTORCH_SEPARATE_COMPILATION
+// this and read_json_file exist for Error = DataError and ConfigError.
 template <class Error = DataError>
-nlohmann::json parse_json(std::string_view text, const std::string& where, std::string_view document = "the file") {
+nlohmann::json parse_json(std::string_view text, const std::string& where, std::string_view document = "the file");
+
+// Reads and parses a JSON file, refusing a directory, device or pipe before opening it (reading
+// a directory throws a raw ios_failure, opening a pipe blocks).
+template <class Error = DataError>
+nlohmann::json read_json_file(const std::filesystem::path& path, std::string_view document = "the file");
+
+}  // namespace meshtorch::io
+
+#if MESHTORCH_DEFINITIONS
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace meshtorch::io {
+
+template <class Error>
+nlohmann::json parse_json(std::string_view text, const std::string& where, std::string_view document) {
   struct Container {
     bool is_object;
     std::string name;  // how messages call it
@@ -63,10 +80,8 @@ nlohmann::json parse_json(std::string_view text, const std::string& where, std::
   }
 }
 
-// Reads and parses a JSON file, refusing a directory, device or pipe before opening it (reading
-// a directory throws a raw ios_failure, opening a pipe blocks).
-template <class Error = DataError>
-nlohmann::json read_json_file(const std::filesystem::path& path, std::string_view document = "the file") {
+template <class Error>
+nlohmann::json read_json_file(const std::filesystem::path& path, std::string_view document) {
   const std::string where = path.string();
   std::error_code error;
   const auto status = std::filesystem::status(path, error);
@@ -86,4 +101,12 @@ nlohmann::json read_json_file(const std::filesystem::path& path, std::string_vie
   return parse_json<Error>(text, where, document);
 }
 
+#if defined(MESHTORCH_SEPARATE_COMPILATION)
+template nlohmann::json parse_json<DataError>(std::string_view, const std::string&, std::string_view);
+template nlohmann::json parse_json<ConfigError>(std::string_view, const std::string&, std::string_view);
+template nlohmann::json read_json_file<DataError>(const std::filesystem::path&, std::string_view);
+template nlohmann::json read_json_file<ConfigError>(const std::filesystem::path&, std::string_view);
+#endif
+
 }  // namespace meshtorch::io
+#endif  // MESHTORCH_DEFINITIONS

@@ -16,12 +16,12 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/atomic_file.hpp>
 #include <meshtorch/io/json_file.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::io {
 
@@ -52,34 +52,8 @@ inline std::optional<torch::ScalarType> dtype_from_name(const std::string& name)
 }  // namespace safetensors_detail
 
 // Writes tensors (any device; copied to CPU) atomically. Order is kept in the data section.
-inline void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
-                             const std::map<std::string, std::string>& metadata = {}) {
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<torch::Tensor> cpu;
-  cpu.reserve(tensors.size());
-  std::uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    if (header.contains(name)) throw DataError(fmt::format("{}: tensor name '{}' appears twice", path.string(), name));
-    auto t = tensor.detach().to(torch::kCPU).contiguous();
-    const std::uint64_t bytes = t.numel() * t.element_size();
-    header[name] = {{"dtype", safetensors_detail::dtype_name(t.scalar_type())},
-                    {"shape", t.sizes().vec()},
-                    {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
-    cpu.push_back(std::move(t));
-  }
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');  // keep the data 8-byte aligned, as HF does
-  const std::uint64_t header_size = text.size();
-  AtomicFile file(path);
-  unsigned char size_bytes[8];
-  for (int i = 0; i < 8; ++i) size_bytes[i] = static_cast<unsigned char>(header_size >> (8 * i));
-  file.write(size_bytes, 8);
-  file.write(text);
-  for (const auto& t : cpu) file.write(t.data_ptr(), t.numel() * t.element_size());
-  file.commit();
-}
+MESHTORCH_DECL void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
+                                     const std::map<std::string, std::string>& metadata = {});
 
 struct SafetensorsFile {
   NamedTensors tensors;  // in the order of their data in the file
@@ -133,86 +107,8 @@ inline std::ifstream open_regular_file(const std::filesystem::path& path, std::u
   return in;
 }
 
-inline SafetensorsHeader parse_header(std::istream& in, std::uint64_t file_size, const std::string& where) {
-  if (file_size < 8) throw DataError(fmt::format("{}: too short to be safetensors ({} bytes)", where, file_size));
-  unsigned char size_bytes[8];
-  in.read(reinterpret_cast<char*>(size_bytes), 8);
-  std::uint64_t header_size = 0;
-  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | size_bytes[i];
-  if (!in || header_size > file_size - 8 || header_size > max_header_bytes)
-    throw DataError(fmt::format("{}: header length {} exceeds the file ({} bytes) or the format's limit of {} bytes; "
-                                "not a safetensors file or truncated",
-                                where, header_size, file_size, max_header_bytes));
-  std::string text(header_size, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(header_size));
-  if (!in) throw DataError(fmt::format("{}: the header could not be read (truncated file?)", where));
-
-  // A tensor named twice is refused, as HF refuses it (nlohmann alone would keep the last).
-  const auto header = parse_json(text, where, "the header");
-  if (!header.is_object()) throw DataError(fmt::format("{}: header is not a JSON object", where));
-
-  SafetensorsHeader result;
-  result.data_start = 8 + header_size;
-  result.data_size = file_size - result.data_start;
-  for (const auto& [name, info] : header.items()) {
-    if (name == "__metadata__") {
-      if (!info.is_object()) throw DataError(fmt::format("{}: __metadata__ must be an object of strings", where));
-      for (const auto& [key, value] : info.items()) {
-        if (!value.is_string()) throw DataError(fmt::format("{}: __metadata__.{} must be a string", where, key));
-        result.metadata[key] = value.get<std::string>();
-      }
-      continue;
-    }
-    const std::string tensor_where = where + ": tensor '" + name + "'";
-    if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") || !info.contains("data_offsets"))
-      throw DataError(fmt::format("{} needs dtype, shape and data_offsets", tensor_where));
-    const auto& dtype_field = info.at("dtype");
-    if (!dtype_field.is_string()) throw DataError(fmt::format("{}: dtype must be a string", tensor_where));
-    const auto dtype = dtype_from_name(dtype_field.get<std::string>());
-    if (!dtype) throw DataError(fmt::format("{}: unsupported dtype '{}'",
-                                            tensor_where, dtype_field.get<std::string>()));
-    SafetensorsEntry entry{name, *dtype, {}, 0, 0};
-    const auto& shape = info.at("shape");
-    if (!shape.is_array()) throw DataError(fmt::format("{}: shape must be a list of integers", tensor_where));
-    // Computed without overflow, so that a huge shape cannot wrap around to match a small size.
-    // The strides too: LibTorch computes them as products of max(dim, 1), so [0, 2^62, 2^62]
-    // holds no bytes yet cannot be allocated.
-    std::uint64_t bytes = c10::elementSize(*dtype);
-    std::int64_t stride_span = 1;
-    for (const auto& d : shape) {
-      if (!d.is_number_unsigned() ||
-          d.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-        throw DataError(fmt::format("{}: shape {} must be a list of non-negative 64-bit integers",
-                                    tensor_where, shape.dump()));
-      entry.shape.push_back(d.get<std::int64_t>());
-      if (__builtin_mul_overflow(bytes, d.get<std::uint64_t>(), &bytes))
-        throw DataError(fmt::format("{}: shape {} holds more than 2^64 bytes", tensor_where, shape.dump()));
-      if (__builtin_mul_overflow(stride_span, std::max<std::int64_t>(entry.shape.back(), 1), &stride_span))
-        throw DataError(fmt::format("{}: shape {} is too large: its strides overflow 64 bits",
-                                    tensor_where, shape.dump()));
-    }
-    const auto& offsets = info.at("data_offsets");
-    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
-        !offsets[1].is_number_unsigned())
-      throw DataError(fmt::format("{}: data_offsets must be [begin, end]", tensor_where));
-    entry.begin = offsets[0].get<std::uint64_t>();
-    entry.end = offsets[1].get<std::uint64_t>();
-    if (entry.begin > entry.end || entry.end > result.data_size)
-      throw DataError(fmt::format("{}: data_offsets [{}, {}] lie outside the data section of {} bytes",
-                                  tensor_where, entry.begin, entry.end, result.data_size));
-    if (entry.end - entry.begin != bytes)
-      throw DataError(fmt::format("{}: {} bytes do not match shape and dtype ({} expected)",
-                                  tensor_where, entry.end - entry.begin, bytes));
-    result.entries.push_back(std::move(entry));
-  }
-  std::sort(result.entries.begin(), result.entries.end(),
-            [](const SafetensorsEntry& a, const SafetensorsEntry& b) { return a.begin < b.begin; });
-  for (std::size_t i = 1; i < result.entries.size(); ++i)
-    if (result.entries[i].begin < result.entries[i - 1].end)
-      throw DataError(fmt::format("{}: tensors '{}' and '{}' overlap",
-                                  where, result.entries[i - 1].name, result.entries[i].name));
-  return result;
-}
+// Reads the header at the start of `in` (a file of `file_size` bytes) and checks it.
+MESHTORCH_DECL SafetensorsHeader parse_header(std::istream& in, std::uint64_t file_size, const std::string& where);
 
 }  // namespace safetensors_detail
 
@@ -304,3 +200,124 @@ inline SafetensorsFile load_safetensors(const std::filesystem::path& path) {
 }
 
 }  // namespace meshtorch::io
+
+#if MESHTORCH_DEFINITIONS
+#include <nlohmann/json.hpp>
+
+namespace meshtorch::io {
+
+MESHTORCH_DECL void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
+                                     const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<torch::Tensor> cpu;
+  cpu.reserve(tensors.size());
+  std::uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    if (header.contains(name)) throw DataError(fmt::format("{}: tensor name '{}' appears twice", path.string(), name));
+    auto t = tensor.detach().to(torch::kCPU).contiguous();
+    const std::uint64_t bytes = t.numel() * t.element_size();
+    header[name] = {{"dtype", safetensors_detail::dtype_name(t.scalar_type())},
+                    {"shape", t.sizes().vec()},
+                    {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+    cpu.push_back(std::move(t));
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // keep the data 8-byte aligned, as HF does
+  const std::uint64_t header_size = text.size();
+  AtomicFile file(path);
+  unsigned char size_bytes[8];
+  for (int i = 0; i < 8; ++i) size_bytes[i] = static_cast<unsigned char>(header_size >> (8 * i));
+  file.write(size_bytes, 8);
+  file.write(text);
+  for (const auto& t : cpu) file.write(t.data_ptr(), t.numel() * t.element_size());
+  file.commit();
+}
+
+namespace safetensors_detail {
+
+MESHTORCH_DECL SafetensorsHeader parse_header(std::istream& in, std::uint64_t file_size, const std::string& where) {
+  if (file_size < 8) throw DataError(fmt::format("{}: too short to be safetensors ({} bytes)", where, file_size));
+  unsigned char size_bytes[8];
+  in.read(reinterpret_cast<char*>(size_bytes), 8);
+  std::uint64_t header_size = 0;
+  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | size_bytes[i];
+  if (!in || header_size > file_size - 8 || header_size > max_header_bytes)
+    throw DataError(fmt::format("{}: header length {} exceeds the file ({} bytes) or the format's limit of {} bytes; "
+                                "not a safetensors file or truncated",
+                                where, header_size, file_size, max_header_bytes));
+  std::string text(header_size, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(header_size));
+  if (!in) throw DataError(fmt::format("{}: the header could not be read (truncated file?)", where));
+
+  // A tensor named twice is refused, as HF refuses it (nlohmann alone would keep the last).
+  const auto header = parse_json(text, where, "the header");
+  if (!header.is_object()) throw DataError(fmt::format("{}: header is not a JSON object", where));
+
+  SafetensorsHeader result;
+  result.data_start = 8 + header_size;
+  result.data_size = file_size - result.data_start;
+  for (const auto& [name, info] : header.items()) {
+    if (name == "__metadata__") {
+      if (!info.is_object()) throw DataError(fmt::format("{}: __metadata__ must be an object of strings", where));
+      for (const auto& [key, value] : info.items()) {
+        if (!value.is_string()) throw DataError(fmt::format("{}: __metadata__.{} must be a string", where, key));
+        result.metadata[key] = value.get<std::string>();
+      }
+      continue;
+    }
+    const std::string tensor_where = where + ": tensor '" + name + "'";
+    if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") || !info.contains("data_offsets"))
+      throw DataError(fmt::format("{} needs dtype, shape and data_offsets", tensor_where));
+    const auto& dtype_field = info.at("dtype");
+    if (!dtype_field.is_string()) throw DataError(fmt::format("{}: dtype must be a string", tensor_where));
+    const auto dtype = dtype_from_name(dtype_field.get<std::string>());
+    if (!dtype) throw DataError(fmt::format("{}: unsupported dtype '{}'",
+                                            tensor_where, dtype_field.get<std::string>()));
+    SafetensorsEntry entry{name, *dtype, {}, 0, 0};
+    const auto& shape = info.at("shape");
+    if (!shape.is_array()) throw DataError(fmt::format("{}: shape must be a list of integers", tensor_where));
+    // Computed without overflow, so that a huge shape cannot wrap around to match a small size.
+    // The strides too: LibTorch computes them as products of max(dim, 1), so [0, 2^62, 2^62]
+    // holds no bytes yet cannot be allocated.
+    std::uint64_t bytes = c10::elementSize(*dtype);
+    std::int64_t stride_span = 1;
+    for (const auto& d : shape) {
+      if (!d.is_number_unsigned() ||
+          d.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+        throw DataError(fmt::format("{}: shape {} must be a list of non-negative 64-bit integers",
+                                    tensor_where, shape.dump()));
+      entry.shape.push_back(d.get<std::int64_t>());
+      if (__builtin_mul_overflow(bytes, d.get<std::uint64_t>(), &bytes))
+        throw DataError(fmt::format("{}: shape {} holds more than 2^64 bytes", tensor_where, shape.dump()));
+      if (__builtin_mul_overflow(stride_span, std::max<std::int64_t>(entry.shape.back(), 1), &stride_span))
+        throw DataError(fmt::format("{}: shape {} is too large: its strides overflow 64 bits",
+                                    tensor_where, shape.dump()));
+    }
+    const auto& offsets = info.at("data_offsets");
+    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+        !offsets[1].is_number_unsigned())
+      throw DataError(fmt::format("{}: data_offsets must be [begin, end]", tensor_where));
+    entry.begin = offsets[0].get<std::uint64_t>();
+    entry.end = offsets[1].get<std::uint64_t>();
+    if (entry.begin > entry.end || entry.end > result.data_size)
+      throw DataError(fmt::format("{}: data_offsets [{}, {}] lie outside the data section of {} bytes",
+                                  tensor_where, entry.begin, entry.end, result.data_size));
+    if (entry.end - entry.begin != bytes)
+      throw DataError(fmt::format("{}: {} bytes do not match shape and dtype ({} expected)",
+                                  tensor_where, entry.end - entry.begin, bytes));
+    result.entries.push_back(std::move(entry));
+  }
+  std::sort(result.entries.begin(), result.entries.end(),
+            [](const SafetensorsEntry& a, const SafetensorsEntry& b) { return a.begin < b.begin; });
+  for (std::size_t i = 1; i < result.entries.size(); ++i)
+    if (result.entries[i].begin < result.entries[i - 1].end)
+      throw DataError(fmt::format("{}: tensors '{}' and '{}' overlap",
+                                  where, result.entries[i - 1].name, result.entries[i].name));
+  return result;
+}
+
+}  // namespace safetensors_detail
+}  // namespace meshtorch::io
+#endif  // MESHTORCH_DEFINITIONS

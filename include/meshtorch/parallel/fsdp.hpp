@@ -58,7 +58,6 @@
 #include <c10/core/DeviceGuard.h>
 #include <deque>
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/torch.h>

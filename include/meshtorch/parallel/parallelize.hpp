@@ -27,6 +27,7 @@
 #include <array>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -54,6 +55,7 @@
 #include <meshtorch/parallel/llama_plan.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/zero_stage2.hpp>
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/memory.hpp>
 #include <meshtorch/train/timers.hpp>
 #include <meshtorch/train/train_args.hpp>
@@ -114,6 +116,24 @@ struct ParallelizeOptions {
   // Reduce-scatters of ZeRO-2 in flight at once (0: each waited for when issued, no overlap).
   int zero_stage2_buckets_in_flight = 2;
 };
+
+// A weight of a model folder as the group's reader (its rank 0) lists it: every rank learns its
+// name, shape and dtype, the reader also where it lies.
+struct FolderWeight {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  torch::ScalarType dtype;
+  std::filesystem::path file;  // the reader's only
+  io::SafetensorsEntry entry;  // the reader's only
+};
+
+// The group's reader lists the weights of `dir` that `take(entry, file)` accepts (it returns false
+// to skip one and throws for a bad one) and sends the list, or what is wrong with the folder, to
+// every rank: a bad folder is an error on every rank (over `world` when groups read per node),
+// not a hang in the next broadcast.
+MESHTORCH_DECL std::vector<FolderWeight> list_folder_weights(
+    const std::filesystem::path& dir, const comm::AxisGroup& group, const comm::AxisGroup& world,
+    const std::function<bool(const io::SafetensorsEntry&, const std::filesystem::path&)>& take);
 
 template <MeshType M, llama::LlamaStyles Styles = llama::default_styles<M>>
 class ParallelLlama {
@@ -509,41 +529,16 @@ class ParallelLlama {
 
   // The group's rank 0 (the world's, or each node's) reads each weight whole and broadcasts it
   // over the group; every rank keeps its piece. The reader checks every file first and sends the
-  // list of weights (or what is wrong with them), so a bad folder is an error on every rank, not
-  // a hang in the next broadcast.
+  // list of weights, or what is wrong with them (list_folder_weights).
   void load_weights_through(const std::filesystem::path& dir, const comm::AxisGroup& group) {
     const bool reader_rank = group.rank() == 0;
-    struct Listed {
-      std::filesystem::path file;
-      io::SafetensorsEntry entry;
-    };
-    std::vector<Listed> listed;
-    nlohmann::json listing = nlohmann::json::object();
-    if (reader_rank) {
-      try {
-        auto weights = nlohmann::json::array();
-        for (const auto& file : llama::weight_files(dir))
-          for (const auto& entry : io::read_safetensors_header(file).entries) {
-            if (!is_loaded(entry.name)) continue;
-            check_shape(entry, file);
-            weights.push_back({{"name", entry.name}, {"shape", entry.shape}, {"dtype", static_cast<int>(entry.dtype)}});
-            listed.push_back({file, entry});
-          }
-        listing["weights"] = std::move(weights);
-      } catch (const std::exception& e) {
-        listing["error"] = e.what();
-      }
-    }
     const int reader = group.global_rank_of(0);
-    listing = nlohmann::json::parse(comm::all_gather_object(group, reader_rank ? listing.dump() : "").front());
-    const std::string error = listing.contains("error") ? listing["error"].get<std::string>() : "";
-    // Each node's reader decides for its node: the others learn of a failure here, not in a hang.
-    const std::string reader_error =
-        error.empty() ? "" : fmt::format("rank {}, reading {} for its ranks: {}", reader, dir.string(), error);
-    if (group.size() < world_.size())
-      comm::raise_first_error(world_, reader_error);
-    else if (!reader_error.empty())
-      throw DataError(reader_error);
+    const auto listing = list_folder_weights(dir, group, world_, [&](const io::SafetensorsEntry& entry,
+                                                                     const std::filesystem::path& file) {
+      if (!is_loaded(entry.name)) return false;
+      check_shape(entry, file);
+      return true;
+    });
 
     std::set<std::string> loaded;
     const auto trained = trained_by_name();
@@ -551,23 +546,18 @@ class ParallelLlama {
     // One buffer for every weight, as big as the largest, read into on the reader and received
     // into on the others (on the CPU the reader's is the one it broadcasts from).
     std::int64_t largest = 0;
-    for (const auto& weight : listing["weights"])
-      largest = std::max(largest, c10::multiply_integers(weight["shape"].get<std::vector<std::int64_t>>()) *
-                                      static_cast<std::int64_t>(c10::elementSize(
-                                          static_cast<torch::ScalarType>(weight["dtype"].get<int>()))));
+    for (const auto& weight : listing)
+      largest = std::max(largest, c10::multiply_integers(weight.shape) *
+                                      static_cast<std::int64_t>(c10::elementSize(weight.dtype)));
     auto read_buffer = torch::empty({reader_rank ? largest : 0}, torch::TensorOptions().dtype(torch::kByte));
     auto receive_buffer = torch::empty({reader_rank && options_.device.is_cpu() ? 0 : largest},
                                        torch::TensorOptions().dtype(torch::kByte).device(options_.device));
-    for (std::size_t i = 0; i < listing["weights"].size(); ++i) {
-      const auto& weight = listing["weights"][i];
-      const auto name = weight["name"].get<std::string>();
-      const auto shape = weight["shape"].get<std::vector<std::int64_t>>();
-      const auto dtype = static_cast<torch::ScalarType>(weight["dtype"].get<int>());
+    for (const auto& [name, shape, dtype, file, entry] : listing) {
       torch::Tensor full;
       if (reader_rank) {
-        if (!file_reader || file_reader->path() != listed[i].file) file_reader.emplace(listed[i].file);
+        if (!file_reader || file_reader->path() != file) file_reader.emplace(file);
         auto read = view_of_buffer(read_buffer, shape, dtype);
-        file_reader->read_rows_into(listed[i].entry, 0, shape.empty() ? 0 : shape[0], read);
+        file_reader->read_rows_into(entry, 0, shape.empty() ? 0 : shape[0], read);
         full = options_.device.is_cpu() ? read : view_of_buffer(receive_buffer, shape, dtype).copy_(read);
         read_elements_ += full.numel();
       } else {
@@ -659,3 +649,48 @@ ParallelLlama<M> parallelize(llama::LlamaForCausalLM model, const comm::DeviceMe
 }
 
 }  // namespace meshtorch
+
+#if MESHTORCH_DEFINITIONS
+#include <nlohmann/json.hpp>
+
+namespace meshtorch {
+
+MESHTORCH_DECL std::vector<FolderWeight> list_folder_weights(
+    const std::filesystem::path& dir, const comm::AxisGroup& group, const comm::AxisGroup& world,
+    const std::function<bool(const io::SafetensorsEntry&, const std::filesystem::path&)>& take) {
+  const bool reader_rank = group.rank() == 0;
+  std::vector<FolderWeight> listed;
+  nlohmann::json listing = nlohmann::json::object();
+  if (reader_rank) {
+    try {
+      auto weights = nlohmann::json::array();
+      for (const auto& file : llama::weight_files(dir))
+        for (const auto& entry : io::read_safetensors_header(file).entries) {
+          if (!take(entry, file)) continue;
+          weights.push_back({{"name", entry.name}, {"shape", entry.shape}, {"dtype", static_cast<int>(entry.dtype)}});
+          listed.push_back({entry.name, entry.shape, entry.dtype, file, entry});
+        }
+      listing["weights"] = std::move(weights);
+    } catch (const std::exception& e) {
+      listing["error"] = e.what();
+    }
+  }
+  const int reader = group.global_rank_of(0);
+  listing = nlohmann::json::parse(comm::all_gather_object(group, reader_rank ? listing.dump() : "").front());
+  const std::string error = listing.contains("error") ? listing["error"].get<std::string>() : "";
+  // Each node's reader decides for its node: the others learn of a failure here, not in a hang.
+  const std::string reader_error =
+      error.empty() ? "" : fmt::format("rank {}, reading {} for its ranks: {}", reader, dir.string(), error);
+  if (group.size() < world.size())
+    comm::raise_first_error(world, reader_error);
+  else if (!reader_error.empty())
+    throw DataError(reader_error);
+  if (reader_rank) return listed;
+  for (const auto& weight : listing["weights"])
+    listed.push_back({weight["name"].get<std::string>(), weight["shape"].get<std::vector<std::int64_t>>(),
+                      static_cast<torch::ScalarType>(weight["dtype"].get<int>()), {}, {}});
+  return listed;
+}
+
+}  // namespace meshtorch
+#endif  // MESHTORCH_DEFINITIONS

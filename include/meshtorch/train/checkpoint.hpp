@@ -9,11 +9,10 @@
 #include <string_view>
 #include <type_traits>
 
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 #include <meshtorch/error.hpp>
-#include <meshtorch/io/json_file.hpp>
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/state.hpp>
 
 namespace meshtorch::train {
@@ -30,7 +29,29 @@ struct RunIdentity {
   std::string model;
 };
 
-inline nlohmann::ordered_json to_json(const TrainState& s, const RunIdentity& id) {
+// state.json's contents.
+MESHTORCH_DECL nlohmann::ordered_json to_json(const TrainState& s, const RunIdentity& id);
+
+// The training state of a checkpoint's state.json (`j`, read from `state_path`), refusing one
+// whose data-order flags differ from this run's. Every field is checked for its type and range,
+// so a damaged file names the field at fault.
+MESHTORCH_DECL TrainState read_train_state(const nlohmann::json& j, const std::string& state_path,
+                                           const RunIdentity& identity);
+
+// The same from <dir>/state.json.
+MESHTORCH_DECL TrainState read_train_state(const std::filesystem::path& dir, const RunIdentity& identity);
+
+}  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINITIONS
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <meshtorch/io/json_file.hpp>
+
+namespace meshtorch::train {
+
+MESHTORCH_DECL nlohmann::ordered_json to_json(const TrainState& s, const RunIdentity& id) {
   return {{"epoch", s.epoch},
           {"global_step", s.global_step},
           {"epoch_step", s.epoch_step},
@@ -43,11 +64,8 @@ inline nlohmann::ordered_json to_json(const TrainState& s, const RunIdentity& id
                    {"model", id.model}}}};
 }
 
-// The training state of a checkpoint's state.json (`j`, read from `state_path`), refusing one
-// whose data-order flags differ from this run's. Every field is checked for its type and range,
-// so a damaged file names the field at fault.
-inline TrainState read_train_state(const nlohmann::json& j, const std::string& state_path,
-                                   const RunIdentity& identity) {
+MESHTORCH_DECL TrainState read_train_state(const nlohmann::json& j, const std::string& state_path,
+                                           const RunIdentity& identity) {
   if (!j.is_object()) throw DataError(state_path + ": expected a JSON object at the top level");
   auto field = [&](const nlohmann::json& object, const std::string& key) -> const nlohmann::json& {
     if (!object.contains(key)) throw DataError(state_path + ": field '" + key + "' is missing");
@@ -103,10 +121,10 @@ inline TrainState read_train_state(const nlohmann::json& j, const std::string& s
   return state;
 }
 
-// The same from <dir>/state.json.
-inline TrainState read_train_state(const std::filesystem::path& dir, const RunIdentity& identity) {
+MESHTORCH_DECL TrainState read_train_state(const std::filesystem::path& dir, const RunIdentity& identity) {
   const auto path = dir / "state.json";
   return read_train_state(io::read_json_file(path), path.string(), identity);
 }
 
 }  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINITIONS

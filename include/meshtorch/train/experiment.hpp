@@ -26,6 +26,7 @@
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/models/llama/config_json.hpp>
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/checkpoint.hpp>
 #include <meshtorch/train/log.hpp>
 #include <meshtorch/train/metrics.hpp>
@@ -153,15 +154,7 @@ class Experiment {
 
   // The guide's metrics since the last line: printed and appended by rank 0 (every rank must
   // call it, since closing the window resets each rank's timers and peak memory).
-  void log_metrics(TrainState& state, std::int64_t steps_per_epoch, double lr, PhaseTimers& timers) {
-    const auto record = window_.record(state, steps_per_epoch, lr, timers);
-    if (rank_ == 0) {
-      log_.info(format_metrics(record));
-      if (metrics_) metrics_->append(record);
-    }
-    if (tracker_) tracker_->on_metrics(record);
-    window_.close(state, timers);
-  }
+  MESHTORCH_DECL void log_metrics(TrainState& state, std::int64_t steps_per_epoch, double lr, PhaseTimers& timers);
 
   // Whether the step just ended saves a checkpoint: every --ckpt-freq steps and at the run's
   // last step (--max-steps reached, or the last step of the last epoch), so a run with -e always
@@ -198,3 +191,22 @@ class Experiment {
 };
 
 }  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINITIONS
+#include <nlohmann/json.hpp>
+
+namespace meshtorch::train {
+
+MESHTORCH_DECL void Experiment::log_metrics(TrainState& state, std::int64_t steps_per_epoch, double lr,
+                                            PhaseTimers& timers) {
+  const auto record = window_.record(state, steps_per_epoch, lr, timers);
+  if (rank_ == 0) {
+    log_.info(format_metrics(record));
+    if (metrics_) metrics_->append(record);
+  }
+  if (tracker_) tracker_->on_metrics(record);
+  window_.close(state, timers);
+}
+
+}  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINITIONS

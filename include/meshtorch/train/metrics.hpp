@@ -10,10 +10,11 @@
 #include <string>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 #include <torch/torch.h>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/memory.hpp>
 #include <meshtorch/train/state.hpp>
 #include <meshtorch/train/timers.hpp>
@@ -36,43 +37,13 @@ class MetricsFile {
     if (!out_) throw DataError(fmt::format("{}: cannot open for appending metrics", path.string()));
   }
   // A line that cannot be written (disk full, quota) is an error, never a silent gap.
-  void append(const nlohmann::ordered_json& record) {
-    if (!out_.is_open()) return;
-    out_ << record.dump() << '\n';
-    out_.flush();
-    if (!out_)
-      throw DataError(fmt::format("{}: writing metrics failed ({}) at global_step {}", path_.string(),
-                                  std::strerror(errno), record.value("global_step", std::int64_t{-1})));
-  }
+  MESHTORCH_DECL void append(const nlohmann::ordered_json& record);
 
   // Moves the lines of steps after `step` to metrics.discarded.jsonl beside the file and returns
   // how many: a run that restarts from its checkpoint at `step` (a crash, an elastic restart,
   // --no-resume) logs those steps again, and the file must hold each step once. Nothing is lost:
   // the set-aside lines are appended there before the file is replaced by its kept lines.
-  std::size_t set_aside_after(std::int64_t step) {
-    // Only a regular file can be rewritten (metrics.jsonl may be a link to a device).
-    if (!out_.is_open() || !std::filesystem::is_regular_file(path_)) return 0;
-    std::string kept, later, line;
-    std::size_t count = 0;
-    {
-      std::ifstream in(path_);
-      while (std::getline(in, line)) {
-        const auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-        const bool after = record.is_object() && record.value("global_step", std::int64_t{-1}) > step;
-        (after ? later : kept) += line + "\n";
-        count += after;
-      }
-    }
-    if (count == 0) return 0;
-    out_.close();
-    write_file(path_.parent_path() / discarded_name, later, std::ios::app);
-    const auto replacement = std::filesystem::path(path_.string() + ".partial");
-    write_file(replacement, kept, std::ios::trunc);
-    std::filesystem::rename(replacement, path_);
-    out_.open(path_, std::ios::app);
-    if (!out_) throw DataError(fmt::format("{}: cannot open for appending metrics", path_.string()));
-    return count;
-  }
+  MESHTORCH_DECL std::size_t set_aside_after(std::int64_t step);
 
   static constexpr const char* discarded_name = "metrics.discarded.jsonl";
 
@@ -89,21 +60,7 @@ class MetricsFile {
 };
 
 // The one-line summary the guide logs each log step: "key=value, ..." with short floats.
-inline std::string format_metrics(const nlohmann::ordered_json& record) {
-  std::string line;
-  for (const auto& [key, value] : record.items()) {
-    if (!line.empty()) line += ", ";
-    line += key + "=";
-    if (value.is_number_float()) {
-      char buffer[32];
-      std::snprintf(buffer, sizeof buffer, "%.4g", value.get<double>());
-      line += buffer;
-    } else {
-      line += value.dump();
-    }
-  }
-  return line;
-}
+MESHTORCH_DECL std::string format_metrics(const nlohmann::ordered_json& record);
 
 // The figures of one log line, over the steps since the previous line: the log window. It owns
 // the window's clock, and closing a window resets what the next one measures (running loss,
@@ -118,24 +75,8 @@ class LogWindow {
   void exclude(std::chrono::steady_clock::duration pause) { start_ += pause; }
 
   // The guide's keys; times are milliseconds per step, memory in GiB.
-  nlohmann::ordered_json record(const TrainState& state, std::int64_t steps_per_epoch, double lr,
-                                const PhaseTimers& timers) const {
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    const double steps = static_cast<double>(state.running_steps);
-    nlohmann::ordered_json record{
-        {"global_step", state.global_step},
-        {"lr", lr},
-        {"running_loss", state.running_loss / steps},
-        {"epoch", state.epoch},
-        {"epoch_progress", static_cast<double>(state.epoch_step) / static_cast<double>(steps_per_epoch)},
-        {"num_batches_remaining", steps_per_epoch - state.epoch_step},
-        {"tokens_per_s", static_cast<double>(tokens_per_step_) * steps / seconds},
-        {"time/total", 1000 * seconds / steps}};
-    if (state.grad_norm >= 0) record["grad_norm"] = state.grad_norm;
-    for (const auto& [phase, total] : timers.totals()) record["time/" + phase] = 1000 * total / steps;
-    for (const auto& [key, value] : memory_figures(device_)) record[key] = value;
-    return record;
-  }
+  MESHTORCH_DECL nlohmann::ordered_json record(const TrainState& state, std::int64_t steps_per_epoch, double lr,
+                                               const PhaseTimers& timers) const;
 
   void close(TrainState& state, PhaseTimers& timers) {
     state.running_loss = 0;
@@ -156,3 +97,80 @@ class LogWindow {
 };
 
 }  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINITIONS
+#include <nlohmann/json.hpp>
+
+namespace meshtorch::train {
+
+MESHTORCH_DECL void MetricsFile::append(const nlohmann::ordered_json& record) {
+  if (!out_.is_open()) return;
+  out_ << record.dump() << '\n';
+  out_.flush();
+  if (!out_)
+    throw DataError(fmt::format("{}: writing metrics failed ({}) at global_step {}", path_.string(),
+                                std::strerror(errno), record.value("global_step", std::int64_t{-1})));
+}
+
+MESHTORCH_DECL std::size_t MetricsFile::set_aside_after(std::int64_t step) {
+  // Only a regular file can be rewritten (metrics.jsonl may be a link to a device).
+  if (!out_.is_open() || !std::filesystem::is_regular_file(path_)) return 0;
+  std::string kept, later, line;
+  std::size_t count = 0;
+  {
+    std::ifstream in(path_);
+    while (std::getline(in, line)) {
+      const auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      const bool after = record.is_object() && record.value("global_step", std::int64_t{-1}) > step;
+      (after ? later : kept) += line + "\n";
+      count += after;
+    }
+  }
+  if (count == 0) return 0;
+  out_.close();
+  write_file(path_.parent_path() / discarded_name, later, std::ios::app);
+  const auto replacement = std::filesystem::path(path_.string() + ".partial");
+  write_file(replacement, kept, std::ios::trunc);
+  std::filesystem::rename(replacement, path_);
+  out_.open(path_, std::ios::app);
+  if (!out_) throw DataError(fmt::format("{}: cannot open for appending metrics", path_.string()));
+  return count;
+}
+
+MESHTORCH_DECL std::string format_metrics(const nlohmann::ordered_json& record) {
+  std::string line;
+  for (const auto& [key, value] : record.items()) {
+    if (!line.empty()) line += ", ";
+    line += key + "=";
+    if (value.is_number_float()) {
+      char buffer[32];
+      std::snprintf(buffer, sizeof buffer, "%.4g", value.get<double>());
+      line += buffer;
+    } else {
+      line += value.dump();
+    }
+  }
+  return line;
+}
+
+MESHTORCH_DECL nlohmann::ordered_json LogWindow::record(const TrainState& state, std::int64_t steps_per_epoch, double lr,
+                                                        const PhaseTimers& timers) const {
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const double steps = static_cast<double>(state.running_steps);
+  nlohmann::ordered_json record{
+      {"global_step", state.global_step},
+      {"lr", lr},
+      {"running_loss", state.running_loss / steps},
+      {"epoch", state.epoch},
+      {"epoch_progress", static_cast<double>(state.epoch_step) / static_cast<double>(steps_per_epoch)},
+      {"num_batches_remaining", steps_per_epoch - state.epoch_step},
+      {"tokens_per_s", static_cast<double>(tokens_per_step_) * steps / seconds},
+      {"time/total", 1000 * seconds / steps}};
+  if (state.grad_norm >= 0) record["grad_norm"] = state.grad_norm;
+  for (const auto& [phase, total] : timers.totals()) record["time/" + phase] = 1000 * total / steps;
+  for (const auto& [key, value] : memory_figures(device_)) record[key] = value;
+  return record;
+}
+
+}  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINITIONS

@@ -9,6 +9,46 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
+#include <meshtorch/models/llama/config.hpp>
+#include <meshtorch/separate_compilation.hpp>
+
+namespace meshtorch::llama {
+
+// What a config.json says beyond the model's shape: the dtype its weights were saved in, and the
+// fields that were read but do not change the computation here, which callers log once.
+struct ConfigFile {
+  Config config;
+  std::optional<std::string> dtype;         // "float32", "bfloat16" or "float16", from dtype/torch_dtype
+  std::vector<std::string> ignored_fields;  // e.g. "output_attentions", "rope_parameters.attention_factor"
+};
+
+// The config a parsed config.json describes (`source` names the file in errors).
+MESHTORCH_DECL ConfigFile read_config_json(const nlohmann::json& j, const std::string& source = "config.json");
+MESHTORCH_DECL Config config_from_json(const nlohmann::json& j, const std::string& source = "config.json");
+// The same from a file; a directory or pipe named config.json, a number like 1e999, deep nesting
+// or a repeated key is a ConfigError naming the file, not a raw exception.
+MESHTORCH_DECL ConfigFile load_config_file(const std::filesystem::path& path);
+MESHTORCH_DECL Config load_config(const std::filesystem::path& path);
+
+// Writes what transformers 5 writes (rope_parameters, dtype) and, for transformers 4 readers, the
+// same values under their earlier names (rope_theta, rope_scaling, torch_dtype); transformers 5
+// reads such a file back to the same LlamaConfig.
+MESHTORCH_DECL nlohmann::json config_to_json(const Config& c, std::string_view dtype = "float32");
+
+// `-m` takes a preset name or a directory holding config.json. `ignored_fields` (if given) receives
+// the file's fields that do not change the computation, for the caller to log once.
+MESHTORCH_DECL Config resolve_model(const std::string& name_or_dir, std::vector<std::string>* ignored_fields = nullptr);
+
+// The line a run logs once about -m's config.json fields that it does not read because they do not
+// change the computation ("output_attentions", "rope_parameters.attention_factor"), or "" when
+// there are none (and for a preset).
+MESHTORCH_DECL std::string unread_config_fields_note(const std::string& name_or_dir);
+
+}  // namespace meshtorch::llama
+
+#if MESHTORCH_DEFINITIONS
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -16,9 +56,8 @@
 #include <meshtorch/io/json_file.hpp>
 #include <meshtorch/io/model_folder.hpp>
 
-#include <meshtorch/models/llama/config.hpp>
-
 namespace meshtorch::llama {
+
 
 namespace detail {
 
@@ -59,17 +98,6 @@ inline std::int64_t read_token_id(const nlohmann::json& j, std::string_view fiel
       fmt::format("{} must be an integer or a list of integers, got {}", where(source, field), it->dump()));
 }
 
-}  // namespace detail
-
-// What a config.json says beyond the model's shape: the dtype its weights were saved in, and the
-// fields that were read but do not change the computation here, which callers log once.
-struct ConfigFile {
-  Config config;
-  std::optional<std::string> dtype;         // "float32", "bfloat16" or "float16", from dtype/torch_dtype
-  std::vector<std::string> ignored_fields;  // e.g. "output_attentions", "rope_parameters.attention_factor"
-};
-
-namespace detail {
 
 // Fields every writer adds that say nothing about the computation; not worth a log line.
 inline bool is_bookkeeping_field(std::string_view name) {
@@ -183,7 +211,7 @@ inline void read_rope(const nlohmann::json& j, const std::string& source, Config
 
 }  // namespace detail
 
-inline ConfigFile read_config_json(const nlohmann::json& j, const std::string& source = "config.json") {
+MESHTORCH_DECL ConfigFile read_config_json(const nlohmann::json& j, const std::string& source) {
   if (!j.is_object()) throw ConfigError(fmt::format("{}: expected a JSON object at the top level", source));
   if (auto mt = j.find("model_type"); mt != j.end() && mt->is_string() && mt->get<std::string>() != "llama")
     throw ConfigError(fmt::format("{} is '{}'; meshtorch's Llama model needs 'llama'",
@@ -239,22 +267,17 @@ inline ConfigFile read_config_json(const nlohmann::json& j, const std::string& s
   return file;
 }
 
-inline Config config_from_json(const nlohmann::json& j, const std::string& source = "config.json") {
+MESHTORCH_DECL Config config_from_json(const nlohmann::json& j, const std::string& source) {
   return read_config_json(j, source).config;
 }
 
-inline ConfigFile load_config_file(const std::filesystem::path& path) {
-  // A directory or pipe named config.json, a number like 1e999, deep nesting or a repeated key
-  // is a ConfigError naming the file, not a raw exception.
+MESHTORCH_DECL ConfigFile load_config_file(const std::filesystem::path& path) {
   return read_config_json(io::read_json_file<ConfigError>(path, "config.json"), path.string());
 }
 
-inline Config load_config(const std::filesystem::path& path) { return load_config_file(path).config; }
+MESHTORCH_DECL Config load_config(const std::filesystem::path& path) { return load_config_file(path).config; }
 
-// Writes what transformers 5 writes (rope_parameters, dtype) and, for transformers 4 readers, the
-// same values under their earlier names (rope_theta, rope_scaling, torch_dtype); transformers 5
-// reads such a file back to the same LlamaConfig.
-inline nlohmann::json config_to_json(const Config& c, std::string_view dtype = "float32") {
+MESHTORCH_DECL nlohmann::json config_to_json(const Config& c, std::string_view dtype) {
   nlohmann::json j = {
       {"architectures", {"LlamaForCausalLM"}},
       {"model_type", "llama"},
@@ -298,9 +321,7 @@ inline nlohmann::json config_to_json(const Config& c, std::string_view dtype = "
   return j;
 }
 
-// `-m` takes a preset name or a directory holding config.json. `ignored_fields` (if given) receives
-// the file's fields that do not change the computation, for the caller to log once.
-inline Config resolve_model(const std::string& name_or_dir, std::vector<std::string>* ignored_fields = nullptr) {
+MESHTORCH_DECL Config resolve_model(const std::string& name_or_dir, std::vector<std::string>* ignored_fields) {
   if (auto preset = presets::find(name_or_dir)) return *preset;
   const std::filesystem::path dir(name_or_dir);
   auto load = [&](const std::filesystem::path& path) {
@@ -316,10 +337,7 @@ inline Config resolve_model(const std::string& name_or_dir, std::vector<std::str
                                 name_or_dir, fmt::join(known, ", ")));
 }
 
-// The line a run logs once about -m's config.json fields that it does not read because they do not
-// change the computation ("output_attentions", "rope_parameters.attention_factor"), or "" when
-// there are none (and for a preset).
-inline std::string unread_config_fields_note(const std::string& name_or_dir) {
+MESHTORCH_DECL std::string unread_config_fields_note(const std::string& name_or_dir) {
   std::vector<std::string> ignored;
   resolve_model(name_or_dir, &ignored);
   if (ignored.empty()) return {};
@@ -328,3 +346,4 @@ inline std::string unread_config_fields_note(const std::string& name_or_dir) {
 }
 
 }  // namespace meshtorch::llama
+#endif  // MESHTORCH_DEFINITIONS

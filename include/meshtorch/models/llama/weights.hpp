@@ -11,14 +11,13 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include <meshtorch/io/json_file.hpp>
 #include <meshtorch/io/model_folder.hpp>
 #include <meshtorch/io/safetensors.hpp>
 #include <meshtorch/models/llama/config_json.hpp>
 #include <meshtorch/models/llama/model.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::llama {
 
@@ -28,12 +27,7 @@ inline std::string dtype_name(torch::ScalarType type) {
 
 // Writes config.json and model.safetensors (the given full tensors, HF-named) into `dir`, each
 // file atomically. Sharded models gather their tensors first and call this.
-inline void save_pretrained(const Config& config, const io::NamedTensors& tensors, const std::filesystem::path& dir) {
-  std::filesystem::create_directories(dir);
-  const auto dtype = tensors.empty() ? torch::kFloat : tensors.front().second.scalar_type();
-  io::write_file_atomically(dir / "config.json", config_to_json(config, dtype_name(dtype)).dump(2) + "\n");
-  io::save_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
-}
+MESHTORCH_DECL void save_pretrained(const Config& config, const io::NamedTensors& tensors, const std::filesystem::path& dir);
 
 inline void save_pretrained(LlamaForCausalLM& lm, const std::filesystem::path& dir) {
   io::NamedTensors tensors;
@@ -56,50 +50,7 @@ inline bool has_pretrained_weights(const std::filesystem::path& dir) {
 // model.safetensors.index.json lists. The index is checked against the shards' headers: each
 // shard holds exactly the tensors weight_map places in it, so loading every file reads each
 // tensor once, from the shard the map names.
-inline std::vector<std::filesystem::path> weight_files(const std::filesystem::path& dir) {
-  if (io::present_in_folder(dir / "model.safetensors"))
-    return {io::model_file(dir, "model.safetensors", dir.string() + ": the weights file")};
-  if (!io::present_in_folder(dir / "model.safetensors.index.json"))
-    throw DataError(fmt::format("{}: no model.safetensors or model.safetensors.index.json", dir.string()));
-  const auto index_path = io::model_file(dir, "model.safetensors.index.json", dir.string() + ": the index file");
-  const std::string index_name = index_path.string();
-  // A tensor listed twice in weight_map is refused (nlohmann alone would keep the last).
-  auto index = io::read_json_file(index_path);
-  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-    throw DataError(fmt::format("{}: field 'weight_map' (an object of tensor name -> shard file) is missing",
-                                index_name));
-  if (index["weight_map"].empty()) throw DataError(fmt::format("{}: weight_map lists no tensors", index_name));
-
-  std::map<std::string, std::string> shard_of_tensor;
-  std::map<std::string, std::set<std::string>> tensors_of_shard;
-  for (const auto& [tensor, shard] : index["weight_map"].items()) {
-    if (!shard.is_string())
-      throw DataError(fmt::format("{}: weight_map['{}'] must be a shard's file name, got {}",
-                                  index_name, tensor, shard.dump()));
-    shard_of_tensor[tensor] = shard.get<std::string>();
-    tensors_of_shard[shard.get<std::string>()].insert(tensor);
-  }
-  std::vector<std::filesystem::path> files;
-  for (const auto& [shard, tensors] : tensors_of_shard) {
-    const auto file = io::model_file(dir, shard, index_name + ": weight_map['" + *tensors.begin() + "']");
-    const auto header = io::read_safetensors_header(file);
-    for (const auto& entry : header.entries) {
-      const auto it = shard_of_tensor.find(entry.name);
-      if (it == shard_of_tensor.end())
-        throw DataError(fmt::format("{}: holds tensor '{}', which the weight_map of {} does not list",
-                                    file.string(), entry.name, index_name));
-      if (it->second != shard)
-        throw DataError(fmt::format("{}: holds tensor '{}', which the weight_map of {} places in '{}'",
-                                    file.string(), entry.name, index_name, it->second));
-    }
-    for (const auto& tensor : tensors)
-      if (!header.contains(tensor))
-        throw DataError(fmt::format("{}: weight_map places tensor '{}' in '{}', which does not hold it",
-                                    index_name, tensor, shard));
-    files.push_back(file);
-  }
-  return files;
-}
+MESHTORCH_DECL std::vector<std::filesystem::path> weight_files(const std::filesystem::path& dir);
 
 // Copies HF weights from `dir` into the model's (already materialised) parameters, converting
 // dtype and device. Every parameter must be found with its shape; extra tensors are an error
@@ -162,3 +113,65 @@ inline bool load_pretrained_weights_if_present(LlamaForCausalLM& lm, const std::
 }
 
 }  // namespace meshtorch::llama
+
+#if MESHTORCH_DEFINITIONS
+#include <nlohmann/json.hpp>
+
+#include <meshtorch/io/json_file.hpp>
+
+namespace meshtorch::llama {
+
+MESHTORCH_DECL void save_pretrained(const Config& config, const io::NamedTensors& tensors, const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  const auto dtype = tensors.empty() ? torch::kFloat : tensors.front().second.scalar_type();
+  io::write_file_atomically(dir / "config.json", config_to_json(config, dtype_name(dtype)).dump(2) + "\n");
+  io::save_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
+}
+
+MESHTORCH_DECL std::vector<std::filesystem::path> weight_files(const std::filesystem::path& dir) {
+  if (io::present_in_folder(dir / "model.safetensors"))
+    return {io::model_file(dir, "model.safetensors", dir.string() + ": the weights file")};
+  if (!io::present_in_folder(dir / "model.safetensors.index.json"))
+    throw DataError(fmt::format("{}: no model.safetensors or model.safetensors.index.json", dir.string()));
+  const auto index_path = io::model_file(dir, "model.safetensors.index.json", dir.string() + ": the index file");
+  const std::string index_name = index_path.string();
+  // A tensor listed twice in weight_map is refused (nlohmann alone would keep the last).
+  auto index = io::read_json_file(index_path);
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    throw DataError(fmt::format("{}: field 'weight_map' (an object of tensor name -> shard file) is missing",
+                                index_name));
+  if (index["weight_map"].empty()) throw DataError(fmt::format("{}: weight_map lists no tensors", index_name));
+
+  std::map<std::string, std::string> shard_of_tensor;
+  std::map<std::string, std::set<std::string>> tensors_of_shard;
+  for (const auto& [tensor, shard] : index["weight_map"].items()) {
+    if (!shard.is_string())
+      throw DataError(fmt::format("{}: weight_map['{}'] must be a shard's file name, got {}",
+                                  index_name, tensor, shard.dump()));
+    shard_of_tensor[tensor] = shard.get<std::string>();
+    tensors_of_shard[shard.get<std::string>()].insert(tensor);
+  }
+  std::vector<std::filesystem::path> files;
+  for (const auto& [shard, tensors] : tensors_of_shard) {
+    const auto file = io::model_file(dir, shard, index_name + ": weight_map['" + *tensors.begin() + "']");
+    const auto header = io::read_safetensors_header(file);
+    for (const auto& entry : header.entries) {
+      const auto it = shard_of_tensor.find(entry.name);
+      if (it == shard_of_tensor.end())
+        throw DataError(fmt::format("{}: holds tensor '{}', which the weight_map of {} does not list",
+                                    file.string(), entry.name, index_name));
+      if (it->second != shard)
+        throw DataError(fmt::format("{}: holds tensor '{}', which the weight_map of {} places in '{}'",
+                                    file.string(), entry.name, index_name, it->second));
+    }
+    for (const auto& tensor : tensors)
+      if (!header.contains(tensor))
+        throw DataError(fmt::format("{}: weight_map places tensor '{}' in '{}', which does not hold it",
+                                    index_name, tensor, shard));
+    files.push_back(file);
+  }
+  return files;
+}
+
+}  // namespace meshtorch::llama
+#endif  // MESHTORCH_DEFINITIONS

@@ -1,0 +1,118 @@
+// The functions that <meshtorch/src.hpp> compiles once, called from a program that sees only
+// their declarations: each links, and each does what the header-only build does.
+#include <meshtorch/meshtorch.hpp>
+
+// What separate compilation is for: the umbrella header no longer parses nlohmann-json's parser.
+#if defined(INCLUDE_NLOHMANN_JSON_HPP_)
+#error "with MESHTORCH_SEPARATE_COMPILATION, <meshtorch/meshtorch.hpp> includes <nlohmann/json.hpp>"
+#endif
+constexpr bool umbrella_parsed_json = false;
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+namespace mt = meshtorch;
+
+namespace {
+
+std::filesystem::path fresh_folder(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / ("meshtorch-separate-" + name);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+void write(const std::filesystem::path& path, const std::string& text) { std::ofstream(path) << text; }
+
+template <class Error, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+}  // namespace
+
+TEST_CASE("the umbrella header declares what src.hpp defines, without nlohmann-json's parser") {
+  CHECK_FALSE(umbrella_parsed_json);
+}
+
+TEST_CASE("a model folder written and read through the separately compiled functions") {
+  const auto dir = fresh_folder("model");
+  auto config = mt::llama::presets::llama_tiny;
+  config.num_hidden_layers = 1;
+  mt::llama::LlamaForCausalLM model(config);
+  mt::llama::init_weights(model);
+  mt::llama::save_pretrained(model, dir);  // config_to_json, save_safetensors
+
+  const auto loaded = mt::llama::load_config(dir / "config.json");  // read_json_file, read_config_json
+  CHECK(loaded.hidden_size == config.hidden_size);
+  CHECK(loaded.num_hidden_layers == 1);
+  CHECK(mt::llama::config_to_json(loaded, "float32") == mt::llama::config_to_json(config, "float32"));
+  CHECK(mt::llama::resolve_model(dir.string()).vocab_size == config.vocab_size);
+  CHECK(mt::llama::weight_files(dir) == std::vector{dir / "model.safetensors"});
+
+  mt::llama::LlamaForCausalLM copy(config);
+  mt::llama::load_pretrained_weights(copy, dir);  // parse_header
+  const auto ids = torch::randint(0, config.vocab_size, {1, 8}, torch::kLong);
+  CHECK(copy->loss(ids, ids).item<double>() == model->loss(ids, ids).item<double>());
+
+  write(dir / "config.json", R"({"hidden_size": 64, "hidden_size": 128})");
+  CHECK(error_of<mt::ConfigError>([&] { mt::llama::load_config(dir / "config.json"); }) ==
+        (dir / "config.json").string() + ": config.json names 'hidden_size' twice");
+}
+
+TEST_CASE("state.json and metrics.jsonl through the separately compiled functions") {
+  const auto dir = fresh_folder("state");
+  mt::train::TrainState state;
+  state.global_step = 7;
+  state.epoch_step = 7;
+  state.running_loss = 2.5;
+  state.running_steps = 1;
+  const mt::train::RunIdentity identity{1, 128, 8, "builtin", "llama-tiny"};
+  write(dir / "state.json", mt::train::to_json(state, identity).dump());
+  const auto read = mt::train::read_train_state(dir, identity);
+  CHECK(read.global_step == 7);
+  CHECK(read.running_loss == 2.5);
+  auto other = identity;
+  other.seed = 2;
+  CHECK(error_of<mt::ConfigError>([&] { mt::train::read_train_state(dir, other); })
+            .find("written with seed = 1, this run has 2") != std::string::npos);
+
+  mt::train::MetricsFile metrics(dir / "metrics.jsonl");
+  for (int step = 1; step <= 3; ++step) metrics.append(nlohmann::ordered_json{{"global_step", step}, {"loss", 0.5}});
+  CHECK(metrics.set_aside_after(1) == 2);
+  CHECK(mt::train::format_metrics(nlohmann::ordered_json{{"global_step", 1}, {"loss", 0.123456}}) ==
+        "global_step=1, loss=0.1235");
+
+  mt::train::LogWindow window(torch::kCPU, /*tokens_per_step=*/1024);
+  mt::train::PhaseTimers timers(torch::kCPU);
+  const auto record = window.record(state, /*steps_per_epoch=*/10, /*lr=*/1e-3, timers);
+  CHECK(record.at("global_step") == 7);
+  CHECK(record.at("running_loss") == 2.5);
+  CHECK(record.at("num_batches_remaining") == 3);
+}
+
+TEST_CASE("JSONL documents through the separately compiled reader") {
+  const auto dir = fresh_folder("jsonl");
+  write(dir / "data.jsonl", "{\"text\": \"one\"}\n\n{\"instruction\": \"add\", \"output\": \"2\"}\n");
+  std::vector<std::string> texts;
+  mt::data::TokenStreamStats stats;
+  mt::data::for_each_jsonl_document(dir / "data.jsonl", [&](std::string&& text, bool) { texts.push_back(text); },
+                                    stats);
+  REQUIRE(texts.size() == 2);
+  CHECK(texts[0] == "one");
+  CHECK(texts[1] == mt::data::format_alpaca("add", "", "2"));
+  CHECK(stats.skipped_lines == 1);
+  write(dir / "bad.jsonl", "{\"messages\": 3}\n");
+  const auto bad = [&] { mt::data::for_each_jsonl_document(dir / "bad.jsonl", [](std::string&&, bool) {}, stats); };
+  CHECK(error_of<mt::DataError>(bad).find("bad.jsonl:1: 'messages' must be a non-empty list") != std::string::npos);
+}
