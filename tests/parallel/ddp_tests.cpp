@@ -6,6 +6,8 @@
 #include <chrono>
 #include <mutex>
 
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
 #include <meshtorch/comm/comm.hpp>
 #include <meshtorch/comm/init.hpp>
 #include <meshtorch/meshtorch.hpp>

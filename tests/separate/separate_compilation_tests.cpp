@@ -8,6 +8,7 @@
 #endif
 constexpr bool umbrella_parsed_json = false;
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -15,6 +16,8 @@ constexpr bool umbrella_parsed_json = false;
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
+
+#include <meshtorch/comm/init.hpp>
 
 namespace mt = meshtorch;
 
@@ -115,4 +118,40 @@ TEST_CASE("JSONL documents through the separately compiled reader") {
   write(dir / "bad.jsonl", "{\"messages\": 3}\n");
   const auto bad = [&] { mt::data::for_each_jsonl_document(dir / "bad.jsonl", [](std::string&&, bool) {}, stats); };
   CHECK(error_of<mt::DataError>(bad).find("bad.jsonl:1: 'messages' must be a non-empty list") != std::string::npos);
+}
+
+TEST_CASE("FSDP and DDP on one rank through the separately compiled functions") {
+  mt::comm::LaunchEnv env;
+  env.master_port = 0;  // the store picks a free port; nobody else needs to find it
+  mt::comm::InitOptions options;
+  options.env = env;
+  options.timeout = std::chrono::seconds(60);
+  auto mesh = mt::comm::init<mt::Mesh<mt::DP<mt::dynamic>>>(options);
+  const auto& group = mesh.group<mt::DP>();
+
+  auto config = mt::llama::presets::llama_tiny;
+  config.num_hidden_layers = 2;
+  mt::llama::LlamaForCausalLM plain(config), sharded(config);
+  torch::manual_seed(0);
+  mt::llama::init_weights(plain);
+  torch::manual_seed(0);
+  mt::llama::init_weights(sharded);
+  mt::FullyShardedDataParallel fsdp(sharded, group);
+  for (auto& layer : sharded->model->decoder_layers) fsdp.fully_shard(layer);
+  fsdp.fully_shard(sharded);
+  mt::DistributedDataParallel ddp(plain, group);
+
+  const auto ids = torch::randint(0, config.vocab_size, {2, 16}, torch::kLong);
+  auto plain_loss = ddp([&] { return plain->loss(ids, ids); });
+  auto sharded_loss = sharded->loss(ids, ids);
+  CHECK(sharded_loss.item<double>() == Approx(plain_loss.item<double>()).epsilon(1e-6));
+  plain_loss.backward();
+  sharded_loss.backward();
+  const auto plain_parameters = plain->named_parameters();
+  for (const auto& [name, shard] : fsdp.named_parameters()) {
+    INFO(name);
+    CHECK(torch::allclose(shard.grad(), plain_parameters[name].grad(), 1e-5, 1e-6));
+  }
+  CHECK(fsdp.named_parameters().size() == plain_parameters.size());
+  CHECK_FALSE(ddp.buckets().empty());
 }

@@ -45,6 +45,7 @@
 // The hooks point into the FullyShardedDataParallel object: keep it alive while the model runs.
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -55,11 +56,7 @@
 #include <variant>
 #include <vector>
 
-#include <c10/core/DeviceGuard.h>
-#include <deque>
 #include <fmt/format.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -69,6 +66,7 @@
 #include <meshtorch/io/safetensors.hpp>
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/models/llama/weights.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {
 
@@ -105,82 +103,9 @@ class FullyShardedDataParallel;
 
 namespace fsdp_detail {
 
-// Gives a storage's memory back while the storage object (and every tensor aliasing it) stays.
-inline void free_storage(const c10::Storage& storage) {
-  auto* impl = storage.unsafeGetStorageImpl();
-  impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
-  impl->set_nbytes(0);
-}
-
-// Gives a freed storage fresh memory from the allocator it was created with (on CUDA the
-// caching allocator, on the storage's device).
-inline void allocate_storage(const c10::Storage& storage, std::size_t nbytes) {
-  auto* impl = storage.unsafeGetStorageImpl();
-  const c10::DeviceGuard guard(impl->device());
-  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
-  impl->set_nbytes(nbytes);
-}
-
-// A tensor on `storage` that is no autograd view of anything and has its own version counter:
-// writing through one alias does not invalidate what autograd saved of another. Built on the
-// storage directly, since Tensor::set_ would allocate a freed storage to fit the sizes.
-inline torch::Tensor alias(const c10::Storage& storage, torch::ScalarType dtype, std::int64_t offset,
-                           torch::IntArrayRef sizes) {
-  std::vector<std::int64_t> strides(sizes.size(), 1);
-  for (std::int64_t d = static_cast<std::int64_t>(sizes.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * sizes[d + 1];
-  const auto key = c10::computeDispatchKey(dtype, c10::kStrided, storage.device());
-  auto tensor = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(key),
-                                                         caffe2::TypeMeta::fromScalarType(dtype));
-  tensor.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
-  return tensor;
-}
-
 // A collective issued and not yet waited for: wait() waits (with the group's timeout, naming
 // the collective and the ranks) and records completion in the flight recorder.
 using PendingWork = comm::Work<std::monostate>;
-
-inline PendingWork pending(c10::intrusive_ptr<c10d::Work> work, const std::string& what, const comm::AxisGroup& group) {
-  return PendingWork(std::move(work), [] { return std::monostate{}; }, what, group);
-}
-
-// Issues a collective between two flat buffers (`issue_on` calls the backend); on a group of one
-// rank the output is the input.
-template <class IssueOn>
-PendingWork start_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
-                       const std::string& what, IssueOn issue_on) {
-  comm::detail::check_device(what, group, input);
-  comm::detail::check_device(what, group, output);
-  if (group.size() == 1) {
-    output.copy_(input);
-    return PendingWork::ready(std::monostate{});
-  }
-  return pending(comm::detail::issue(what, group, input, [&] { return issue_on(*group.backend()); }), what, group);
-}
-
-// Issues the all-gather of the group's flat buffers, concatenated in rank order into output
-// (group.size() x input.numel()).
-inline PendingWork start_all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
-                                         const std::string& what) {
-  c10d::AllgatherOptions options;
-  options.timeout = group.timeout();
-  return start_flat(group, output, input, what,
-                    [&](c10d::Backend& backend) { return backend._allgather_base(output, input, options); });
-}
-
-// Issues the sum over the group of input's rank()-th block into output (Gloo has no AVG: the
-// caller divides by the group size).
-inline PendingWork start_reduce_scatter_sum_flat(const comm::AxisGroup& group, torch::Tensor& output,
-                                                 torch::Tensor& input, const std::string& what) {
-  c10d::ReduceScatterOptions options;
-  options.reduceOp = c10d::ReduceOp::SUM;
-  options.timeout = group.timeout();
-  return start_flat(group, output, input, what,
-                    [&](c10d::Backend& backend) { return backend._reduce_scatter_base(output, input, options); });
-}
-
-// Whether the autograd engine is running a backward on this thread: a forward hook called then
-// is a recomputation, not the forward whose order prefetching follows.
-inline bool in_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
 
 }  // namespace fsdp_detail
 
@@ -210,26 +135,22 @@ class FsdpSchedule {
       order_.push_back(unit);
   }
 
-  void before_forward(FsdpUnit& unit);
-  void before_backward(FsdpUnit& unit);
+  MESHTORCH_DECL void before_forward(FsdpUnit& unit);
+  MESHTORCH_DECL void before_backward(FsdpUnit& unit);
   // The unit's gradients: returned to autograd (reduce-scatters waited for at once), or left
   // in flight and accumulated into .grad later (returns no tensors).
-  std::vector<torch::Tensor> after_backward(FsdpUnit& unit, const std::vector<torch::Tensor>& full_grads);
+  MESHTORCH_DECL std::vector<torch::Tensor> after_backward(FsdpUnit& unit, const std::vector<torch::Tensor>& full_grads);
   // Waits for every reduce-scatter in flight (their results land in .grad) and drops gathers
   // prefetched for units that did not run. Backward calls it when it ends; call it before
   // reading .grad outside a backward that some other code drove.
-  void finish_gradients();
+  MESHTORCH_DECL void finish_gradients();
 
  private:
-  void finish_oldest_reduction();
+  MESHTORCH_DECL void finish_oldest_reduction();
   // Backward ends before the optimizer steps: whatever reduce-scatters are left then are waited
   // for by the engine's final callback, queued once, in the outermost backward (a checkpointed
   // layer's recomputation runs a nested one, whose callbacks run when that layer is done).
-  void queue_final_callback_once() {
-    if (final_callback_queued_) return;
-    final_callback_queued_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_gradients(); });
-  }
+  MESHTORCH_DECL void queue_final_callback_once();
 
   std::int64_t prefetch_;
   std::int64_t in_flight_;
@@ -256,59 +177,8 @@ class FsdpUnit {
     std::int64_t block_numel() const { return rows_per_rank * row_numel; }  // one rank's part, padded
   };
 
-  FsdpUnit(std::string name, bool is_root, std::vector<std::pair<std::string, llama::WeightModule*>> leaves,
-           const comm::AxisGroup& group, const FsdpOptions& options, std::shared_ptr<FsdpSchedule> schedule)
-      : name_(std::move(name)), is_root_(is_root), group_(group), options_(options), schedule_(std::move(schedule)) {
-    const auto world = group_.size();
-    const auto rank = group_.rank();
-    shard_dtype_ = leaves.front().second->weight.scalar_type();
-    for (auto& [leaf_name, leaf] : leaves) {
-      const auto& w = leaf->weight;
-      if (w.scalar_type() != shard_dtype_)
-        throw ConfigError(fmt::format("fully_shard({}): '{}' is {} but '{}' is {}; build the model in one dtype "
-                                      "(mixed precision is FsdpOptions::mixed_precision)",
-                                      describe(), leaf_name, c10::toString(w.scalar_type()), leaves.front().first,
-                                      c10::toString(shard_dtype_)));
-      if (w.dim() == 0) throw ConfigError(fmt::format("fully_shard({}): '{}' is a scalar", describe(), leaf_name));
-      Parameter p;
-      p.name = leaf_name;
-      p.leaf = leaf;
-      p.full_shape = w.sizes().vec();
-      p.rows = w.size(0);
-      p.row_numel = w.numel() / std::max<std::int64_t>(p.rows, 1);
-      p.rows_per_rank = (p.rows + world - 1) / world;
-      p.first_row = std::min(p.rows, rank * p.rows_per_rank);
-      p.local_rows = std::clamp<std::int64_t>(p.rows - rank * p.rows_per_rank, 0, p.rows_per_rank);
-      p.shard_offset = shard_numel_;
-      p.full_offset = world * shard_numel_;
-      shard_numel_ += p.block_numel();
-      full_numel_ += w.numel();
-      params_.push_back(std::move(p));
-    }
-    const auto shard_device = options_.cpu_offload ? torch::Device(torch::kCPU) : options_.device;
-    // Padding rows stay zero: they are part of no shard view, so nothing ever writes them.
-    shard_flat_ = torch::zeros({shard_numel_}, torch::TensorOptions().device(shard_device).dtype(shard_dtype_));
-    if (options_.cpu_offload && options_.device.is_cuda()) shard_flat_ = shard_flat_.pin_memory();
-    torch::NoGradGuard no_grad;
-    for (auto& p : params_) {
-      auto local_shape = p.full_shape;
-      local_shape[0] = p.local_rows;
-      p.shard = shard_flat_.narrow(0, p.shard_offset, p.local_rows * p.row_numel).view(local_shape);
-      // A module that already has real weights (not built on the meta device) keeps its values.
-      if (!p.leaf->weight.is_meta()) p.shard.copy_(p.leaf->weight.narrow(0, p.first_row, p.local_rows));
-      p.shard.set_requires_grad(true);
-    }
-    // The full weights: one storage for the unit, freed until a forward needs it. The gather
-    // writes through per-weight [group size, block] aliases, never through the leaves'.
-    full_storage_ = torch::empty({gathered_numel()}, compute_options()).storage();
-    fsdp_detail::free_storage(full_storage_);
-    for (auto& p : params_) {
-      gather_targets_.push_back(
-          fsdp_detail::alias(full_storage_, param_dtype(), p.full_offset, {world, p.block_numel()}));
-      block_sizes_.push_back(p.block_numel());
-      p.leaf->replace_weight(full_weight(p));
-    }
-  }
+  MESHTORCH_DECL FsdpUnit(std::string name, bool is_root, std::vector<std::pair<std::string, llama::WeightModule*>> leaves,
+           const comm::AxisGroup& group, const FsdpOptions& options, std::shared_ptr<FsdpSchedule> schedule);
 
   FsdpUnit(const FsdpUnit&) = delete;
   FsdpUnit& operator=(const FsdpUnit&) = delete;
@@ -333,28 +203,10 @@ class FsdpUnit {
 
   // Issues the all-gather of the shards (cast to the compute dtype) without waiting for it,
   // unless the full weights already hold the current shards or a gather is on its way.
-  void start_unshard() {
-    torch::NoGradGuard no_grad;
-    const auto version = shard_flat_._version();
-    if (gather_ || (is_unsharded() && gathered_version_ == version)) return;
-    auto input = shard_flat_.to(options_.device, param_dtype(), /*non_blocking=*/true);
-    auto gathered = torch::empty({gathered_numel()}, input.options());
-    auto work = fsdp_detail::start_all_gather_flat(group_, gathered, input, "FSDP all_gather of " + describe());
-    gather_.emplace(Gather{std::move(work), std::move(input), std::move(gathered), version});
-  }
+  MESHTORCH_DECL void start_unshard();
 
   // Waits for the issued all-gather and copies it into the full weights (one op for the unit).
-  void finish_unshard() {
-    if (!gather_) return;
-    torch::NoGradGuard no_grad;
-    gather_->work.wait();
-    if (!is_unsharded())
-      fsdp_detail::allocate_storage(full_storage_,
-                                    static_cast<std::size_t>(gathered_numel()) * c10::elementSize(param_dtype()));
-    copy_out(gather_->gathered, gather_targets_);
-    gathered_version_ = gather_->version;
-    gather_.reset();
-  }
+  MESHTORCH_DECL void finish_unshard();
 
   // All-gathers the shards into the full weights, unless they already hold the current shards.
   void unshard() {
@@ -363,35 +215,20 @@ class FsdpUnit {
   }
 
   // Frees the full weights; a prefetched gather that was never used is waited for and dropped.
-  void reshard() {
-    if (gather_) {
-      gather_->work.wait();
-      gather_.reset();
-    }
-    fsdp_detail::free_storage(full_storage_);
-  }
+  MESHTORCH_DECL void reshard();
 
   // Writes every full weight into `destination` (gathered_numel() elements on the compute
   // device, the weights at their full_offset): one all-gather of the flat shards cast to `dtype`.
-  void gather_full(torch::Tensor destination, torch::ScalarType dtype) const {
-    torch::NoGradGuard no_grad;
-    auto input = shard_flat_.to(options_.device, dtype);
-    auto gathered = torch::empty({gathered_numel()}, input.options());
-    fsdp_detail::start_all_gather_flat(group_, gathered, input, "FSDP all_gather of " + describe()).wait();
-    std::vector<torch::Tensor> targets;
-    for (const auto& p : params_)
-      targets.push_back(destination.narrow(0, p.full_offset, group_.size() * p.block_numel()).view({group_.size(), -1}));
-    copy_out(gathered, targets);
-  }
+  MESHTORCH_DECL void gather_full(torch::Tensor destination, torch::ScalarType dtype) const;
 
   // The pre-forward hook: gather, and hand the leaves full weights that are outputs of the
   // unit's autograd node (so its backward sees all their gradients at once).
-  void pre_forward();
+  MESHTORCH_DECL void pre_forward();
   // The post-forward hook: free the full weights, and mark the output so that its gradient
   // re-gathers them first.
-  torch::Tensor post_forward(const torch::Tensor& output);
+  MESHTORCH_DECL torch::Tensor post_forward(const torch::Tensor& output);
   // Called from the output's backward, before the unit's own backward.
-  void pre_backward();
+  MESHTORCH_DECL void pre_backward();
   // Called once autograd has every full weight's gradient (undefined: unused in this forward,
   // a zero gradient).
   std::vector<torch::Tensor> post_backward(const std::vector<torch::Tensor>& full_grads) {
@@ -400,53 +237,17 @@ class FsdpUnit {
 
   // Issues the reduce-scatter of the full gradients (one copy into the send buffer for the
   // unit, each weight's rows padded to group size x rows_per_rank) and frees the full weights.
-  FsdpReduction start_reduce_scatter(const std::vector<torch::Tensor>& full_grads) {
-    torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> grads;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      const auto& p = params_[i];
-      auto grad = full_grads[i].defined() ? full_grads[i] : torch::zeros(p.full_shape, compute_options());
-      grads.push_back(grad.to(reduce_dtype()).reshape({p.rows, p.row_numel}));
-    }
-    auto send = at::_chunk_cat(grads, /*dim=*/0, /*num_chunks=*/group_.size()).view({-1});
-    auto output = torch::empty({shard_numel_}, send.options());
-    auto work = fsdp_detail::start_reduce_scatter_sum_flat(group_, output, send, "FSDP reduce_scatter of " + describe());
-    reshard();
-    return {this, std::move(work), std::move(send), std::move(output)};
-  }
+  MESHTORCH_DECL FsdpReduction start_reduce_scatter(const std::vector<torch::Tensor>& full_grads);
 
   // A finished reduce-scatter's result as one gradient per shard: the mean over the group, in
   // the shards' dtype and on their device.
-  std::vector<torch::Tensor> shard_gradients(FsdpReduction& reduction) {
-    torch::NoGradGuard no_grad;
-    reduction.work.wait();
-    reduction.output.div_(group_.size());
-    std::vector<torch::Tensor> grads;
-    for (const auto& p : params_)
-      grads.push_back(reduction.output.narrow(0, p.shard_offset, p.local_rows * p.row_numel)
-                          .view(p.shard.sizes())
-                          .to(p.shard.device(), shard_dtype_));
-    return grads;
-  }
+  MESHTORCH_DECL std::vector<torch::Tensor> shard_gradients(FsdpReduction& reduction);
 
   // Adds a finished reduce-scatter's result to the shards' .grad (or sets it), as autograd's
   // accumulation would.
-  void accumulate_gradients(FsdpReduction& reduction) {
-    auto grads = shard_gradients(reduction);
-    torch::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      auto& slot = params_[i].shard.mutable_grad();
-      if (slot.defined())
-        slot.add_(grads[i]);
-      else
-        slot = grads[i];
-    }
-  }
+  MESHTORCH_DECL void accumulate_gradients(FsdpReduction& reduction);
 
-  std::string describe() const {
-    return fmt::format("{} on rank {}", is_root_ ? std::string("the root") : fmt::format("'{}'", name_),
-                       group_.global_rank());
-  }
+  MESHTORCH_DECL std::string describe() const;
 
  private:
   struct Gather {
@@ -457,16 +258,12 @@ class FsdpUnit {
   };
 
   // [group size, shard_numel] -> each weight's [group size, block]: one op for the unit.
-  void copy_out(const torch::Tensor& gathered, const std::vector<torch::Tensor>& targets) const {
-    at::split_with_sizes_copy_out(targets, gathered.view({group_.size(), shard_numel_}), block_sizes_, /*dim=*/1);
-  }
+  MESHTORCH_DECL void copy_out(const torch::Tensor& gathered, const std::vector<torch::Tensor>& targets) const;
 
   torch::TensorOptions compute_options() const {
     return torch::TensorOptions().device(options_.device).dtype(param_dtype());
   }
-  torch::Tensor full_weight(const Parameter& p) const {
-    return fsdp_detail::alias(full_storage_, param_dtype(), p.full_offset, p.full_shape);
-  }
+  MESHTORCH_DECL torch::Tensor full_weight(const Parameter& p) const;
 
   std::string name_;
   bool is_root_;
@@ -483,122 +280,6 @@ class FsdpUnit {
   std::optional<Gather> gather_;
   std::int64_t gathered_version_ = -1;
 };
-
-inline void FsdpSchedule::before_forward(FsdpUnit& unit) {
-  const bool recomputing = fsdp_detail::in_backward();
-  // A new forward: gradients of the last backward are all in (the final callback saw to it,
-  // unless that backward failed half way).
-  if (unit.is_root() && !recomputing) finish_gradients();
-  unit.start_unshard();
-  // The next units' gathers queue behind this one's and run while this unit computes.
-  const auto here = std::find(order_.begin(), order_.end(), &unit);
-  if (!recomputing && here != order_.end())
-    for (auto next = here + 1; next != order_.end() && next - here <= prefetch_; ++next) (*next)->start_unshard();
-  unit.finish_unshard();
-}
-
-inline void FsdpSchedule::before_backward(FsdpUnit& unit) {
-  queue_final_callback_once();  // here, in the outermost backward
-  unit.start_unshard();
-  const auto here = std::find(order_.begin(), order_.end(), &unit);
-  std::int64_t issued = 0;
-  for (auto previous = here; here != order_.end() && previous != order_.begin() && issued < prefetch_;) {
-    --previous;
-    if (!(*previous)->reshards_after_forward()) continue;  // kept gathered since forward
-    (*previous)->start_unshard();
-    ++issued;
-  }
-  unit.finish_unshard();
-}
-
-inline std::vector<torch::Tensor> FsdpSchedule::after_backward(FsdpUnit& unit,
-                                                               const std::vector<torch::Tensor>& full_grads) {
-  auto reduction = unit.start_reduce_scatter(full_grads);
-  if (in_flight_ == 0) return unit.shard_gradients(reduction);
-  queue_final_callback_once();
-  reductions_.push_back(std::move(reduction));
-  while (static_cast<std::int64_t>(reductions_.size()) > in_flight_) finish_oldest_reduction();
-  return std::vector<torch::Tensor>(full_grads.size());
-}
-
-inline void FsdpSchedule::finish_oldest_reduction() {
-  auto reduction = std::move(reductions_.front());
-  reductions_.pop_front();
-  reduction.unit->accumulate_gradients(reduction);
-}
-
-inline void FsdpSchedule::finish_gradients() {
-  final_callback_queued_ = false;
-  while (!reductions_.empty()) finish_oldest_reduction();
-  for (auto* unit : order_)
-    if (unit->is_gathering()) unit->reshard();
-}
-
-namespace fsdp_detail {
-
-struct UnitCapsule : torch::CustomClassHolder {
-  explicit UnitCapsule(FsdpUnit* u) : unit(u) {}
-  FsdpUnit* unit;
-};
-
-inline FsdpUnit* saved_unit(torch::autograd::AutogradContext* ctx) {
-  return static_cast<UnitCapsule*>(ctx->saved_data["unit"].toCapsule().get())->unit;
-}
-
-// shards -> the full weights (already gathered into the unit's storage); backward: the
-// reduce-scatter of their gradients.
-struct GatherUnitParameters : torch::autograd::Function<GatherUnitParameters> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList shards,
-                                                FsdpUnit* unit, std::vector<torch::Tensor> fulls) {
-    (void)shards;
-    ctx->saved_data["unit"] = c10::IValue::make_capsule(c10::make_intrusive<UnitCapsule>(unit));
-    ctx->set_materialize_grads(false);
-    return fulls;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto shard_grads = saved_unit(ctx)->post_backward(grads);
-    shard_grads.emplace_back();  // unit
-    shard_grads.emplace_back();  // fulls
-    return shard_grads;
-  }
-};
-
-// Identity on a unit's output; its backward re-gathers the unit's weights, and it runs before
-// any of the unit's own backward, which needs the output's gradient first.
-struct UnshardBeforeBackward : torch::autograd::Function<UnshardBeforeBackward> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& output, FsdpUnit* unit) {
-    ctx->saved_data["unit"] = c10::IValue::make_capsule(c10::make_intrusive<UnitCapsule>(unit));
-    return output.view_as(output);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    saved_unit(ctx)->pre_backward();
-    return {grads[0], torch::Tensor()};
-  }
-};
-
-}  // namespace fsdp_detail
-
-inline void FsdpUnit::pre_forward() {
-  schedule_->before_forward(*this);
-  std::vector<torch::Tensor> shards, fulls;
-  for (const auto& p : params_) {
-    shards.push_back(p.shard);
-    fulls.push_back(full_weight(p));
-  }
-  auto weights = fsdp_detail::GatherUnitParameters::apply(at::TensorList(shards), this, std::move(fulls));
-  for (std::size_t i = 0; i < params_.size(); ++i) params_[i].leaf->replace_weight(weights[i]);
-}
-
-inline void FsdpUnit::pre_backward() { schedule_->before_backward(*this); }
-
-inline torch::Tensor FsdpUnit::post_forward(const torch::Tensor& output) {
-  if (!reshards_after_forward()) return output;
-  reshard();
-  if (!torch::GradMode::is_enabled() || !output.requires_grad()) return output;
-  return fsdp_detail::UnshardBeforeBackward::apply(output, this);
-}
 
 // The model-level state: the units, in the order they were made (layers, then the root).
 class FullyShardedDataParallel {
@@ -669,95 +350,28 @@ class FullyShardedDataParallel {
   }
 
   // The shards, named as the full weights: what the optimizer steps.
-  std::vector<std::pair<std::string, torch::Tensor>> named_parameters() const {
-    std::vector<std::pair<std::string, torch::Tensor>> named;
-    for (const auto& [name, leaf] : all_leaves_)
-      if (const auto* p = find(name)) named.emplace_back(name, p->shard);
-    return named;
-  }
+  MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> named_parameters() const;
 
   // Initialises the shards as llama::init_weights initialises a whole model from the same
   // seed: every rank draws each full weight in turn (one at a time on the compute device, so
   // only the biggest weight is ever whole) and keeps its rows.
-  void init_weights() {
-    check_root_sharded_for("init_weights");
-    torch::NoGradGuard no_grad;
-    const auto* lm = dynamic_cast<llama::LlamaForCausalLMImpl*>(root_.get());
-    const double std = lm ? lm->config.initializer_range : 0.02;
-    for (const auto& [name, leaf] : all_leaves_) {
-      auto& p = *find(name);
-      auto full = torch::empty(p.full_shape, torch::TensorOptions().device(options_.device).dtype(p.shard.scalar_type()));
-      if (dynamic_cast<llama::RMSNormImpl*>(leaf))
-        full.fill_(1.0);
-      else
-        full.normal_(0.0, std);
-      p.shard.copy_(full.narrow(0, p.first_row, p.local_rows));
-    }
-  }
+  MESHTORCH_DECL void init_weights();
 
   // Copies this rank's rows of full (HF-named) weights into the shards: `tensors` must hold
   // every weight with its full shape. `source` names the file in errors.
-  void load_full_state_dict(const io::NamedTensors& tensors, const std::string& source) {
-    torch::NoGradGuard no_grad;
-    std::set<std::string> loaded;
-    const auto* lm = dynamic_cast<llama::LlamaForCausalLMImpl*>(root_.get());
-    for (const auto& [name, tensor] : tensors) {
-      auto* p = find(name);
-      if (!p) {
-        if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
-        if (name == "lm_head.weight" && lm && lm->config.tie_word_embeddings) continue;
-        throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", source, name));
-      }
-      if (tensor.sizes().vec() != p->full_shape)
-        throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}",
-                                    source, name, c10::str(tensor.sizes()), c10::str(c10::IntArrayRef(p->full_shape))));
-      p->shard.copy_(tensor.narrow(0, p->first_row, p->local_rows));
-      loaded.insert(name);
-    }
-    for (const auto& [name, leaf] : all_leaves_)
-      if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", source, name));
-  }
+  MESHTORCH_DECL void load_full_state_dict(const io::NamedTensors& tensors, const std::string& source);
 
   // This rank's rows of a weight: the first row and the row count (the last ranks may hold
   // fewer rows, or none).
-  std::pair<std::int64_t, std::int64_t> rows_of(const std::string& name) const {
-    const auto* p = find(name);
-    if (!p) throw ConfigError(fmt::format("FullyShardedDataParallel: no weight named '{}'", name));
-    return {p->first_row, p->local_rows};
-  }
+  MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> rows_of(const std::string& name) const;
 
   // Loads an HF folder's model.safetensors (or the shards its index lists) into the shards.
-  void load_pretrained_weights(const std::filesystem::path& dir) {
-    check_root_sharded_for("load_pretrained_weights");
-    io::NamedTensors all;
-    for (const auto& file : llama::weight_files(dir)) {
-      auto contents = io::load_safetensors(file);
-      for (auto& item : contents.tensors) all.push_back(std::move(item));
-    }
-    load_full_state_dict(all, dir.string());
-  }
-  bool load_pretrained_weights_if_present(const std::filesystem::path& model_name_or_dir) {
-    if (!std::filesystem::is_directory(model_name_or_dir) || !llama::has_pretrained_weights(model_name_or_dir)) return false;
-    load_pretrained_weights(model_name_or_dir);
-    return true;
-  }
+  MESHTORCH_DECL void load_pretrained_weights(const std::filesystem::path& dir);
+  MESHTORCH_DECL bool load_pretrained_weights_if_present(const std::filesystem::path& model_name_or_dir);
 
   // Every full weight, gathered (a collective: every rank of the group must call it) and
   // copied to the CPU in the shards' dtype, in the model's parameter order.
-  io::NamedTensors full_state_dict() const {
-    check_root_sharded_for("full_state_dict");
-    std::map<std::string, torch::Tensor> by_name;
-    for (const auto& unit : units_) {
-      auto flat = torch::empty({unit->gathered_numel()},
-                               torch::TensorOptions().device(options_.device).dtype(unit->shard_dtype()));
-      unit->gather_full(flat, unit->shard_dtype());  // lossless, whatever the compute dtype
-      for (const auto& p : unit->parameters())
-        by_name[p.name] = flat.narrow(0, p.full_offset, p.rows * p.row_numel).view(p.full_shape).to(torch::kCPU).clone();
-    }
-    io::NamedTensors out;
-    for (const auto& [name, leaf] : all_leaves_) out.emplace_back(name, by_name.at(name));
-    return out;
-  }
+  MESHTORCH_DECL io::NamedTensors full_state_dict() const;
 
   // Waits for the reduce-scatters still in flight, so that every shard's .grad is complete. A
   // backward does it when it ends; a program that reads .grad after a backward that failed half
@@ -786,34 +400,15 @@ class FullyShardedDataParallel {
   }
 
  private:
-  const FsdpUnit::Parameter* find(const std::string& name) const {
-    for (const auto& unit : units_)
-      for (const auto& p : unit->parameters())
-        if (p.name == name) return &p;
-    return nullptr;
-  }
+  MESHTORCH_DECL const FsdpUnit::Parameter* find(const std::string& name) const;
   FsdpUnit::Parameter* find(const std::string& name) {
     return const_cast<FsdpUnit::Parameter*>(std::as_const(*this).find(name));
   }
 
-  std::string module_name(const torch::nn::Module* module) const {
-    for (const auto& item : root_->named_modules())
-      if (item.value().get() == module) return item.key();
-    return "";
-  }
+  MESHTORCH_DECL std::string module_name(const torch::nn::Module* module) const;
 
-  void check_root_sharded(const FsdpUnit& unit) const {
-    if (!root_sharded_)
-      throw ConfigError(fmt::format("FullyShardedDataParallel: forward of {} before the root was sharded; call "
-                                    "fully_shard(model) after the layers",
-                                    unit.describe()));
-  }
-  void check_root_sharded_for(const std::string& what) const {
-    if (!root_sharded_)
-      throw ConfigError(fmt::format("FullyShardedDataParallel::{} on rank {}: call fully_shard on the layers and "
-                                    "then on the root (the model) first",
-                                    what, group_.global_rank()));
-  }
+  MESHTORCH_DECL void check_root_sharded(const FsdpUnit& unit) const;
+  MESHTORCH_DECL void check_root_sharded_for(const std::string& what) const;
 
   std::shared_ptr<torch::nn::Module> root_;
   comm::AxisGroup group_;
@@ -826,3 +421,476 @@ class FullyShardedDataParallel {
 };
 
 }  // namespace meshtorch
+
+#if MESHTORCH_DEFINITIONS
+#include <c10/core/DeviceGuard.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+namespace meshtorch {
+
+namespace fsdp_detail {
+
+// Gives a storage's memory back while the storage object (and every tensor aliasing it) stays.
+inline void free_storage(const c10::Storage& storage) {
+  auto* impl = storage.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+  impl->set_nbytes(0);
+}
+
+// Gives a freed storage fresh memory from the allocator it was created with (on CUDA the
+// caching allocator, on the storage's device).
+inline void allocate_storage(const c10::Storage& storage, std::size_t nbytes) {
+  auto* impl = storage.unsafeGetStorageImpl();
+  const c10::DeviceGuard guard(impl->device());
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+  impl->set_nbytes(nbytes);
+}
+
+// A tensor on `storage` that is no autograd view of anything and has its own version counter:
+// writing through one alias does not invalidate what autograd saved of another. Built on the
+// storage directly, since Tensor::set_ would allocate a freed storage to fit the sizes.
+inline torch::Tensor alias(const c10::Storage& storage, torch::ScalarType dtype, std::int64_t offset,
+                           torch::IntArrayRef sizes) {
+  std::vector<std::int64_t> strides(sizes.size(), 1);
+  for (std::int64_t d = static_cast<std::int64_t>(sizes.size()) - 2; d >= 0; --d)
+    strides[d] = strides[d + 1] * sizes[d + 1];
+  const auto key = c10::computeDispatchKey(dtype, c10::kStrided, storage.device());
+  auto tensor = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(key),
+                                                         caffe2::TypeMeta::fromScalarType(dtype));
+  tensor.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
+  return tensor;
+}
+
+inline PendingWork pending(c10::intrusive_ptr<c10d::Work> work, const std::string& what, const comm::AxisGroup& group) {
+  return PendingWork(
+      std::move(work), [] { return std::monostate{}; }, what, group);
+}
+
+// Issues a collective between two flat buffers (`issue_on` calls the backend); on a group of one
+// rank the output is the input.
+template <class IssueOn>
+PendingWork start_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
+                       const std::string& what, IssueOn issue_on) {
+  comm::detail::check_device(what, group, input);
+  comm::detail::check_device(what, group, output);
+  if (group.size() == 1) {
+    output.copy_(input);
+    return PendingWork::ready(std::monostate{});
+  }
+  return pending(comm::detail::issue(what, group, input, [&] { return issue_on(*group.backend()); }), what, group);
+}
+
+// Issues the all-gather of the group's flat buffers, concatenated in rank order into output
+// (group.size() x input.numel()).
+inline PendingWork start_all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
+                                         const std::string& what) {
+  c10d::AllgatherOptions options;
+  options.timeout = group.timeout();
+  return start_flat(group, output, input, what,
+                    [&](c10d::Backend& backend) { return backend._allgather_base(output, input, options); });
+}
+
+// Issues the sum over the group of input's rank()-th block into output (Gloo has no AVG: the
+// caller divides by the group size).
+inline PendingWork start_reduce_scatter_sum_flat(const comm::AxisGroup& group, torch::Tensor& output,
+                                                 torch::Tensor& input, const std::string& what) {
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  options.timeout = group.timeout();
+  return start_flat(group, output, input, what,
+                    [&](c10d::Backend& backend) { return backend._reduce_scatter_base(output, input, options); });
+}
+
+// Whether the autograd engine is running a backward on this thread: a forward hook called then
+// is a recomputation, not the forward whose order prefetching follows.
+inline bool in_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
+
+}  // namespace fsdp_detail
+
+MESHTORCH_DECL void FsdpSchedule::queue_final_callback_once() {
+  if (final_callback_queued_) return;
+  final_callback_queued_ = true;
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_gradients(); });
+}
+
+MESHTORCH_DECL FsdpUnit::FsdpUnit(std::string name, bool is_root,
+                                  std::vector<std::pair<std::string, llama::WeightModule*>> leaves,
+                                  const comm::AxisGroup& group, const FsdpOptions& options,
+                                  std::shared_ptr<FsdpSchedule> schedule)
+    : name_(std::move(name)), is_root_(is_root), group_(group), options_(options), schedule_(std::move(schedule)) {
+  const auto world = group_.size();
+  const auto rank = group_.rank();
+  shard_dtype_ = leaves.front().second->weight.scalar_type();
+  for (auto& [leaf_name, leaf] : leaves) {
+    const auto& w = leaf->weight;
+    if (w.scalar_type() != shard_dtype_)
+      throw ConfigError(fmt::format(
+          "fully_shard({}): '{}' is {} but '{}' is {}; build the model in one dtype "
+          "(mixed precision is FsdpOptions::mixed_precision)",
+          describe(), leaf_name, c10::toString(w.scalar_type()), leaves.front().first, c10::toString(shard_dtype_)));
+    if (w.dim() == 0) throw ConfigError(fmt::format("fully_shard({}): '{}' is a scalar", describe(), leaf_name));
+    Parameter p;
+    p.name = leaf_name;
+    p.leaf = leaf;
+    p.full_shape = w.sizes().vec();
+    p.rows = w.size(0);
+    p.row_numel = w.numel() / std::max<std::int64_t>(p.rows, 1);
+    p.rows_per_rank = (p.rows + world - 1) / world;
+    p.first_row = std::min(p.rows, rank * p.rows_per_rank);
+    p.local_rows = std::clamp<std::int64_t>(p.rows - rank * p.rows_per_rank, 0, p.rows_per_rank);
+    p.shard_offset = shard_numel_;
+    p.full_offset = world * shard_numel_;
+    shard_numel_ += p.block_numel();
+    full_numel_ += w.numel();
+    params_.push_back(std::move(p));
+  }
+  const auto shard_device = options_.cpu_offload ? torch::Device(torch::kCPU) : options_.device;
+  // Padding rows stay zero: they are part of no shard view, so nothing ever writes them.
+  shard_flat_ = torch::zeros({shard_numel_}, torch::TensorOptions().device(shard_device).dtype(shard_dtype_));
+  if (options_.cpu_offload && options_.device.is_cuda()) shard_flat_ = shard_flat_.pin_memory();
+  torch::NoGradGuard no_grad;
+  for (auto& p : params_) {
+    auto local_shape = p.full_shape;
+    local_shape[0] = p.local_rows;
+    p.shard = shard_flat_.narrow(0, p.shard_offset, p.local_rows * p.row_numel).view(local_shape);
+    // A module that already has real weights (not built on the meta device) keeps its values.
+    if (!p.leaf->weight.is_meta()) p.shard.copy_(p.leaf->weight.narrow(0, p.first_row, p.local_rows));
+    p.shard.set_requires_grad(true);
+  }
+  // The full weights: one storage for the unit, freed until a forward needs it. The gather
+  // writes through per-weight [group size, block] aliases, never through the leaves'.
+  full_storage_ = torch::empty({gathered_numel()}, compute_options()).storage();
+  fsdp_detail::free_storage(full_storage_);
+  for (auto& p : params_) {
+    gather_targets_.push_back(
+        fsdp_detail::alias(full_storage_, param_dtype(), p.full_offset, {world, p.block_numel()}));
+    block_sizes_.push_back(p.block_numel());
+    p.leaf->replace_weight(full_weight(p));
+  }
+}
+
+MESHTORCH_DECL void FsdpUnit::start_unshard() {
+  torch::NoGradGuard no_grad;
+  const auto version = shard_flat_._version();
+  if (gather_ || (is_unsharded() && gathered_version_ == version)) return;
+  auto input = shard_flat_.to(options_.device, param_dtype(), /*non_blocking=*/true);
+  auto gathered = torch::empty({gathered_numel()}, input.options());
+  auto work = fsdp_detail::start_all_gather_flat(group_, gathered, input, "FSDP all_gather of " + describe());
+  gather_.emplace(Gather{std::move(work), std::move(input), std::move(gathered), version});
+}
+
+MESHTORCH_DECL void FsdpUnit::finish_unshard() {
+  if (!gather_) return;
+  torch::NoGradGuard no_grad;
+  gather_->work.wait();
+  if (!is_unsharded())
+    fsdp_detail::allocate_storage(full_storage_,
+                                  static_cast<std::size_t>(gathered_numel()) * c10::elementSize(param_dtype()));
+  copy_out(gather_->gathered, gather_targets_);
+  gathered_version_ = gather_->version;
+  gather_.reset();
+}
+
+MESHTORCH_DECL void FsdpUnit::reshard() {
+  if (gather_) {
+    gather_->work.wait();
+    gather_.reset();
+  }
+  fsdp_detail::free_storage(full_storage_);
+}
+
+MESHTORCH_DECL void FsdpUnit::gather_full(torch::Tensor destination, torch::ScalarType dtype) const {
+  torch::NoGradGuard no_grad;
+  auto input = shard_flat_.to(options_.device, dtype);
+  auto gathered = torch::empty({gathered_numel()}, input.options());
+  fsdp_detail::start_all_gather_flat(group_, gathered, input, "FSDP all_gather of " + describe()).wait();
+  std::vector<torch::Tensor> targets;
+  for (const auto& p : params_)
+    targets.push_back(destination.narrow(0, p.full_offset, group_.size() * p.block_numel()).view({group_.size(), -1}));
+  copy_out(gathered, targets);
+}
+
+MESHTORCH_DECL FsdpReduction FsdpUnit::start_reduce_scatter(const std::vector<torch::Tensor>& full_grads) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i];
+    auto grad = full_grads[i].defined() ? full_grads[i] : torch::zeros(p.full_shape, compute_options());
+    grads.push_back(grad.to(reduce_dtype()).reshape({p.rows, p.row_numel}));
+  }
+  auto send = at::_chunk_cat(grads, /*dim=*/0, /*num_chunks=*/group_.size()).view({-1});
+  auto output = torch::empty({shard_numel_}, send.options());
+  auto work = fsdp_detail::start_reduce_scatter_sum_flat(group_, output, send, "FSDP reduce_scatter of " + describe());
+  reshard();
+  return {this, std::move(work), std::move(send), std::move(output)};
+}
+
+MESHTORCH_DECL std::vector<torch::Tensor> FsdpUnit::shard_gradients(FsdpReduction& reduction) {
+  torch::NoGradGuard no_grad;
+  reduction.work.wait();
+  reduction.output.div_(group_.size());
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params_)
+    grads.push_back(reduction.output.narrow(0, p.shard_offset, p.local_rows * p.row_numel)
+                        .view(p.shard.sizes())
+                        .to(p.shard.device(), shard_dtype_));
+  return grads;
+}
+
+MESHTORCH_DECL void FsdpUnit::accumulate_gradients(FsdpReduction& reduction) {
+  auto grads = shard_gradients(reduction);
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    auto& slot = params_[i].shard.mutable_grad();
+    if (slot.defined())
+      slot.add_(grads[i]);
+    else
+      slot = grads[i];
+  }
+}
+
+MESHTORCH_DECL std::string FsdpUnit::describe() const {
+  return fmt::format("{} on rank {}", is_root_ ? std::string("the root") : fmt::format("'{}'", name_),
+                     group_.global_rank());
+}
+
+MESHTORCH_DECL void FsdpUnit::copy_out(const torch::Tensor& gathered, const std::vector<torch::Tensor>& targets) const {
+  at::split_with_sizes_copy_out(targets, gathered.view({group_.size(), shard_numel_}), block_sizes_, /*dim=*/1);
+}
+
+MESHTORCH_DECL torch::Tensor FsdpUnit::full_weight(const Parameter& p) const {
+  return fsdp_detail::alias(full_storage_, param_dtype(), p.full_offset, p.full_shape);
+}
+
+MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> FullyShardedDataParallel::named_parameters() const {
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  for (const auto& [name, leaf] : all_leaves_)
+    if (const auto* p = find(name)) named.emplace_back(name, p->shard);
+  return named;
+}
+
+MESHTORCH_DECL void FullyShardedDataParallel::init_weights() {
+  check_root_sharded_for("init_weights");
+  torch::NoGradGuard no_grad;
+  const auto* lm = dynamic_cast<llama::LlamaForCausalLMImpl*>(root_.get());
+  const double std = lm ? lm->config.initializer_range : 0.02;
+  for (const auto& [name, leaf] : all_leaves_) {
+    auto& p = *find(name);
+    auto full = torch::empty(p.full_shape, torch::TensorOptions().device(options_.device).dtype(p.shard.scalar_type()));
+    if (dynamic_cast<llama::RMSNormImpl*>(leaf))
+      full.fill_(1.0);
+    else
+      full.normal_(0.0, std);
+    p.shard.copy_(full.narrow(0, p.first_row, p.local_rows));
+  }
+}
+
+MESHTORCH_DECL void FullyShardedDataParallel::load_full_state_dict(const io::NamedTensors& tensors,
+                                                                   const std::string& source) {
+  torch::NoGradGuard no_grad;
+  std::set<std::string> loaded;
+  const auto* lm = dynamic_cast<llama::LlamaForCausalLMImpl*>(root_.get());
+  for (const auto& [name, tensor] : tensors) {
+    auto* p = find(name);
+    if (!p) {
+      if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
+      if (name == "lm_head.weight" && lm && lm->config.tie_word_embeddings) continue;
+      throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", source, name));
+    }
+    if (tensor.sizes().vec() != p->full_shape)
+      throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", source, name,
+                                  c10::str(tensor.sizes()), c10::str(c10::IntArrayRef(p->full_shape))));
+    p->shard.copy_(tensor.narrow(0, p->first_row, p->local_rows));
+    loaded.insert(name);
+  }
+  for (const auto& [name, leaf] : all_leaves_)
+    if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", source, name));
+}
+
+MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> FullyShardedDataParallel::rows_of(const std::string& name) const {
+  const auto* p = find(name);
+  if (!p) throw ConfigError(fmt::format("FullyShardedDataParallel: no weight named '{}'", name));
+  return {p->first_row, p->local_rows};
+}
+
+MESHTORCH_DECL void FullyShardedDataParallel::load_pretrained_weights(const std::filesystem::path& dir) {
+  check_root_sharded_for("load_pretrained_weights");
+  io::NamedTensors all;
+  for (const auto& file : llama::weight_files(dir)) {
+    auto contents = io::load_safetensors(file);
+    for (auto& item : contents.tensors) all.push_back(std::move(item));
+  }
+  load_full_state_dict(all, dir.string());
+}
+
+MESHTORCH_DECL bool FullyShardedDataParallel::load_pretrained_weights_if_present(
+    const std::filesystem::path& model_name_or_dir) {
+  if (!std::filesystem::is_directory(model_name_or_dir) || !llama::has_pretrained_weights(model_name_or_dir))
+    return false;
+  load_pretrained_weights(model_name_or_dir);
+  return true;
+}
+
+MESHTORCH_DECL io::NamedTensors FullyShardedDataParallel::full_state_dict() const {
+  check_root_sharded_for("full_state_dict");
+  std::map<std::string, torch::Tensor> by_name;
+  for (const auto& unit : units_) {
+    auto flat = torch::empty({unit->gathered_numel()},
+                             torch::TensorOptions().device(options_.device).dtype(unit->shard_dtype()));
+    unit->gather_full(flat, unit->shard_dtype());  // lossless, whatever the compute dtype
+    for (const auto& p : unit->parameters())
+      by_name[p.name] = flat.narrow(0, p.full_offset, p.rows * p.row_numel).view(p.full_shape).to(torch::kCPU).clone();
+  }
+  io::NamedTensors out;
+  for (const auto& [name, leaf] : all_leaves_) out.emplace_back(name, by_name.at(name));
+  return out;
+}
+
+MESHTORCH_DECL const FsdpUnit::Parameter* FullyShardedDataParallel::find(const std::string& name) const {
+  for (const auto& unit : units_)
+    for (const auto& p : unit->parameters())
+      if (p.name == name) return &p;
+  return nullptr;
+}
+
+MESHTORCH_DECL std::string FullyShardedDataParallel::module_name(const torch::nn::Module* module) const {
+  for (const auto& item : root_->named_modules())
+    if (item.value().get() == module) return item.key();
+  return "";
+}
+
+MESHTORCH_DECL void FullyShardedDataParallel::check_root_sharded(const FsdpUnit& unit) const {
+  if (!root_sharded_)
+    throw ConfigError(
+        fmt::format("FullyShardedDataParallel: forward of {} before the root was sharded; call "
+                    "fully_shard(model) after the layers",
+                    unit.describe()));
+}
+
+MESHTORCH_DECL void FullyShardedDataParallel::check_root_sharded_for(const std::string& what) const {
+  if (!root_sharded_)
+    throw ConfigError(
+        fmt::format("FullyShardedDataParallel::{} on rank {}: call fully_shard on the layers and "
+                    "then on the root (the model) first",
+                    what, group_.global_rank()));
+}
+
+MESHTORCH_DECL void FsdpSchedule::before_forward(FsdpUnit& unit) {
+  const bool recomputing = fsdp_detail::in_backward();
+  // A new forward: gradients of the last backward are all in (the final callback saw to it,
+  // unless that backward failed half way).
+  if (unit.is_root() && !recomputing) finish_gradients();
+  unit.start_unshard();
+  // The next units' gathers queue behind this one's and run while this unit computes.
+  const auto here = std::find(order_.begin(), order_.end(), &unit);
+  if (!recomputing && here != order_.end())
+    for (auto next = here + 1; next != order_.end() && next - here <= prefetch_; ++next) (*next)->start_unshard();
+  unit.finish_unshard();
+}
+
+MESHTORCH_DECL void FsdpSchedule::before_backward(FsdpUnit& unit) {
+  queue_final_callback_once();  // here, in the outermost backward
+  unit.start_unshard();
+  const auto here = std::find(order_.begin(), order_.end(), &unit);
+  std::int64_t issued = 0;
+  for (auto previous = here; here != order_.end() && previous != order_.begin() && issued < prefetch_;) {
+    --previous;
+    if (!(*previous)->reshards_after_forward()) continue;  // kept gathered since forward
+    (*previous)->start_unshard();
+    ++issued;
+  }
+  unit.finish_unshard();
+}
+
+MESHTORCH_DECL std::vector<torch::Tensor> FsdpSchedule::after_backward(FsdpUnit& unit,
+                                                                       const std::vector<torch::Tensor>& full_grads) {
+  auto reduction = unit.start_reduce_scatter(full_grads);
+  if (in_flight_ == 0) return unit.shard_gradients(reduction);
+  queue_final_callback_once();
+  reductions_.push_back(std::move(reduction));
+  while (static_cast<std::int64_t>(reductions_.size()) > in_flight_) finish_oldest_reduction();
+  return std::vector<torch::Tensor>(full_grads.size());
+}
+
+MESHTORCH_DECL void FsdpSchedule::finish_oldest_reduction() {
+  auto reduction = std::move(reductions_.front());
+  reductions_.pop_front();
+  reduction.unit->accumulate_gradients(reduction);
+}
+
+MESHTORCH_DECL void FsdpSchedule::finish_gradients() {
+  final_callback_queued_ = false;
+  while (!reductions_.empty()) finish_oldest_reduction();
+  for (auto* unit : order_)
+    if (unit->is_gathering()) unit->reshard();
+}
+
+namespace fsdp_detail {
+
+struct UnitCapsule : torch::CustomClassHolder {
+  explicit UnitCapsule(FsdpUnit* u) : unit(u) {}
+  FsdpUnit* unit;
+};
+
+inline FsdpUnit* saved_unit(torch::autograd::AutogradContext* ctx) {
+  return static_cast<UnitCapsule*>(ctx->saved_data["unit"].toCapsule().get())->unit;
+}
+
+// shards -> the full weights (already gathered into the unit's storage); backward: the
+// reduce-scatter of their gradients.
+struct GatherUnitParameters : torch::autograd::Function<GatherUnitParameters> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList shards,
+                                                FsdpUnit* unit, std::vector<torch::Tensor> fulls) {
+    (void)shards;
+    ctx->saved_data["unit"] = c10::IValue::make_capsule(c10::make_intrusive<UnitCapsule>(unit));
+    ctx->set_materialize_grads(false);
+    return fulls;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto shard_grads = saved_unit(ctx)->post_backward(grads);
+    shard_grads.emplace_back();  // unit
+    shard_grads.emplace_back();  // fulls
+    return shard_grads;
+  }
+};
+
+// Identity on a unit's output; its backward re-gathers the unit's weights, and it runs before
+// any of the unit's own backward, which needs the output's gradient first.
+struct UnshardBeforeBackward : torch::autograd::Function<UnshardBeforeBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& output, FsdpUnit* unit) {
+    ctx->saved_data["unit"] = c10::IValue::make_capsule(c10::make_intrusive<UnitCapsule>(unit));
+    return output.view_as(output);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    saved_unit(ctx)->pre_backward();
+    return {grads[0], torch::Tensor()};
+  }
+};
+
+}  // namespace fsdp_detail
+
+MESHTORCH_DECL void FsdpUnit::pre_forward() {
+  schedule_->before_forward(*this);
+  std::vector<torch::Tensor> shards, fulls;
+  for (const auto& p : params_) {
+    shards.push_back(p.shard);
+    fulls.push_back(full_weight(p));
+  }
+  auto weights = fsdp_detail::GatherUnitParameters::apply(at::TensorList(shards), this, std::move(fulls));
+  for (std::size_t i = 0; i < params_.size(); ++i) params_[i].leaf->replace_weight(weights[i]);
+}
+
+MESHTORCH_DECL void FsdpUnit::pre_backward() { schedule_->before_backward(*this); }
+
+MESHTORCH_DECL torch::Tensor FsdpUnit::post_forward(const torch::Tensor& output) {
+  if (!reshards_after_forward()) return output;
+  reshard();
+  if (!torch::GradMode::is_enabled() || !output.requires_grad()) return output;
+  return fsdp_detail::UnshardBeforeBackward::apply(output, this);
+}
+
+}  // namespace meshtorch
+#endif  // MESHTORCH_DEFINITIONS
