@@ -3,6 +3,8 @@
 is compiled to an object file, without a precompiled header and without ccache, in turns
 (A/B/C, A/B/C, ...), and the median wall time, CPU time (user + system: it holds when other
 jobs share the cores, where wall time does not) and the compiler's peak memory are reported.
+The meshtorch units are compiled twice, header-only and with MESHTORCH_SEPARATE_COMPILATION, and
+the source file that separate compilation adds to a program once (<meshtorch/src.hpp>) is timed too.
 
     python3 bench/compile_time.py [--reps 3] [--out bench/out/compile-time.md]
 
@@ -27,10 +29,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ROOT / "bench" / "compile_time"
+SEPARATE = ["-DMESHTORCH_SEPARATE_COMPILATION"]
+# (key, source, label, extra flags): header-only, then with MESHTORCH_SEPARATE_COMPILATION (the
+# library's non-template functions compiled once per program, in the file that includes
+# <meshtorch/src.hpp>, whose own cost is the last row).
 UNITS = [
-    ("torch_only.cpp", "`<torch/torch.h>` only"),
-    ("meshtorch_umbrella.cpp", "+ `<meshtorch/meshtorch.hpp>`"),
-    ("meshtorch_plan2d.cpp", "+ a 2D Llama plan (FSDP<4> x TP<8>, llama-3.1-8b) applied to a model"),
+    ("torch", "torch_only.cpp", "`<torch/torch.h>` only", []),
+    ("umbrella", "meshtorch_umbrella.cpp", "+ `<meshtorch/meshtorch.hpp>`", []),
+    ("plan2d", "meshtorch_plan2d.cpp", "+ a 2D Llama plan (FSDP<4> x TP<8>, llama-3.1-8b) applied to a model", []),
+    ("umbrella-separate", "meshtorch_umbrella.cpp", "+ `<meshtorch/meshtorch.hpp>`, separate compilation", SEPARATE),
+    ("plan2d-separate", "meshtorch_plan2d.cpp", "+ the 2D plan, separate compilation", SEPARATE),
+    ("src", "meshtorch_src.cpp", "`<meshtorch/src.hpp>`: the separately compiled functions, once per program", SEPARATE),
 ]
 
 
@@ -112,16 +121,17 @@ def main():
 
     print(f"[compile-time] {compiler} {' '.join(flags)}", file=sys.stderr)
     print(f"[compile-time] flags from {origin}; {args.reps} run(s) per unit", file=sys.stderr)
-    times = {name: [] for name, _ in UNITS}
-    cpu = {name: [] for name, _ in UNITS}
-    memory = {name: [] for name, _ in UNITS}
+    times = {name: [] for name, *_ in UNITS}
+    cpu = {name: [] for name, *_ in UNITS}
+    memory = {name: [] for name, *_ in UNITS}
     errors = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
-            for name, _ in UNITS:
+            for name, source, _, extra in UNITS:
                 if name in errors:
                     continue
-                seconds, cpu_seconds, gib, rc, output = compile_once(compiler, flags, SOURCES / name, Path(tmp) / "unit.o")
+                seconds, cpu_seconds, gib, rc, output = compile_once(compiler, flags + extra, SOURCES / source,
+                                                                     Path(tmp) / "unit.o")
                 if rc != 0:
                     first = [l for l in output.splitlines() if "error" in l][:3] or output.splitlines()[:3]
                     errors[name] = " / ".join(l.strip() for l in first).replace(str(ROOT) + "/", "")
@@ -132,8 +142,8 @@ def main():
                 memory[name].append(gib)
                 print(f"[compile-time] {name}: {seconds:.1f} s, {cpu_seconds:.1f} s CPU, {gib:.2f} GiB", file=sys.stderr)
 
-    base = statistics.median(times[UNITS[0][0]]) if times[UNITS[0][0]] else None
-    cpu_base = statistics.median(cpu[UNITS[0][0]]) if cpu[UNITS[0][0]] else None
+    base = statistics.median(times["torch"]) if times["torch"] else None
+    cpu_base = statistics.median(cpu["torch"]) if cpu["torch"] else None
     load = os.getloadavg()[0]
     lines = ["## Compile time", "",
              f"One translation unit compiled to an object file, no precompiled header, no ccache; "
@@ -141,14 +151,14 @@ def main():
              f"cores at the end.", "",
              "| translation unit | seconds | over `<torch/torch.h>` | CPU seconds | CPU over `<torch/torch.h>` | compiler peak memory GiB |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for name, label in UNITS:
+    for name, _, label, _ in UNITS:
         if name in errors:
             lines.append(f"| {label} | does not compile yet | | | | |")
             continue
         t = statistics.median(times[name])
-        over = f"+{t - base:.1f} s ({(t / base - 1) * 100:+.0f}%)" if base and name != UNITS[0][0] else ""
+        over = f"+{t - base:.1f} s ({(t / base - 1) * 100:+.0f}%)" if base and name != "torch" else ""
         c = statistics.median(cpu[name])
-        cpu_over = f"{c / cpu_base:.2f}x" if cpu_base and name != UNITS[0][0] else ""
+        cpu_over = f"{c / cpu_base:.2f}x" if cpu_base and name != "torch" else ""
         lines.append(f"| {label} | {t:.1f} | {over} | {c:.1f} | {cpu_over} | {statistics.median(memory[name]):.2f} |")
     if errors:
         lines += ["", "Not compiled: " + "; ".join(f"{n}: {e}" for n, e in errors.items())]
@@ -156,7 +166,7 @@ def main():
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(report)
     print(report)
-    return 1 if UNITS[0][0] in errors else 0
+    return 1 if "torch" in errors else 0
 
 
 if __name__ == "__main__":
