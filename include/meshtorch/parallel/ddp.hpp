@@ -83,7 +83,8 @@ class DistributedDataParallel {
   }
 
   MESHTORCH_DECL DistributedDataParallel(std::vector<std::pair<std::string, torch::Tensor>> named,
-                          std::shared_ptr<torch::nn::Module> module, const comm::AxisGroup& group, DdpOptions options);
+                                         std::shared_ptr<torch::nn::Module> module, const comm::AxisGroup& group,
+                                         DdpOptions options);
 
  public:
 

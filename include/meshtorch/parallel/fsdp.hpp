@@ -177,8 +177,10 @@ class FsdpUnit {
     std::int64_t block_numel() const { return rows_per_rank * row_numel; }  // one rank's part, padded
   };
 
-  MESHTORCH_DECL FsdpUnit(std::string name, bool is_root, std::vector<std::pair<std::string, llama::WeightModule*>> leaves,
-           const comm::AxisGroup& group, const FsdpOptions& options, std::shared_ptr<FsdpSchedule> schedule);
+  MESHTORCH_DECL FsdpUnit(std::string name, bool is_root,
+                          std::vector<std::pair<std::string, llama::WeightModule*>> leaves,
+                          const comm::AxisGroup& group, const FsdpOptions& options,
+                          std::shared_ptr<FsdpSchedule> schedule);
 
   FsdpUnit(const FsdpUnit&) = delete;
   FsdpUnit& operator=(const FsdpUnit&) = delete;
