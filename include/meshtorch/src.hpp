@@ -1,10 +1,10 @@
 #pragma once
 // The definitions of meshtorch's non-template functions, for a program built with
 // MESHTORCH_SEPARATE_COMPILATION (separate_compilation.hpp): include this in exactly one of its
-// source files. The CMake option MESHTORCH_SEPARATE_COMPILATION builds it as the library
-// meshtorch::compiled.
+// source files. meshtorch_compiled_library() (cmake/meshtorchSeparateCompilation.cmake) builds a
+// library of it.
 #if !defined(MESHTORCH_SEPARATE_COMPILATION)
-#error "<meshtorch/src.hpp> is for programs built with MESHTORCH_SEPARATE_COMPILATION; header-only programs need no source file"
+#error "<meshtorch/src.hpp> needs MESHTORCH_SEPARATE_COMPILATION; a header-only program adds no source file"
 #endif
 #define MESHTORCH_SOURCE
 #include <meshtorch/meshtorch.hpp>

@@ -3,14 +3,12 @@
 #include <meshtorch/meshtorch.hpp>
 
 // What separate compilation is for: the umbrella header no longer parses nlohmann-json's parser.
+// A compile-time check: this program does not build if it does.
 #if defined(INCLUDE_NLOHMANN_JSON_HPP_)
 #error "with MESHTORCH_SEPARATE_COMPILATION, <meshtorch/meshtorch.hpp> includes <nlohmann/json.hpp>"
 #endif
-constexpr bool umbrella_parsed_json = false;
 
 #include <chrono>
-#include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -19,21 +17,18 @@ constexpr bool umbrella_parsed_json = false;
 
 #include <meshtorch/comm/init.hpp>
 
+#include "../core/test_support.hpp"
+#include "../input/input_support.hpp"
+
 namespace mt = meshtorch;
+using mt::testing::fresh_dir;
+using mt::testing::write_file;
 
 namespace {
 
-std::filesystem::path fresh_folder(const std::string& name) {
-  const auto dir = std::filesystem::temp_directory_path() / ("meshtorch-separate-" + name);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-void write(const std::filesystem::path& path, const std::string& text) { std::ofstream(path) << text; }
-
+// The message of what `f` throws, which must be an `Error`.
 template <class Error, class F>
-std::string error_of(F&& f) {
+std::string error_of_type(F&& f) {
   try {
     f();
   } catch (const Error& e) {
@@ -44,12 +39,8 @@ std::string error_of(F&& f) {
 
 }  // namespace
 
-TEST_CASE("the umbrella header declares what src.hpp defines, without nlohmann-json's parser") {
-  CHECK_FALSE(umbrella_parsed_json);
-}
-
 TEST_CASE("a model folder written and read through the separately compiled functions") {
-  const auto dir = fresh_folder("model");
+  const auto dir = fresh_dir("separate-model");
   auto config = mt::llama::presets::llama_tiny;
   config.num_hidden_layers = 1;
   mt::llama::LlamaForCausalLM model(config);
@@ -68,26 +59,26 @@ TEST_CASE("a model folder written and read through the separately compiled funct
   const auto ids = torch::randint(0, config.vocab_size, {1, 8}, torch::kLong);
   CHECK(copy->loss(ids, ids).item<double>() == model->loss(ids, ids).item<double>());
 
-  write(dir / "config.json", R"({"hidden_size": 64, "hidden_size": 128})");
-  CHECK(error_of<mt::ConfigError>([&] { mt::llama::load_config(dir / "config.json"); }) ==
+  write_file(dir / "config.json", R"({"hidden_size": 64, "hidden_size": 128})");
+  CHECK(error_of_type<mt::ConfigError>([&] { mt::llama::load_config(dir / "config.json"); }) ==
         (dir / "config.json").string() + ": config.json names 'hidden_size' twice");
 }
 
 TEST_CASE("state.json and metrics.jsonl through the separately compiled functions") {
-  const auto dir = fresh_folder("state");
+  const auto dir = fresh_dir("separate-state");
   mt::train::TrainState state;
   state.global_step = 7;
   state.epoch_step = 7;
   state.running_loss = 2.5;
   state.running_steps = 1;
   const mt::train::RunIdentity identity{1, 128, 8, "builtin", "llama-tiny"};
-  write(dir / "state.json", mt::train::to_json(state, identity).dump());
+  write_file(dir / "state.json", mt::train::to_json(state, identity).dump());
   const auto read = mt::train::read_train_state(dir, identity);
   CHECK(read.global_step == 7);
   CHECK(read.running_loss == 2.5);
   auto other = identity;
   other.seed = 2;
-  CHECK(error_of<mt::ConfigError>([&] { mt::train::read_train_state(dir, other); })
+  CHECK(error_of_type<mt::ConfigError>([&] { mt::train::read_train_state(dir, other); })
             .find("written with seed = 1, this run has 2") != std::string::npos);
 
   mt::train::MetricsFile metrics(dir / "metrics.jsonl");
@@ -105,8 +96,8 @@ TEST_CASE("state.json and metrics.jsonl through the separately compiled function
 }
 
 TEST_CASE("JSONL documents through the separately compiled reader") {
-  const auto dir = fresh_folder("jsonl");
-  write(dir / "data.jsonl", "{\"text\": \"one\"}\n\n{\"instruction\": \"add\", \"output\": \"2\"}\n");
+  const auto dir = fresh_dir("separate-jsonl");
+  write_file(dir / "data.jsonl", "{\"text\": \"one\"}\n\n{\"instruction\": \"add\", \"output\": \"2\"}\n");
   std::vector<std::string> texts;
   mt::data::TokenStreamStats stats;
   mt::data::for_each_jsonl_document(dir / "data.jsonl", [&](std::string&& text, bool) { texts.push_back(text); },
@@ -115,9 +106,9 @@ TEST_CASE("JSONL documents through the separately compiled reader") {
   CHECK(texts[0] == "one");
   CHECK(texts[1] == mt::data::format_alpaca("add", "", "2"));
   CHECK(stats.skipped_lines == 1);
-  write(dir / "bad.jsonl", "{\"messages\": 3}\n");
+  write_file(dir / "bad.jsonl", "{\"messages\": 3}\n");
   const auto bad = [&] { mt::data::for_each_jsonl_document(dir / "bad.jsonl", [](std::string&&, bool) {}, stats); };
-  CHECK(error_of<mt::DataError>(bad).find("bad.jsonl:1: 'messages' must be a non-empty list") != std::string::npos);
+  CHECK(error_of_type<mt::DataError>(bad).find("bad.jsonl:1: 'messages' must be a non-empty list") != std::string::npos);
 }
 
 TEST_CASE("FSDP and DDP on one rank through the separately compiled functions") {

@@ -1,9 +1,10 @@
 #pragma once
 // Where a failed collective is reported. Work::wait and DDP's bucket hook call
 // report_collective_failure; the watchdog (comm/watchdog.hpp), armed by launch(), installs
-// itself as the handler: it names the culprit, dumps the flight recorder and ends the process. Kept apart from the watchdog so that code which only issues collectives compiles
-// neither the watchdog nor its hang analysis and JSON (docs/performance.md "Compile time"):
-// only the translation unit that calls comm::init does.
+// itself as the handler: it names the culprit, dumps the flight recorder and ends the process.
+// Kept apart from the watchdog so that code which only issues collectives compiles neither the
+// watchdog nor its hang analysis and JSON (docs/performance.md "Compile time"): only the
+// translation unit that calls comm::init does.
 #include <atomic>
 #include <cstdint>
 #include <string>

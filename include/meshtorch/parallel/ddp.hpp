@@ -24,9 +24,6 @@
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
-#include <meshtorch/comm/collective_failure.hpp>
-#include <meshtorch/comm/collectives.hpp>
-#include <meshtorch/comm/flight_recorder.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/parallel/process_group.hpp>
 #include <meshtorch/separate_compilation.hpp>
@@ -50,7 +47,6 @@ struct DdpOptions {
   // Broadcast rank 0's buffers (not only parameters) at wrap.
   bool broadcast_buffers = true;
 };
-
 
 namespace detail {
 
@@ -172,6 +168,10 @@ class DistributedDataParallel {
 
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include <meshtorch/comm/collective_failure.hpp>
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/comm/flight_recorder.hpp>
 
 namespace meshtorch {
 

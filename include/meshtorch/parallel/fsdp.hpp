@@ -60,12 +60,10 @@
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
-#include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/comm/work.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/safetensors.hpp>
 #include <meshtorch/models/llama/model.hpp>
-#include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {
@@ -139,7 +137,8 @@ class FsdpSchedule {
   MESHTORCH_DECL void before_backward(FsdpUnit& unit);
   // The unit's gradients: returned to autograd (reduce-scatters waited for at once), or left
   // in flight and accumulated into .grad later (returns no tensors).
-  MESHTORCH_DECL std::vector<torch::Tensor> after_backward(FsdpUnit& unit, const std::vector<torch::Tensor>& full_grads);
+  MESHTORCH_DECL std::vector<torch::Tensor> after_backward(FsdpUnit& unit,
+                                                           const std::vector<torch::Tensor>& full_grads);
   // Waits for every reduce-scatter in flight (their results land in .grad) and drops gathers
   // prefetched for units that did not run. Backward calls it when it ends; call it before
   // reading .grad outside a backward that some other code drove.
@@ -428,6 +427,9 @@ class FullyShardedDataParallel {
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
+
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/models/llama/weights.hpp>
 
 namespace meshtorch {
 

@@ -153,8 +153,8 @@ MESHTORCH_DECL std::string format_metrics(const nlohmann::ordered_json& record) 
   return line;
 }
 
-MESHTORCH_DECL nlohmann::ordered_json LogWindow::record(const TrainState& state, std::int64_t steps_per_epoch, double lr,
-                                                        const PhaseTimers& timers) const {
+MESHTORCH_DECL nlohmann::ordered_json LogWindow::record(const TrainState& state, std::int64_t steps_per_epoch,
+                                                        double lr, const PhaseTimers& timers) const {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   const double steps = static_cast<double>(state.running_steps);
   nlohmann::ordered_json record{

@@ -27,7 +27,8 @@ inline std::string dtype_name(torch::ScalarType type) {
 
 // Writes config.json and model.safetensors (the given full tensors, HF-named) into `dir`, each
 // file atomically. Sharded models gather their tensors first and call this.
-MESHTORCH_DECL void save_pretrained(const Config& config, const io::NamedTensors& tensors, const std::filesystem::path& dir);
+MESHTORCH_DECL void save_pretrained(const Config& config, const io::NamedTensors& tensors,
+                                    const std::filesystem::path& dir);
 
 inline void save_pretrained(LlamaForCausalLM& lm, const std::filesystem::path& dir) {
   io::NamedTensors tensors;
@@ -121,7 +122,8 @@ inline bool load_pretrained_weights_if_present(LlamaForCausalLM& lm, const std::
 
 namespace meshtorch::llama {
 
-MESHTORCH_DECL void save_pretrained(const Config& config, const io::NamedTensors& tensors, const std::filesystem::path& dir) {
+MESHTORCH_DECL void save_pretrained(const Config& config, const io::NamedTensors& tensors,
+                                    const std::filesystem::path& dir) {
   std::filesystem::create_directories(dir);
   const auto dtype = tensors.empty() ? torch::kFloat : tensors.front().second.scalar_type();
   io::write_file_atomically(dir / "config.json", config_to_json(config, dtype_name(dtype)).dump(2) + "\n");
