@@ -11,33 +11,21 @@
 #include <utility>
 #include <vector>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <meshtorch/comm/device.hpp>
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
 
 class AxisGroup {
  public:
   AxisGroup() = default;
-  AxisGroup(std::string axis_name, std::vector<int> ranks, int global_rank,
-            c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout,
-            Device device, c10::intrusive_ptr<c10d::Backend> metadata_backend = {},
-            int cuda_device = -1)
-      : axis_name_(std::move(axis_name)),
-        ranks_(std::move(ranks)),
-        global_rank_(global_rank),
-        backend_(std::move(backend)),
-        metadata_backend_(std::move(metadata_backend)),
-        timeout_(timeout),
-        device_(device),
-        cuda_device_(cuda_device) {
-    for (std::size_t i = 0; i < ranks_.size(); ++i)
-      if (ranks_[i] == global_rank_) rank_ = static_cast<int>(i);
-  }
+  MESHTORCH_DECL AxisGroup(std::string axis_name, std::vector<int> ranks, int global_rank,
+                           c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout,
+                           Device device, c10::intrusive_ptr<c10d::Backend> metadata_backend = {},
+                           int cuda_device = -1);
 
   // "TP", "DP", ... or "world".
   const std::string& axis_name() const { return axis_name_; }
@@ -54,25 +42,10 @@ class AxisGroup {
   // The GPU an NCCL group is bound to; -1 on a CPU group (or one made without a bound GPU).
   int cuda_device() const { return cuda_device_; }
   // "cpu" or "cuda:1": the tensors this group's collectives take.
-  std::string device_name() const {
-    return device_ == Device::cpu || cuda_device_ < 0 ? to_string(device_)
-                                                      : fmt::format("cuda:{}", cuda_device_);
-  }
+  MESHTORCH_DECL std::string device_name() const;
 
   // The same ranks over a CPU (Gloo) backend, for metadata; the group itself on a CPU mesh.
-  AxisGroup metadata() const {
-    if (device_ == Device::cpu) return *this;
-    if (!metadata_backend_ && size() > 1)
-      throw CommError(fmt::format("the {} has no CPU companion group for metadata; create the group with "
-                                  "comm::init, which makes one beside every NCCL group",
-                                  describe()));
-    AxisGroup copy = *this;
-    copy.backend_ = metadata_backend_;
-    copy.metadata_backend_ = {};
-    copy.device_ = Device::cpu;
-    copy.cuda_device_ = -1;
-    return copy;
-  }
+  MESHTORCH_DECL AxisGroup metadata() const;
 
   // The same group with another timeout for the collectives issued through the copy.
   AxisGroup with_timeout(std::chrono::milliseconds timeout) const {
@@ -82,9 +55,7 @@ class AxisGroup {
   }
 
   // "TP group [2, 3] on rank 3": how errors name the group.
-  std::string describe() const {
-    return fmt::format("{} group [{}] on rank {}", axis_name_, fmt::join(ranks_, ", "), global_rank_);
-  }
+  MESHTORCH_DECL std::string describe() const;
 
  private:
   std::string axis_name_;
@@ -105,3 +76,50 @@ inline AxisGroup single_process_group() {
 }
 
 }  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINITIONS
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+namespace meshtorch::comm {
+
+MESHTORCH_DECL AxisGroup::AxisGroup(std::string axis_name, std::vector<int> ranks, int global_rank,
+                                    c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout,
+                                    Device device, c10::intrusive_ptr<c10d::Backend> metadata_backend,
+                                    int cuda_device)
+    : axis_name_(std::move(axis_name)),
+      ranks_(std::move(ranks)),
+      global_rank_(global_rank),
+      backend_(std::move(backend)),
+      metadata_backend_(std::move(metadata_backend)),
+      timeout_(timeout),
+      device_(device),
+      cuda_device_(cuda_device) {
+  for (std::size_t i = 0; i < ranks_.size(); ++i)
+    if (ranks_[i] == global_rank_) rank_ = static_cast<int>(i);
+}
+
+MESHTORCH_DECL std::string AxisGroup::device_name() const {
+  return device_ == Device::cpu || cuda_device_ < 0 ? to_string(device_) : fmt::format("cuda:{}", cuda_device_);
+}
+
+MESHTORCH_DECL AxisGroup AxisGroup::metadata() const {
+  if (device_ == Device::cpu) return *this;
+  if (!metadata_backend_ && size() > 1)
+    throw CommError(fmt::format("the {} has no CPU companion group for metadata; create the group with "
+                                "comm::init, which makes one beside every NCCL group",
+                                describe()));
+  AxisGroup copy = *this;
+  copy.backend_ = metadata_backend_;
+  copy.metadata_backend_ = {};
+  copy.device_ = Device::cpu;
+  copy.cuda_device_ = -1;
+  return copy;
+}
+
+MESHTORCH_DECL std::string AxisGroup::describe() const {
+  return fmt::format("{} group [{}] on rank {}", axis_name_, fmt::join(ranks_, ", "), global_rank_);
+}
+
+}  // namespace meshtorch::comm
+#endif  // MESHTORCH_DEFINITIONS

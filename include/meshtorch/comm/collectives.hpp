@@ -16,7 +16,6 @@
 // run, so without the check that mistake would pass every single-process test. Metadata that
 // lives on the CPU goes through the metadata helpers at the end of this file, which use the
 // group's CPU companion (AxisGroup::metadata()).
-#include <algorithm>
 #include <concepts>
 #include <cstdint>
 #include <string>
@@ -25,13 +24,13 @@
 #include <variant>
 #include <vector>
 
-#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/work.hpp>
 #include <meshtorch/layout/axis.hpp>
 #include <meshtorch/layout/placement.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
 
@@ -53,325 +52,67 @@ inline c10d::ReduceOp to_c10d(ReduceOp op) {
   }
 }
 
-inline int64_t checked_dim(std::string_view collective, const AxisGroup& group,
-                           const torch::Tensor& tensor, int64_t dim) {
-  const int d = normalize_dim(static_cast<int>(dim), static_cast<int>(tensor.dim()));
-  if (d < 0)
-    throw collective_error(collective, group,
-                           fmt::format("dim {} is out of range for a tensor of {} dims", dim, tensor.dim()));
-  return d;
-}
+MESHTORCH_DECL int64_t checked_dim(std::string_view collective, const AxisGroup& group, const torch::Tensor& tensor,
+                                   int64_t dim);
 
-inline void check_divisible(std::string_view collective, const AxisGroup& group,
-                            const torch::Tensor& tensor, int64_t dim) {
-  if (tensor.size(dim) % group.size() != 0)
-    throw collective_error(collective, group,
-                           fmt::format("dim {} has size {}, which the group size {} does not divide; pad the "
-                                       "tensor or choose another dim",
-                                       dim, tensor.size(dim), group.size()));
-}
+MESHTORCH_DECL void check_divisible(std::string_view collective, const AxisGroup& group, const torch::Tensor& tensor,
+                                    int64_t dim);
 
-inline void check_same_kind(std::string_view collective, const AxisGroup& group,
-                            const std::vector<torch::Tensor>& tensors) {
-  for (const auto& t : tensors)
-    if (t.scalar_type() != tensors.front().scalar_type() || t.device() != tensors.front().device())
-      throw collective_error(collective, group,
-                             "coalesced tensors must share one dtype and device; issue one call "
-                             "per dtype");
-}
+MESHTORCH_DECL void check_same_kind(std::string_view collective, const AxisGroup& group,
+                                    const std::vector<torch::Tensor>& tensors);
 
-inline void check_device(std::string_view collective, const AxisGroup& group, const torch::Tensor& tensor) {
-  const torch::Device device = tensor.device();
-  const bool right = group.device() == Device::cpu
-                         ? device.is_cpu()
-                         : device.is_cuda() && (group.cuda_device() < 0 || device.index() == group.cuda_device());
-  if (!right)
-    throw collective_error(
-        collective, group,
-        fmt::format("it was handed a tensor on {} but the group moves {} tensors; move the tensor to {}{}", device.str(),
-                    group.device_name(), group.device_name(),
-                    group.device() == Device::cuda && device.is_cpu()
-                        ? ", or send CPU metadata through group.metadata() (comm::broadcast_value, "
-                          "comm::all_gather_object)"
-                        : ""));
-}
+MESHTORCH_DECL void check_device(std::string_view collective, const AxisGroup& group, const torch::Tensor& tensor);
 
-inline torch::Tensor flatten_all(const std::vector<torch::Tensor>& tensors) {
-  std::vector<torch::Tensor> flat;
-  flat.reserve(tensors.size());
-  for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
-  return torch::cat(flat);
-}
+MESHTORCH_DECL torch::Tensor flatten_all(const std::vector<torch::Tensor>& tensors);
 
 }  // namespace detail
 
-inline Work<torch::Tensor> all_reduce_async(const AxisGroup& group, torch::Tensor tensor,
-                                            ReduceOp op = ReduceOp::sum) {
-  detail::check_device("all_reduce", group, tensor);
-  if (group.size() == 1) return Work<torch::Tensor>::ready(tensor);
-  torch::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
-  std::vector<torch::Tensor> buffers{buffer};
-  c10d::AllreduceOptions options;
-  options.reduceOp = detail::to_c10d(op);
-  options.timeout = group.timeout();
-  auto work = detail::issue("all_reduce", group, buffer,
-                            [&] { return group.backend()->allreduce(buffers, options); });
-  return {work,
-          [tensor, buffer, op, n = group.size()]() mutable {
-            if (op == ReduceOp::avg) buffer.div_(n);
-            if (!buffer.is_same(tensor)) tensor.copy_(buffer);
-            return tensor;
-          },
-          "all_reduce", group};
-}
+MESHTORCH_DECL Work<torch::Tensor> all_reduce_async(const AxisGroup& group, torch::Tensor tensor,
+                                                    ReduceOp op = ReduceOp::sum);
+MESHTORCH_DECL torch::Tensor all_reduce(const AxisGroup& group, torch::Tensor tensor, ReduceOp op = ReduceOp::sum);
 
-inline torch::Tensor all_reduce(const AxisGroup& group, torch::Tensor tensor,
-                                ReduceOp op = ReduceOp::sum) {
-  return all_reduce_async(group, std::move(tensor), op).wait();
-}
+MESHTORCH_DECL Work<torch::Tensor> all_gather_async(const AxisGroup& group, const torch::Tensor& tensor,
+                                                    int64_t dim = 0);
+MESHTORCH_DECL torch::Tensor all_gather(const AxisGroup& group, const torch::Tensor& tensor, int64_t dim = 0);
 
-inline Work<torch::Tensor> all_gather_async(const AxisGroup& group, const torch::Tensor& tensor,
-                                            int64_t dim = 0) {
-  detail::check_device("all_gather", group, tensor);
-  const int64_t d = detail::checked_dim("all_gather", group, tensor, dim);
-  if (group.size() == 1) return Work<torch::Tensor>::ready(tensor);
-  torch::Tensor input = tensor.contiguous();
-  std::vector<std::vector<torch::Tensor>> outputs(1);
-  for (int i = 0; i < group.size(); ++i) outputs[0].push_back(torch::empty_like(input));
-  std::vector<torch::Tensor> inputs{input};
-  c10d::AllgatherOptions options;
-  options.timeout = group.timeout();
-  auto work = detail::issue("all_gather", group, input,
-                            [&] { return group.backend()->allgather(outputs, inputs, options); });
-  return {work, [pieces = outputs[0], input, d] { return torch::cat(pieces, d); }, "all_gather",
-          group};
-}
+MESHTORCH_DECL Work<torch::Tensor> reduce_scatter_async(const AxisGroup& group, const torch::Tensor& tensor,
+                                                        int64_t dim = 0, ReduceOp op = ReduceOp::sum);
+MESHTORCH_DECL torch::Tensor reduce_scatter(const AxisGroup& group, const torch::Tensor& tensor, int64_t dim = 0,
+                                            ReduceOp op = ReduceOp::sum);
 
-inline torch::Tensor all_gather(const AxisGroup& group, const torch::Tensor& tensor,
-                                int64_t dim = 0) {
-  return all_gather_async(group, tensor, dim).wait();
-}
+MESHTORCH_DECL Work<torch::Tensor> broadcast_async(const AxisGroup& group, torch::Tensor tensor, int source = 0);
+MESHTORCH_DECL torch::Tensor broadcast(const AxisGroup& group, torch::Tensor tensor, int source = 0);
 
-inline Work<torch::Tensor> reduce_scatter_async(const AxisGroup& group, const torch::Tensor& tensor,
-                                                int64_t dim = 0, ReduceOp op = ReduceOp::sum) {
-  detail::check_device("reduce_scatter", group, tensor);
-  const int64_t d = detail::checked_dim("reduce_scatter", group, tensor, dim);
-  detail::check_divisible("reduce_scatter", group, tensor, d);
-  if (group.size() == 1) return Work<torch::Tensor>::ready(tensor.clone());
-  std::vector<std::vector<torch::Tensor>> inputs(1);
-  for (const auto& piece : tensor.chunk(group.size(), d)) inputs[0].push_back(piece.contiguous());
-  std::vector<torch::Tensor> outputs{torch::empty_like(inputs[0][0])};
-  c10d::ReduceScatterOptions options;
-  options.reduceOp = detail::to_c10d(op);
-  options.timeout = group.timeout();
-  auto work = detail::issue("reduce_scatter", group, tensor, [&] {
-    return group.backend()->reduce_scatter(outputs, inputs, options);
-  });
-  return {work,
-          [output = outputs[0], pieces = inputs[0], op, n = group.size()]() mutable {
-            if (op == ReduceOp::avg) output.div_(n);
-            return output;
-          },
-          "reduce_scatter", group};
-}
+MESHTORCH_DECL Work<torch::Tensor> all_to_all_async(const AxisGroup& group, const torch::Tensor& tensor,
+                                                    int64_t split_dim, int64_t concat_dim);
+MESHTORCH_DECL torch::Tensor all_to_all(const AxisGroup& group, const torch::Tensor& tensor, int64_t split_dim,
+                                        int64_t concat_dim);
 
-inline torch::Tensor reduce_scatter(const AxisGroup& group, const torch::Tensor& tensor,
-                                    int64_t dim = 0, ReduceOp op = ReduceOp::sum) {
-  return reduce_scatter_async(group, tensor, dim, op).wait();
-}
-
-inline Work<torch::Tensor> broadcast_async(const AxisGroup& group, torch::Tensor tensor,
-                                           int source = 0) {
-  detail::check_device("broadcast", group, tensor);
-  if (source < 0 || source >= group.size())
-    throw detail::collective_error("broadcast", group,
-                                   fmt::format("source {} is not a rank of the group (0 to {})", source,
-                                               group.size() - 1));
-  if (group.size() == 1) return Work<torch::Tensor>::ready(tensor);
-  torch::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
-  std::vector<torch::Tensor> buffers{buffer};
-  c10d::BroadcastOptions options;
-  options.rootRank = source;
-  options.timeout = group.timeout();
-  auto work = detail::issue("broadcast", group, buffer,
-                            [&] { return group.backend()->broadcast(buffers, options); });
-  return {work,
-          [tensor, buffer]() mutable {
-            if (!buffer.is_same(tensor)) tensor.copy_(buffer);
-            return tensor;
-          },
-          "broadcast", group};
-}
-
-inline torch::Tensor broadcast(const AxisGroup& group, torch::Tensor tensor, int source = 0) {
-  return broadcast_async(group, std::move(tensor), source).wait();
-}
-
-inline Work<torch::Tensor> all_to_all_async(const AxisGroup& group, const torch::Tensor& tensor,
-                                            int64_t split_dim, int64_t concat_dim) {
-  detail::check_device("all_to_all", group, tensor);
-  const int64_t split = detail::checked_dim("all_to_all", group, tensor, split_dim);
-  const int64_t concat = detail::checked_dim("all_to_all", group, tensor, concat_dim);
-  detail::check_divisible("all_to_all", group, tensor, split);
-  if (group.size() == 1) return Work<torch::Tensor>::ready(tensor);
-  // Stacking the pieces along a new leading dim lets one alltoall_base with equal splits move
-  // piece j to group rank j; received piece i (from rank i) lands at index i.
-  torch::Tensor input = torch::stack(tensor.chunk(group.size(), split), 0).contiguous();
-  torch::Tensor output = torch::empty_like(input);
-  std::vector<int64_t> equal_splits;
-  c10d::AllToAllOptions options;
-  options.timeout = group.timeout();
-  auto work = detail::issue("all_to_all", group, input, [&] {
-    return group.backend()->alltoall_base(output, input, equal_splits, equal_splits, options);
-  });
-  return {work, [output, input, concat] { return torch::cat(output.unbind(0), concat); },
-          "all_to_all", group};
-}
-
-inline torch::Tensor all_to_all(const AxisGroup& group, const torch::Tensor& tensor,
-                                int64_t split_dim, int64_t concat_dim) {
-  return all_to_all_async(group, tensor, split_dim, concat_dim).wait();
-}
-
-inline Work<std::monostate> barrier_async(const AxisGroup& group) {
-  if (group.size() == 1) return Work<std::monostate>::ready({});
-  c10d::BarrierOptions options;
-  options.timeout = group.timeout();
-  auto work = detail::issue("barrier", group, [&] { return group.backend()->barrier(options); });
-  return {work, [] { return std::monostate{}; }, "barrier", group};
-}
-
-inline void barrier(const AxisGroup& group) { barrier_async(group).wait(); }
+MESHTORCH_DECL Work<std::monostate> barrier_async(const AxisGroup& group);
+MESHTORCH_DECL void barrier(const AxisGroup& group);
 
 // Coalesced forms: one flat message instead of one per tensor, which matters for the many small
 // tensors of a model (norm weights, biases).
 
-inline Work<std::vector<torch::Tensor>> all_reduce_coalesced_async(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, ReduceOp op = ReduceOp::sum) {
-  if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
-  detail::check_same_kind("all_reduce_coalesced", group, tensors);
-  detail::check_device("all_reduce_coalesced", group, tensors.front());
-  auto flat = all_reduce_async(group, detail::flatten_all(tensors), op);
-  return {nullptr,
-          [flat = std::move(flat), tensors]() mutable {
-            torch::Tensor reduced = flat.wait();
-            int64_t offset = 0;
-            for (auto& t : tensors) {
-              t.copy_(reduced.narrow(0, offset, t.numel()).view(t.sizes()));
-              offset += t.numel();
-            }
-            return tensors;
-          },
-          "all_reduce_coalesced", group};
-}
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_reduce_coalesced_async(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, ReduceOp op = ReduceOp::sum);
+MESHTORCH_DECL std::vector<torch::Tensor> all_reduce_coalesced(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, ReduceOp op = ReduceOp::sum);
 
-inline std::vector<torch::Tensor> all_reduce_coalesced(const AxisGroup& group,
-                                                       std::vector<torch::Tensor> tensors,
-                                                       ReduceOp op = ReduceOp::sum) {
-  return all_reduce_coalesced_async(group, std::move(tensors), op).wait();
-}
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_gather_coalesced_async(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim = 0);
+MESHTORCH_DECL std::vector<torch::Tensor> all_gather_coalesced(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim = 0);
 
-inline Work<std::vector<torch::Tensor>> all_gather_coalesced_async(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim = 0) {
-  if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
-  detail::check_same_kind("all_gather_coalesced", group, tensors);
-  detail::check_device("all_gather_coalesced", group, tensors.front());
-  std::vector<int64_t> dims;
-  for (const auto& t : tensors) dims.push_back(detail::checked_dim("all_gather_coalesced", group, t, dim));
-  auto gathered = all_gather_async(group, detail::flatten_all(tensors), 0);
-  return {nullptr,
-          [gathered = std::move(gathered), tensors, dims, n = group.size()]() mutable {
-            // Rank i's flat message is the i-th block of the gathered vector.
-            const torch::Tensor all = gathered.wait().view({n, -1});
-            std::vector<torch::Tensor> results;
-            int64_t offset = 0;
-            for (std::size_t k = 0; k < tensors.size(); ++k) {
-              std::vector<torch::Tensor> pieces;
-              for (int i = 0; i < n; ++i)
-                pieces.push_back(all[i].narrow(0, offset, tensors[k].numel()).view(tensors[k].sizes()));
-              results.push_back(torch::cat(pieces, dims[k]));
-              offset += tensors[k].numel();
-            }
-            return results;
-          },
-          "all_gather_coalesced", group};
-}
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> reduce_scatter_coalesced_async(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim = 0, ReduceOp op = ReduceOp::sum);
+MESHTORCH_DECL std::vector<torch::Tensor> reduce_scatter_coalesced(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim = 0, ReduceOp op = ReduceOp::sum);
 
-inline std::vector<torch::Tensor> all_gather_coalesced(const AxisGroup& group,
-                                                       std::vector<torch::Tensor> tensors,
-                                                       int64_t dim = 0) {
-  return all_gather_coalesced_async(group, std::move(tensors), dim).wait();
-}
-
-inline Work<std::vector<torch::Tensor>> reduce_scatter_coalesced_async(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim = 0,
-    ReduceOp op = ReduceOp::sum) {
-  if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
-  detail::check_same_kind("reduce_scatter_coalesced", group, tensors);
-  detail::check_device("reduce_scatter_coalesced", group, tensors.front());
-  const int n = group.size();
-  // Block j of the packed message holds, for every tensor, the piece that group rank j keeps.
-  std::vector<torch::Tensor> blocks(n);
-  std::vector<std::vector<int64_t>> piece_shapes;
-  for (int j = 0; j < n; ++j) {
-    std::vector<torch::Tensor> pieces;
-    for (const auto& t : tensors) {
-      const int64_t d = detail::checked_dim("reduce_scatter_coalesced", group, t, dim);
-      detail::check_divisible("reduce_scatter_coalesced", group, t, d);
-      torch::Tensor piece = t.chunk(n, d)[j];
-      if (j == 0) piece_shapes.push_back(piece.sizes().vec());
-      pieces.push_back(piece.reshape({-1}));
-    }
-    blocks[j] = torch::cat(pieces);
-  }
-  auto reduced = reduce_scatter_async(group, torch::cat(blocks), 0, op);
-  return {nullptr,
-          [reduced = std::move(reduced), piece_shapes]() mutable {
-            const torch::Tensor mine = reduced.wait();
-            std::vector<torch::Tensor> results;
-            int64_t offset = 0;
-            for (const auto& shape : piece_shapes) {
-              int64_t numel = 1;
-              for (int64_t s : shape) numel *= s;
-              results.push_back(mine.narrow(0, offset, numel).view(shape));
-              offset += numel;
-            }
-            return results;
-          },
-          "reduce_scatter_coalesced", group};
-}
-
-inline std::vector<torch::Tensor> reduce_scatter_coalesced(const AxisGroup& group,
-                                                           std::vector<torch::Tensor> tensors,
-                                                           int64_t dim = 0,
-                                                           ReduceOp op = ReduceOp::sum) {
-  return reduce_scatter_coalesced_async(group, std::move(tensors), dim, op).wait();
-}
-
-inline Work<std::vector<torch::Tensor>> broadcast_coalesced_async(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int source = 0) {
-  if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
-  detail::check_same_kind("broadcast_coalesced", group, tensors);
-  detail::check_device("broadcast_coalesced", group, tensors.front());
-  auto flat = broadcast_async(group, detail::flatten_all(tensors), source);
-  return {nullptr,
-          [flat = std::move(flat), tensors]() mutable {
-            torch::Tensor received = flat.wait();
-            int64_t offset = 0;
-            for (auto& t : tensors) {
-              t.copy_(received.narrow(0, offset, t.numel()).view(t.sizes()));
-              offset += t.numel();
-            }
-            return tensors;
-          },
-          "broadcast_coalesced", group};
-}
-
-inline std::vector<torch::Tensor> broadcast_coalesced(const AxisGroup& group,
-                                                      std::vector<torch::Tensor> tensors,
-                                                      int source = 0) {
-  return broadcast_coalesced_async(group, std::move(tensors), source).wait();
-}
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> broadcast_coalesced_async(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, int source = 0);
+MESHTORCH_DECL std::vector<torch::Tensor> broadcast_coalesced(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, int source = 0);
 
 // Metadata collectives: CPU values exchanged over the group's CPU companion (AxisGroup::metadata),
 // whatever the group's device, as torch's broadcast_object_list and all_gather_object do.
@@ -387,21 +128,7 @@ T broadcast_value(const AxisGroup& group, T value, int source = 0) {
 }
 
 // Every group rank's string (any bytes), in group rank order.
-inline std::vector<std::string> all_gather_object(const AxisGroup& group, const std::string& object) {
-  const AxisGroup metadata = group.metadata();
-  const torch::Tensor lengths =
-      all_gather(metadata, torch::tensor({static_cast<std::int64_t>(object.size())}, torch::kLong));
-  const std::int64_t longest = lengths.max().item<std::int64_t>();
-  torch::Tensor bytes = torch::zeros({1, std::max<std::int64_t>(longest, 1)}, torch::kUInt8);
-  std::copy(object.begin(), object.end(), bytes.data_ptr<std::uint8_t>());
-  const torch::Tensor all = all_gather(metadata, bytes, 0).contiguous();
-  std::vector<std::string> objects;
-  for (int r = 0; r < group.size(); ++r) {
-    const auto* row = all[r].data_ptr<std::uint8_t>();
-    objects.emplace_back(reinterpret_cast<const char*>(row), static_cast<std::size_t>(lengths[r].item<std::int64_t>()));
-  }
-  return objects;
-}
+MESHTORCH_DECL std::vector<std::string> all_gather_object(const AxisGroup& group, const std::string& object);
 
 // A phase's outcome agreed by the group: every rank passes its error ("" for none) and, if any
 // rank failed, every rank throws the lowest failing rank's error, so that no rank goes on to wait
@@ -442,3 +169,337 @@ MESHTORCH_AXIS_FORM(broadcast_coalesced_async)
 #undef MESHTORCH_AXIS_FORM
 
 }  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINITIONS
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace meshtorch::comm {
+
+namespace detail {
+
+MESHTORCH_DECL int64_t checked_dim(std::string_view collective, const AxisGroup& group, const torch::Tensor& tensor,
+                                   int64_t dim) {
+  const int d = normalize_dim(static_cast<int>(dim), static_cast<int>(tensor.dim()));
+  if (d < 0)
+    throw collective_error(collective, group,
+                           fmt::format("dim {} is out of range for a tensor of {} dims", dim, tensor.dim()));
+  return d;
+}
+
+MESHTORCH_DECL void check_divisible(std::string_view collective, const AxisGroup& group, const torch::Tensor& tensor,
+                                    int64_t dim) {
+  if (tensor.size(dim) % group.size() != 0)
+    throw collective_error(collective, group,
+                           fmt::format("dim {} has size {}, which the group size {} does not divide; pad the "
+                                       "tensor or choose another dim",
+                                       dim, tensor.size(dim), group.size()));
+}
+
+MESHTORCH_DECL void check_same_kind(std::string_view collective, const AxisGroup& group,
+                                    const std::vector<torch::Tensor>& tensors) {
+  for (const auto& t : tensors)
+    if (t.scalar_type() != tensors.front().scalar_type() || t.device() != tensors.front().device())
+      throw collective_error(collective, group,
+                             "coalesced tensors must share one dtype and device; issue one call "
+                             "per dtype");
+}
+
+MESHTORCH_DECL void check_device(std::string_view collective, const AxisGroup& group, const torch::Tensor& tensor) {
+  const torch::Device device = tensor.device();
+  const bool right = group.device() == Device::cpu
+                         ? device.is_cpu()
+                         : device.is_cuda() && (group.cuda_device() < 0 || device.index() == group.cuda_device());
+  if (!right)
+    throw collective_error(
+        collective, group,
+        fmt::format("it was handed a tensor on {} but the group moves {} tensors; move the tensor to {}{}",
+                    device.str(), group.device_name(), group.device_name(),
+                    group.device() == Device::cuda && device.is_cpu()
+                        ? ", or send CPU metadata through group.metadata() (comm::broadcast_value, "
+                          "comm::all_gather_object)"
+                        : ""));
+}
+
+MESHTORCH_DECL torch::Tensor flatten_all(const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> flat;
+  flat.reserve(tensors.size());
+  for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
+  return torch::cat(flat);
+}
+
+}  // namespace detail
+
+MESHTORCH_DECL Work<torch::Tensor> all_reduce_async(const AxisGroup& group, torch::Tensor tensor, ReduceOp op) {
+  detail::check_device("all_reduce", group, tensor);
+  if (group.size() == 1) return Work<torch::Tensor>::ready(tensor);
+  torch::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  std::vector<torch::Tensor> buffers{buffer};
+  c10d::AllreduceOptions options;
+  options.reduceOp = detail::to_c10d(op);
+  options.timeout = group.timeout();
+  auto work = detail::issue("all_reduce", group, buffer,
+                            [&] { return group.backend()->allreduce(buffers, options); });
+  return {work,
+          [tensor, buffer, op, n = group.size()]() mutable {
+            if (op == ReduceOp::avg) buffer.div_(n);
+            if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+            return tensor;
+          },
+          "all_reduce", group};
+}
+
+MESHTORCH_DECL torch::Tensor all_reduce(const AxisGroup& group, torch::Tensor tensor, ReduceOp op) {
+  return all_reduce_async(group, std::move(tensor), op).wait();
+}
+
+MESHTORCH_DECL Work<torch::Tensor> all_gather_async(const AxisGroup& group, const torch::Tensor& tensor, int64_t dim) {
+  detail::check_device("all_gather", group, tensor);
+  const int64_t d = detail::checked_dim("all_gather", group, tensor, dim);
+  if (group.size() == 1) return Work<torch::Tensor>::ready(tensor);
+  torch::Tensor input = tensor.contiguous();
+  std::vector<std::vector<torch::Tensor>> outputs(1);
+  for (int i = 0; i < group.size(); ++i) outputs[0].push_back(torch::empty_like(input));
+  std::vector<torch::Tensor> inputs{input};
+  c10d::AllgatherOptions options;
+  options.timeout = group.timeout();
+  auto work = detail::issue("all_gather", group, input,
+                            [&] { return group.backend()->allgather(outputs, inputs, options); });
+  return {work, [pieces = outputs[0], input, d] { return torch::cat(pieces, d); }, "all_gather",
+          group};
+}
+
+MESHTORCH_DECL torch::Tensor all_gather(const AxisGroup& group, const torch::Tensor& tensor, int64_t dim) {
+  return all_gather_async(group, tensor, dim).wait();
+}
+
+MESHTORCH_DECL Work<torch::Tensor> reduce_scatter_async(const AxisGroup& group, const torch::Tensor& tensor,
+                                                        int64_t dim, ReduceOp op) {
+  detail::check_device("reduce_scatter", group, tensor);
+  const int64_t d = detail::checked_dim("reduce_scatter", group, tensor, dim);
+  detail::check_divisible("reduce_scatter", group, tensor, d);
+  if (group.size() == 1) return Work<torch::Tensor>::ready(tensor.clone());
+  std::vector<std::vector<torch::Tensor>> inputs(1);
+  for (const auto& piece : tensor.chunk(group.size(), d)) inputs[0].push_back(piece.contiguous());
+  std::vector<torch::Tensor> outputs{torch::empty_like(inputs[0][0])};
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = detail::to_c10d(op);
+  options.timeout = group.timeout();
+  auto work = detail::issue("reduce_scatter", group, tensor, [&] {
+    return group.backend()->reduce_scatter(outputs, inputs, options);
+  });
+  return {work,
+          [output = outputs[0], pieces = inputs[0], op, n = group.size()]() mutable {
+            if (op == ReduceOp::avg) output.div_(n);
+            return output;
+          },
+          "reduce_scatter", group};
+}
+
+MESHTORCH_DECL torch::Tensor reduce_scatter(const AxisGroup& group, const torch::Tensor& tensor, int64_t dim,
+                                            ReduceOp op) {
+  return reduce_scatter_async(group, tensor, dim, op).wait();
+}
+
+MESHTORCH_DECL Work<torch::Tensor> broadcast_async(const AxisGroup& group, torch::Tensor tensor, int source) {
+  detail::check_device("broadcast", group, tensor);
+  if (source < 0 || source >= group.size())
+    throw detail::collective_error("broadcast", group,
+                                   fmt::format("source {} is not a rank of the group (0 to {})", source,
+                                               group.size() - 1));
+  if (group.size() == 1) return Work<torch::Tensor>::ready(tensor);
+  torch::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  std::vector<torch::Tensor> buffers{buffer};
+  c10d::BroadcastOptions options;
+  options.rootRank = source;
+  options.timeout = group.timeout();
+  auto work = detail::issue("broadcast", group, buffer,
+                            [&] { return group.backend()->broadcast(buffers, options); });
+  return {work,
+          [tensor, buffer]() mutable {
+            if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+            return tensor;
+          },
+          "broadcast", group};
+}
+
+MESHTORCH_DECL torch::Tensor broadcast(const AxisGroup& group, torch::Tensor tensor, int source) {
+  return broadcast_async(group, std::move(tensor), source).wait();
+}
+
+MESHTORCH_DECL Work<torch::Tensor> all_to_all_async(const AxisGroup& group, const torch::Tensor& tensor,
+                                                    int64_t split_dim, int64_t concat_dim) {
+  detail::check_device("all_to_all", group, tensor);
+  const int64_t split = detail::checked_dim("all_to_all", group, tensor, split_dim);
+  const int64_t concat = detail::checked_dim("all_to_all", group, tensor, concat_dim);
+  detail::check_divisible("all_to_all", group, tensor, split);
+  if (group.size() == 1) return Work<torch::Tensor>::ready(tensor);
+  // Stacking the pieces along a new leading dim lets one alltoall_base with equal splits move
+  // piece j to group rank j; received piece i (from rank i) lands at index i.
+  torch::Tensor input = torch::stack(tensor.chunk(group.size(), split), 0).contiguous();
+  torch::Tensor output = torch::empty_like(input);
+  std::vector<int64_t> equal_splits;
+  c10d::AllToAllOptions options;
+  options.timeout = group.timeout();
+  auto work = detail::issue("all_to_all", group, input, [&] {
+    return group.backend()->alltoall_base(output, input, equal_splits, equal_splits, options);
+  });
+  return {work, [output, input, concat] { return torch::cat(output.unbind(0), concat); },
+          "all_to_all", group};
+}
+
+MESHTORCH_DECL torch::Tensor all_to_all(const AxisGroup& group, const torch::Tensor& tensor, int64_t split_dim,
+                                        int64_t concat_dim) {
+  return all_to_all_async(group, tensor, split_dim, concat_dim).wait();
+}
+
+MESHTORCH_DECL Work<std::monostate> barrier_async(const AxisGroup& group) {
+  if (group.size() == 1) return Work<std::monostate>::ready({});
+  c10d::BarrierOptions options;
+  options.timeout = group.timeout();
+  auto work = detail::issue("barrier", group, [&] { return group.backend()->barrier(options); });
+  return {work, [] { return std::monostate{}; }, "barrier", group};
+}
+
+MESHTORCH_DECL void barrier(const AxisGroup& group) { barrier_async(group).wait(); }
+
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_reduce_coalesced_async(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, ReduceOp op) {
+  if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
+  detail::check_same_kind("all_reduce_coalesced", group, tensors);
+  detail::check_device("all_reduce_coalesced", group, tensors.front());
+  auto flat = all_reduce_async(group, detail::flatten_all(tensors), op);
+  return {nullptr,
+          [flat = std::move(flat), tensors]() mutable {
+            torch::Tensor reduced = flat.wait();
+            int64_t offset = 0;
+            for (auto& t : tensors) {
+              t.copy_(reduced.narrow(0, offset, t.numel()).view(t.sizes()));
+              offset += t.numel();
+            }
+            return tensors;
+          },
+          "all_reduce_coalesced", group};
+}
+
+MESHTORCH_DECL std::vector<torch::Tensor> all_reduce_coalesced(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, ReduceOp op) {
+  return all_reduce_coalesced_async(group, std::move(tensors), op).wait();
+}
+
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_gather_coalesced_async(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim) {
+  if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
+  detail::check_same_kind("all_gather_coalesced", group, tensors);
+  detail::check_device("all_gather_coalesced", group, tensors.front());
+  std::vector<int64_t> dims;
+  for (const auto& t : tensors) dims.push_back(detail::checked_dim("all_gather_coalesced", group, t, dim));
+  auto gathered = all_gather_async(group, detail::flatten_all(tensors), 0);
+  return {nullptr,
+          [gathered = std::move(gathered), tensors, dims, n = group.size()]() mutable {
+            // Rank i's flat message is the i-th block of the gathered vector.
+            const torch::Tensor all = gathered.wait().view({n, -1});
+            std::vector<torch::Tensor> results;
+            int64_t offset = 0;
+            for (std::size_t k = 0; k < tensors.size(); ++k) {
+              std::vector<torch::Tensor> pieces;
+              for (int i = 0; i < n; ++i)
+                pieces.push_back(all[i].narrow(0, offset, tensors[k].numel()).view(tensors[k].sizes()));
+              results.push_back(torch::cat(pieces, dims[k]));
+              offset += tensors[k].numel();
+            }
+            return results;
+          },
+          "all_gather_coalesced", group};
+}
+
+MESHTORCH_DECL std::vector<torch::Tensor> all_gather_coalesced(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim) {
+  return all_gather_coalesced_async(group, std::move(tensors), dim).wait();
+}
+
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> reduce_scatter_coalesced_async(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim, ReduceOp op) {
+  if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
+  detail::check_same_kind("reduce_scatter_coalesced", group, tensors);
+  detail::check_device("reduce_scatter_coalesced", group, tensors.front());
+  const int n = group.size();
+  // Block j of the packed message holds, for every tensor, the piece that group rank j keeps.
+  std::vector<torch::Tensor> blocks(n);
+  std::vector<std::vector<int64_t>> piece_shapes;
+  for (int j = 0; j < n; ++j) {
+    std::vector<torch::Tensor> pieces;
+    for (const auto& t : tensors) {
+      const int64_t d = detail::checked_dim("reduce_scatter_coalesced", group, t, dim);
+      detail::check_divisible("reduce_scatter_coalesced", group, t, d);
+      torch::Tensor piece = t.chunk(n, d)[j];
+      if (j == 0) piece_shapes.push_back(piece.sizes().vec());
+      pieces.push_back(piece.reshape({-1}));
+    }
+    blocks[j] = torch::cat(pieces);
+  }
+  auto reduced = reduce_scatter_async(group, torch::cat(blocks), 0, op);
+  return {nullptr,
+          [reduced = std::move(reduced), piece_shapes]() mutable {
+            const torch::Tensor mine = reduced.wait();
+            std::vector<torch::Tensor> results;
+            int64_t offset = 0;
+            for (const auto& shape : piece_shapes) {
+              int64_t numel = 1;
+              for (int64_t s : shape) numel *= s;
+              results.push_back(mine.narrow(0, offset, numel).view(shape));
+              offset += numel;
+            }
+            return results;
+          },
+          "reduce_scatter_coalesced", group};
+}
+
+MESHTORCH_DECL std::vector<torch::Tensor> reduce_scatter_coalesced(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim, ReduceOp op) {
+  return reduce_scatter_coalesced_async(group, std::move(tensors), dim, op).wait();
+}
+
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> broadcast_coalesced_async(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, int source) {
+  if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
+  detail::check_same_kind("broadcast_coalesced", group, tensors);
+  detail::check_device("broadcast_coalesced", group, tensors.front());
+  auto flat = broadcast_async(group, detail::flatten_all(tensors), source);
+  return {nullptr,
+          [flat = std::move(flat), tensors]() mutable {
+            torch::Tensor received = flat.wait();
+            int64_t offset = 0;
+            for (auto& t : tensors) {
+              t.copy_(received.narrow(0, offset, t.numel()).view(t.sizes()));
+              offset += t.numel();
+            }
+            return tensors;
+          },
+          "broadcast_coalesced", group};
+}
+
+MESHTORCH_DECL std::vector<torch::Tensor> broadcast_coalesced(
+    const AxisGroup& group, std::vector<torch::Tensor> tensors, int source) {
+  return broadcast_coalesced_async(group, std::move(tensors), source).wait();
+}
+
+MESHTORCH_DECL std::vector<std::string> all_gather_object(const AxisGroup& group, const std::string& object) {
+  const AxisGroup metadata = group.metadata();
+  const torch::Tensor lengths =
+      all_gather(metadata, torch::tensor({static_cast<std::int64_t>(object.size())}, torch::kLong));
+  const std::int64_t longest = lengths.max().item<std::int64_t>();
+  torch::Tensor bytes = torch::zeros({1, std::max<std::int64_t>(longest, 1)}, torch::kUInt8);
+  std::copy(object.begin(), object.end(), bytes.data_ptr<std::uint8_t>());
+  const torch::Tensor all = all_gather(metadata, bytes, 0).contiguous();
+  std::vector<std::string> objects;
+  for (int r = 0; r < group.size(); ++r) {
+    const auto* row = all[r].data_ptr<std::uint8_t>();
+    objects.emplace_back(reinterpret_cast<const char*>(row), static_cast<std::size_t>(lengths[r].item<std::int64_t>()));
+  }
+  return objects;
+}
+
+}  // namespace meshtorch::comm
+#endif  // MESHTORCH_DEFINITIONS

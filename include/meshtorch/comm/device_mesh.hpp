@@ -14,11 +14,12 @@
 #include <chrono>
 #include <cstddef>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
-#include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -26,6 +27,7 @@
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/layout/mesh_shape.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
 
@@ -49,6 +51,13 @@ namespace detail {
 // say which header to include when it is missing, instead of "init is not a member of comm".
 template <class Deferred>
 struct MeshStartUp;
+
+// DeviceMesh's banner and errors, which need no mesh type: compiled once, not once per mesh.
+MESHTORCH_DECL std::string describe_rank(int rank, int world_size, Device device,
+                                         std::span<const std::string_view> axis_names, std::span<const int> coords,
+                                         std::span<const int> extents);
+[[noreturn]] MESHTORCH_DECL void throw_no_axes(unsigned axis_mask, std::string_view mesh_name);
+[[noreturn]] MESHTORCH_DECL void throw_no_node_group(const LaunchEnv& env);
 }  // namespace detail
 
 template <MeshType M>
@@ -87,11 +96,7 @@ class DeviceMesh {
 
   // "rank 5 of 8 on cpu: DP 1 of 2, FSDP 0 of 2, TP 1 of 2": the banner every rank logs.
   std::string describe() const {
-    std::string out = fmt::format("rank {} of {} on {}:", rank(), world_size(), to_string(device_));
-    const auto mine = coords();
-    for (std::size_t i = 0; i < ndim; ++i)
-      out += fmt::format("{}{} {} of {}", i ? ", " : " ", M::axis_names[i], mine[i], shape_.extent(i));
-    return out;
+    return detail::describe_rank(rank(), world_size(), device_, M::axis_names, coords(), shape_.extents());
   }
 
   template <template <std::size_t> class Kind>
@@ -113,8 +118,7 @@ class DeviceMesh {
     return group(M::template mask_of<Kinds...>);
   }
   const AxisGroup& group(unsigned axis_mask) const {
-    if (axis_mask == 0 || axis_mask > MeshShape<M>::all_axes)
-      throw ConfigError(fmt::format("DeviceMesh::group: axis mask {} names no axes of {}", axis_mask, M::name));
+    if (axis_mask == 0 || axis_mask > MeshShape<M>::all_axes) detail::throw_no_axes(axis_mask, M::name);
     if (ndim > 1 && axis_mask == MeshShape<M>::all_axes) return world_;
     return groups_[axis_mask];
   }
@@ -125,11 +129,7 @@ class DeviceMesh {
   // storage: the world on one node. Launchers number a node's ranks contiguously (torchrun,
   // meshrun); a job whose nodes run different numbers of ranks has no node group.
   const AxisGroup& node() const {
-    if (!node_)
-      throw ConfigError(fmt::format("rank {}: no node group: LOCAL_WORLD_SIZE {} does not divide the world size {} "
-                                    "into nodes of consecutive ranks (rank {} is local rank {}); start the same "
-                                    "number of ranks on every node",
-                                    env_.rank, env_.local_world_size, env_.world_size, env_.rank, env_.local_rank));
+    if (!node_) detail::throw_no_node_group(env_);
     return *node_;
   }
 
@@ -152,3 +152,31 @@ class DeviceMesh {
 };
 
 }  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINITIONS
+#include <fmt/format.h>
+
+namespace meshtorch::comm::detail {
+
+MESHTORCH_DECL std::string describe_rank(int rank, int world_size, Device device,
+                                         std::span<const std::string_view> axis_names, std::span<const int> coords,
+                                         std::span<const int> extents) {
+  std::string out = fmt::format("rank {} of {} on {}:", rank, world_size, to_string(device));
+  for (std::size_t i = 0; i < axis_names.size(); ++i)
+    out += fmt::format("{}{} {} of {}", i ? ", " : " ", axis_names[i], coords[i], extents[i]);
+  return out;
+}
+
+MESHTORCH_DECL void throw_no_axes(unsigned axis_mask, std::string_view mesh_name) {
+  throw ConfigError(fmt::format("DeviceMesh::group: axis mask {} names no axes of {}", axis_mask, mesh_name));
+}
+
+MESHTORCH_DECL void throw_no_node_group(const LaunchEnv& env) {
+  throw ConfigError(fmt::format("rank {}: no node group: LOCAL_WORLD_SIZE {} does not divide the world size {} "
+                                "into nodes of consecutive ranks (rank {} is local rank {}); start the same "
+                                "number of ranks on every node",
+                                env.rank, env.local_world_size, env.world_size, env.rank, env.local_rank));
+}
+
+}  // namespace meshtorch::comm::detail
+#endif  // MESHTORCH_DEFINITIONS

@@ -20,6 +20,7 @@
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/redistribute.hpp>
 #include <meshtorch/layout/redistribution.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
 
@@ -36,20 +37,18 @@ struct RedistributeCapsule : torch::CustomClassHolder {
 // One autograd function for every Redistribution: its steps are values made at compile time
 // (redistribute_step), so a program has one node type, not one per placement pair.
 struct RedistributeFunction : torch::autograd::Function<RedistributeFunction> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const AxisGroup& group,
-                               const RedistributeStep& forward_step, const RedistributeStep& backward_step) {
-    ctx->saved_data["redistribute"] =
-        c10::IValue::make_capsule(c10::make_intrusive<RedistributeCapsule>(group, backward_step));
-    // An output that is the input itself would not be recorded as this function's output.
-    if (forward_step.collective == Collective::none) return x.view_as(x);
-    return redistribute(x, group, forward_step);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto& saved = *static_cast<RedistributeCapsule*>(ctx->saved_data["redistribute"].toCapsule().get());
-    return {redistribute(grads[0], saved.group, saved.backward), torch::Tensor(), torch::Tensor(), torch::Tensor()};
-  }
+  MESHTORCH_DECL static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                                              const AxisGroup& group, const RedistributeStep& forward_step,
+                                              const RedistributeStep& backward_step);
+  MESHTORCH_DECL static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                                torch::autograd::variable_list grads);
 };
+
+// RedistributeFunction::apply, out of line: its instantiation (the autograd node's code, some
+// KB of it) is then compiled once, not in every unit that uses a parallel region.
+MESHTORCH_DECL torch::Tensor apply_redistribute(const torch::Tensor& x, const AxisGroup& group,
+                                                const RedistributeStep& forward_step,
+                                                const RedistributeStep& backward_step);
 
 }  // namespace detail
 
@@ -59,8 +58,8 @@ torch::Tensor redistribute_differentiable(const torch::Tensor& x, const AxisGrou
   if constexpr (R::forward == Collective::none && R::backward == Collective::none)
     return x;
   else
-    return detail::RedistributeFunction::apply(x, group, redistribute_step<typename R::from, typename R::to>,
-                                               redistribute_step<typename R::grad_of_to, typename R::grad_of_from>);
+    return detail::apply_redistribute(x, group, redistribute_step<typename R::from, typename R::to>,
+                                      redistribute_step<typename R::grad_of_to, typename R::grad_of_from>);
 }
 
 // f: identity forward, all-reduce (sum) backward. Enters a tensor-parallel region.
@@ -98,3 +97,32 @@ torch::Tensor reduce_scatter_to_sequence_parallel_region(const torch::Tensor& x,
 }
 
 }  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINITIONS
+namespace meshtorch::comm::detail {
+
+MESHTORCH_DECL torch::Tensor RedistributeFunction::forward(torch::autograd::AutogradContext* ctx,
+                                                           const torch::Tensor& x, const AxisGroup& group,
+                                                           const RedistributeStep& forward_step,
+                                                           const RedistributeStep& backward_step) {
+  ctx->saved_data["redistribute"] =
+      c10::IValue::make_capsule(c10::make_intrusive<RedistributeCapsule>(group, backward_step));
+  // An output that is the input itself would not be recorded as this function's output.
+  if (forward_step.collective == Collective::none) return x.view_as(x);
+  return redistribute(x, group, forward_step);
+}
+
+MESHTORCH_DECL torch::autograd::variable_list RedistributeFunction::backward(torch::autograd::AutogradContext* ctx,
+                                                                             torch::autograd::variable_list grads) {
+  const auto& saved = *static_cast<RedistributeCapsule*>(ctx->saved_data["redistribute"].toCapsule().get());
+  return {redistribute(grads[0], saved.group, saved.backward), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+}
+
+MESHTORCH_DECL torch::Tensor apply_redistribute(const torch::Tensor& x, const AxisGroup& group,
+                                                const RedistributeStep& forward_step,
+                                                const RedistributeStep& backward_step) {
+  return RedistributeFunction::apply(x, group, forward_step, backward_step);
+}
+
+}  // namespace meshtorch::comm::detail
+#endif  // MESHTORCH_DEFINITIONS

@@ -10,7 +10,6 @@
 // own thread. Standard library and nlohmann-json only, so tools read dumps without LibTorch.
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -23,6 +22,8 @@
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
+
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
 
@@ -39,11 +40,7 @@ inline const char* to_string(CollectiveState state) {
 
 // The collective a caller's description names ("FSDP all_gather of 'model.layers.3' on rank 0"
 // is an all_gather): what ranks compare, since descriptions may name the rank.
-inline std::string_view collective_kind(std::string_view op) {
-  for (std::string_view kind : {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier"})
-    if (op.find(kind) != std::string_view::npos) return kind;
-  return op;
-}
+MESHTORCH_DECL std::string_view collective_kind(std::string_view op);
 
 // One process group as the recorder knows it: its name (the same on every member, so dumps of
 // different ranks can be matched) and its collective counters.
@@ -81,11 +78,7 @@ class FlightRecorder {
   using Clock = std::chrono::steady_clock;
 
   // MESHTORCH_FLIGHT_RECORDER_ENTRIES (default 2000) sets the ring's length; 0 turns it off.
-  static FlightRecorder& instance() {
-    // Never destroyed: the watchdog thread and signal handlers may read it during exit.
-    static FlightRecorder* recorder = new FlightRecorder(capacity_from_env());
-    return *recorder;
-  }
+  MESHTORCH_DECL static FlightRecorder& instance();
 
   explicit FlightRecorder(std::size_t capacity) : ring_(capacity) {}
 
@@ -95,50 +88,16 @@ class FlightRecorder {
   // Records a collective being issued on the group `backend` (any pointer unique to the group's
   // communicator); returns its id, 0 when the recorder is off.
   // `op` is the collective or the caller's description of it.
-  std::uint64_t record(const void* backend, std::string_view axis, const std::vector<int>& ranks,
-                       std::string_view backend_name, std::string_view op, std::span<const std::int64_t> shape,
-                       const char* dtype) {
-    if (ring_.empty()) return 0;
-    const auto now = Clock::now();
-    std::lock_guard lock(mutex_);
-    RecordedGroup& group = group_of(backend, axis, ranks, backend_name);
-    const std::uint64_t id = ++next_id_;
-    FlightEntry& entry = ring_[id % ring_.size()];
-    entry.id = id;
-    entry.group = &group;
-    entry.seq = ++group.issued;
-    const std::string_view kind = collective_kind(op);
-    entry.op.assign(kind);
-    if (kind.size() == op.size())
-      entry.detail.clear();
-    else
-      entry.detail.assign(op);
-    entry.shape.assign(shape.begin(), shape.end());
-    entry.dtype = dtype ? dtype : "";
-    entry.issued = now;
-    entry.wait_started = entry.ended = {};
-    entry.state = CollectiveState::scheduled;
-    if (group.last_op != kind) group.last_op.assign(kind);
-    last_ = id;
-    return id;
-  }
+  MESHTORCH_DECL std::uint64_t record(const void* backend, std::string_view axis, const std::vector<int>& ranks,
+                                      std::string_view backend_name, std::string_view op,
+                                      std::span<const std::int64_t> shape, const char* dtype);
 
   void waiting(std::uint64_t id) { set_state(id, CollectiveState::waiting); }
   void completed(std::uint64_t id) { set_state(id, CollectiveState::completed); }
   void failed(std::uint64_t id) { set_state(id, CollectiveState::failed); }
 
   // The collective waited on longest, if any wait is under way.
-  std::optional<PendingCollective> longest_wait() const {
-    std::lock_guard lock(mutex_);
-    const auto now = Clock::now();
-    const FlightEntry* oldest = nullptr;
-    for (const auto& entry : ring_)
-      if (entry.id && entry.state == CollectiveState::waiting && (!oldest || entry.wait_started < oldest->wait_started))
-        oldest = &entry;
-    if (!oldest) return std::nullopt;
-    return PendingCollective{oldest->id, oldest->group->name, oldest->op, oldest->seq,
-                             std::chrono::duration<double>(now - oldest->wait_started).count()};
-  }
+  MESHTORCH_DECL std::optional<PendingCollective> longest_wait() const;
 
   // progress() and entries() are for the watchdog's reports and dumps. They are templates
   // (Json is always nlohmann::json) so that their JSON is compiled only where they are used,
@@ -196,14 +155,7 @@ class FlightRecorder {
   }
 
  private:
-  static std::size_t capacity_from_env() {
-    if (const char* text = std::getenv("MESHTORCH_FLIGHT_RECORDER_ENTRIES"); text && *text) {
-      char* end = nullptr;
-      const long long value = std::strtoll(text, &end, 10);
-      if (end && *end == '\0' && value >= 0 && value <= 10'000'000) return static_cast<std::size_t>(value);
-    }
-    return 2000;
-  }
+  MESHTORCH_DECL static std::size_t capacity_from_env();
 
   static double wall_offset() {
     return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count() -
@@ -217,26 +169,8 @@ class FlightRecorder {
             {"state", to_string(e.state)}, {"shape", e.shape}, {"dtype", e.dtype}};
   }
 
-  RecordedGroup& group_of(const void* backend, std::string_view axis, const std::vector<int>& ranks,
-                          std::string_view backend_name) {
-    auto found = by_backend_.find(backend);
-    // A backend freed and another allocated at its address is a new group.
-    if (found != by_backend_.end() && found->second->axis == axis && found->second->ranks == ranks)
-      return *found->second;
-    std::string name = std::string(axis) + " group [";
-    for (std::size_t i = 0; i < ranks.size(); ++i) name += (i ? ", " : "") + std::to_string(ranks[i]);
-    name += "]";
-    if (!backend_name.empty()) name += " (" + std::string(backend_name) + ")";
-    for (auto& group : groups_)
-      if (group->name == name) {
-        // The same ranks over a new communicator (a mesh made again): its counters start again.
-        group->issued = group->completed = 0;
-        group->last_op.clear();
-        return *(by_backend_[backend] = group.get());
-      }
-    groups_.push_back(std::make_unique<RecordedGroup>(RecordedGroup{name, ranks, std::string(axis)}));
-    return *(by_backend_[backend] = groups_.back().get());
-  }
+  MESHTORCH_DECL RecordedGroup& group_of(const void* backend, std::string_view axis, const std::vector<int>& ranks,
+                                         std::string_view backend_name);
 
   FlightEntry* find(std::uint64_t id) {
     if (!id || ring_.empty()) return nullptr;
@@ -245,21 +179,7 @@ class FlightRecorder {
   }
   const FlightEntry* find(std::uint64_t id) const { return const_cast<FlightRecorder*>(this)->find(id); }
 
-  void set_state(std::uint64_t id, CollectiveState state) {
-    if (!id) return;
-    const auto now = Clock::now();
-    std::lock_guard lock(mutex_);
-    FlightEntry* entry = find(id);
-    if (!entry) return;  // overwritten: the ring wrapped while it was in flight
-    entry->state = state;
-    if (state == CollectiveState::waiting) {
-      entry->wait_started = now;
-    } else {
-      entry->ended = now;
-      auto& group = const_cast<RecordedGroup&>(*entry->group);
-      if (state == CollectiveState::completed && entry->seq > group.completed) group.completed = entry->seq;
-    }
-  }
+  MESHTORCH_DECL void set_state(std::uint64_t id, CollectiveState state);
 
   mutable std::mutex mutex_;
   std::vector<FlightEntry> ring_;
@@ -269,3 +189,110 @@ class FlightRecorder {
 };
 
 }  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINITIONS
+#include <cstdlib>
+
+namespace meshtorch::comm {
+
+MESHTORCH_DECL std::string_view collective_kind(std::string_view op) {
+  for (std::string_view kind : {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier"})
+    if (op.find(kind) != std::string_view::npos) return kind;
+  return op;
+}
+
+MESHTORCH_DECL FlightRecorder& FlightRecorder::instance() {
+  // Never destroyed: the watchdog thread and signal handlers may read it during exit.
+  static FlightRecorder* recorder = new FlightRecorder(capacity_from_env());
+  return *recorder;
+}
+
+MESHTORCH_DECL std::uint64_t FlightRecorder::record(const void* backend, std::string_view axis,
+                                                   const std::vector<int>& ranks, std::string_view backend_name,
+                                                   std::string_view op, std::span<const std::int64_t> shape,
+                                                   const char* dtype) {
+  if (ring_.empty()) return 0;
+  const auto now = Clock::now();
+  std::lock_guard lock(mutex_);
+  RecordedGroup& group = group_of(backend, axis, ranks, backend_name);
+  const std::uint64_t id = ++next_id_;
+  FlightEntry& entry = ring_[id % ring_.size()];
+  entry.id = id;
+  entry.group = &group;
+  entry.seq = ++group.issued;
+  const std::string_view kind = collective_kind(op);
+  entry.op.assign(kind);
+  if (kind.size() == op.size())
+    entry.detail.clear();
+  else
+    entry.detail.assign(op);
+  entry.shape.assign(shape.begin(), shape.end());
+  entry.dtype = dtype ? dtype : "";
+  entry.issued = now;
+  entry.wait_started = entry.ended = {};
+  entry.state = CollectiveState::scheduled;
+  if (group.last_op != kind) group.last_op.assign(kind);
+  last_ = id;
+  return id;
+}
+
+MESHTORCH_DECL std::optional<PendingCollective> FlightRecorder::longest_wait() const {
+  std::lock_guard lock(mutex_);
+  const auto now = Clock::now();
+  const FlightEntry* oldest = nullptr;
+  for (const auto& entry : ring_)
+    if (entry.id && entry.state == CollectiveState::waiting && (!oldest || entry.wait_started < oldest->wait_started))
+      oldest = &entry;
+  if (!oldest) return std::nullopt;
+  return PendingCollective{oldest->id, oldest->group->name, oldest->op, oldest->seq,
+                           std::chrono::duration<double>(now - oldest->wait_started).count()};
+}
+
+MESHTORCH_DECL std::size_t FlightRecorder::capacity_from_env() {
+  if (const char* text = std::getenv("MESHTORCH_FLIGHT_RECORDER_ENTRIES"); text && *text) {
+    char* end = nullptr;
+    const long long value = std::strtoll(text, &end, 10);
+    if (end && *end == '\0' && value >= 0 && value <= 10'000'000) return static_cast<std::size_t>(value);
+  }
+  return 2000;
+}
+
+MESHTORCH_DECL RecordedGroup& FlightRecorder::group_of(const void* backend, std::string_view axis,
+                                                       const std::vector<int>& ranks, std::string_view backend_name) {
+  auto found = by_backend_.find(backend);
+  // A backend freed and another allocated at its address is a new group.
+  if (found != by_backend_.end() && found->second->axis == axis && found->second->ranks == ranks)
+    return *found->second;
+  std::string name = std::string(axis) + " group [";
+  for (std::size_t i = 0; i < ranks.size(); ++i) name += (i ? ", " : "") + std::to_string(ranks[i]);
+  name += "]";
+  if (!backend_name.empty()) name += " (" + std::string(backend_name) + ")";
+  for (auto& group : groups_)
+    if (group->name == name) {
+      // The same ranks over a new communicator (a mesh made again): its counters start again.
+      group->issued = group->completed = 0;
+      group->last_op.clear();
+      return *(by_backend_[backend] = group.get());
+    }
+  groups_.push_back(std::make_unique<RecordedGroup>(RecordedGroup{name, ranks, std::string(axis)}));
+  return *(by_backend_[backend] = groups_.back().get());
+}
+
+MESHTORCH_DECL void FlightRecorder::set_state(std::uint64_t id, CollectiveState state) {
+  if (!id) return;
+  const auto now = Clock::now();
+  std::lock_guard lock(mutex_);
+  FlightEntry* entry = find(id);
+  if (!entry) return;  // overwritten: the ring wrapped while it was in flight
+  entry->state = state;
+  if (state == CollectiveState::waiting) {
+    entry->wait_started = now;
+  } else {
+    entry->ended = now;
+    auto& group = const_cast<RecordedGroup&>(*entry->group);
+    if (state == CollectiveState::completed && entry->seq > group.completed) group.completed = entry->seq;
+  }
+}
+
+}  // namespace meshtorch::comm
+#endif  // MESHTORCH_DEFINITIONS

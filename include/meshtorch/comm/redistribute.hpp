@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <string_view>
 
-#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -13,27 +12,19 @@
 #include <meshtorch/layout/axis.hpp>
 #include <meshtorch/layout/placement.hpp>
 #include <meshtorch/layout/redistribution.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
 
 namespace detail {
 
-inline int64_t shard_dim(const AxisGroup& group, const torch::Tensor& tensor, int dim,
-                         std::string_view placement) {
-  const int d = normalize_dim(dim, static_cast<int>(tensor.dim()));
-  if (d < 0)
-    throw collective_error("redistribute", group,
-                           fmt::format("{} names dim {} of a tensor with {} dims", placement, dim, tensor.dim()));
-  return d;
-}
+MESHTORCH_DECL int64_t shard_dim(const AxisGroup& group, const torch::Tensor& tensor, int dim,
+                                 std::string_view placement);
 
 }  // namespace detail
 
 // The local piece of a replicated tensor along dim: no communication.
-inline torch::Tensor local_chunk(const AxisGroup& group, const torch::Tensor& tensor, int64_t dim) {
-  detail::check_divisible("local_chunk", group, tensor, dim);
-  return tensor.chunk(group.size(), dim)[group.rank()].contiguous();
-}
+MESHTORCH_DECL torch::Tensor local_chunk(const AxisGroup& group, const torch::Tensor& tensor, int64_t dim);
 
 // The collective collective_for<From, To> picked at compile time, as a value the run time
 // performs. One run-time path for every pair keeps one copy of the code (and one autograd node
@@ -56,7 +47,48 @@ template <Placement From, Placement To>
 inline constexpr RedistributeStep redistribute_step{collective_for<From, To>, detail::placement_dim<From>,
                                                     detail::placement_dim<To>, From::name, To::name};
 
-inline torch::Tensor redistribute(const torch::Tensor& tensor, const AxisGroup& group, const RedistributeStep& step) {
+// Runs `step` on the tensor: the run-time path of every redistribute<From, To>.
+MESHTORCH_DECL torch::Tensor redistribute(const torch::Tensor& tensor, const AxisGroup& group,
+                                          const RedistributeStep& step);
+
+template <Placement From, Placement To>
+torch::Tensor redistribute(const torch::Tensor& tensor, const AxisGroup& group) {
+  return redistribute(tensor, group, redistribute_step<From, To>);
+}
+
+template <Placement From, Placement To, class M, template <std::size_t> class Kind>
+  requires HasAxisGroup<M, Kind>
+torch::Tensor redistribute(const torch::Tensor& tensor, const M& mesh, AxisKey<Kind>) {
+  return redistribute<From, To>(tensor, mesh.template group<Kind>());
+}
+
+}  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINITIONS
+#include <fmt/format.h>
+
+namespace meshtorch::comm {
+
+namespace detail {
+
+MESHTORCH_DECL int64_t shard_dim(const AxisGroup& group, const torch::Tensor& tensor, int dim,
+                                 std::string_view placement) {
+  const int d = normalize_dim(dim, static_cast<int>(tensor.dim()));
+  if (d < 0)
+    throw collective_error("redistribute", group,
+                           fmt::format("{} names dim {} of a tensor with {} dims", placement, dim, tensor.dim()));
+  return d;
+}
+
+}  // namespace detail
+
+MESHTORCH_DECL torch::Tensor local_chunk(const AxisGroup& group, const torch::Tensor& tensor, int64_t dim) {
+  detail::check_divisible("local_chunk", group, tensor, dim);
+  return tensor.chunk(group.size(), dim)[group.rank()].contiguous();
+}
+
+MESHTORCH_DECL torch::Tensor redistribute(const torch::Tensor& tensor, const AxisGroup& group,
+                                          const RedistributeStep& step) {
   switch (step.collective) {
     case Collective::none:
       return tensor;
@@ -76,18 +108,9 @@ inline torch::Tensor redistribute(const torch::Tensor& tensor, const AxisGroup& 
       return all_to_all(group, tensor, to, from);
     }
   }
-  throw detail::collective_error("redistribute", group, fmt::format("unknown collective {}", static_cast<int>(step.collective)));
-}
-
-template <Placement From, Placement To>
-torch::Tensor redistribute(const torch::Tensor& tensor, const AxisGroup& group) {
-  return redistribute(tensor, group, redistribute_step<From, To>);
-}
-
-template <Placement From, Placement To, class M, template <std::size_t> class Kind>
-  requires HasAxisGroup<M, Kind>
-torch::Tensor redistribute(const torch::Tensor& tensor, const M& mesh, AxisKey<Kind>) {
-  return redistribute<From, To>(tensor, mesh.template group<Kind>());
+  throw detail::collective_error("redistribute", group,
+                                 fmt::format("unknown collective {}", static_cast<int>(step.collective)));
 }
 
 }  // namespace meshtorch::comm
+#endif  // MESHTORCH_DEFINITIONS

@@ -13,48 +13,34 @@
 // flight recorder (comm/flight_recorder.hpp); a failed wait is reported (comm/collective_failure.hpp)
 // to the watchdog, which, once armed by launch(), names the rank that stalled and ends the
 // process (comm/watchdog.hpp).
-#include <chrono>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 
-#include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
-#include <meshtorch/comm/collective_failure.hpp>
 #include <meshtorch/comm/flight_recorder.hpp>
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
 
 namespace detail {
 
-inline CommError collective_error(std::string_view collective, const AxisGroup& group,
-                                  std::string_view why) {
-  return CommError(fmt::format("{} over the {} failed: {}", collective, group.describe(), why));
-}
+MESHTORCH_DECL CommError collective_error(std::string_view collective, const AxisGroup& group,
+                                          std::string_view why);
 
 // The flight recorder's id of the collective this thread issued last; the Work made from it
 // takes it over.
 inline thread_local std::uint64_t last_recorded = 0;
 
-inline std::uint64_t record_collective(std::string_view collective, const AxisGroup& group,
-                                       const at::Tensor& tensor) {
-  auto& recorder = FlightRecorder::instance();
-  if (!recorder.enabled() || !group.backend()) return 0;
-  std::string backend_name;
-  try {
-    backend_name = group.backend()->getBackendName();
-  } catch (const std::exception&) {
-  }
-  return recorder.record(group.backend().get(), group.axis_name(), group.ranks(), backend_name, collective,
-                         tensor.defined() ? std::span<const std::int64_t>(tensor.sizes().data(), tensor.sizes().size())
-                                          : std::span<const std::int64_t>(),
-                         tensor.defined() ? c10::toString(tensor.scalar_type()) : "");
-}
+MESHTORCH_DECL std::uint64_t record_collective(std::string_view collective, const AxisGroup& group,
+                                               const at::Tensor& tensor);
 
 // Issues a c10d call, turning its synchronous errors into CommErrors, and records it (with the
 // shape and dtype of `tensor`, when given) in the flight recorder.
@@ -78,6 +64,12 @@ c10::intrusive_ptr<c10d::Work> issue(std::string_view collective, const AxisGrou
                                      Issue&& call) {
   return issue(collective, group, at::Tensor(), std::forward<Issue>(call));
 }
+
+// The part of Work::wait that does not depend on the result type, so that it is compiled once:
+// waits for `work` (up to the group's timeout on Gloo) and records the wait in the flight
+// recorder; a failure or timeout is reported and thrown as a CommError.
+MESHTORCH_DECL void wait_collective(c10d::Work& work, std::uint64_t record, const std::string& collective,
+                                    const AxisGroup& group);
 
 }  // namespace detail
 
@@ -103,22 +95,7 @@ class Work {
 
   Result wait() {
     if (result_) return *result_;
-    if (work_) {
-      FlightRecorder::instance().waiting(record_);
-      try {
-        // Gloo's wait throws once the timeout passes without completion.
-        if (group_.device() == Device::cpu)
-          work_->wait(group_.timeout());
-        else
-          work_->wait();
-      } catch (const std::exception& e) {
-        report_collective_failure(record_, collective_ + " over the " + group_.describe(), e.what());
-        throw detail::collective_error(
-            collective_, group_,
-            fmt::format("{} (timeout {} ms)", e.what(), group_.timeout().count()));
-      }
-      FlightRecorder::instance().completed(record_);
-    }
+    if (work_) detail::wait_collective(*work_, record_, collective_, group_);
     result_ = finish_();
     return *result_;
   }
@@ -133,3 +110,51 @@ class Work {
 };
 
 }  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINITIONS
+#include <span>
+
+#include <fmt/format.h>
+
+#include <meshtorch/comm/collective_failure.hpp>
+
+namespace meshtorch::comm::detail {
+
+MESHTORCH_DECL CommError collective_error(std::string_view collective, const AxisGroup& group,
+                                          std::string_view why) {
+  return CommError(fmt::format("{} over the {} failed: {}", collective, group.describe(), why));
+}
+
+MESHTORCH_DECL std::uint64_t record_collective(std::string_view collective, const AxisGroup& group,
+                                               const at::Tensor& tensor) {
+  auto& recorder = FlightRecorder::instance();
+  if (!recorder.enabled() || !group.backend()) return 0;
+  std::string backend_name;
+  try {
+    backend_name = group.backend()->getBackendName();
+  } catch (const std::exception&) {
+  }
+  return recorder.record(group.backend().get(), group.axis_name(), group.ranks(), backend_name, collective,
+                         tensor.defined() ? std::span<const std::int64_t>(tensor.sizes().data(), tensor.sizes().size())
+                                          : std::span<const std::int64_t>(),
+                         tensor.defined() ? c10::toString(tensor.scalar_type()) : "");
+}
+
+MESHTORCH_DECL void wait_collective(c10d::Work& work, std::uint64_t record, const std::string& collective,
+                                    const AxisGroup& group) {
+  FlightRecorder::instance().waiting(record);
+  try {
+    // Gloo's wait throws once the timeout passes without completion.
+    if (group.device() == Device::cpu)
+      work.wait(group.timeout());
+    else
+      work.wait();
+  } catch (const std::exception& e) {
+    report_collective_failure(record, collective + " over the " + group.describe(), e.what());
+    throw collective_error(collective, group, fmt::format("{} (timeout {} ms)", e.what(), group.timeout().count()));
+  }
+  FlightRecorder::instance().completed(record);
+}
+
+}  // namespace meshtorch::comm::detail
+#endif  // MESHTORCH_DEFINITIONS
