@@ -9,14 +9,13 @@
 // size of the weight, not the logits.
 // The weight and the rows come in as inputs, so their gradients leave through this function
 // once, whatever wrapper produced them (FSDP's gather, a tensor-parallel shard, a tied embedding).
-#include <algorithm>
 #include <cstdint>
 #include <functional>
-#include <utility>
 
 #include <torch/torch.h>
 
 #include <meshtorch/models/loss_chunk.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {
 
@@ -25,6 +24,19 @@ namespace meshtorch {
 using LogitsHook = std::function<torch::Tensor(const torch::Tensor& logits)>;
 // (logits [n, vocab or this rank's slice], targets [n], -100 ignored) -> the sum of their losses.
 using TokenLossSum = std::function<torch::Tensor(const torch::Tensor& logits, const torch::Tensor& targets)>;
+
+// The sum over all rows of loss(after(rows @ weight^T), targets), `chunk` rows at a time.
+MESHTORCH_DECL torch::Tensor chunked_linear_loss(const torch::Tensor& rows, const torch::Tensor& weight,
+                                                 const torch::Tensor& targets, std::int64_t chunk,
+                                                 const LogitsHook& after, const TokenLossSum& loss);
+
+}  // namespace meshtorch
+
+#if MESHTORCH_DEFINITIONS
+#include <algorithm>
+#include <utility>
+
+namespace meshtorch {
 
 namespace chunked_loss_detail {
 
@@ -73,11 +85,11 @@ struct ChunkedLinearLoss : torch::autograd::Function<ChunkedLinearLoss> {
 
 }  // namespace chunked_loss_detail
 
-// The sum over all rows of loss(after(rows @ weight^T), targets), `chunk` rows at a time.
-inline torch::Tensor chunked_linear_loss(const torch::Tensor& rows, const torch::Tensor& weight,
-                                         const torch::Tensor& targets, std::int64_t chunk, const LogitsHook& after,
-                                         const TokenLossSum& loss) {
+MESHTORCH_DECL torch::Tensor chunked_linear_loss(const torch::Tensor& rows, const torch::Tensor& weight,
+                                                 const torch::Tensor& targets, std::int64_t chunk,
+                                                 const LogitsHook& after, const TokenLossSum& loss) {
   return chunked_loss_detail::ChunkedLinearLoss::apply(rows, weight, targets, chunk, after, loss);
 }
 
 }  // namespace meshtorch
+#endif  // MESHTORCH_DEFINITIONS

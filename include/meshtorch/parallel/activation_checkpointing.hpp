@@ -10,22 +10,41 @@
 //   meshtorch::checkpoint_activations(model, {.every = 1});   // every decoder layer; 2: every other
 #include <cstdint>
 #include <functional>
-#include <string>
-#include <utility>
-#include <vector>
 
-#include <fmt/format.h>
 #include <torch/torch.h>
 
-#include <meshtorch/error.hpp>
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/parallel/checkpoint_selection.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {
 
 namespace ac_detail {
 
 using Body = std::function<torch::Tensor(const torch::Tensor&)>;
+
+}  // namespace ac_detail
+
+// Runs body(input) keeping only `input` for backward; the body runs again there.
+MESHTORCH_DECL torch::Tensor checkpointed(const torch::Tensor& input, ac_detail::Body body);
+
+// Checkpoints the decoder layers that `options` selects; returns how many.
+MESHTORCH_DECL std::int64_t checkpoint_activations(llama::LlamaForCausalLM& model, ActivationCheckpointing options);
+
+}  // namespace meshtorch
+
+#if MESHTORCH_DEFINITIONS
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include <meshtorch/error.hpp>
+
+namespace meshtorch {
+
+namespace ac_detail {
 
 struct BodyCapsule : torch::CustomClassHolder {
   explicit BodyCapsule(Body b) : body(std::move(b)) {}
@@ -96,14 +115,12 @@ struct CheckpointedBody : torch::autograd::Function<CheckpointedBody> {
 
 }  // namespace ac_detail
 
-// Runs body(input) keeping only `input` for backward; the body runs again there.
-inline torch::Tensor checkpointed(const torch::Tensor& input, ac_detail::Body body) {
+MESHTORCH_DECL torch::Tensor checkpointed(const torch::Tensor& input, ac_detail::Body body) {
   if (!torch::GradMode::is_enabled() || !input.requires_grad()) return body(input);
   return ac_detail::CheckpointedBody::apply(input, std::move(body));
 }
 
-// Checkpoints the decoder layers that `options` selects; returns how many.
-inline std::int64_t checkpoint_activations(llama::LlamaForCausalLM& model, ActivationCheckpointing options) {
+MESHTORCH_DECL std::int64_t checkpoint_activations(llama::LlamaForCausalLM& model, ActivationCheckpointing options) {
   if (options.every < 0) throw ConfigError(fmt::format("activation checkpointing every {} layers", options.every));
   if (options.every == 0) return 0;
   std::int64_t count = 0;
@@ -118,3 +135,4 @@ inline std::int64_t checkpoint_activations(llama::LlamaForCausalLM& model, Activ
 }
 
 }  // namespace meshtorch
+#endif  // MESHTORCH_DEFINITIONS

@@ -2,17 +2,15 @@
 // The Llama family's hyper-parameters as a structural type: usable at run time (parsed from an
 // HF config.json) and as a template argument (constexpr presets), so plans can be checked at
 // compile time against a known model. No LibTorch here.
-#include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstdio>
-#include <iterator>
 #include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::llama {
 
@@ -210,7 +208,30 @@ constexpr std::optional<Config> find(std::string_view name) {
 
 namespace detail {
 
-inline std::string human_bytes(double bytes) {
+// A byte count in decimal units ("1.5 GB").
+MESHTORCH_DECL std::string human_bytes(double bytes);
+
+// Why a config exceeds max_parameters: the count (in double, which cannot overflow for int64
+// fields) and the field furthest above the largest preset's, which is the one to look at.
+MESHTORCH_DECL std::string too_many_parameters_message(const Config& c, std::string_view source);
+
+}  // namespace detail
+
+// Throws ConfigError naming `source` and the first invalid field (first_invalid_field).
+MESHTORCH_DECL void validate(const Config& c, std::string_view source = "config");
+
+}  // namespace meshtorch::llama
+
+#if MESHTORCH_DEFINITIONS
+#include <algorithm>
+#include <cstdio>
+#include <iterator>
+
+namespace meshtorch::llama {
+
+namespace detail {
+
+MESHTORCH_DECL std::string human_bytes(double bytes) {
   static constexpr const char* units[] = {"B", "kB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB"};
   std::size_t unit = 0;
   while (bytes >= 1000 && unit + 1 < std::size(units)) bytes /= 1000, ++unit;
@@ -219,9 +240,7 @@ inline std::string human_bytes(double bytes) {
   return text;
 }
 
-// Why a config exceeds max_parameters: the count (in double, which cannot overflow for int64
-// fields) and the field furthest above the largest preset's, which is the one to look at.
-inline std::string too_many_parameters_message(const Config& c, std::string_view source) {
+MESHTORCH_DECL std::string too_many_parameters_message(const Config& c, std::string_view source) {
   const double hidden = static_cast<double>(c.hidden_size), head_dim = static_cast<double>(c.resolved_head_dim());
   const double heads = static_cast<double>(c.num_attention_heads) + static_cast<double>(c.num_key_value_heads);
   const double layer =
@@ -253,7 +272,7 @@ inline std::string too_many_parameters_message(const Config& c, std::string_view
 
 }  // namespace detail
 
-inline void validate(const Config& c, std::string_view source = "config") {
+MESHTORCH_DECL void validate(const Config& c, std::string_view source) {
   if (auto problem = first_invalid_field(c)) {
     if (*problem == too_many_parameters) throw ConfigError(detail::too_many_parameters_message(c, source));
     throw ConfigError(std::string(source) + ": " + std::string(*problem));
@@ -261,3 +280,4 @@ inline void validate(const Config& c, std::string_view source = "config") {
 }
 
 }  // namespace meshtorch::llama
+#endif  // MESHTORCH_DEFINITIONS

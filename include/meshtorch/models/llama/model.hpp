@@ -3,52 +3,31 @@
 // ("model.layers.0.self_attn.q_proj.weight", ...). The model knows nothing of parallelism:
 // attention derives its local head count from the projection's width, so a tensor-parallel
 // plan can shard q/k/v/o from outside without touching this file.
+#include <cstdint>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 #include <torch/torch.h>
 
 #include <meshtorch/models/chunked_loss.hpp>
 #include <meshtorch/models/llama/config.hpp>
 #include <meshtorch/models/llama/layers.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::llama {
 
 class AttentionImpl : public torch::nn::Module {
  public:
-  AttentionImpl(const Config& c, const torch::TensorOptions& options) : head_dim_(c.resolved_head_dim()) {
-    q_proj = register_module("q_proj", Linear(c.hidden_size, c.q_size(), options));
-    k_proj = register_module("k_proj", Linear(c.hidden_size, c.kv_size(), options));
-    v_proj = register_module("v_proj", Linear(c.hidden_size, c.kv_size(), options));
-    o_proj = register_module("o_proj", Linear(c.q_size(), c.hidden_size, options));
-  }
+  MESHTORCH_DECL AttentionImpl(const Config& c, const torch::TensorOptions& options);
 
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-    return hooks.around(x, [&](const torch::Tensor& in) { return attend(in, cos, sin); });
-  }
+  MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   ForwardHooks hooks;
 
  private:
-  torch::Tensor attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-    const auto batch = x.size(0), seq = x.size(1);
-    auto q = q_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
-    auto k = k_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
-    auto v = v_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
-    q = Rotary::apply(q, cos, sin);
-    k = Rotary::apply(k, cos, sin);
-    const bool grouped = q.size(1) != k.size(1);
-    // Grouped-query attention: SDPA's enable_gqa saves repeating the key/value heads, but the
-    // CPU kernel in bf16 is slower with it than on repeated heads (55 against 45 ms for a
-    // forward and backward at llama-tiny's shapes), so there, as HF does on the CPU, repeat them.
-    const bool repeat_heads = grouped && x.is_cpu() && x.scalar_type() != torch::kFloat;
-    if (repeat_heads) {
-      k = k.repeat_interleave(q.size(1) / k.size(1), 1);
-      v = v.repeat_interleave(q.size(1) / v.size(1), 1);
-    }
-    auto out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
-                                                /*scale=*/std::nullopt, /*enable_gqa=*/grouped && !repeat_heads);
-    return o_proj(out.transpose(1, 2).reshape({batch, seq, -1}));
-  }
+  MESHTORCH_DECL torch::Tensor attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
   std::int64_t head_dim_;
 };
@@ -56,14 +35,8 @@ TORCH_MODULE(Attention);
 
 class MlpImpl : public torch::nn::Module {
  public:
-  MlpImpl(const Config& c, const torch::TensorOptions& options) {
-    gate_proj = register_module("gate_proj", Linear(c.hidden_size, c.intermediate_size, options));
-    up_proj = register_module("up_proj", Linear(c.hidden_size, c.intermediate_size, options));
-    down_proj = register_module("down_proj", Linear(c.intermediate_size, c.hidden_size, options));
-  }
-  torch::Tensor forward(const torch::Tensor& x) {
-    return hooks.around(x, [&](const torch::Tensor& in) { return down_proj(torch::silu(gate_proj(in)) * up_proj(in)); });
-  }
+  MESHTORCH_DECL MlpImpl(const Config& c, const torch::TensorOptions& options);
+  MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& x);
 
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
   ForwardHooks hooks;
@@ -72,20 +45,8 @@ TORCH_MODULE(Mlp);
 
 class DecoderLayerImpl : public torch::nn::Module {
  public:
-  DecoderLayerImpl(const Config& c, const torch::TensorOptions& options) {
-    self_attn = register_module("self_attn", Attention(c, options));
-    mlp = register_module("mlp", Mlp(c, options));
-    input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, options));
-    post_attention_layernorm =
-        register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, options));
-  }
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-    // By value: a checkpointed layer runs this again in backward.
-    return hooks.around(x, [this, cos, sin](const torch::Tensor& in) {
-      auto h = in + self_attn(input_layernorm(in), cos, sin);
-      return h + mlp(post_attention_layernorm(h));
-    });
-  }
+  MESHTORCH_DECL DecoderLayerImpl(const Config& c, const torch::TensorOptions& options);
+  MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
   Attention self_attn{nullptr};
   Mlp mlp{nullptr};
@@ -96,26 +57,12 @@ TORCH_MODULE(DecoderLayer);
 
 class LlamaModelImpl : public torch::nn::Module {
  public:
-  LlamaModelImpl(const Config& c, const torch::TensorOptions& options) : rotary(c) {
-    embed_tokens = register_module("embed_tokens", Embedding(c.vocab_size, c.hidden_size, options));
-    layers = register_module("layers", torch::nn::ModuleList());
-    for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      decoder_layers.push_back(DecoderLayer(c, options));
-      layers->push_back(decoder_layers.back());
-    }
-    norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, options));
-  }
+  MESHTORCH_DECL LlamaModelImpl(const Config& c, const torch::TensorOptions& options);
 
   // Hidden states after the final norm. position_ids are explicit when the sequence is
   // sharded (sequence parallel); by default they are 0..S-1 for every row.
-  torch::Tensor forward(const torch::Tensor& input_ids, const std::optional<torch::Tensor>& position_ids = {}) {
-    auto h = embed_tokens(input_ids);
-    auto positions = position_ids ? *position_ids
-                                  : torch::arange(input_ids.size(1), input_ids.options().dtype(torch::kLong)).unsqueeze(0);
-    auto [cos, sin] = rotary.tables(positions, h.scalar_type());
-    for (auto& layer : decoder_layers) h = layer(h, cos, sin);
-    return norm(h);
-  }
+  MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& input_ids,
+                                       const std::optional<torch::Tensor>& position_ids = {});
 
   Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
@@ -128,12 +75,7 @@ TORCH_MODULE(LlamaModel);
 class LlamaForCausalLMImpl : public torch::nn::Module {
  public:
   // options.device(torch::kMeta) builds the shapes without memory; see materialize().
-  explicit LlamaForCausalLMImpl(const Config& c, const torch::TensorOptions& options = {})
-      : config(c) {
-    validate(c);
-    model = register_module("model", LlamaModel(c, options));
-    if (!c.tie_word_embeddings) lm_head = register_module("lm_head", Linear(c.hidden_size, c.vocab_size, options));
-  }
+  MESHTORCH_DECL explicit LlamaForCausalLMImpl(const Config& c, const torch::TensorOptions& options = {});
 
   torch::Tensor output_weight() const {
     return lm_head ? lm_head->weight_in_use() : model->embed_tokens->weight_in_use();
@@ -142,52 +84,24 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // Logits [B, S, vocab] in the parameters' dtype. `hooks` run around the whole forward (input:
   // the token ids); `head_hooks` around the output projection (input: the final hidden states),
   // which is lm_head or, with tied embeddings, the embedding matrix.
-  torch::Tensor forward(const torch::Tensor& input_ids, const std::optional<torch::Tensor>& position_ids = {}) {
-    return hooks.around(input_ids, [&](const torch::Tensor& ids) {
-      return head_hooks.around(model(ids, position_ids),
-                               [&](const torch::Tensor& h) { return at::linear(h, output_weight()); });
-    });
-  }
+  MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& input_ids,
+                                       const std::optional<torch::Tensor>& position_ids = {});
 
   // Next-token targets [B, S], as HF's ForCausalLMLoss: labels shifted left by one, the last
   // position ignored (-100), so no copy of the logits is made.
-  static torch::Tensor next_token_targets(const torch::Tensor& labels) {
-    return torch::cat({labels.narrow(1, 1, labels.size(1) - 1), torch::full({labels.size(0), 1}, -100, labels.options())},
-                      1);
-  }
+  MESHTORCH_DECL static torch::Tensor next_token_targets(const torch::Tensor& labels);
 
   // The sum of the cross entropies of rows of logits against their targets (-100 ignored), in fp32.
-  static torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets) {
-    return torch::nn::functional::cross_entropy(
-        logits.to(torch::kFloat), targets,
-        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
-  }
+  MESHTORCH_DECL static torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets);
 
   // Mean next-token cross entropy of logits [B, S, vocab].
-  static torch::Tensor causal_lm_loss(const torch::Tensor& logits, const torch::Tensor& labels) {
-    return torch::nn::functional::cross_entropy(
-        logits.to(torch::kFloat).view({-1, logits.size(-1)}), next_token_targets(labels).view({-1}),
-        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100));
-  }
+  MESHTORCH_DECL static torch::Tensor causal_lm_loss(const torch::Tensor& logits, const torch::Tensor& labels);
 
   // Mean next-token cross entropy of the batch. The logits are computed `loss_chunk` positions at
   // a time when that is fewer than the batch's (models/chunked_loss.hpp), so the whole batch's
   // logits never exist; the result equals the plain loss up to summation order. Under `hooks`
   // as forward() is, so wrappers see the same calls.
-  torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
-    const auto targets = next_token_targets(labels).reshape({-1});
-    return hooks.around(input_ids, [&](const torch::Tensor& ids) {
-      const auto hidden = model(ids);
-      const auto rows = head_hooks.before(hidden).reshape({-1, hidden.size(-1)});
-      const auto weight = output_weight();
-      const TokenLossSum token_loss = this->token_loss ? this->token_loss : TokenLossSum(cross_entropy_sum);
-      const auto after = [this, hidden](const torch::Tensor& logits) { return head_hooks.after(hidden, logits); };
-      const auto chunk = loss_chunk_positions(loss_chunk, rows.size(0), weight.size(0));
-      const auto sum = chunk >= rows.size(0) ? token_loss(after(at::linear(rows, weight)), targets)
-                                              : chunked_linear_loss(rows, weight, targets, chunk, after, token_loss);
-      return sum.to(torch::kFloat) / targets.ne(-100).sum().to(torch::kFloat);
-    });
-  }
+  MESHTORCH_DECL torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels);
 
   const Config config;
   LlamaModel model{nullptr};
@@ -202,7 +116,154 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 TORCH_MODULE(LlamaForCausalLM);
 
 // Every weight-holding leaf of the model, in named_modules() order.
-inline std::vector<std::pair<std::string, WeightModule*>> weight_modules(torch::nn::Module& root) {
+MESHTORCH_DECL std::vector<std::pair<std::string, WeightModule*>> weight_modules(torch::nn::Module& root);
+
+// HF's _init_weights: linear and embedding weights ~ N(0, initializer_range), norms to one.
+// Uses the default generator, so a seed fixes the result.
+MESHTORCH_DECL void init_weights(LlamaForCausalLM& lm);
+
+// Gives every parameter still on the meta device real storage with `options`, then
+// initialises the model (the guide's to_empty + reset_parameters).
+MESHTORCH_DECL void materialize(LlamaForCausalLM& lm, const torch::TensorOptions& options);
+
+}  // namespace meshtorch::llama
+
+#if MESHTORCH_DEFINITIONS
+namespace meshtorch::llama {
+
+MESHTORCH_DECL AttentionImpl::AttentionImpl(const Config& c, const torch::TensorOptions& options)
+    : head_dim_(c.resolved_head_dim()) {
+  q_proj = register_module("q_proj", Linear(c.hidden_size, c.q_size(), options));
+  k_proj = register_module("k_proj", Linear(c.hidden_size, c.kv_size(), options));
+  v_proj = register_module("v_proj", Linear(c.hidden_size, c.kv_size(), options));
+  o_proj = register_module("o_proj", Linear(c.q_size(), c.hidden_size, options));
+}
+
+MESHTORCH_DECL torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                                    const torch::Tensor& sin) {
+  return hooks.around(x, [&](const torch::Tensor& in) { return attend(in, cos, sin); });
+}
+
+MESHTORCH_DECL torch::Tensor AttentionImpl::attend(const torch::Tensor& x, const torch::Tensor& cos,
+                                                   const torch::Tensor& sin) {
+  const auto batch = x.size(0), seq = x.size(1);
+  auto q = q_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
+  auto k = k_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
+  auto v = v_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
+  q = Rotary::apply(q, cos, sin);
+  k = Rotary::apply(k, cos, sin);
+  const bool grouped = q.size(1) != k.size(1);
+  // Grouped-query attention: SDPA's enable_gqa saves repeating the key/value heads, but the
+  // CPU kernel in bf16 is slower with it than on repeated heads (55 against 45 ms for a
+  // forward and backward at llama-tiny's shapes), so there, as HF does on the CPU, repeat them.
+  const bool repeat_heads = grouped && x.is_cpu() && x.scalar_type() != torch::kFloat;
+  if (repeat_heads) {
+    k = k.repeat_interleave(q.size(1) / k.size(1), 1);
+    v = v.repeat_interleave(q.size(1) / v.size(1), 1);
+  }
+  auto out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                              /*scale=*/std::nullopt, /*enable_gqa=*/grouped && !repeat_heads);
+  return o_proj(out.transpose(1, 2).reshape({batch, seq, -1}));
+}
+
+MESHTORCH_DECL MlpImpl::MlpImpl(const Config& c, const torch::TensorOptions& options) {
+  gate_proj = register_module("gate_proj", Linear(c.hidden_size, c.intermediate_size, options));
+  up_proj = register_module("up_proj", Linear(c.hidden_size, c.intermediate_size, options));
+  down_proj = register_module("down_proj", Linear(c.intermediate_size, c.hidden_size, options));
+}
+
+MESHTORCH_DECL torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
+  return hooks.around(x, [&](const torch::Tensor& in) { return down_proj(torch::silu(gate_proj(in)) * up_proj(in)); });
+}
+
+MESHTORCH_DECL DecoderLayerImpl::DecoderLayerImpl(const Config& c, const torch::TensorOptions& options) {
+  self_attn = register_module("self_attn", Attention(c, options));
+  mlp = register_module("mlp", Mlp(c, options));
+  input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, options));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, options));
+}
+
+MESHTORCH_DECL torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                                       const torch::Tensor& sin) {
+  // By value: a checkpointed layer runs this again in backward.
+  return hooks.around(x, [this, cos, sin](const torch::Tensor& in) {
+    auto h = in + self_attn(input_layernorm(in), cos, sin);
+    return h + mlp(post_attention_layernorm(h));
+  });
+}
+
+MESHTORCH_DECL LlamaModelImpl::LlamaModelImpl(const Config& c, const torch::TensorOptions& options) : rotary(c) {
+  embed_tokens = register_module("embed_tokens", Embedding(c.vocab_size, c.hidden_size, options));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    decoder_layers.push_back(DecoderLayer(c, options));
+    layers->push_back(decoder_layers.back());
+  }
+  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, options));
+}
+
+MESHTORCH_DECL torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids,
+                                                     const std::optional<torch::Tensor>& position_ids) {
+  auto h = embed_tokens(input_ids);
+  auto positions = position_ids
+                       ? *position_ids
+                       : torch::arange(input_ids.size(1), input_ids.options().dtype(torch::kLong)).unsqueeze(0);
+  auto [cos, sin] = rotary.tables(positions, h.scalar_type());
+  for (auto& layer : decoder_layers) h = layer(h, cos, sin);
+  return norm(h);
+}
+
+MESHTORCH_DECL LlamaForCausalLMImpl::LlamaForCausalLMImpl(const Config& c, const torch::TensorOptions& options)
+    : config(c) {
+  validate(c);
+  model = register_module("model", LlamaModel(c, options));
+  if (!c.tie_word_embeddings) lm_head = register_module("lm_head", Linear(c.hidden_size, c.vocab_size, options));
+}
+
+MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& input_ids,
+                                                           const std::optional<torch::Tensor>& position_ids) {
+  return hooks.around(input_ids, [&](const torch::Tensor& ids) {
+    return head_hooks.around(model(ids, position_ids),
+                             [&](const torch::Tensor& h) { return at::linear(h, output_weight()); });
+  });
+}
+
+MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::next_token_targets(const torch::Tensor& labels) {
+  return torch::cat({labels.narrow(1, 1, labels.size(1) - 1), torch::full({labels.size(0), 1}, -100, labels.options())},
+                    1);
+}
+
+MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::cross_entropy_sum(const torch::Tensor& logits,
+                                                                     const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(
+      logits.to(torch::kFloat), targets,
+      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
+}
+
+MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::causal_lm_loss(const torch::Tensor& logits,
+                                                                  const torch::Tensor& labels) {
+  return torch::nn::functional::cross_entropy(
+      logits.to(torch::kFloat).view({-1, logits.size(-1)}), next_token_targets(labels).view({-1}),
+      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100));
+}
+
+MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
+  const auto targets = next_token_targets(labels).reshape({-1});
+  return hooks.around(input_ids, [&](const torch::Tensor& ids) {
+    const auto hidden = model(ids);
+    const auto rows = head_hooks.before(hidden).reshape({-1, hidden.size(-1)});
+    const auto weight = output_weight();
+    const TokenLossSum token_loss = this->token_loss ? this->token_loss : TokenLossSum(cross_entropy_sum);
+    const auto after = [this, hidden](const torch::Tensor& logits) { return head_hooks.after(hidden, logits); };
+    const auto chunk = loss_chunk_positions(loss_chunk, rows.size(0), weight.size(0));
+    const auto sum = chunk >= rows.size(0) ? token_loss(after(at::linear(rows, weight)), targets)
+                                            : chunked_linear_loss(rows, weight, targets, chunk, after, token_loss);
+    return sum.to(torch::kFloat) / targets.ne(-100).sum().to(torch::kFloat);
+  });
+}
+
+MESHTORCH_DECL std::vector<std::pair<std::string, WeightModule*>> weight_modules(torch::nn::Module& root) {
   std::vector<std::pair<std::string, WeightModule*>> leaves;
   for (auto& item : root.named_modules()) {
     if (auto* leaf = dynamic_cast<WeightModule*>(item.value().get())) leaves.emplace_back(item.key(), leaf);
@@ -210,9 +271,7 @@ inline std::vector<std::pair<std::string, WeightModule*>> weight_modules(torch::
   return leaves;
 }
 
-// HF's _init_weights: linear and embedding weights ~ N(0, initializer_range), norms to one.
-// Uses the default generator, so a seed fixes the result.
-inline void init_weights(LlamaForCausalLM& lm) {
+MESHTORCH_DECL void init_weights(LlamaForCausalLM& lm) {
   torch::NoGradGuard no_grad;
   const double std = lm->config.initializer_range;
   for (auto& [name, leaf] : weight_modules(*lm)) {
@@ -223,9 +282,7 @@ inline void init_weights(LlamaForCausalLM& lm) {
   }
 }
 
-// Gives every parameter still on the meta device real storage with `options`, then
-// initialises the model (the guide's to_empty + reset_parameters).
-inline void materialize(LlamaForCausalLM& lm, const torch::TensorOptions& options) {
+MESHTORCH_DECL void materialize(LlamaForCausalLM& lm, const torch::TensorOptions& options) {
   for (auto& [name, leaf] : weight_modules(*lm)) {
     if (leaf->weight.is_meta()) leaf->materialize(options);
   }
@@ -233,3 +290,4 @@ inline void materialize(LlamaForCausalLM& lm, const torch::TensorOptions& option
 }
 
 }  // namespace meshtorch::llama
+#endif  // MESHTORCH_DEFINITIONS

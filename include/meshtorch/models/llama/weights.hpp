@@ -2,15 +2,12 @@
 // Llama weights in HF's safetensors layout: one model.safetensors, or shards listed in
 // model.safetensors.index.json. Names are HF's (the module tree mirrors LlamaForCausalLM), so a
 // folder saved here loads in transformers' from_pretrained and the other way round.
-#include <algorithm>
 #include <filesystem>
 #include <functional>
-#include <map>
-#include <set>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/io/model_folder.hpp>
@@ -56,46 +53,13 @@ MESHTORCH_DECL std::vector<std::filesystem::path> weight_files(const std::filesy
 // Copies HF weights from `dir` into the model's (already materialised) parameters, converting
 // dtype and device. Every parameter must be found with its shape; extra tensors are an error
 // except the rotary inv_freq buffers some exports carry.
-inline void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem::path& dir,
-                                    const ShardOf& shard_of = {}) {
-  const auto files = weight_files(dir);
-  auto params = lm->named_parameters();
-  std::set<std::string> loaded;
-  torch::NoGradGuard no_grad;
-  for (const auto& file : files) {
-    auto contents = io::load_safetensors(file);
-    for (auto& [name, tensor] : contents.tensors) {
-      auto* target = params.find(name);
-      if (!target) {
-        if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
-        if (name == "lm_head.weight" && lm->config.tie_word_embeddings) continue;
-        throw DataError(fmt::format("{}: tensor '{}' is not a parameter of this Llama config", file.string(), name));
-      }
-      const auto piece = shard_of ? shard_of(name, tensor) : tensor;
-      if (piece.sizes() != target->sizes())
-        throw DataError(fmt::format("{}: tensor '{}' has shape {}{}, config.json implies {}",
-                                    file.string(), name, c10::str(tensor.sizes()),
-                                    shard_of ? fmt::format(", whose piece here has shape {}", c10::str(piece.sizes()))
-                                             : std::string(),
-                                    c10::str(target->sizes())));
-      target->copy_(piece);
-      loaded.insert(name);
-    }
-  }
-  for (const auto& item : params)
-    if (!loaded.count(item.key()))
-      throw DataError(fmt::format("{}: weights lack parameter '{}'", dir.string(), item.key()));
-}
+MESHTORCH_DECL void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem::path& dir,
+                                            const ShardOf& shard_of = {});
 
 // The dtype a folder's config.json gives its weights ("dtype", or "torch_dtype" before
 // transformers 5), or nothing for a preset or a file that does not say. transformers 5 loads a
 // model in this dtype unless told otherwise; `--dtype auto` does the same with it.
-inline std::optional<torch::ScalarType> pretrained_dtype(const std::filesystem::path& model_name_or_dir) {
-  if (!std::filesystem::is_regular_file(model_name_or_dir / "config.json")) return std::nullopt;
-  const auto name = load_config_file(model_name_or_dir / "config.json").dtype;
-  if (!name) return std::nullopt;
-  return *name == "bfloat16" ? torch::kBFloat16 : *name == "float16" ? torch::kHalf : torch::kFloat;
-}
+MESHTORCH_DECL std::optional<torch::ScalarType> pretrained_dtype(const std::filesystem::path& model_name_or_dir);
 
 // The dtype `--dtype auto` trains a folder's pretrained weights in: its config.json's, when the
 // folder holds weights (a config-only folder is a model from scratch: the device's default).
@@ -116,8 +80,13 @@ inline bool load_pretrained_weights_if_present(LlamaForCausalLM& lm, const std::
 }  // namespace meshtorch::llama
 
 #if MESHTORCH_DEFINITIONS
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/io/atomic_file.hpp>
 #include <meshtorch/io/json_file.hpp>
 
 namespace meshtorch::llama {
@@ -173,6 +142,44 @@ MESHTORCH_DECL std::vector<std::filesystem::path> weight_files(const std::filesy
     files.push_back(file);
   }
   return files;
+}
+
+MESHTORCH_DECL void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem::path& dir,
+                                            const ShardOf& shard_of) {
+  const auto files = weight_files(dir);
+  auto params = lm->named_parameters();
+  std::set<std::string> loaded;
+  torch::NoGradGuard no_grad;
+  for (const auto& file : files) {
+    auto contents = io::load_safetensors(file);
+    for (auto& [name, tensor] : contents.tensors) {
+      auto* target = params.find(name);
+      if (!target) {
+        if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
+        if (name == "lm_head.weight" && lm->config.tie_word_embeddings) continue;
+        throw DataError(fmt::format("{}: tensor '{}' is not a parameter of this Llama config", file.string(), name));
+      }
+      const auto piece = shard_of ? shard_of(name, tensor) : tensor;
+      if (piece.sizes() != target->sizes())
+        throw DataError(fmt::format("{}: tensor '{}' has shape {}{}, config.json implies {}",
+                                    file.string(), name, c10::str(tensor.sizes()),
+                                    shard_of ? fmt::format(", whose piece here has shape {}", c10::str(piece.sizes()))
+                                             : std::string(),
+                                    c10::str(target->sizes())));
+      target->copy_(piece);
+      loaded.insert(name);
+    }
+  }
+  for (const auto& item : params)
+    if (!loaded.count(item.key()))
+      throw DataError(fmt::format("{}: weights lack parameter '{}'", dir.string(), item.key()));
+}
+
+MESHTORCH_DECL std::optional<torch::ScalarType> pretrained_dtype(const std::filesystem::path& model_name_or_dir) {
+  if (!std::filesystem::is_regular_file(model_name_or_dir / "config.json")) return std::nullopt;
+  const auto name = load_config_file(model_name_or_dir / "config.json").dtype;
+  if (!name) return std::nullopt;
+  return *name == "bfloat16" ? torch::kBFloat16 : *name == "float16" ? torch::kHalf : torch::kFloat;
 }
 
 }  // namespace meshtorch::llama
