@@ -3,14 +3,12 @@
 // (config.json, the weights, the index's shards) are named without '/' or '..' and, after
 // following links, lie inside the folder (or in the Hugging Face cache's blobs of its snapshot).
 // Checked before a file is opened, so that an index naming /etc/passwd or ../x reads nothing.
-#include <algorithm>
 #include <filesystem>
 #include <string>
 #include <system_error>
 
-#include <fmt/format.h>
-
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::io {
 
@@ -19,6 +17,21 @@ inline bool present_in_folder(const std::filesystem::path& path) {
   std::error_code ignored;
   return std::filesystem::exists(std::filesystem::symlink_status(path, ignored));
 }
+
+// The file `name` of the model folder `dir`, which `named_by` names (the index's entry, or the
+// folder's layout): a plain file name whose file, after following links, is a regular file the
+// folder may read.
+MESHTORCH_DECL std::filesystem::path model_file(const std::filesystem::path& dir, const std::string& name,
+                                                const std::string& named_by);
+
+}  // namespace meshtorch::io
+
+#if MESHTORCH_DEFINITIONS
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace meshtorch::io {
 
 namespace model_folder_detail {
 
@@ -41,11 +54,8 @@ inline bool allowed_target(const fs::path& target, const fs::path& dir) {
 
 }  // namespace model_folder_detail
 
-// The file `name` of the model folder `dir`, which `named_by` names (the index's entry, or the
-// folder's layout): a plain file name whose file, after following links, is a regular file the
-// folder may read.
-inline std::filesystem::path model_file(const std::filesystem::path& dir, const std::string& name,
-                                        const std::string& named_by) {
+MESHTORCH_DECL std::filesystem::path model_file(const std::filesystem::path& dir, const std::string& name,
+                                                const std::string& named_by) {
   namespace fs = std::filesystem;
   if (name.empty() || name == "." || name == ".." || name.find_first_of(std::string("/\\\0", 3)) != std::string::npos)
     throw DataError(fmt::format("{} is '{}', not a plain file name; a model folder's files must lie in the folder "
@@ -69,3 +79,4 @@ inline std::filesystem::path model_file(const std::filesystem::path& dir, const 
 }
 
 }  // namespace meshtorch::io
+#endif  // MESHTORCH_DEFINITIONS

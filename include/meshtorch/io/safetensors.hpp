@@ -8,19 +8,16 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
-#include <limits>
+#include <istream>
 #include <map>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/error.hpp>
-#include <meshtorch/io/atomic_file.hpp>
-#include <meshtorch/io/json_file.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::io {
@@ -29,25 +26,10 @@ using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
 namespace safetensors_detail {
 
-inline const std::vector<std::pair<std::string, torch::ScalarType>>& dtype_names() {
-  static const std::vector<std::pair<std::string, torch::ScalarType>> names{
-      {"F64", torch::kDouble}, {"F32", torch::kFloat},  {"F16", torch::kHalf},  {"BF16", torch::kBFloat16},
-      {"I64", torch::kLong},   {"I32", torch::kInt},    {"I16", torch::kShort}, {"I8", torch::kChar},
-      {"U8", torch::kByte},    {"BOOL", torch::kBool}};
-  return names;
-}
-
-inline std::string dtype_name(torch::ScalarType type) {
-  for (const auto& [name, t] : dtype_names())
-    if (t == type) return name;
-  throw DataError(std::string("safetensors: unsupported dtype ") + c10::toString(type));
-}
-
-inline std::optional<torch::ScalarType> dtype_from_name(const std::string& name) {
-  for (const auto& [n, t] : dtype_names())
-    if (n == name) return t;
-  return std::nullopt;
-}
+// The dtype's name in safetensors headers ("BF16"); a DataError for a dtype the format lacks.
+MESHTORCH_DECL std::string dtype_name(torch::ScalarType type);
+// The dtype of a name in a header, or nothing for a name this reader does not know.
+MESHTORCH_DECL std::optional<torch::ScalarType> dtype_from_name(const std::string& name);
 
 }  // namespace safetensors_detail
 
@@ -94,18 +76,7 @@ inline constexpr std::uint64_t max_header_bytes = 100'000'000;
 
 // Opens a regular file for binary reading and returns its size. A directory, FIFO or device is
 // refused before it is opened: reading one gives a raw ios_failure, and opening a FIFO blocks.
-inline std::ifstream open_regular_file(const std::filesystem::path& path, std::uint64_t& size) {
-  std::error_code error;
-  const auto status = std::filesystem::status(path, error);
-  if (!std::filesystem::exists(status)) throw DataError(fmt::format("{}: no such file", path.string()));
-  if (!std::filesystem::is_regular_file(status))
-    throw DataError(fmt::format("{}: not a regular file (a directory, device or pipe)", path.string()));
-  size = std::filesystem::file_size(path, error);
-  if (error) throw DataError(fmt::format("{}: cannot read its size ({})", path.string(), error.message()));
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
-  return in;
-}
+MESHTORCH_DECL std::ifstream open_regular_file(const std::filesystem::path& path, std::uint64_t& size);
 
 // Reads the header at the start of `in` (a file of `file_size` bytes) and checks it.
 MESHTORCH_DECL SafetensorsHeader parse_header(std::istream& in, std::uint64_t file_size, const std::string& where);
@@ -143,25 +114,8 @@ class SafetensorsRowReader {
 
   // The same into `out`, a contiguous CPU tensor of that shape and the entry's dtype: a buffer
   // the caller reuses from one tensor to the next.
-  void read_rows_into(const SafetensorsEntry& entry, std::int64_t first_row, std::int64_t count, torch::Tensor& out) {
-    std::uint64_t offset = entry.begin;
-    if (!entry.shape.empty()) {
-      if (first_row < 0 || count < 0 || first_row + count > entry.shape[0])
-        throw DataError(fmt::format("{}: tensor '{}': rows [{}, {}) lie outside its {} rows", where_, entry.name,
-                                    first_row, first_row + count, entry.shape[0]));
-      offset += row_bytes(entry) * static_cast<std::uint64_t>(first_row);
-    }
-    if (out.sizes() != c10::IntArrayRef(rows_shape(entry, count)) || out.scalar_type() != entry.dtype ||
-        !out.is_contiguous() || !out.device().is_cpu())
-      throw DataError(fmt::format("{}: tensor '{}': the buffer to read into is {} {} on {}, not the rows' {} {}",
-                                  where_, entry.name, c10::toString(out.scalar_type()), c10::str(out.sizes()),
-                                  out.device().str(), c10::toString(entry.dtype),
-                                  c10::str(c10::IntArrayRef(rows_shape(entry, count)))));
-    in_.clear();
-    in_.seekg(static_cast<std::streamoff>(header_.data_start + offset));
-    in_.read(static_cast<char*>(out.data_ptr()), static_cast<std::streamsize>(out.numel() * out.element_size()));
-    if (!in_) throw DataError(fmt::format("{}: tensor '{}' could not be read (truncated file?)", where_, entry.name));
-  }
+  MESHTORCH_DECL void read_rows_into(const SafetensorsEntry& entry, std::int64_t first_row, std::int64_t count,
+                                     torch::Tensor& out);
 
   // Bytes of one row of `entry` (of the whole tensor when 0-d).
   static std::uint64_t row_bytes(const SafetensorsEntry& entry) {
@@ -182,29 +136,57 @@ class SafetensorsRowReader {
   SafetensorsHeader header_;
 };
 
-inline SafetensorsFile load_safetensors(const std::filesystem::path& path) {
-  const std::string where = path.string();
-  std::uint64_t file_size = 0;
-  auto in = safetensors_detail::open_regular_file(path, file_size);
-  auto header = safetensors_detail::parse_header(in, file_size, where);
-  SafetensorsFile result;
-  result.metadata = std::move(header.metadata);
-  for (auto& e : header.entries) {
-    auto t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
-    in.seekg(static_cast<std::streamoff>(header.data_start + e.begin));
-    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin));
-    if (!in) throw DataError(fmt::format("{}: tensor '{}' could not be read (truncated file?)", where, e.name));
-    result.tensors.emplace_back(std::move(e.name), std::move(t));
-  }
-  return result;
-}
+MESHTORCH_DECL SafetensorsFile load_safetensors(const std::filesystem::path& path);
 
 }  // namespace meshtorch::io
 
 #if MESHTORCH_DEFINITIONS
+#include <limits>
+
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/io/atomic_file.hpp>
+#include <meshtorch/io/json_file.hpp>
+
 namespace meshtorch::io {
+
+namespace safetensors_detail {
+
+inline const std::vector<std::pair<std::string, torch::ScalarType>>& dtype_names() {
+  static const std::vector<std::pair<std::string, torch::ScalarType>> names{
+      {"F64", torch::kDouble}, {"F32", torch::kFloat},  {"F16", torch::kHalf},  {"BF16", torch::kBFloat16},
+      {"I64", torch::kLong},   {"I32", torch::kInt},    {"I16", torch::kShort}, {"I8", torch::kChar},
+      {"U8", torch::kByte},    {"BOOL", torch::kBool}};
+  return names;
+}
+
+MESHTORCH_DECL std::string dtype_name(torch::ScalarType type) {
+  for (const auto& [name, t] : dtype_names())
+    if (t == type) return name;
+  throw DataError(std::string("safetensors: unsupported dtype ") + c10::toString(type));
+}
+
+MESHTORCH_DECL std::optional<torch::ScalarType> dtype_from_name(const std::string& name) {
+  for (const auto& [n, t] : dtype_names())
+    if (n == name) return t;
+  return std::nullopt;
+}
+
+MESHTORCH_DECL std::ifstream open_regular_file(const std::filesystem::path& path, std::uint64_t& size) {
+  std::error_code error;
+  const auto status = std::filesystem::status(path, error);
+  if (!std::filesystem::exists(status)) throw DataError(fmt::format("{}: no such file", path.string()));
+  if (!std::filesystem::is_regular_file(status))
+    throw DataError(fmt::format("{}: not a regular file (a directory, device or pipe)", path.string()));
+  size = std::filesystem::file_size(path, error);
+  if (error) throw DataError(fmt::format("{}: cannot read its size ({})", path.string(), error.message()));
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
+  return in;
+}
+
+}  // namespace safetensors_detail
 
 MESHTORCH_DECL void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
                                      const std::map<std::string, std::string>& metadata) {
@@ -233,6 +215,44 @@ MESHTORCH_DECL void save_safetensors(const std::filesystem::path& path, const Na
   file.write(text);
   for (const auto& t : cpu) file.write(t.data_ptr(), t.numel() * t.element_size());
   file.commit();
+}
+
+MESHTORCH_DECL void SafetensorsRowReader::read_rows_into(const SafetensorsEntry& entry, std::int64_t first_row,
+                                                         std::int64_t count, torch::Tensor& out) {
+  std::uint64_t offset = entry.begin;
+  if (!entry.shape.empty()) {
+    if (first_row < 0 || count < 0 || first_row + count > entry.shape[0])
+      throw DataError(fmt::format("{}: tensor '{}': rows [{}, {}) lie outside its {} rows", where_, entry.name,
+                                  first_row, first_row + count, entry.shape[0]));
+    offset += row_bytes(entry) * static_cast<std::uint64_t>(first_row);
+  }
+  if (out.sizes() != c10::IntArrayRef(rows_shape(entry, count)) || out.scalar_type() != entry.dtype ||
+      !out.is_contiguous() || !out.device().is_cpu())
+    throw DataError(fmt::format("{}: tensor '{}': the buffer to read into is {} {} on {}, not the rows' {} {}",
+                                where_, entry.name, c10::toString(out.scalar_type()), c10::str(out.sizes()),
+                                out.device().str(), c10::toString(entry.dtype),
+                                c10::str(c10::IntArrayRef(rows_shape(entry, count)))));
+  in_.clear();
+  in_.seekg(static_cast<std::streamoff>(header_.data_start + offset));
+  in_.read(static_cast<char*>(out.data_ptr()), static_cast<std::streamsize>(out.numel() * out.element_size()));
+  if (!in_) throw DataError(fmt::format("{}: tensor '{}' could not be read (truncated file?)", where_, entry.name));
+}
+
+MESHTORCH_DECL SafetensorsFile load_safetensors(const std::filesystem::path& path) {
+  const std::string where = path.string();
+  std::uint64_t file_size = 0;
+  auto in = safetensors_detail::open_regular_file(path, file_size);
+  auto header = safetensors_detail::parse_header(in, file_size, where);
+  SafetensorsFile result;
+  result.metadata = std::move(header.metadata);
+  for (auto& e : header.entries) {
+    auto t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
+    in.seekg(static_cast<std::streamoff>(header.data_start + e.begin));
+    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin));
+    if (!in) throw DataError(fmt::format("{}: tensor '{}' could not be read (truncated file?)", where, e.name));
+    result.tensors.emplace_back(std::move(e.name), std::move(t));
+  }
+  return result;
 }
 
 namespace safetensors_detail {

@@ -4,17 +4,16 @@
 // chunk (the last ranks' rows clipped, possibly to none), a replica holding everything. The box
 // algebra (intersect, subtract, copy the overlap) is what lets a checkpoint saved in one layout
 // load into another: a rank fills its box from every saved piece that overlaps it.
-#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::io {
 
@@ -32,12 +31,7 @@ struct Box {
 };
 
 // "[0:4, 8:16]": half-open ranges per dim, as errors show a box.
-inline std::string to_string(const Box& box) {
-  std::vector<std::string> ranges;
-  for (std::size_t d = 0; d < box.dim(); ++d)
-    ranges.push_back(fmt::format("{}:{}", box.offsets[d], box.offsets[d] + box.sizes[d]));
-  return fmt::format("[{}]", fmt::join(ranges, ", "));
-}
+MESHTORCH_DECL std::string to_string(const Box& box);
 
 // The box of a whole tensor of this shape.
 inline Box whole(const std::vector<std::int64_t>& shape) {
@@ -53,7 +47,74 @@ inline bool contains(const Box& outer, const Box& inner) {
 }
 
 // The common part of two boxes of the same tensor, or nothing when they do not overlap.
-inline std::optional<Box> intersect(const Box& a, const Box& b) {
+MESHTORCH_DECL std::optional<Box> intersect(const Box& a, const Box& b);
+
+// `a` minus `b` as disjoint boxes (at most two per dim): what of `a` a piece `b` leaves uncovered.
+MESHTORCH_DECL std::vector<Box> subtract(const Box& a, const Box& b);
+
+// Chunk `index` of `count` along `dim` of `box`, with torch.chunk's sizes (ceil(size / count)
+// per chunk, the last ones shorter or empty): what TensorParallel keeps of a weight.
+MESHTORCH_DECL Box chunk(const Box& box, std::int64_t dim, std::int64_t index, std::int64_t count);
+
+inline Box chunk(const std::vector<std::int64_t>& global_shape, std::int64_t dim, std::int64_t index,
+                 std::int64_t count) {
+  return chunk(whole(global_shape), dim, index, count);
+}
+
+// Rows [begin, end) of `box` (dim 0, counted inside the box; clipped to the box): the block of a
+// box that FSDP keeps on one rank, whose last ranks may hold fewer rows or none.
+MESHTORCH_DECL Box rows(const Box& box, std::int64_t begin, std::int64_t end);
+
+// `tensor` (whose extent is `box`) narrowed to the sub-box `part`; a view, no copy.
+inline torch::Tensor view_of(const torch::Tensor& tensor, const Box& box, const Box& part) {
+  auto view = tensor;
+  for (std::size_t d = 0; d < box.dim(); ++d)
+    view = view.narrow(static_cast<std::int64_t>(d), part.offsets[d] - box.offsets[d], part.sizes[d]);
+  return view;
+}
+
+// Copies the overlap of `source` (extent `source_box`) into `target` (extent `target_box`);
+// returns the overlap, or nothing when the boxes do not meet. Devices and strides may differ.
+MESHTORCH_DECL std::optional<Box> copy_overlap(const torch::Tensor& source, const Box& source_box,
+                                              torch::Tensor& target, const Box& target_box);
+
+// One rank's piece of a global tensor, as checkpoints save and load it.
+struct ShardedTensor {
+  std::string name;
+  torch::Tensor local;  // shape == box.sizes, any device; filled in place on load
+  std::vector<std::int64_t> global_shape;
+  Box box;             // where `local` sits in the global tensor
+  bool writer = true;  // false for a replica that another rank saves
+};
+
+// A piece whose box must lie inside the global shape and match the local tensor's shape.
+MESHTORCH_DECL ShardedTensor sharded(std::string name, torch::Tensor local, std::vector<std::int64_t> global_shape,
+                                     Box box, bool writer = true);
+
+// A whole tensor held by this rank; `writer` marks the one replica (of identical copies) that saves it.
+inline ShardedTensor replicated(std::string name, torch::Tensor tensor, bool writer) {
+  auto shape = tensor.sizes().vec();
+  return sharded(std::move(name), std::move(tensor), shape, whole(shape), writer);
+}
+
+}  // namespace meshtorch::io
+
+#if MESHTORCH_DEFINITIONS
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+namespace meshtorch::io {
+
+MESHTORCH_DECL std::string to_string(const Box& box) {
+  std::vector<std::string> ranges;
+  for (std::size_t d = 0; d < box.dim(); ++d)
+    ranges.push_back(fmt::format("{}:{}", box.offsets[d], box.offsets[d] + box.sizes[d]));
+  return fmt::format("[{}]", fmt::join(ranges, ", "));
+}
+
+MESHTORCH_DECL std::optional<Box> intersect(const Box& a, const Box& b) {
   if (a.dim() != b.dim())
     throw ConfigError(
         fmt::format("intersect: boxes {} and {} have different numbers of dims", to_string(a), to_string(b)));
@@ -69,8 +130,7 @@ inline std::optional<Box> intersect(const Box& a, const Box& b) {
   return out;
 }
 
-// `a` minus `b` as disjoint boxes (at most two per dim): what of `a` a piece `b` leaves uncovered.
-inline std::vector<Box> subtract(const Box& a, const Box& b) {
+MESHTORCH_DECL std::vector<Box> subtract(const Box& a, const Box& b) {
   const auto common = intersect(a, b);
   if (!common) return a.empty() ? std::vector<Box>{} : std::vector<Box>{a};
   std::vector<Box> out;
@@ -95,9 +155,7 @@ inline std::vector<Box> subtract(const Box& a, const Box& b) {
   return out;
 }
 
-// Chunk `index` of `count` along `dim` of `box`, with torch.chunk's sizes (ceil(size / count)
-// per chunk, the last ones shorter or empty): what TensorParallel keeps of a weight.
-inline Box chunk(const Box& box, std::int64_t dim, std::int64_t index, std::int64_t count) {
+MESHTORCH_DECL Box chunk(const Box& box, std::int64_t dim, std::int64_t index, std::int64_t count) {
   if (dim < 0 || dim >= static_cast<std::int64_t>(box.dim()))
     throw ConfigError(fmt::format("chunk: dim {} is out of range for box {}", dim, to_string(box)));
   if (count < 1 || index < 0 || index >= count)
@@ -112,14 +170,7 @@ inline Box chunk(const Box& box, std::int64_t dim, std::int64_t index, std::int6
   return out;
 }
 
-inline Box chunk(const std::vector<std::int64_t>& global_shape, std::int64_t dim, std::int64_t index,
-                 std::int64_t count) {
-  return chunk(whole(global_shape), dim, index, count);
-}
-
-// Rows [begin, end) of `box` (dim 0, counted inside the box; clipped to the box): the block of a
-// box that FSDP keeps on one rank, whose last ranks may hold fewer rows or none.
-inline Box rows(const Box& box, std::int64_t begin, std::int64_t end) {
+MESHTORCH_DECL Box rows(const Box& box, std::int64_t begin, std::int64_t end) {
   if (box.dim() == 0) throw ConfigError("rows: a 0-d box has no rows");
   if (begin < 0 || end < begin)
     throw ConfigError(fmt::format("rows: [{}, {}) is not a row range of box {}", begin, end, to_string(box)));
@@ -131,18 +182,8 @@ inline Box rows(const Box& box, std::int64_t begin, std::int64_t end) {
   return out;
 }
 
-// `tensor` (whose extent is `box`) narrowed to the sub-box `part`; a view, no copy.
-inline torch::Tensor view_of(const torch::Tensor& tensor, const Box& box, const Box& part) {
-  auto view = tensor;
-  for (std::size_t d = 0; d < box.dim(); ++d)
-    view = view.narrow(static_cast<std::int64_t>(d), part.offsets[d] - box.offsets[d], part.sizes[d]);
-  return view;
-}
-
-// Copies the overlap of `source` (extent `source_box`) into `target` (extent `target_box`);
-// returns the overlap, or nothing when the boxes do not meet. Devices and strides may differ.
-inline std::optional<Box> copy_overlap(const torch::Tensor& source, const Box& source_box, torch::Tensor& target,
-                                       const Box& target_box) {
+MESHTORCH_DECL std::optional<Box> copy_overlap(const torch::Tensor& source, const Box& source_box,
+                                              torch::Tensor& target, const Box& target_box) {
   const auto common = intersect(source_box, target_box);
   if (!common) return std::nullopt;
   torch::NoGradGuard no_grad;
@@ -150,18 +191,8 @@ inline std::optional<Box> copy_overlap(const torch::Tensor& source, const Box& s
   return common;
 }
 
-// One rank's piece of a global tensor, as checkpoints save and load it.
-struct ShardedTensor {
-  std::string name;
-  torch::Tensor local;  // shape == box.sizes, any device; filled in place on load
-  std::vector<std::int64_t> global_shape;
-  Box box;             // where `local` sits in the global tensor
-  bool writer = true;  // false for a replica that another rank saves
-};
-
-// A piece whose box must lie inside the global shape and match the local tensor's shape.
-inline ShardedTensor sharded(std::string name, torch::Tensor local, std::vector<std::int64_t> global_shape, Box box,
-                             bool writer = true) {
+MESHTORCH_DECL ShardedTensor sharded(std::string name, torch::Tensor local, std::vector<std::int64_t> global_shape,
+                                     Box box, bool writer) {
   if (box.dim() != global_shape.size() || !contains(whole(global_shape), box))
     throw ConfigError(fmt::format("{}: box {} does not lie inside the global shape [{}]", name, to_string(box),
                                   fmt::join(global_shape, ", ")));
@@ -171,10 +202,5 @@ inline ShardedTensor sharded(std::string name, torch::Tensor local, std::vector<
   return ShardedTensor{std::move(name), std::move(local), std::move(global_shape), std::move(box), writer};
 }
 
-// A whole tensor held by this rank; `writer` marks the one replica (of identical copies) that saves it.
-inline ShardedTensor replicated(std::string name, torch::Tensor tensor, bool writer) {
-  auto shape = tensor.sizes().vec();
-  return sharded(std::move(name), std::move(tensor), shape, whole(shape), writer);
-}
-
 }  // namespace meshtorch::io
+#endif  // MESHTORCH_DEFINITIONS

@@ -5,15 +5,13 @@
 // rank: ParallelLlama passes the checkpoint writer's rule, so DP replicas and weights TP leaves
 // whole count once), one all-reduce over the world adds them, and every rank scales all its
 // gradients, replicas too, by min(1, max_norm / (norm + 1e-6)).
-#include <algorithm>
-#include <cmath>
 #include <functional>
 #include <vector>
 
-#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {
 
@@ -27,8 +25,28 @@ struct ClippedTensor {
 // The norm of the gradients before clipping. `sum_over_ranks` adds every rank's part of the
 // squared norm (a one-element fp64 tensor); none: one process. Taking it as a function keeps
 // the collectives out of one-process programs.
-inline double clip_grad_norm(const std::vector<ClippedTensor>& pieces, double max_norm,
-                             const std::function<torch::Tensor(torch::Tensor)>& sum_over_ranks = {}) {
+MESHTORCH_DECL double clip_grad_norm(const std::vector<ClippedTensor>& pieces, double max_norm,
+                                     const std::function<torch::Tensor(torch::Tensor)>& sum_over_ranks = {});
+
+// One process: every parameter counts.
+inline double clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm) {
+  std::vector<ClippedTensor> pieces;
+  for (const auto& parameter : parameters) pieces.push_back({parameter, true});
+  return clip_grad_norm(pieces, max_norm);
+}
+
+}  // namespace meshtorch
+
+#if MESHTORCH_DEFINITIONS
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+
+namespace meshtorch {
+
+MESHTORCH_DECL double clip_grad_norm(const std::vector<ClippedTensor>& pieces, double max_norm,
+                                     const std::function<torch::Tensor(torch::Tensor)>& sum_over_ranks) {
   if (!(max_norm > 0)) throw ConfigError(fmt::format("clip_grad_norm: max_norm {} must be positive", max_norm));
   std::vector<torch::Tensor> grads;
   torch::Tensor squares;
@@ -41,10 +59,10 @@ inline double clip_grad_norm(const std::vector<ClippedTensor>& pieces, double ma
     auto square = at::linalg_vector_norm(grad, 2, {}, false, torch::kFloat).to(torch::kDouble).square();
     squares = squares.defined() ? squares + square : square;
   }
-  if (!squares.defined())
-    squares = torch::zeros({}, torch::TensorOptions()
-                                   .dtype(torch::kDouble)
-                                   .device(pieces.empty() ? torch::Device(torch::kCPU) : pieces.front().tensor.device()));
+  if (!squares.defined()) {
+    const auto device = pieces.empty() ? torch::Device(torch::kCPU) : pieces.front().tensor.device();
+    squares = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(device));
+  }
   if (sum_over_ranks) squares = sum_over_ranks(squares.reshape({1}));
   const double norm = std::sqrt(squares.item<double>());
   const double scale = std::min(1.0, max_norm / (norm + 1e-6));
@@ -53,11 +71,5 @@ inline double clip_grad_norm(const std::vector<ClippedTensor>& pieces, double ma
   return norm;
 }
 
-// One process: every parameter counts.
-inline double clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm) {
-  std::vector<ClippedTensor> pieces;
-  for (const auto& parameter : parameters) pieces.push_back({parameter, true});
-  return clip_grad_norm(pieces, max_norm);
-}
-
 }  // namespace meshtorch
+#endif  // MESHTORCH_DEFINITIONS

@@ -6,12 +6,12 @@
 #include <exception>
 #include <string>
 #include <type_traits>
-
-#include <fmt/format.h>
+#include <utility>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {
 
@@ -48,12 +48,7 @@ decltype(auto) rank_zero_first(const comm::AxisGroup& group, Work&& work) {
 // is the safer rule for Adam at large factors; none keeps --lr as given.
 enum class LrScaling { none, linear, sqrt };
 
-inline LrScaling parse_lr_scaling(const std::string& name) {
-  if (name == "none") return LrScaling::none;
-  if (name == "linear") return LrScaling::linear;
-  if (name == "sqrt") return LrScaling::sqrt;
-  throw ConfigError(fmt::format("--lr-scaling '{}': use none, linear or sqrt", name));
-}
+MESHTORCH_DECL LrScaling parse_lr_scaling(const std::string& name);
 
 inline double scaled_lr(double lr, LrScaling rule, std::int64_t factor) {
   switch (rule) {
@@ -65,3 +60,18 @@ inline double scaled_lr(double lr, LrScaling rule, std::int64_t factor) {
 }
 
 }  // namespace meshtorch
+
+#if MESHTORCH_DEFINITIONS
+#include <fmt/format.h>
+
+namespace meshtorch {
+
+MESHTORCH_DECL LrScaling parse_lr_scaling(const std::string& name) {
+  if (name == "none") return LrScaling::none;
+  if (name == "linear") return LrScaling::linear;
+  if (name == "sqrt") return LrScaling::sqrt;
+  throw ConfigError(fmt::format("--lr-scaling '{}': use none, linear or sqrt", name));
+}
+
+}  // namespace meshtorch
+#endif  // MESHTORCH_DEFINITIONS

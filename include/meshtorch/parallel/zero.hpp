@@ -10,11 +10,7 @@
 // Ownership is PyTorch's greedy rule: parameters sorted by size, largest first, each to the
 // rank that owns the fewest elements so far. The rule depends only on the shapes, so every rank
 // computes the same partition.
-#include <algorithm>
 #include <cstdint>
-#include <deque>
-#include <map>
-#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,28 +18,14 @@
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
-#include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/io/safetensors.hpp>
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/adamw.hpp>
 
 namespace meshtorch {
 
 // owner[i] = the group rank that owns parameter i.
-inline std::vector<int> partition_parameters_greedy(const std::vector<torch::Tensor>& params, int world_size) {
-  std::vector<std::size_t> order(params.size());
-  std::iota(order.begin(), order.end(), 0);
-  // stable: equal sizes keep their definition order, the same on every rank.
-  std::stable_sort(order.begin(), order.end(),
-                   [&](std::size_t a, std::size_t b) { return params[a].numel() > params[b].numel(); });
-  std::vector<std::int64_t> load(static_cast<std::size_t>(world_size), 0);
-  std::vector<int> owner(params.size(), 0);
-  for (std::size_t i : order) {
-    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
-    owner[i] = static_cast<int>(least);
-    load[least] += params[i].numel();
-  }
-  return owner;
-}
+MESHTORCH_DECL std::vector<int> partition_parameters_greedy(const std::vector<torch::Tensor>& params, int world_size);
 
 class ZeroRedundancyOptimizer {
  public:
@@ -59,41 +41,7 @@ class ZeroRedundancyOptimizer {
     for (auto& [name, p] : params_) p.mutable_grad() = torch::Tensor();
   }
 
-  void step() {
-    local_.step();
-    torch::NoGradGuard no_grad;
-    if (group_.size() == 1) return;
-    // Coalesced broadcasts from each owner, in buckets of at most broadcast_bucket_bytes (one
-    // flat copy of everything an owner holds would cost as much memory as AdamW's shard saves),
-    // two in flight at a time.
-    std::deque<comm::Work<std::vector<torch::Tensor>>> pending;
-    auto issue = [&](std::vector<torch::Tensor>& bucket, int source) {
-      if (bucket.empty()) return;
-      pending.push_back(comm::broadcast_coalesced_async(group_, std::move(bucket), source));
-      bucket.clear();
-      if (pending.size() > 2) {
-        pending.front().wait();
-        pending.pop_front();
-      }
-    };
-    for (int source = 0; source < group_.size(); ++source) {
-      std::map<int, std::pair<std::vector<torch::Tensor>, std::int64_t>> by_dtype;  // tensors, bytes
-      for (std::size_t i = 0; i < params_.size(); ++i) {
-        if (owner_[i] != source) continue;
-        const auto& p = params_[i].second;
-        auto& [bucket, bytes] = by_dtype[static_cast<int>(p.scalar_type())];
-        const auto size = static_cast<std::int64_t>(p.numel() * p.element_size());
-        if (!bucket.empty() && bytes + size > broadcast_bucket_bytes) {
-          issue(bucket, source);
-          bytes = 0;
-        }
-        bucket.push_back(p);
-        bytes += size;
-      }
-      for (auto& [dtype, bucket] : by_dtype) issue(bucket.first, source);
-    }
-    for (auto& work : pending) work.wait();
-  }
+  MESHTORCH_DECL void step();
 
   // This rank's shard of the state: "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step"
   // for the parameters it owns. Checkpoints save one shard per rank.
@@ -112,15 +60,7 @@ class ZeroRedundancyOptimizer {
   const comm::AxisGroup& group() const { return group_; }
 
  private:
-  train::AdamW make_local(const train::AdamWOptions& options) {
-    std::vector<torch::Tensor> tensors;
-    for (const auto& [name, p] : params_) tensors.push_back(p);
-    owner_ = partition_parameters_greedy(tensors, group_.size());
-    std::vector<std::pair<std::string, torch::Tensor>> mine;
-    for (std::size_t i = 0; i < params_.size(); ++i)
-      if (owner_[i] == group_.rank()) mine.push_back(params_[i]);
-    return train::AdamW(std::move(mine), options);
-  }
+  MESHTORCH_DECL train::AdamW make_local(const train::AdamWOptions& options);
 
   static constexpr std::int64_t broadcast_bucket_bytes = std::int64_t{25} << 20;  // as DDP's buckets
 
@@ -131,3 +71,78 @@ class ZeroRedundancyOptimizer {
 };
 
 }  // namespace meshtorch
+
+#if MESHTORCH_DEFINITIONS
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <numeric>
+
+#include <meshtorch/comm/collectives.hpp>
+
+namespace meshtorch {
+
+MESHTORCH_DECL std::vector<int> partition_parameters_greedy(const std::vector<torch::Tensor>& params, int world_size) {
+  std::vector<std::size_t> order(params.size());
+  std::iota(order.begin(), order.end(), 0);
+  // stable: equal sizes keep their definition order, the same on every rank.
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return params[a].numel() > params[b].numel(); });
+  std::vector<std::int64_t> load(static_cast<std::size_t>(world_size), 0);
+  std::vector<int> owner(params.size(), 0);
+  for (std::size_t i : order) {
+    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
+    owner[i] = static_cast<int>(least);
+    load[least] += params[i].numel();
+  }
+  return owner;
+}
+
+MESHTORCH_DECL void ZeroRedundancyOptimizer::step() {
+  local_.step();
+  torch::NoGradGuard no_grad;
+  if (group_.size() == 1) return;
+  // Coalesced broadcasts from each owner, in buckets of at most broadcast_bucket_bytes (one
+  // flat copy of everything an owner holds would cost as much memory as AdamW's shard saves),
+  // two in flight at a time.
+  std::deque<comm::Work<std::vector<torch::Tensor>>> pending;
+  auto issue = [&](std::vector<torch::Tensor>& bucket, int source) {
+    if (bucket.empty()) return;
+    pending.push_back(comm::broadcast_coalesced_async(group_, std::move(bucket), source));
+    bucket.clear();
+    if (pending.size() > 2) {
+      pending.front().wait();
+      pending.pop_front();
+    }
+  };
+  for (int source = 0; source < group_.size(); ++source) {
+    std::map<int, std::pair<std::vector<torch::Tensor>, std::int64_t>> by_dtype;  // tensors, bytes
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (owner_[i] != source) continue;
+      const auto& p = params_[i].second;
+      auto& [bucket, bytes] = by_dtype[static_cast<int>(p.scalar_type())];
+      const auto size = static_cast<std::int64_t>(p.numel() * p.element_size());
+      if (!bucket.empty() && bytes + size > broadcast_bucket_bytes) {
+        issue(bucket, source);
+        bytes = 0;
+      }
+      bucket.push_back(p);
+      bytes += size;
+    }
+    for (auto& [dtype, bucket] : by_dtype) issue(bucket.first, source);
+  }
+  for (auto& work : pending) work.wait();
+}
+
+MESHTORCH_DECL train::AdamW ZeroRedundancyOptimizer::make_local(const train::AdamWOptions& options) {
+  std::vector<torch::Tensor> tensors;
+  for (const auto& [name, p] : params_) tensors.push_back(p);
+  owner_ = partition_parameters_greedy(tensors, group_.size());
+  std::vector<std::pair<std::string, torch::Tensor>> mine;
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (owner_[i] == group_.rank()) mine.push_back(params_[i]);
+  return train::AdamW(std::move(mine), options);
+}
+
+}  // namespace meshtorch
+#endif  // MESHTORCH_DEFINITIONS

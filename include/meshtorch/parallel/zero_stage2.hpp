@@ -28,44 +28,20 @@
 #include <algorithm>
 #include <cstdint>
 #include <deque>
-#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
-#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/comm/work.hpp>
 #include <meshtorch/error.hpp>
-#include <meshtorch/parallel/ddp.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {
-
-namespace zero_stage2_detail {
-
-// Calls back once autograd has accumulated a parameter's gradient: a post hook of the
-// parameter's AccumulateGrad node, as c10d's Reducer registers its own. (LambdaPostHook would do
-// the same, but its header pulls in the compiled-autograd machinery.)
-class GradientArrived : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradientArrived(std::function<void()> callback) : callback_(std::move(callback)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    callback_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> callback_;
-};
-
-}  // namespace zero_stage2_detail
 
 struct ZeroStage2Options {
   // Bytes of full gradients per reduce-scatter bucket (DeepSpeed's reduce_bucket_size, in MiB).
@@ -91,61 +67,8 @@ class ZeroStage2 {
     bool arrived = false;            // its gradient of the running backward is in the send buffer
   };
 
-  ZeroStage2(std::vector<std::pair<std::string, torch::Tensor>> named, const comm::AxisGroup& group,
-             ZeroStage2Options options = {})
-      : group_(group), options_(options) {
-    if (named.empty()) throw ConfigError("ZeroStage2: there is no parameter that requires grad");
-    if (options_.buckets_in_flight < 0)
-      throw ConfigError(fmt::format("ZeroStage2: buckets_in_flight is {}; it must be 0 (no overlap) or more",
-                                    options_.buckets_in_flight));
-    detail::check_same_parameters(group_, named);
-    const auto world = group_.size();
-    const auto rank = group_.rank();
-    torch::NoGradGuard no_grad;
-    for (auto& [name, tensor] : named) {
-      if (tensor.dim() == 0) throw ConfigError(fmt::format("ZeroStage2: '{}' is a scalar; rows cannot be sharded", name));
-      Parameter p;
-      p.name = name;
-      p.full = tensor;
-      p.rows = tensor.size(0);
-      p.row_numel = tensor.numel() / std::max<std::int64_t>(p.rows, 1);
-      p.rows_per_rank = (p.rows + world - 1) / world;
-      p.first_row = std::min(p.rows, rank * p.rows_per_rank);
-      p.local_rows = std::clamp<std::int64_t>(p.rows - rank * p.rows_per_rank, 0, p.rows_per_rank);
-      p.shard = tensor.detach().narrow(0, p.first_row, p.local_rows);
-      params_.push_back(std::move(p));
-    }
-    // Buckets in the reverse of definition order, roughly the order backward produces gradients.
-    const auto cap = static_cast<std::int64_t>(options_.bucket_cap_mb * 1024 * 1024);
-    for (std::size_t k = params_.size(); k-- > 0;) {
-      auto& p = params_[k];
-      const auto bytes = p.full.numel() * static_cast<std::int64_t>(p.full.element_size());
-      if (buckets_.empty() || (buckets_.back().bytes > 0 && buckets_.back().bytes + bytes > cap)) buckets_.emplace_back();
-      auto& bucket = buckets_.back();
-      p.bucket = buckets_.size() - 1;
-      p.block_offset = bucket.block_numel;
-      bucket.block_numel += p.rows_per_rank * p.row_numel;
-      bucket.bytes += bytes;
-      bucket.params.push_back(k);
-    }
-    // All replicas start from rank 0's weights, as DDP's do; a bucket at a time bounds the copy.
-    if (world > 1)
-      for (const auto& bucket : buckets_) {
-        std::vector<torch::Tensor> tensors;
-        for (const auto k : bucket.params) tensors.push_back(params_[k].full.detach());
-        comm::broadcast_coalesced(group_, tensors, 0);
-      }
-    // After autograd accumulates a parameter's gradient, it goes into its bucket at once.
-    for (std::size_t k = 0; k < params_.size(); ++k) {
-      auto accumulator = torch::autograd::impl::grad_accumulator(params_[k].full);
-      if (!accumulator)
-        throw ConfigError(fmt::format("ZeroStage2: '{}' is not a leaf that requires grad", params_[k].name));
-      accumulator->add_post_hook(
-          std::make_unique<zero_stage2_detail::GradientArrived>([this, k] { gradient_arrived(k); }));
-      accumulators_.push_back(std::move(accumulator));
-    }
-    record_versions();
-  }
+  MESHTORCH_DECL ZeroStage2(std::vector<std::pair<std::string, torch::Tensor>> named, const comm::AxisGroup& group,
+                            ZeroStage2Options options = {});
 
   // The hooks point at this object: it stays where it was built.
   ZeroStage2(const ZeroStage2&) = delete;
@@ -159,65 +82,17 @@ class ZeroStage2 {
     return named;
   }
   // This rank's rows of `name`: [first row, number of rows).
-  std::pair<std::int64_t, std::int64_t> rows_of(const std::string& name) const {
-    for (const auto& p : params_)
-      if (p.name == name) return {p.first_row, p.local_rows};
-    throw ConfigError(fmt::format("ZeroStage2: no parameter '{}'", name));
-  }
+  MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> rows_of(const std::string& name) const;
 
   // Call before each forward: all-gathers the rows the optimizer updated since the last gather,
   // and checks that the last backward reduced every gradient. An optimizer step is seen in the
   // weights' version counters, or in its zero_grad dropping the gradients a backward reduced
   // (fused kernels do not always bump versions); with an optimizer that zeroes gradients in place
   // instead, call gather_parameters() after each step.
-  void before_forward() {
-    check_backward_complete();
-    bool dropped = false;
-    for (auto& bucket : buckets_)
-      if (bucket.grad_block.defined() && !shard_grads_are(bucket)) {
-        bucket.grad_block = torch::Tensor();  // free the buffer the dropped gradients lived in
-        dropped = true;
-      }
-    if (versions_changed() || (reduced_since_gather_ && (dropped || !gathered_once_))) gather_parameters();
-  }
+  MESHTORCH_DECL void before_forward();
 
   // All-gathers every rank's rows into the whole weights, bucket by bucket.
-  void gather_parameters() {
-    torch::NoGradGuard no_grad;
-    const auto world = group_.size();
-    if (world > 1) {
-      std::deque<std::pair<std::size_t, comm::Work<torch::Tensor>>> pending;
-      auto copy_out = [&] {
-        auto [index, work] = std::move(pending.front());
-        pending.pop_front();
-        const auto blocks = work.wait().view({world, buckets_[index].block_numel});
-        for (const auto k : buckets_[index].params) {
-          const auto& p = params_[k];
-          const auto full = p.full.detach().view({p.rows, p.row_numel});
-          for (int r = 0; r < world; ++r) {
-            const auto rows = rows_on(p, r);
-            if (rows == 0 || r == group_.rank()) continue;  // its own rows are already there
-            full.narrow(0, r * p.rows_per_rank, rows)
-                .copy_(blocks[r].narrow(0, p.block_offset, rows * p.row_numel).view({rows, p.row_numel}));
-          }
-        }
-      };
-      for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        // Padding rows are never copied out: they may hold anything.
-        auto block = torch::empty({buckets_[b].block_numel}, params_.front().full.options().requires_grad(false));
-        for (const auto k : buckets_[b].params) {
-          const auto& p = params_[k];
-          block.narrow(0, p.block_offset, p.local_rows * p.row_numel).copy_(p.shard.reshape({-1}));
-        }
-        pending.emplace_back(b, comm::all_gather_async(group_, block, 0));
-        if (static_cast<int>(pending.size()) > options_.buckets_in_flight) copy_out();
-      }
-      while (!pending.empty()) copy_out();
-    }
-    record_versions();
-    reduced_since_gather_ = false;
-    gathered_once_ = true;
-  }
+  MESHTORCH_DECL void gather_parameters();
 
   // Elements of gradients this rank holds now (the shards' buffers), for memory accounting.
   std::int64_t gradient_numel() const {
@@ -246,64 +121,10 @@ class ZeroStage2 {
 
   // Autograd has accumulated parameter k's gradient of this backward: cut it into the rank
   // blocks of its bucket's send buffer, free it, and reduce whatever buckets are now complete.
-  void gradient_arrived(std::size_t k) {
-    torch::NoGradGuard no_grad;
-    auto& p = params_[k];
-    if (p.arrived)
-      throw ConfigError(fmt::format("ZeroStage2: '{}' got a second gradient in one backward", p.name));
-    auto& bucket = buckets_[p.bucket];
-    const auto world = group_.size();
-    if (!bucket.send.defined())
-      bucket.send = torch::empty({world * bucket.block_numel}, p.full.options().requires_grad(false));
-    const auto blocks = bucket.send.view({world, bucket.block_numel});
-    const auto grad = p.full.grad().reshape({p.rows, p.row_numel});
-    for (int r = 0; r < world; ++r) {
-      const auto rows = rows_on(p, r);
-      auto block = blocks[r].narrow(0, p.block_offset, p.rows_per_rank * p.row_numel).view({p.rows_per_rank, p.row_numel});
-      if (rows > 0) block.narrow(0, 0, rows).copy_(grad.narrow(0, r * p.rows_per_rank, rows));
-      // Padding rows (the last ranks' when rows do not divide) are summed too: zero, not garbage.
-      if (rows < p.rows_per_rank) block.narrow(0, rows, p.rows_per_rank - rows).zero_();
-    }
-    p.full.mutable_grad() = torch::Tensor();
-    p.arrived = true;
-    ++bucket.arrived;
-    ++arrived_;
-    // Buckets are reduced in index order on every rank, whatever order their gradients came in.
-    while (next_to_reduce_ < buckets_.size() && buckets_[next_to_reduce_].arrived == buckets_[next_to_reduce_].params.size()) {
-      auto& ready = buckets_[next_to_reduce_];
-      in_flight_.emplace_back(next_to_reduce_, comm::reduce_scatter_async(group_, ready.send.view({world, ready.block_numel}),
-                                                                           0, comm::ReduceOp::avg));
-      ready.send = torch::Tensor();  // the collective holds it until it completes
-      ++next_to_reduce_;
-      if (static_cast<int>(in_flight_.size()) > options_.buckets_in_flight) finish_oldest();
-    }
-    // The last gradient of the backward: every reduction completes before backward returns.
-    if (arrived_ == params_.size()) {
-      while (!in_flight_.empty()) finish_oldest();
-      for (auto& q : params_) q.arrived = false;
-      for (auto& b : buckets_) b.arrived = 0;
-      arrived_ = 0;
-      next_to_reduce_ = 0;
-      reduced_since_gather_ = true;
-    }
-  }
+  MESHTORCH_DECL void gradient_arrived(std::size_t k);
 
   // Waits for the oldest reduce-scatter in flight and adds its result to the bucket's shards.
-  void finish_oldest() {
-    auto [index, work] = std::move(in_flight_.front());
-    in_flight_.pop_front();
-    auto mine = work.wait().view({-1});
-    auto& bucket = buckets_[index];
-    if (bucket.grad_block.defined() && shard_grads_are(bucket)) {
-      bucket.grad_block.add_(mine);  // gradient accumulation over micro-batches
-      return;
-    }
-    bucket.grad_block = mine;
-    for (const auto k : bucket.params) {
-      auto& p = params_[k];
-      p.shard.mutable_grad() = mine.narrow(0, p.block_offset, p.local_rows * p.row_numel).view(p.shard.sizes());
-    }
-  }
+  MESHTORCH_DECL void finish_oldest();
 
   // Whether the shards of `bucket` still have their gradients in its grad block (zero_grad drops them).
   bool shard_grads_are(const Bucket& bucket) const {
@@ -314,18 +135,7 @@ class ZeroStage2 {
     return true;
   }
 
-  void check_backward_complete() const {
-    if (arrived_ == 0) return;
-    std::vector<std::string> missing;
-    for (const auto& p : params_)
-      if (!p.arrived) missing.push_back(p.name);
-    throw ConfigError(fmt::format("ZeroStage2 on rank {}: the last backward gave no gradient to {} of {} parameters "
-                                  "({}{}); ZeRO-2 reduces a bucket when all its gradients have arrived, so every "
-                                  "parameter must take part in the loss",
-                                  group_.global_rank(), missing.size(), params_.size(),
-                                  fmt::join(missing.begin(), missing.begin() + std::min<std::size_t>(missing.size(), 3), ", "),
-                                  missing.size() > 3 ? ", ..." : ""));
-  }
+  MESHTORCH_DECL void check_backward_complete() const;
 
   // The optimizer updates the shards in place, which bumps the weights' version counters.
   void record_versions() {
@@ -354,3 +164,223 @@ class ZeroStage2 {
 };
 
 }  // namespace meshtorch
+
+#if MESHTORCH_DEFINITIONS
+#include <functional>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/parallel/ddp.hpp>
+
+namespace meshtorch {
+
+namespace zero_stage2_detail {
+
+// Calls back once autograd has accumulated a parameter's gradient: a post hook of the
+// parameter's AccumulateGrad node, as c10d's Reducer registers its own. (LambdaPostHook would do
+// the same, but its header pulls in the compiled-autograd machinery.)
+class GradientArrived : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradientArrived(std::function<void()> callback) : callback_(std::move(callback)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    callback_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> callback_;
+};
+
+}  // namespace zero_stage2_detail
+
+MESHTORCH_DECL ZeroStage2::ZeroStage2(std::vector<std::pair<std::string, torch::Tensor>> named,
+                                      const comm::AxisGroup& group, ZeroStage2Options options)
+    : group_(group), options_(options) {
+  if (named.empty()) throw ConfigError("ZeroStage2: there is no parameter that requires grad");
+  if (options_.buckets_in_flight < 0)
+    throw ConfigError(fmt::format("ZeroStage2: buckets_in_flight is {}; it must be 0 (no overlap) or more",
+                                  options_.buckets_in_flight));
+  detail::check_same_parameters(group_, named);
+  const auto world = group_.size();
+  const auto rank = group_.rank();
+  torch::NoGradGuard no_grad;
+  for (auto& [name, tensor] : named) {
+    if (tensor.dim() == 0) throw ConfigError(fmt::format("ZeroStage2: '{}' is a scalar; rows cannot be sharded", name));
+    Parameter p;
+    p.name = name;
+    p.full = tensor;
+    p.rows = tensor.size(0);
+    p.row_numel = tensor.numel() / std::max<std::int64_t>(p.rows, 1);
+    p.rows_per_rank = (p.rows + world - 1) / world;
+    p.first_row = std::min(p.rows, rank * p.rows_per_rank);
+    p.local_rows = std::clamp<std::int64_t>(p.rows - rank * p.rows_per_rank, 0, p.rows_per_rank);
+    p.shard = tensor.detach().narrow(0, p.first_row, p.local_rows);
+    params_.push_back(std::move(p));
+  }
+  // Buckets in the reverse of definition order, roughly the order backward produces gradients.
+  const auto cap = static_cast<std::int64_t>(options_.bucket_cap_mb * 1024 * 1024);
+  for (std::size_t k = params_.size(); k-- > 0;) {
+    auto& p = params_[k];
+    const auto bytes = p.full.numel() * static_cast<std::int64_t>(p.full.element_size());
+    if (buckets_.empty() || (buckets_.back().bytes > 0 && buckets_.back().bytes + bytes > cap)) buckets_.emplace_back();
+    auto& bucket = buckets_.back();
+    p.bucket = buckets_.size() - 1;
+    p.block_offset = bucket.block_numel;
+    bucket.block_numel += p.rows_per_rank * p.row_numel;
+    bucket.bytes += bytes;
+    bucket.params.push_back(k);
+  }
+  // All replicas start from rank 0's weights, as DDP's do; a bucket at a time bounds the copy.
+  if (world > 1)
+    for (const auto& bucket : buckets_) {
+      std::vector<torch::Tensor> tensors;
+      for (const auto k : bucket.params) tensors.push_back(params_[k].full.detach());
+      comm::broadcast_coalesced(group_, tensors, 0);
+    }
+  // After autograd accumulates a parameter's gradient, it goes into its bucket at once.
+  for (std::size_t k = 0; k < params_.size(); ++k) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(params_[k].full);
+    if (!accumulator)
+      throw ConfigError(fmt::format("ZeroStage2: '{}' is not a leaf that requires grad", params_[k].name));
+    accumulator->add_post_hook(
+        std::make_unique<zero_stage2_detail::GradientArrived>([this, k] { gradient_arrived(k); }));
+    accumulators_.push_back(std::move(accumulator));
+  }
+  record_versions();
+}
+
+MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> ZeroStage2::rows_of(const std::string& name) const {
+  for (const auto& p : params_)
+    if (p.name == name) return {p.first_row, p.local_rows};
+  throw ConfigError(fmt::format("ZeroStage2: no parameter '{}'", name));
+}
+
+MESHTORCH_DECL void ZeroStage2::before_forward() {
+  check_backward_complete();
+  bool dropped = false;
+  for (auto& bucket : buckets_)
+    if (bucket.grad_block.defined() && !shard_grads_are(bucket)) {
+      bucket.grad_block = torch::Tensor();  // free the buffer the dropped gradients lived in
+      dropped = true;
+    }
+  if (versions_changed() || (reduced_since_gather_ && (dropped || !gathered_once_))) gather_parameters();
+}
+
+MESHTORCH_DECL void ZeroStage2::gather_parameters() {
+  torch::NoGradGuard no_grad;
+  const auto world = group_.size();
+  if (world > 1) {
+    std::deque<std::pair<std::size_t, comm::Work<torch::Tensor>>> pending;
+    auto copy_out = [&] {
+      auto [index, work] = std::move(pending.front());
+      pending.pop_front();
+      const auto blocks = work.wait().view({world, buckets_[index].block_numel});
+      for (const auto k : buckets_[index].params) {
+        const auto& p = params_[k];
+        const auto full = p.full.detach().view({p.rows, p.row_numel});
+        for (int r = 0; r < world; ++r) {
+          const auto rows = rows_on(p, r);
+          if (rows == 0 || r == group_.rank()) continue;  // its own rows are already there
+          full.narrow(0, r * p.rows_per_rank, rows)
+              .copy_(blocks[r].narrow(0, p.block_offset, rows * p.row_numel).view({rows, p.row_numel}));
+        }
+      }
+    };
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      // Padding rows are never copied out: they may hold anything.
+      auto block = torch::empty({buckets_[b].block_numel}, params_.front().full.options().requires_grad(false));
+      for (const auto k : buckets_[b].params) {
+        const auto& p = params_[k];
+        block.narrow(0, p.block_offset, p.local_rows * p.row_numel).copy_(p.shard.reshape({-1}));
+      }
+      pending.emplace_back(b, comm::all_gather_async(group_, block, 0));
+      if (static_cast<int>(pending.size()) > options_.buckets_in_flight) copy_out();
+    }
+    while (!pending.empty()) copy_out();
+  }
+  record_versions();
+  reduced_since_gather_ = false;
+  gathered_once_ = true;
+}
+
+MESHTORCH_DECL void ZeroStage2::gradient_arrived(std::size_t k) {
+  torch::NoGradGuard no_grad;
+  auto& p = params_[k];
+  if (p.arrived)
+    throw ConfigError(fmt::format("ZeroStage2: '{}' got a second gradient in one backward", p.name));
+  auto& bucket = buckets_[p.bucket];
+  const auto world = group_.size();
+  if (!bucket.send.defined())
+    bucket.send = torch::empty({world * bucket.block_numel}, p.full.options().requires_grad(false));
+  const auto blocks = bucket.send.view({world, bucket.block_numel});
+  const auto grad = p.full.grad().reshape({p.rows, p.row_numel});
+  for (int r = 0; r < world; ++r) {
+    const auto rows = rows_on(p, r);
+    auto block =
+        blocks[r].narrow(0, p.block_offset, p.rows_per_rank * p.row_numel).view({p.rows_per_rank, p.row_numel});
+    if (rows > 0) block.narrow(0, 0, rows).copy_(grad.narrow(0, r * p.rows_per_rank, rows));
+    // Padding rows (the last ranks' when rows do not divide) are summed too: zero, not garbage.
+    if (rows < p.rows_per_rank) block.narrow(0, rows, p.rows_per_rank - rows).zero_();
+  }
+  p.full.mutable_grad() = torch::Tensor();
+  p.arrived = true;
+  ++bucket.arrived;
+  ++arrived_;
+  // Buckets are reduced in index order on every rank, whatever order their gradients came in.
+  while (next_to_reduce_ < buckets_.size() &&
+         buckets_[next_to_reduce_].arrived == buckets_[next_to_reduce_].params.size()) {
+    auto& ready = buckets_[next_to_reduce_];
+    in_flight_.emplace_back(next_to_reduce_, comm::reduce_scatter_async(
+                                                 group_, ready.send.view({world, ready.block_numel}), 0,
+                                                 comm::ReduceOp::avg));
+    ready.send = torch::Tensor();  // the collective holds it until it completes
+    ++next_to_reduce_;
+    if (static_cast<int>(in_flight_.size()) > options_.buckets_in_flight) finish_oldest();
+  }
+  // The last gradient of the backward: every reduction completes before backward returns.
+  if (arrived_ == params_.size()) {
+    while (!in_flight_.empty()) finish_oldest();
+    for (auto& q : params_) q.arrived = false;
+    for (auto& b : buckets_) b.arrived = 0;
+    arrived_ = 0;
+    next_to_reduce_ = 0;
+    reduced_since_gather_ = true;
+  }
+}
+
+MESHTORCH_DECL void ZeroStage2::finish_oldest() {
+  auto [index, work] = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  auto mine = work.wait().view({-1});
+  auto& bucket = buckets_[index];
+  if (bucket.grad_block.defined() && shard_grads_are(bucket)) {
+    bucket.grad_block.add_(mine);  // gradient accumulation over micro-batches
+    return;
+  }
+  bucket.grad_block = mine;
+  for (const auto k : bucket.params) {
+    auto& p = params_[k];
+    p.shard.mutable_grad() = mine.narrow(0, p.block_offset, p.local_rows * p.row_numel).view(p.shard.sizes());
+  }
+}
+
+MESHTORCH_DECL void ZeroStage2::check_backward_complete() const {
+  if (arrived_ == 0) return;
+  std::vector<std::string> missing;
+  for (const auto& p : params_)
+    if (!p.arrived) missing.push_back(p.name);
+  throw ConfigError(fmt::format("ZeroStage2 on rank {}: the last backward gave no gradient to {} of {} parameters "
+                                "({}{}); ZeRO-2 reduces a bucket when all its gradients have arrived, so every "
+                                "parameter must take part in the loss",
+                                group_.global_rank(), missing.size(), params_.size(),
+                                fmt::join(missing.begin(), missing.begin() + std::min<std::size_t>(missing.size(), 3),
+                                          ", "),
+                                missing.size() > 3 ? ", ..." : ""));
+}
+
+}  // namespace meshtorch
+#endif  // MESHTORCH_DEFINITIONS
