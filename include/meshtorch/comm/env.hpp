@@ -2,20 +2,15 @@
 // Where this process sits in the job: rank, world size, local rank and the rendezvous address,
 // read from whichever launcher started it (torchrun or meshrun, Slurm's srun, OpenMPI's mpirun).
 // Standard library only, so the launcher and tools can use it without LibTorch.
-#include <unistd.h>
-
-#include <charconv>
 #include <chrono>
-#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include <fmt/format.h>
-
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
 
@@ -29,7 +24,74 @@ struct LaunchEnv {
 using EnvLookup = std::function<std::optional<std::string>(std::string_view)>;
 
 // This node's name, as dumps, the doctor and the cluster top report it.
-inline std::string host_name() {
+MESHTORCH_DECL std::string host_name();
+
+namespace detail {
+
+MESHTORCH_DECL std::optional<long long> parse_integer(std::string_view text);
+
+MESHTORCH_DECL int integer_variable(std::string_view name, const std::string& text, long long min_value = 0,
+                                    long long max_value = 1 << 30);
+
+MESHTORCH_DECL std::string required(const EnvLookup& lookup, std::string_view name, std::string_view why);
+
+inline int required_integer(const EnvLookup& lookup, std::string_view name, std::string_view why,
+                            long long min_value = 0) {
+  return integer_variable(name, required(lookup, name, why), min_value);
+}
+
+// Splits on commas that are not inside brackets: "a[1-2,4],b" -> "a[1-2,4]", "b".
+MESHTORCH_DECL std::vector<std::string_view> split_top_level(std::string_view list);
+
+}  // namespace detail
+
+// Expands a Slurm host list such as "node[01-04,07],gpu[1-2]-ib" into host names, keeping
+// zero padding. Written by hand because `scontrol show hostnames` may not exist where ranks run.
+MESHTORCH_DECL std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist);
+
+// Expands Slurm's per-node task counts, "2(x3),1" -> {2, 2, 2, 1}.
+MESHTORCH_DECL std::vector<int> expand_slurm_tasks_per_node(std::string_view name, std::string_view counts);
+
+namespace detail {
+
+MESHTORCH_DECL void check_consistent(const LaunchEnv& env, std::string_view rank_name, std::string_view world_name,
+                                     std::string_view local_rank_name, std::string_view local_world_name);
+
+// MASTER_ADDR may be left out only when every rank runs on this host; MASTER_PORT defaults to
+// 29500 as in torch.distributed, which is the same on every node.
+MESHTORCH_DECL void read_master(const EnvLookup& lookup, LaunchEnv& env, std::string_view launcher_variables);
+
+MESHTORCH_DECL LaunchEnv torchrun_env(const EnvLookup& lookup);
+MESHTORCH_DECL LaunchEnv slurm_env(const EnvLookup& lookup);
+MESHTORCH_DECL LaunchEnv openmpi_env(const EnvLookup& lookup);
+
+}  // namespace detail
+
+// Reads the launch environment through `lookup` (a variable's value, or nullopt when unset).
+// torchrun/meshrun variables win over Slurm's, which win over OpenMPI's, so that torchrun or
+// meshrun started inside an allocation describes its own children. Throws EnvError naming the
+// variable and its value when one is missing, not a number, or contradicts another.
+MESHTORCH_DECL LaunchEnv launch_env_from(const EnvLookup& lookup);
+
+// The timeout of rendezvous and of every collective: `seconds` when positive (the --timeout
+// flag), else MESHTORCH_TIMEOUT (seconds), else 600 s, torch.distributed's default for Gloo.
+MESHTORCH_DECL std::chrono::milliseconds collective_timeout(double seconds = 0);
+
+MESHTORCH_DECL LaunchEnv launch_env();
+
+}  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINITIONS
+#include <unistd.h>
+
+#include <charconv>
+#include <cstdlib>
+
+#include <fmt/format.h>
+
+namespace meshtorch::comm {
+
+MESHTORCH_DECL std::string host_name() {
   char name[256] = {};
   ::gethostname(name, sizeof name - 1);
   return name;
@@ -37,15 +99,15 @@ inline std::string host_name() {
 
 namespace detail {
 
-inline std::optional<long long> parse_integer(std::string_view text) {
+MESHTORCH_DECL std::optional<long long> parse_integer(std::string_view text) {
   long long value = 0;
   auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
   if (text.empty() || error != std::errc{} || end != text.data() + text.size()) return std::nullopt;
   return value;
 }
 
-inline int integer_variable(std::string_view name, const std::string& text, long long min_value = 0,
-                            long long max_value = 1 << 30) {
+MESHTORCH_DECL int integer_variable(std::string_view name, const std::string& text, long long min_value,
+                                    long long max_value) {
   auto value = parse_integer(text);
   if (!value)
     throw EnvError(fmt::format("{}='{}' is not an integer", name, text));
@@ -54,18 +116,12 @@ inline int integer_variable(std::string_view name, const std::string& text, long
   return static_cast<int>(*value);
 }
 
-inline std::string required(const EnvLookup& lookup, std::string_view name, std::string_view why) {
+MESHTORCH_DECL std::string required(const EnvLookup& lookup, std::string_view name, std::string_view why) {
   if (auto value = lookup(name)) return *value;
   throw EnvError(fmt::format("{} is not set, but {}", name, why));
 }
 
-inline int required_integer(const EnvLookup& lookup, std::string_view name, std::string_view why,
-                            long long min_value = 0) {
-  return integer_variable(name, required(lookup, name, why), min_value);
-}
-
-// Splits on commas that are not inside brackets: "a[1-2,4],b" -> "a[1-2,4]", "b".
-inline std::vector<std::string_view> split_top_level(std::string_view list) {
+MESHTORCH_DECL std::vector<std::string_view> split_top_level(std::string_view list) {
   std::vector<std::string_view> parts;
   int depth = 0;
   std::size_t start = 0;
@@ -83,9 +139,7 @@ inline std::vector<std::string_view> split_top_level(std::string_view list) {
 
 }  // namespace detail
 
-// Expands a Slurm host list such as "node[01-04,07],gpu[1-2]-ib" into host names, keeping
-// zero padding. Written by hand because `scontrol show hostnames` may not exist where ranks run.
-inline std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist) {
+MESHTORCH_DECL std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist) {
   auto malformed = [&] { return EnvError(fmt::format("SLURM_JOB_NODELIST='{}' is malformed", nodelist)); };
   std::vector<std::string> hosts;
   for (auto entry : detail::split_top_level(nodelist)) {
@@ -122,8 +176,7 @@ inline std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist)
   return hosts;
 }
 
-// Expands Slurm's per-node task counts, "2(x3),1" -> {2, 2, 2, 1}.
-inline std::vector<int> expand_slurm_tasks_per_node(std::string_view name, std::string_view counts) {
+MESHTORCH_DECL std::vector<int> expand_slurm_tasks_per_node(std::string_view name, std::string_view counts) {
   std::vector<int> per_node;
   for (auto entry : detail::split_top_level(counts)) {
     auto paren = entry.find("(x");
@@ -140,8 +193,8 @@ inline std::vector<int> expand_slurm_tasks_per_node(std::string_view name, std::
 
 namespace detail {
 
-inline void check_consistent(const LaunchEnv& env, std::string_view rank_name, std::string_view world_name,
-                             std::string_view local_rank_name, std::string_view local_world_name) {
+MESHTORCH_DECL void check_consistent(const LaunchEnv& env, std::string_view rank_name, std::string_view world_name,
+                                     std::string_view local_rank_name, std::string_view local_world_name) {
   auto say = [](std::string_view name, int value) { return std::string(name) + "=" + std::to_string(value); };
   if (env.rank >= env.world_size)
     throw EnvError(fmt::format("{} is not below {}", say(rank_name, env.rank), say(world_name, env.world_size)));
@@ -153,9 +206,7 @@ inline void check_consistent(const LaunchEnv& env, std::string_view rank_name, s
                                say(local_world_name, env.local_world_size), say(world_name, env.world_size)));
 }
 
-// MASTER_ADDR may be left out only when every rank runs on this host; MASTER_PORT defaults to
-// 29500 as in torch.distributed, which is the same on every node.
-inline void read_master(const EnvLookup& lookup, LaunchEnv& env, std::string_view launcher_variables) {
+MESHTORCH_DECL void read_master(const EnvLookup& lookup, LaunchEnv& env, std::string_view launcher_variables) {
   if (auto addr = lookup("MASTER_ADDR"))
     env.master_addr = *addr;
   else if (env.local_world_size != env.world_size)
@@ -165,7 +216,7 @@ inline void read_master(const EnvLookup& lookup, LaunchEnv& env, std::string_vie
   if (auto port = lookup("MASTER_PORT")) env.master_port = integer_variable("MASTER_PORT", *port, 1, 65535);
 }
 
-inline LaunchEnv torchrun_env(const EnvLookup& lookup) {
+MESHTORCH_DECL LaunchEnv torchrun_env(const EnvLookup& lookup) {
   LaunchEnv env;
   env.launcher = "torchrun";
   env.rank = required_integer(lookup, "RANK", "WORLD_SIZE is set (torchrun-style launch)");
@@ -180,7 +231,7 @@ inline LaunchEnv torchrun_env(const EnvLookup& lookup) {
   return env;
 }
 
-inline LaunchEnv slurm_env(const EnvLookup& lookup) {
+MESHTORCH_DECL LaunchEnv slurm_env(const EnvLookup& lookup) {
   LaunchEnv env;
   env.launcher = "slurm";
   constexpr std::string_view why = "SLURM_PROCID is set (srun launch)";
@@ -217,7 +268,7 @@ inline LaunchEnv slurm_env(const EnvLookup& lookup) {
   return env;
 }
 
-inline LaunchEnv openmpi_env(const EnvLookup& lookup) {
+MESHTORCH_DECL LaunchEnv openmpi_env(const EnvLookup& lookup) {
   LaunchEnv env;
   env.launcher = "openmpi";
   constexpr std::string_view why = "OMPI_COMM_WORLD_RANK or OMPI_COMM_WORLD_SIZE is set (mpirun launch)";
@@ -233,11 +284,7 @@ inline LaunchEnv openmpi_env(const EnvLookup& lookup) {
 
 }  // namespace detail
 
-// Reads the launch environment through `lookup` (a variable's value, or nullopt when unset).
-// torchrun/meshrun variables win over Slurm's, which win over OpenMPI's, so that torchrun or
-// meshrun started inside an allocation describes its own children. Throws EnvError naming the
-// variable and its value when one is missing, not a number, or contradicts another.
-inline LaunchEnv launch_env_from(const EnvLookup& lookup) {
+MESHTORCH_DECL LaunchEnv launch_env_from(const EnvLookup& lookup) {
   if (lookup("RANK") || lookup("WORLD_SIZE")) return detail::torchrun_env(lookup);
   if (lookup("SLURM_PROCID")) return detail::slurm_env(lookup);
   if (lookup("OMPI_COMM_WORLD_RANK") || lookup("OMPI_COMM_WORLD_SIZE")) return detail::openmpi_env(lookup);
@@ -248,9 +295,7 @@ inline LaunchEnv launch_env_from(const EnvLookup& lookup) {
   return env;
 }
 
-// The timeout of rendezvous and of every collective: `seconds` when positive (the --timeout
-// flag), else MESHTORCH_TIMEOUT (seconds), else 600 s, torch.distributed's default for Gloo.
-inline std::chrono::milliseconds collective_timeout(double seconds = 0) {
+MESHTORCH_DECL std::chrono::milliseconds collective_timeout(double seconds) {
   if (!(seconds > 0)) {
     seconds = 600;
     if (const char* text = std::getenv("MESHTORCH_TIMEOUT"); text && *text) {
@@ -264,7 +309,7 @@ inline std::chrono::milliseconds collective_timeout(double seconds = 0) {
   return std::chrono::milliseconds(static_cast<long long>(seconds * 1000 + 0.5));
 }
 
-inline LaunchEnv launch_env() {
+MESHTORCH_DECL LaunchEnv launch_env() {
   return launch_env_from([](std::string_view name) -> std::optional<std::string> {
     if (const char* value = std::getenv(std::string(name).c_str())) return std::string(value);
     return std::nullopt;
@@ -272,3 +317,4 @@ inline LaunchEnv launch_env() {
 }
 
 }  // namespace meshtorch::comm
+#endif  // MESHTORCH_DEFINITIONS

@@ -7,16 +7,15 @@
 // Rank 0 reads every rank's value and publishes a verdict; the others wait for the verdict. So
 // the whole exchange is O(world size) store operations and every rank learns of any mismatch.
 #include <chrono>
-#include <exception>
-#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
 
@@ -29,7 +28,30 @@ inline std::string from_bytes(const std::vector<uint8_t>& bytes) {
 
 // The first line on which two fingerprints differ ("lr=0.001" against "lr=0.0003"), so that a
 // flag mismatch names the flag and both values, not two pages of flags.
-inline std::pair<std::string, std::string> first_differing_lines(const std::string& a, const std::string& b) {
+MESHTORCH_DECL std::pair<std::string, std::string> first_differing_lines(const std::string& a, const std::string& b);
+
+inline std::string fingerprint_key(int rank) {
+  return "meshtorch/fingerprint/" + std::to_string(rank);
+}
+
+}  // namespace detail
+
+MESHTORCH_DECL void check_fingerprints(c10d::Store& store, int rank, int world_size, const std::string& fingerprint,
+                                       std::chrono::milliseconds timeout);
+
+}  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINITIONS
+#include <algorithm>
+#include <exception>
+
+#include <fmt/format.h>
+
+namespace meshtorch::comm {
+
+namespace detail {
+
+MESHTORCH_DECL std::pair<std::string, std::string> first_differing_lines(const std::string& a, const std::string& b) {
   std::size_t start_a = 0, start_b = 0;
   while (start_a < a.size() || start_b < b.size()) {
     const auto end_a = std::min(a.find('\n', start_a), a.size());
@@ -42,14 +64,10 @@ inline std::pair<std::string, std::string> first_differing_lines(const std::stri
   return {a, b};
 }
 
-inline std::string fingerprint_key(int rank) {
-  return "meshtorch/fingerprint/" + std::to_string(rank);
-}
-
 }  // namespace detail
 
-inline void check_fingerprints(c10d::Store& store, int rank, int world_size,
-                               const std::string& fingerprint, std::chrono::milliseconds timeout) {
+MESHTORCH_DECL void check_fingerprints(c10d::Store& store, int rank, int world_size, const std::string& fingerprint,
+                                       std::chrono::milliseconds timeout) {
   const std::string verdict_key = "meshtorch/fingerprint/verdict";
   const std::string readers_key = "meshtorch/fingerprint/readers";
   const std::string read_key = "meshtorch/fingerprint/read";
@@ -100,3 +118,4 @@ inline void check_fingerprints(c10d::Store& store, int rank, int world_size,
 }
 
 }  // namespace meshtorch::comm
+#endif  // MESHTORCH_DEFINITIONS

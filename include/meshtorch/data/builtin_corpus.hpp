@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include <meshtorch/separate_compilation.hpp>
+
 namespace meshtorch::data {
 
 namespace builtin_detail {
@@ -48,7 +50,14 @@ void append(std::string& text, const Parts&... parts) {
 }  // namespace builtin_detail
 
 // Documents of a few sentences each; about `approx_bytes` bytes in all.
-inline std::vector<std::string> builtin_corpus(std::size_t approx_bytes = 2'000'000) {
+MESHTORCH_DECL std::vector<std::string> builtin_corpus(std::size_t approx_bytes = 2'000'000);
+
+}  // namespace meshtorch::data
+
+#if MESHTORCH_DEFINITIONS
+namespace meshtorch::data {
+
+MESHTORCH_DECL std::vector<std::string> builtin_corpus(std::size_t approx_bytes) {
   using namespace builtin_detail;
   SplitMix64 rng{20240601};
   std::vector<std::string> documents;
@@ -94,3 +103,4 @@ inline std::vector<std::string> builtin_corpus(std::size_t approx_bytes = 2'000'
 }
 
 }  // namespace meshtorch::data
+#endif  // MESHTORCH_DEFINITIONS

@@ -4,18 +4,13 @@
 // pattern. `--dataset-subset NAME` picks the folder's subfolder NAME, as an HF data set's
 // configuration name picks its files. Files of other kinds in a folder are listed, never read
 // silently: the caller logs them.
-#include <glob.h>
-
-#include <algorithm>
 #include <filesystem>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::data {
 
@@ -52,11 +47,37 @@ inline bool readable_kind(const std::filesystem::path& path) {
 }
 
 // Text and JSONL may be mixed (each file read as its own kind); .bin ids may not be mixed with text.
-inline DataFiles classify(std::vector<std::filesystem::path> files, std::filesystem::path root,
-                          const std::string& what) {
+MESHTORCH_DECL DataFiles classify(std::vector<std::filesystem::path> files, std::filesystem::path root,
+                                  const std::string& what);
+
+MESHTORCH_DECL std::vector<std::string> subfolders(const std::filesystem::path& dir);
+
+}  // namespace data_files_detail
+
+// The files of `name` ('builtin' is the caller's: it has no files). Throws DataError naming what
+// is missing: no file, folder or match; a subset that is not a subfolder (with the ones there are).
+MESHTORCH_DECL DataFiles resolve_data_files(const std::string& name, const std::string& subset = {});
+
+}  // namespace meshtorch::data
+
+#if MESHTORCH_DEFINITIONS
+#include <glob.h>
+
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+namespace meshtorch::data {
+
+namespace data_files_detail {
+
+MESHTORCH_DECL DataFiles classify(std::vector<std::filesystem::path> files, std::filesystem::path root,
+                                  const std::string& what) {
   DataFiles result;
   result.root = std::move(root);
-  const auto bins = std::ranges::count_if(files, [](const auto& f) { return data_format_of(f) == DataFormat::llmc_tokens; });
+  const auto bins =
+      std::ranges::count_if(files, [](const auto& f) { return data_format_of(f) == DataFormat::llmc_tokens; });
   if (bins != 0 && bins != static_cast<std::ptrdiff_t>(files.size()))
     throw DataError(fmt::format("{}: mixes {} llm.c .bin token file(s) with {} text/JSONL file(s); the .bin files hold "
                                 "ids of their own tokenizer, so give them as a data set of their own",
@@ -67,7 +88,7 @@ inline DataFiles classify(std::vector<std::filesystem::path> files, std::filesys
   return result;
 }
 
-inline std::vector<std::string> subfolders(const std::filesystem::path& dir) {
+MESHTORCH_DECL std::vector<std::string> subfolders(const std::filesystem::path& dir) {
   std::vector<std::string> names;
   for (const auto& entry : std::filesystem::directory_iterator(dir))
     if (entry.is_directory() && !hidden(entry.path())) names.push_back(entry.path().filename().string());
@@ -77,9 +98,7 @@ inline std::vector<std::string> subfolders(const std::filesystem::path& dir) {
 
 }  // namespace data_files_detail
 
-// The files of `name` ('builtin' is the caller's: it has no files). Throws DataError naming what
-// is missing: no file, folder or match; a subset that is not a subfolder (with the ones there are).
-inline DataFiles resolve_data_files(const std::string& name, const std::string& subset = {}) {
+MESHTORCH_DECL DataFiles resolve_data_files(const std::string& name, const std::string& subset) {
   namespace fs = std::filesystem;
   using namespace data_files_detail;
   std::error_code error;
@@ -140,3 +159,4 @@ inline DataFiles resolve_data_files(const std::string& name, const std::string& 
 }
 
 }  // namespace meshtorch::data
+#endif  // MESHTORCH_DEFINITIONS

@@ -1,20 +1,18 @@
 #pragma once
 // Causal-LM datasets: documents (documents.hpp) are tokenised once, concatenated and cut into
 // blocks of seq_length tokens, dropping the remainder (the guide's group_texts).
-#include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <span>
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
 #include <torch/torch.h>
 
-#include <meshtorch/data/builtin_corpus.hpp>
+// Only load_dataset needs it, but the umbrella header offers documents.hpp (and data_files.hpp)
+// through this header.
 #include <meshtorch/data/documents.hpp>
-#include <meshtorch/data/tokenizer.hpp>
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::data {
 
@@ -27,15 +25,8 @@ class TokenBlocks {
     std::int32_t min_id, max_id;
   };
 
-  TokenBlocks(torch::Tensor tokens, std::int64_t seq_length, std::string source, std::optional<IdRange> ids = {})
-      : seq_length_(seq_length), source_(std::move(source)), ids_(ids) {
-    if (seq_length <= 0) throw ConfigError("-s/--seq-length must be positive");
-    const auto count = tokens.numel() / seq_length;
-    if (count == 0)
-      throw DataError(fmt::format("{}: {} tokens do not fill one block of {}", source_, tokens.numel(), seq_length));
-    blocks_ = tokens.narrow(0, 0, count * seq_length).view({count, seq_length});
-    dropped_tokens_ = tokens.numel() - count * seq_length;
-  }
+  MESHTORCH_DECL TokenBlocks(torch::Tensor tokens, std::int64_t seq_length, std::string source,
+                             std::optional<IdRange> ids = {});
   TokenBlocks(const std::vector<std::int32_t>& tokens, std::int64_t seq_length, std::string source)
       : TokenBlocks(torch::from_blob(const_cast<std::int32_t*>(tokens.data()),
                                      {static_cast<std::int64_t>(tokens.size())}, torch::kInt)
@@ -51,33 +42,11 @@ class TokenBlocks {
   // Rows `indices` as int64 token ids [indices.size(), seq_length]. A plain loop rather than
   // index_select: the loader calls this from its own thread, and an ATen op there would start
   // a second team of intra-op threads competing with the training step's.
-  torch::Tensor gather(const std::vector<std::int64_t>& indices) const {
-    auto rows = torch::empty({static_cast<std::int64_t>(indices.size()), seq_length_}, torch::kLong);
-    auto copy_rows = [&](const auto* tokens) {
-      auto* out = rows.data_ptr<std::int64_t>();
-      for (const auto row : indices) {
-        if (row < 0 || row >= size())
-          throw DataError(fmt::format("{}: block {} requested of {}", source_, row, size()));
-        out = std::copy_n(tokens + row * seq_length_, seq_length_, out);
-      }
-    };
-    // uint16 ids come from a token cache of a vocabulary that fits 16 bits; int32 otherwise.
-    if (blocks_.scalar_type() == torch::kUInt16)
-      copy_rows(static_cast<const std::uint16_t*>(blocks_.const_data_ptr()));
-    else
-      copy_rows(blocks_.const_data_ptr<std::int32_t>());
-    return rows;
-  }
+  MESHTORCH_DECL torch::Tensor gather(const std::vector<std::int64_t>& indices) const;
 
   // Checks every token against the model's vocabulary once, not per batch (from the range the
   // token cache recorded when there is one: a cached start does not read the whole file).
-  void check_vocab(std::int64_t vocab_size) const {
-    const std::int64_t min_id = ids_ ? ids_->min_id : blocks_.min().item<std::int64_t>();
-    const std::int64_t max_id = ids_ ? ids_->max_id : blocks_.max().item<std::int64_t>();
-    if (min_id < 0 || max_id >= vocab_size)
-      throw DataError(fmt::format("{}: token id {} lies outside the model's vocab_size {}", source_,
-                                  min_id < 0 ? min_id : max_id, vocab_size));
-  }
+  MESHTORCH_DECL void check_vocab(std::int64_t vocab_size) const;
 
  private:
   torch::Tensor blocks_;
@@ -89,7 +58,59 @@ class TokenBlocks {
 
 // `-d builtin` or files (data_files.hpp) read whole into memory with the byte tokenizer; training
 // runs go through the token cache instead (dataset_tokenizer.hpp).
-inline TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length) {
+MESHTORCH_DECL TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length);
+
+}  // namespace meshtorch::data
+
+#if MESHTORCH_DEFINITIONS
+#include <algorithm>
+#include <span>
+
+#include <fmt/format.h>
+
+#include <meshtorch/data/builtin_corpus.hpp>
+#include <meshtorch/data/tokenizer.hpp>
+
+namespace meshtorch::data {
+
+MESHTORCH_DECL TokenBlocks::TokenBlocks(torch::Tensor tokens, std::int64_t seq_length, std::string source,
+                                        std::optional<IdRange> ids)
+    : seq_length_(seq_length), source_(std::move(source)), ids_(ids) {
+  if (seq_length <= 0) throw ConfigError("-s/--seq-length must be positive");
+  const auto count = tokens.numel() / seq_length;
+  if (count == 0)
+    throw DataError(fmt::format("{}: {} tokens do not fill one block of {}", source_, tokens.numel(), seq_length));
+  blocks_ = tokens.narrow(0, 0, count * seq_length).view({count, seq_length});
+  dropped_tokens_ = tokens.numel() - count * seq_length;
+}
+
+MESHTORCH_DECL torch::Tensor TokenBlocks::gather(const std::vector<std::int64_t>& indices) const {
+  auto rows = torch::empty({static_cast<std::int64_t>(indices.size()), seq_length_}, torch::kLong);
+  auto copy_rows = [&](const auto* tokens) {
+    auto* out = rows.data_ptr<std::int64_t>();
+    for (const auto row : indices) {
+      if (row < 0 || row >= size())
+        throw DataError(fmt::format("{}: block {} requested of {}", source_, row, size()));
+      out = std::copy_n(tokens + row * seq_length_, seq_length_, out);
+    }
+  };
+  // uint16 ids come from a token cache of a vocabulary that fits 16 bits; int32 otherwise.
+  if (blocks_.scalar_type() == torch::kUInt16)
+    copy_rows(static_cast<const std::uint16_t*>(blocks_.const_data_ptr()));
+  else
+    copy_rows(blocks_.const_data_ptr<std::int32_t>());
+  return rows;
+}
+
+MESHTORCH_DECL void TokenBlocks::check_vocab(std::int64_t vocab_size) const {
+  const std::int64_t min_id = ids_ ? ids_->min_id : blocks_.min().item<std::int64_t>();
+  const std::int64_t max_id = ids_ ? ids_->max_id : blocks_.max().item<std::int64_t>();
+  if (min_id < 0 || max_id >= vocab_size)
+    throw DataError(fmt::format("{}: token id {} lies outside the model's vocab_size {}", source_,
+                                min_id < 0 ? min_id : max_id, vocab_size));
+}
+
+MESHTORCH_DECL TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length) {
   std::vector<std::int32_t> tokens;
   if (name == "builtin") {
     ByteTokenizer tokenizer;
@@ -102,3 +123,4 @@ inline TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length
 }
 
 }  // namespace meshtorch::data
+#endif  // MESHTORCH_DEFINITIONS

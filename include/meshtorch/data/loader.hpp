@@ -12,6 +12,7 @@
 
 #include <meshtorch/data/dataset.hpp>
 #include <meshtorch/data/sampler.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::data {
 
@@ -24,39 +25,12 @@ struct MicroBatch {
 class PrefetchingLoader {
  public:
   // Yields micro-batches of `epoch` from step `first_step` to the end of the epoch.
-  PrefetchingLoader(const TokenBlocks& blocks, const DpInvariantSampler& sampler, std::int64_t epoch,
-                    std::int64_t first_step, bool pin_memory, std::size_t prefetch = 2)
-      : capacity_(prefetch) {
-    worker_ = std::thread([this, &blocks, &sampler, epoch, first_step, pin_memory] {
-      try {
-        const auto permutation = sampler.permutation(epoch);
-        for (std::int64_t step = first_step; step < sampler.steps_per_epoch(); ++step) {
-          for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
-            auto ids = blocks.gather(sampler.indices(permutation, step, micro));
-            if (pin_memory) ids = ids.pin_memory();
-            if (!push(MicroBatch{step, micro, std::move(ids)})) return;
-          }
-        }
-      } catch (...) {
-        std::lock_guard lock(mutex_);
-        error_ = std::current_exception();
-      }
-      std::lock_guard lock(mutex_);
-      finished_ = true;
-      ready_.notify_all();
-    });
-  }
+  MESHTORCH_DECL PrefetchingLoader(const TokenBlocks& blocks, const DpInvariantSampler& sampler, std::int64_t epoch,
+                                   std::int64_t first_step, bool pin_memory, std::size_t prefetch = 2);
   PrefetchingLoader(const PrefetchingLoader&) = delete;
   PrefetchingLoader& operator=(const PrefetchingLoader&) = delete;
 
-  ~PrefetchingLoader() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-      space_.notify_all();
-    }
-    worker_.join();
-  }
+  MESHTORCH_DECL ~PrefetchingLoader();
 
   // The next micro-batch, or nothing at the end of the epoch. Rethrows the worker's error.
   std::optional<MicroBatch> next() {
@@ -92,3 +66,42 @@ class PrefetchingLoader {
 };
 
 }  // namespace meshtorch::data
+
+#if MESHTORCH_DEFINITIONS
+namespace meshtorch::data {
+
+MESHTORCH_DECL PrefetchingLoader::PrefetchingLoader(const TokenBlocks& blocks, const DpInvariantSampler& sampler,
+                                                    std::int64_t epoch, std::int64_t first_step, bool pin_memory,
+                                                    std::size_t prefetch)
+    : capacity_(prefetch) {
+  worker_ = std::thread([this, &blocks, &sampler, epoch, first_step, pin_memory] {
+    try {
+      const auto permutation = sampler.permutation(epoch);
+      for (std::int64_t step = first_step; step < sampler.steps_per_epoch(); ++step) {
+        for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
+          auto ids = blocks.gather(sampler.indices(permutation, step, micro));
+          if (pin_memory) ids = ids.pin_memory();
+          if (!push(MicroBatch{step, micro, std::move(ids)})) return;
+        }
+      }
+    } catch (...) {
+      std::lock_guard lock(mutex_);
+      error_ = std::current_exception();
+    }
+    std::lock_guard lock(mutex_);
+    finished_ = true;
+    ready_.notify_all();
+  });
+}
+
+MESHTORCH_DECL PrefetchingLoader::~PrefetchingLoader() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+    space_.notify_all();
+  }
+  worker_.join();
+}
+
+}  // namespace meshtorch::data
+#endif  // MESHTORCH_DEFINITIONS

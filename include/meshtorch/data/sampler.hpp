@@ -7,12 +7,10 @@
 // train on the same data. Tensor-parallel ranks of one data-parallel coordinate pass the same
 // dp_rank and get the same rows. The remainder of an epoch is dropped.
 #include <cstdint>
-#include <numeric>
 #include <vector>
 
-#include <fmt/format.h>
-
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::data {
 
@@ -27,17 +25,7 @@ struct SamplerOptions {
 
 class DpInvariantSampler {
  public:
-  explicit DpInvariantSampler(const SamplerOptions& options) : o_(options) {
-    if (o_.batch_size <= 0) throw ConfigError("-b/--batch-size must be positive");
-    if (o_.grad_accum <= 0) throw ConfigError("--grad-accum must be positive");
-    if (o_.dp_size <= 0 || o_.dp_rank < 0 || o_.dp_rank >= o_.dp_size)
-      throw ConfigError(fmt::format("data-parallel rank {} is outside [0, {})", o_.dp_rank, o_.dp_size));
-    if (steps_per_epoch() == 0)
-      throw ConfigError(fmt::format("the dataset's {} blocks do not fill one global batch of {} (batch x "
-                                    "data-parallel size x grad-accum); use a smaller -b/--batch-size or "
-                                    "-s/--seq-length",
-                                    o_.num_samples, global_batch()));
-  }
+  MESHTORCH_DECL explicit DpInvariantSampler(const SamplerOptions& options);
 
   std::int64_t global_batch() const { return o_.batch_size * o_.dp_size * o_.grad_accum; }
   std::int64_t steps_per_epoch() const { return o_.num_samples / global_batch(); }
@@ -46,22 +34,7 @@ class DpInvariantSampler {
 
   // A Fisher-Yates shuffle with splitmix64 and multiply-shift ranges, so the order is the
   // same with every standard library (std::shuffle's is not specified).
-  std::vector<std::int64_t> permutation(std::int64_t epoch) const {
-    std::vector<std::int64_t> order(static_cast<std::size_t>(o_.num_samples));
-    std::iota(order.begin(), order.end(), 0);
-    std::uint64_t state = o_.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(epoch) + 1;
-    auto next = [&state] {
-      std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-      return z ^ (z >> 31);
-    };
-    for (std::size_t i = order.size(); i > 1; --i) {
-      const auto j = static_cast<std::size_t>((static_cast<unsigned __int128>(next()) * i) >> 64);
-      std::swap(order[i - 1], order[j]);
-    }
-    return order;
-  }
+  MESHTORCH_DECL std::vector<std::int64_t> permutation(std::int64_t epoch) const;
 
   // The rows of micro-batch `micro` of step `step` for this rank, given the epoch's permutation.
   std::vector<std::int64_t> indices(const std::vector<std::int64_t>& permutation, std::int64_t step,
@@ -76,3 +49,42 @@ class DpInvariantSampler {
 };
 
 }  // namespace meshtorch::data
+
+#if MESHTORCH_DEFINITIONS
+#include <numeric>
+
+#include <fmt/format.h>
+
+namespace meshtorch::data {
+
+MESHTORCH_DECL DpInvariantSampler::DpInvariantSampler(const SamplerOptions& options) : o_(options) {
+  if (o_.batch_size <= 0) throw ConfigError("-b/--batch-size must be positive");
+  if (o_.grad_accum <= 0) throw ConfigError("--grad-accum must be positive");
+  if (o_.dp_size <= 0 || o_.dp_rank < 0 || o_.dp_rank >= o_.dp_size)
+    throw ConfigError(fmt::format("data-parallel rank {} is outside [0, {})", o_.dp_rank, o_.dp_size));
+  if (steps_per_epoch() == 0)
+    throw ConfigError(fmt::format("the dataset's {} blocks do not fill one global batch of {} (batch x "
+                                  "data-parallel size x grad-accum); use a smaller -b/--batch-size or "
+                                  "-s/--seq-length",
+                                  o_.num_samples, global_batch()));
+}
+
+MESHTORCH_DECL std::vector<std::int64_t> DpInvariantSampler::permutation(std::int64_t epoch) const {
+  std::vector<std::int64_t> order(static_cast<std::size_t>(o_.num_samples));
+  std::iota(order.begin(), order.end(), 0);
+  std::uint64_t state = o_.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(epoch) + 1;
+  auto next = [&state] {
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  for (std::size_t i = order.size(); i > 1; --i) {
+    const auto j = static_cast<std::size_t>((static_cast<unsigned __int128>(next()) * i) >> 64);
+    std::swap(order[i - 1], order[j]);
+  }
+  return order;
+}
+
+}  // namespace meshtorch::data
+#endif  // MESHTORCH_DEFINITIONS

@@ -3,16 +3,15 @@
 // calls), one kernel launch per device and dtype group. LibTorch's torch::optim::AdamW loops
 // over parameters one op at a time. State is named after the parameters, so it can be saved
 // to safetensors and loaded by name.
-#include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/safetensors.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::train {
 
@@ -24,24 +23,11 @@ struct AdamWOptions {
   double weight_decay = 0.01;  // torch.optim.AdamW's default, as the guide uses it
 };
 
-inline std::vector<std::pair<std::string, torch::Tensor>> named_trainable_parameters(torch::nn::Module& module) {
-  std::vector<std::pair<std::string, torch::Tensor>> named;
-  for (const auto& item : module.named_parameters())
-    if (item.value().requires_grad()) named.emplace_back(item.key(), item.value());
-  return named;
-}
+MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> named_trainable_parameters(torch::nn::Module& module);
 
 class AdamW {
  public:
-  AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_parameters, AdamWOptions options)
-      : options_(options), params_(std::move(named_parameters)) {
-    for (auto& [name, p] : params_) {
-      exp_avg_.push_back(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-      exp_avg_sq_.push_back(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-      // The fused kernel wants the step as a float tensor on the parameter's device.
-      steps_.push_back(torch::zeros({}, p.options().dtype(torch::kFloat)));
-    }
-  }
+  MESHTORCH_DECL AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_parameters, AdamWOptions options);
 
   double lr() const { return options_.lr; }
   void set_lr(double lr) { options_.lr = lr; }
@@ -51,67 +37,14 @@ class AdamW {
   // them in place, keeping their memory: with CPU offload they are host buffers worth keeping
   // (the guide's zero_grad(set_to_none=False)). Either way the next backward's gradients are
   // what .grad holds after it.
-  void zero_grad(bool set_to_none = true) {
-    torch::NoGradGuard no_grad;
-    for (auto& [name, p] : params_) {
-      if (set_to_none)
-        p.mutable_grad() = torch::Tensor();
-      else if (p.grad().defined())
-        p.mutable_grad().zero_();
-    }
-  }
+  MESHTORCH_DECL void zero_grad(bool set_to_none = true);
 
-  void step() {
-    torch::NoGradGuard no_grad;
-    // Group by (device, dtype): the fused kernel takes same-device, same-dtype lists.
-    std::map<std::pair<std::string, int>, std::vector<std::size_t>> groups;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      const auto& p = params_[i].second;
-      if (!p.grad().defined()) continue;
-      groups[{p.device().str(), static_cast<int>(p.scalar_type())}].push_back(i);
-    }
-    for (const auto& [key, members] : groups) {
-      std::vector<torch::Tensor> p, g, m, v, s;
-      for (auto i : members) {
-        p.push_back(params_[i].second);
-        g.push_back(params_[i].second.grad());
-        m.push_back(exp_avg_[i]);
-        v.push_back(exp_avg_sq_[i]);
-        s.push_back(steps_[i]);
-      }
-      at::_foreach_add_(s, 1);
-      at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, options_.lr, options_.beta1, options_.beta2,
-                        options_.weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false);
-    }
-  }
+  MESHTORCH_DECL void step();
 
   // "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step" for every parameter.
-  io::NamedTensors state() const {
-    io::NamedTensors out;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      out.emplace_back(params_[i].first + ".exp_avg", exp_avg_[i]);
-      out.emplace_back(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
-      out.emplace_back(params_[i].first + ".step", steps_[i]);
-    }
-    return out;
-  }
+  MESHTORCH_DECL io::NamedTensors state() const;
 
-  void load_state(const io::SafetensorsFile& file, const std::string& source) {
-    torch::NoGradGuard no_grad;
-    auto load = [&](const std::string& name, torch::Tensor& into) {
-      const auto* t = file.find(name);
-      if (!t) throw DataError(fmt::format("{}: optimizer state '{}' is missing", source, name));
-      if (t->sizes() != into.sizes())
-        throw DataError(fmt::format("{}: optimizer state '{}' has shape {}, the model needs {}",
-                                    source, name, c10::str(t->sizes()), c10::str(into.sizes())));
-      into.copy_(*t);
-    };
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      load(params_[i].first + ".exp_avg", exp_avg_[i]);
-      load(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
-      load(params_[i].first + ".step", steps_[i]);
-    }
-  }
+  MESHTORCH_DECL void load_state(const io::SafetensorsFile& file, const std::string& source);
 
  private:
   AdamWOptions options_;
@@ -120,3 +53,92 @@ class AdamW {
 };
 
 }  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINITIONS
+#include <map>
+
+#include <fmt/format.h>
+
+namespace meshtorch::train {
+
+MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> named_trainable_parameters(
+    torch::nn::Module& module) {
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  for (const auto& item : module.named_parameters())
+    if (item.value().requires_grad()) named.emplace_back(item.key(), item.value());
+  return named;
+}
+
+MESHTORCH_DECL AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_parameters, AdamWOptions options)
+    : options_(options), params_(std::move(named_parameters)) {
+  for (auto& [name, p] : params_) {
+    exp_avg_.push_back(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+    exp_avg_sq_.push_back(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+    // The fused kernel wants the step as a float tensor on the parameter's device.
+    steps_.push_back(torch::zeros({}, p.options().dtype(torch::kFloat)));
+  }
+}
+
+MESHTORCH_DECL void AdamW::zero_grad(bool set_to_none) {
+  torch::NoGradGuard no_grad;
+  for (auto& [name, p] : params_) {
+    if (set_to_none)
+      p.mutable_grad() = torch::Tensor();
+    else if (p.grad().defined())
+      p.mutable_grad().zero_();
+  }
+}
+
+MESHTORCH_DECL void AdamW::step() {
+  torch::NoGradGuard no_grad;
+  // Group by (device, dtype): the fused kernel takes same-device, same-dtype lists.
+  std::map<std::pair<std::string, int>, std::vector<std::size_t>> groups;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i].second;
+    if (!p.grad().defined()) continue;
+    groups[{p.device().str(), static_cast<int>(p.scalar_type())}].push_back(i);
+  }
+  for (const auto& [key, members] : groups) {
+    std::vector<torch::Tensor> p, g, m, v, s;
+    for (auto i : members) {
+      p.push_back(params_[i].second);
+      g.push_back(params_[i].second.grad());
+      m.push_back(exp_avg_[i]);
+      v.push_back(exp_avg_sq_[i]);
+      s.push_back(steps_[i]);
+    }
+    at::_foreach_add_(s, 1);
+    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, options_.lr, options_.beta1, options_.beta2,
+                      options_.weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false);
+  }
+}
+
+MESHTORCH_DECL io::NamedTensors AdamW::state() const {
+  io::NamedTensors out;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    out.emplace_back(params_[i].first + ".exp_avg", exp_avg_[i]);
+    out.emplace_back(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
+    out.emplace_back(params_[i].first + ".step", steps_[i]);
+  }
+  return out;
+}
+
+MESHTORCH_DECL void AdamW::load_state(const io::SafetensorsFile& file, const std::string& source) {
+  torch::NoGradGuard no_grad;
+  auto load = [&](const std::string& name, torch::Tensor& into) {
+    const auto* t = file.find(name);
+    if (!t) throw DataError(fmt::format("{}: optimizer state '{}' is missing", source, name));
+    if (t->sizes() != into.sizes())
+      throw DataError(fmt::format("{}: optimizer state '{}' has shape {}, the model needs {}",
+                                  source, name, c10::str(t->sizes()), c10::str(into.sizes())));
+    into.copy_(*t);
+  };
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    load(params_[i].first + ".exp_avg", exp_avg_[i]);
+    load(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
+    load(params_[i].first + ".step", steps_[i]);
+  }
+}
+
+}  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINITIONS

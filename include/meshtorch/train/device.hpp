@@ -1,23 +1,52 @@
 #pragma once
 // --device and --dtype as the guide uses them: a GPU in bf16 where there is one, else the CPU
 // in fp32. The GPU of a rank is comm::local_cuda_device's, the one its NCCL groups are bound to.
+#include <optional>
+#include <string>
+
+#include <torch/torch.h>
+
+#include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
+
+namespace meshtorch::train {
+
+MESHTORCH_DECL torch::Device resolve_device(const std::string& flag, int local_rank = 0);
+
+// Intra-op threads for a rank that computes on a GPU: the CPUs this process may run on, shared
+// by the ranks of its node, as the guide sets OMP_NUM_THREADS to the CPUs per GPU. Launchers
+// set 1 (torchrun, meshrun), which would leave CPU offload's AdamW and the data on one core.
+MESHTORCH_DECL int host_threads_per_rank(int local_world_size);
+
+// `weights_dtype`: the dtype of the pretrained weights -m loads, if it says one
+// (llama::weights_dtype): `--dtype auto` takes it, as transformers 5's from_pretrained does;
+// otherwise auto is bf16 on a GPU and fp32 on the CPU. float16 is refused: training in it needs
+// loss scaling, which meshtorch does not do.
+MESHTORCH_DECL torch::ScalarType resolve_dtype(const std::string& flag, const torch::Device& device,
+                                               std::optional<torch::ScalarType> weights_dtype = std::nullopt);
+
+// --deterministic, as torch.use_deterministic_algorithms(True) with its companions: an op without
+// a deterministic kernel becomes an error instead of a silent source of run-to-run differences,
+// cuDNN chooses no algorithm by timing, and cuBLAS gets the fixed workspace its deterministic
+// mode needs (read at its first use, so this comes before any CUDA work).
+MESHTORCH_DECL void use_deterministic_algorithms(bool on);
+
+}  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINITIONS
 #include <sched.h>
 #include <stdlib.h>
 
 #include <algorithm>
-#include <optional>
-#include <string>
 #include <thread>
 
 #include <fmt/format.h>
-#include <torch/torch.h>
 
 #include <meshtorch/comm/local_device.hpp>
-#include <meshtorch/error.hpp>
 
 namespace meshtorch::train {
 
-inline torch::Device resolve_device(const std::string& flag, int local_rank = 0) {
+MESHTORCH_DECL torch::Device resolve_device(const std::string& flag, int local_rank) {
   if (flag != "cpu" && flag != "cuda" && flag != "auto")
     throw ConfigError(fmt::format("--device {}: expected cpu, cuda or auto", flag));
   const bool want_cuda =
@@ -26,23 +55,17 @@ inline torch::Device resolve_device(const std::string& flag, int local_rank = 0)
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(comm::local_cuda_device(local_rank)));
 }
 
-// Intra-op threads for a rank that computes on a GPU: the CPUs this process may run on, shared
-// by the ranks of its node, as the guide sets OMP_NUM_THREADS to the CPUs per GPU. Launchers
-// set 1 (torchrun, meshrun), which would leave CPU offload's AdamW and the data on one core.
-inline int host_threads_per_rank(int local_world_size) {
+MESHTORCH_DECL int host_threads_per_rank(int local_world_size) {
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
-  const int cpus = sched_getaffinity(0, sizeof allowed, &allowed) == 0 ? CPU_COUNT(&allowed)
-                                                                       : static_cast<int>(std::thread::hardware_concurrency());
+  const int cpus = sched_getaffinity(0, sizeof allowed, &allowed) == 0
+                       ? CPU_COUNT(&allowed)
+                       : static_cast<int>(std::thread::hardware_concurrency());
   return std::max(1, cpus / std::max(1, local_world_size));
 }
 
-// `weights_dtype`: the dtype of the pretrained weights -m loads, if it says one
-// (llama::weights_dtype): `--dtype auto` takes it, as transformers 5's from_pretrained does;
-// otherwise auto is bf16 on a GPU and fp32 on the CPU. float16 is refused: training in it needs
-// loss scaling, which meshtorch does not do.
-inline torch::ScalarType resolve_dtype(const std::string& flag, const torch::Device& device,
-                                       std::optional<torch::ScalarType> weights_dtype = std::nullopt) {
+MESHTORCH_DECL torch::ScalarType resolve_dtype(const std::string& flag, const torch::Device& device,
+                                               std::optional<torch::ScalarType> weights_dtype) {
   if (flag == "float32") return torch::kFloat;
   if (flag == "bfloat16") return torch::kBFloat16;
   if (weights_dtype == torch::kHalf)
@@ -52,11 +75,7 @@ inline torch::ScalarType resolve_dtype(const std::string& flag, const torch::Dev
   return device.is_cuda() ? torch::kBFloat16 : torch::kFloat;
 }
 
-// --deterministic, as torch.use_deterministic_algorithms(True) with its companions: an op without
-// a deterministic kernel becomes an error instead of a silent source of run-to-run differences,
-// cuDNN chooses no algorithm by timing, and cuBLAS gets the fixed workspace its deterministic
-// mode needs (read at its first use, so this comes before any CUDA work).
-inline void use_deterministic_algorithms(bool on) {
+MESHTORCH_DECL void use_deterministic_algorithms(bool on) {
   if (!on) return;
   ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
   at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
@@ -65,3 +84,4 @@ inline void use_deterministic_algorithms(bool on) {
 }
 
 }  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINITIONS

@@ -14,7 +14,6 @@
 // How a model is saved and loaded is the model type's business: Checkpointing<Model> says
 // (parallel/checkpointing.hpp, for chapter 1's model and for every model parallelize() builds).
 #include <chrono>
-#include <cmath>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -25,7 +24,6 @@
 #include <torch/torch.h>
 
 #include <meshtorch/error.hpp>
-#include <meshtorch/models/llama/config_json.hpp>
 #include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/checkpoint.hpp>
 #include <meshtorch/train/log.hpp>
@@ -49,43 +47,15 @@ struct Checkpointing {
 };
 
 // The flags a resumed run must share with the run that saved it.
-inline RunIdentity run_identity(const TrainArgs& args, std::int64_t global_batch) {
-  const auto dataset =
-      args.dataset_subset.empty() ? args.dataset_name : fmt::format("{} (subset {})", args.dataset_name, args.dataset_subset);
-  return {args.seed, args.seq_length, global_batch, dataset, args.model_name};
-}
+MESHTORCH_DECL RunIdentity run_identity(const TrainArgs& args, std::int64_t global_batch);
 
 class Experiment {
  public:
   // `global_batch`: samples per optimizer step over all data-parallel ranks and micro-batches;
   // tokens_per_s counts them all. `tracker`: where this rank's metrics go besides metrics.jsonl
   // (train::tensorboard_tracker(args, rank) for --tensorboard), or nullptr.
-  Experiment(const TrainArgs& args, int rank, std::int64_t global_batch, torch::Device device,
-             std::unique_ptr<MetricsTracker> tracker = nullptr)
-      : log_(rank),
-        rank_(rank),
-        identity_(run_identity(args, global_batch)),
-        ckpt_freq_(args.ckpt_freq),
-        max_steps_(args.max_steps),
-        num_epochs_(args.num_epochs),
-        no_resume_(args.no_resume),
-        window_(device, /*tokens_per_step=*/global_batch * args.seq_length),
-        tracker_(std::move(tracker)) {
-    // A program that builds its Experiment without a tracker would ignore the flag: say so.
-    if (args.tensorboard && !tracker_)
-      throw ConfigError("--tensorboard: this program builds its Experiment without a tracker; pass "
-                        "train::tensorboard_tracker(args, rank) (train/tensorboard.hpp, link meshtorch::tracking)");
-    // Said once per job: what -m's config.json holds that the run does not read.
-    if (rank_ == 0)
-      if (const auto note = llama::unread_config_fields_note(args.model_name); !note.empty()) log_.info(note);
-    if (!args.resume_from.empty()) resume_from_ = args.resume_from;
-    if (!args.experiment_name.empty()) {
-      dir_ = std::filesystem::path(args.save_dir) / args.experiment_name;
-      // Every rank may create it: create_directories is a no-op when the folder exists.
-      std::filesystem::create_directories(*dir_);
-      if (rank_ == 0) metrics_ = MetricsFile(*dir_ / "metrics.jsonl");
-    }
-  }
+  MESHTORCH_DECL Experiment(const TrainArgs& args, int rank, std::int64_t global_batch, torch::Device device,
+                            std::unique_ptr<MetricsTracker> tracker = nullptr);
 
   const Logger& log() const { return log_; }
   bool enabled() const { return dir_.has_value(); }
@@ -139,18 +109,7 @@ class Experiment {
 
   // One optimizer step is done; `loss` is its mean over the whole global batch. A non-finite loss
   // stops the run here, before anything of it is logged or saved (every rank sees the same mean).
-  void end_step(TrainState& state, double loss, ProgressBar& progress) const {
-    if (!std::isfinite(loss))
-      throw DataError(fmt::format("the loss of global_step {} is {}: stopping before it is logged or saved{}",
-                                  state.global_step + 1, std::isnan(loss) ? "nan" : fmt::format("{}", loss),
-                                  dir_ ? fmt::format(" ({} keeps the checkpoints of earlier steps)", dir_->string())
-                                       : ""));
-    ++state.global_step;
-    ++state.epoch_step;
-    state.running_loss += loss;
-    ++state.running_steps;
-    progress.update(state.epoch_step, fmt::format("loss={:.6f}", loss));
-  }
+  MESHTORCH_DECL void end_step(TrainState& state, double loss, ProgressBar& progress) const;
 
   // The guide's metrics since the last line: printed and appended by rank 0 (every rank must
   // call it, since closing the window resets each rank's timers and peak memory).
@@ -193,9 +152,60 @@ class Experiment {
 }  // namespace meshtorch::train
 
 #if MESHTORCH_DEFINITIONS
+#include <cmath>
+
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/models/llama/config_json.hpp>
+
 namespace meshtorch::train {
+
+MESHTORCH_DECL RunIdentity run_identity(const TrainArgs& args, std::int64_t global_batch) {
+  const auto dataset = args.dataset_subset.empty()
+                           ? args.dataset_name
+                           : fmt::format("{} (subset {})", args.dataset_name, args.dataset_subset);
+  return {args.seed, args.seq_length, global_batch, dataset, args.model_name};
+}
+
+MESHTORCH_DECL Experiment::Experiment(const TrainArgs& args, int rank, std::int64_t global_batch, torch::Device device,
+                                      std::unique_ptr<MetricsTracker> tracker)
+    : log_(rank),
+      rank_(rank),
+      identity_(run_identity(args, global_batch)),
+      ckpt_freq_(args.ckpt_freq),
+      max_steps_(args.max_steps),
+      num_epochs_(args.num_epochs),
+      no_resume_(args.no_resume),
+      window_(device, /*tokens_per_step=*/global_batch * args.seq_length),
+      tracker_(std::move(tracker)) {
+  // A program that builds its Experiment without a tracker would ignore the flag: say so.
+  if (args.tensorboard && !tracker_)
+    throw ConfigError("--tensorboard: this program builds its Experiment without a tracker; pass "
+                      "train::tensorboard_tracker(args, rank) (train/tensorboard.hpp, link meshtorch::tracking)");
+  // Said once per job: what -m's config.json holds that the run does not read.
+  if (rank_ == 0)
+    if (const auto note = llama::unread_config_fields_note(args.model_name); !note.empty()) log_.info(note);
+  if (!args.resume_from.empty()) resume_from_ = args.resume_from;
+  if (!args.experiment_name.empty()) {
+    dir_ = std::filesystem::path(args.save_dir) / args.experiment_name;
+    // Every rank may create it: create_directories is a no-op when the folder exists.
+    std::filesystem::create_directories(*dir_);
+    if (rank_ == 0) metrics_ = MetricsFile(*dir_ / "metrics.jsonl");
+  }
+}
+
+MESHTORCH_DECL void Experiment::end_step(TrainState& state, double loss, ProgressBar& progress) const {
+  if (!std::isfinite(loss))
+    throw DataError(fmt::format("the loss of global_step {} is {}: stopping before it is logged or saved{}",
+                                state.global_step + 1, std::isnan(loss) ? "nan" : fmt::format("{}", loss),
+                                dir_ ? fmt::format(" ({} keeps the checkpoints of earlier steps)", dir_->string())
+                                     : ""));
+  ++state.global_step;
+  ++state.epoch_step;
+  state.running_loss += loss;
+  ++state.running_steps;
+  progress.update(state.epoch_step, fmt::format("loss={:.6f}", loss));
+}
 
 MESHTORCH_DECL void Experiment::log_metrics(TrainState& state, std::int64_t steps_per_epoch, double lr,
                                             PhaseTimers& timers) {

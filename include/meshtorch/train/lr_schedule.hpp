@@ -17,9 +17,8 @@
 #include <string>
 #include <variant>
 
-#include <fmt/format.h>
-
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/train_args.hpp>
 
 namespace meshtorch::train {
@@ -41,11 +40,7 @@ class CosineSchedule {
 
 enum class WarmupType { log, linear };
 
-inline WarmupType parse_warmup_type(const std::string& name, const std::string& where) {
-  if (name == "log") return WarmupType::log;
-  if (name == "linear") return WarmupType::linear;
-  throw ConfigError(fmt::format("{} '{}': use log or linear", where, name));
-}
+MESHTORCH_DECL WarmupType parse_warmup_type(const std::string& name, const std::string& where);
 
 // The fraction of the warmup done at step k < warmup_steps: log(k + 1) / log(warmup_steps), or
 // k / warmup_steps.
@@ -102,26 +97,7 @@ class LrSchedule {
  public:
   using Variant = std::variant<CosineSchedule, WarmupCosineSchedule, WarmupDecaySchedule, ConstantSchedule>;
 
-  LrSchedule(Variant schedule, const std::string& where = "the learning-rate schedule") : schedule_(std::move(schedule)) {
-    auto check_warmup = [&](std::int64_t warmup_steps, WarmupType type, std::int64_t total_steps, bool needs_decay) {
-      if (warmup_steps < 0) throw ConfigError(fmt::format("{}: warmup steps {} is negative", where, warmup_steps));
-      if (type == WarmupType::log && warmup_steps == 1)
-        throw ConfigError(fmt::format("{}: a log warmup needs at least 2 warmup steps (log(1) is 0); use linear",
-                                      where));
-      if (needs_decay && total_steps <= warmup_steps)
-        throw ConfigError(fmt::format("{}: {} total steps leave nothing after {} warmup steps", where, total_steps,
-                                      warmup_steps));
-    };
-    if (const auto* s = std::get_if<WarmupCosineSchedule>(&schedule_)) {
-      check_warmup(s->warmup_steps, s->warmup_type, s->total_steps, /*needs_decay=*/true);
-      if (s->cos_min_ratio < 0 || s->cos_min_ratio > 1 || s->warmup_min_ratio < 0 || s->warmup_min_ratio > 1)
-        throw ConfigError(fmt::format("{}: cos_min_ratio and warmup_min_ratio must lie in [0, 1]", where));
-    } else if (const auto* s = std::get_if<WarmupDecaySchedule>(&schedule_)) {
-      check_warmup(s->warmup_steps, s->warmup_type, s->total_steps, /*needs_decay=*/false);
-      if (s->total_steps <= 0) throw ConfigError(fmt::format("{}: total steps must be positive", where));
-      if (s->warmup_min_lr < 0) throw ConfigError(fmt::format("{}: warmup_min_lr is negative", where));
-    }
-  }
+  MESHTORCH_DECL LrSchedule(Variant schedule, const std::string& where = "the learning-rate schedule");
 
   double lr_at(std::int64_t step) const {
     return std::visit([step](const auto& s) { return s.lr_at(step); }, schedule_);
@@ -134,7 +110,47 @@ class LrSchedule {
 // The schedule the flags ask for (train/args.hpp), from `base_lr` (--lr, or chapter 2's scaled
 // rate). The warmup schedules decay until --lr-decay-steps, else --max-steps, else the end of
 // the last epoch.
-inline LrSchedule lr_schedule(const TrainArgs& args, std::int64_t steps_per_epoch, double base_lr) {
+MESHTORCH_DECL LrSchedule lr_schedule(const TrainArgs& args, std::int64_t steps_per_epoch, double base_lr);
+
+inline LrSchedule lr_schedule(const TrainArgs& args, std::int64_t steps_per_epoch) {
+  return lr_schedule(args, steps_per_epoch, args.lr);
+}
+
+}  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINITIONS
+#include <fmt/format.h>
+
+namespace meshtorch::train {
+
+MESHTORCH_DECL WarmupType parse_warmup_type(const std::string& name, const std::string& where) {
+  if (name == "log") return WarmupType::log;
+  if (name == "linear") return WarmupType::linear;
+  throw ConfigError(fmt::format("{} '{}': use log or linear", where, name));
+}
+
+MESHTORCH_DECL LrSchedule::LrSchedule(Variant schedule, const std::string& where) : schedule_(std::move(schedule)) {
+  auto check_warmup = [&](std::int64_t warmup_steps, WarmupType type, std::int64_t total_steps, bool needs_decay) {
+    if (warmup_steps < 0) throw ConfigError(fmt::format("{}: warmup steps {} is negative", where, warmup_steps));
+    if (type == WarmupType::log && warmup_steps == 1)
+      throw ConfigError(fmt::format("{}: a log warmup needs at least 2 warmup steps (log(1) is 0); use linear",
+                                    where));
+    if (needs_decay && total_steps <= warmup_steps)
+      throw ConfigError(fmt::format("{}: {} total steps leave nothing after {} warmup steps", where, total_steps,
+                                    warmup_steps));
+  };
+  if (const auto* s = std::get_if<WarmupCosineSchedule>(&schedule_)) {
+    check_warmup(s->warmup_steps, s->warmup_type, s->total_steps, /*needs_decay=*/true);
+    if (s->cos_min_ratio < 0 || s->cos_min_ratio > 1 || s->warmup_min_ratio < 0 || s->warmup_min_ratio > 1)
+      throw ConfigError(fmt::format("{}: cos_min_ratio and warmup_min_ratio must lie in [0, 1]", where));
+  } else if (const auto* s = std::get_if<WarmupDecaySchedule>(&schedule_)) {
+    check_warmup(s->warmup_steps, s->warmup_type, s->total_steps, /*needs_decay=*/false);
+    if (s->total_steps <= 0) throw ConfigError(fmt::format("{}: total steps must be positive", where));
+    if (s->warmup_min_lr < 0) throw ConfigError(fmt::format("{}: warmup_min_lr is negative", where));
+  }
+}
+
+MESHTORCH_DECL LrSchedule lr_schedule(const TrainArgs& args, std::int64_t steps_per_epoch, double base_lr) {
   const std::string where = "--lr-schedule " + args.lr_schedule;
   const bool warmup = args.lr_schedule == "warmup-cosine" || args.lr_schedule == "warmup-decay";
   if (!warmup && (args.warmup_steps != 0 || args.lr_decay_steps != 0))
@@ -166,8 +182,5 @@ inline LrSchedule lr_schedule(const TrainArgs& args, std::int64_t steps_per_epoc
                                 args.lr_schedule));
 }
 
-inline LrSchedule lr_schedule(const TrainArgs& args, std::int64_t steps_per_epoch) {
-  return lr_schedule(args, steps_per_epoch, args.lr);
-}
-
 }  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINITIONS

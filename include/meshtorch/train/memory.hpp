@@ -2,11 +2,34 @@
 // Memory figures for the metrics: allocator statistics on CUDA (as torch.cuda.memory_stats),
 // the process's peak resident set on CPU. Peaks are reset after each log line, as in the guide.
 #include <cstdint>
-#include <fstream>
 #include <map>
 #include <string>
 
 #include <torch/torch.h>
+
+#include <meshtorch/separate_compilation.hpp>
+
+namespace meshtorch::train {
+
+MESHTORCH_DECL double kib_field_from_proc_status(const std::string& field);
+
+// This process's resident set now and at its peak (since start or the last reset_peak_rss()).
+inline std::int64_t rss_bytes() { return static_cast<std::int64_t>(kib_field_from_proc_status("VmRSS")) * 1024; }
+inline std::int64_t peak_rss_bytes() { return static_cast<std::int64_t>(kib_field_from_proc_status("VmHWM")) * 1024; }
+MESHTORCH_DECL void reset_peak_rss();  // VmHWM := VmRSS
+
+// GiB figures under the guide's names: on CUDA the device's total memory and the caching
+// allocator's current and peak allocated and reserved bytes (torch.cuda.memory_stats), peaks
+// since the last reset_peak_memory().
+MESHTORCH_DECL std::map<std::string, double> memory_figures(const torch::Device& device);
+
+MESHTORCH_DECL void reset_peak_memory(const torch::Device& device);
+
+}  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINITIONS
+#include <fstream>
+
 #if defined(MESHTORCH_WITH_CUDA)
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -15,7 +38,7 @@
 
 namespace meshtorch::train {
 
-inline double kib_field_from_proc_status(const std::string& field) {
+MESHTORCH_DECL double kib_field_from_proc_status(const std::string& field) {
   std::ifstream status("/proc/self/status");
   std::string key;
   double value = 0;
@@ -30,15 +53,9 @@ inline double kib_field_from_proc_status(const std::string& field) {
   return 0;
 }
 
-// This process's resident set now and at its peak (since start or the last reset_peak_rss()).
-inline std::int64_t rss_bytes() { return static_cast<std::int64_t>(kib_field_from_proc_status("VmRSS")) * 1024; }
-inline std::int64_t peak_rss_bytes() { return static_cast<std::int64_t>(kib_field_from_proc_status("VmHWM")) * 1024; }
-inline void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }  // VmHWM := VmRSS
+MESHTORCH_DECL void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
-// GiB figures under the guide's names: on CUDA the device's total memory and the caching
-// allocator's current and peak allocated and reserved bytes (torch.cuda.memory_stats), peaks
-// since the last reset_peak_memory().
-inline std::map<std::string, double> memory_figures(const torch::Device& device) {
+MESHTORCH_DECL std::map<std::string, double> memory_figures(const torch::Device& device) {
   constexpr double gib = 1024.0 * 1024.0 * 1024.0;
   std::map<std::string, double> figures;
 #if defined(MESHTORCH_WITH_CUDA)
@@ -60,7 +77,7 @@ inline std::map<std::string, double> memory_figures(const torch::Device& device)
   return figures;
 }
 
-inline void reset_peak_memory(const torch::Device& device) {
+MESHTORCH_DECL void reset_peak_memory(const torch::Device& device) {
 #if defined(MESHTORCH_WITH_CUDA)
   if (device.is_cuda())
     c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? c10::cuda::current_device() : device.index());
@@ -71,3 +88,4 @@ inline void reset_peak_memory(const torch::Device& device) {
 }
 
 }  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINITIONS

@@ -10,34 +10,50 @@
 #include <utility>
 #include <vector>
 
-#include <ATen/Context.h>
-#include <fmt/format.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/safetensors.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::train {
 
-inline std::string cuda_rng_key(int device) { return fmt::format("rng.cuda.{}", device); }
+MESHTORCH_DECL std::string cuda_rng_key(int device);
 
 // GPUs whose generators are saved: all this process sees (none in a CPU-only build).
 inline int rng_cuda_devices() { return static_cast<int>(torch::cuda::device_count()); }
 
-inline std::vector<std::pair<std::string, torch::Tensor>> capture_rng_states() {
+MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> capture_rng_states();
+
+// Restores what capture_rng_states() saved into `file`.
+MESHTORCH_DECL void restore_rng_states(const io::SafetensorsFile& contents, const std::filesystem::path& file);
+
+}  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINITIONS
+#include <mutex>
+
+#include <ATen/Context.h>
+#include <fmt/format.h>
+
+namespace meshtorch::train {
+
+MESHTORCH_DECL std::string cuda_rng_key(int device) { return fmt::format("rng.cuda.{}", device); }
+
+MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> capture_rng_states() {
   std::vector<std::pair<std::string, torch::Tensor>> states;
   states.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
   for (int device = 0; device < rng_cuda_devices(); ++device) {
-    auto generator = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+    auto generator =
+        at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
     std::lock_guard<std::mutex> lock(generator.mutex());
     states.emplace_back(cuda_rng_key(device), generator.get_state());
   }
   return states;
 }
 
-// Restores what capture_rng_states() saved into `file`.
-inline void restore_rng_states(const io::SafetensorsFile& contents, const std::filesystem::path& file) {
+MESHTORCH_DECL void restore_rng_states(const io::SafetensorsFile& contents, const std::filesystem::path& file) {
   const auto* cpu = contents.find("rng.cpu");
   if (!cpu) throw DataError(fmt::format("{}: 'rng.cpu' is missing", file.string()));
   {
@@ -54,10 +70,12 @@ inline void restore_rng_states(const io::SafetensorsFile& contents, const std::f
   for (int device = 0; device < devices; ++device) {
     const auto* state = contents.find(cuda_rng_key(device));
     if (!state) continue;  // saved where fewer GPUs were visible: those it saw are restored
-    auto generator = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+    auto generator =
+        at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
     std::lock_guard<std::mutex> lock(generator.mutex());
     generator.set_state(*state);
   }
 }
 
 }  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINITIONS
