@@ -8,7 +8,8 @@
 // (docs/code-style.md#what-the-umbrella-header-includes): a program's flags and start-up
 // (train/args.hpp, which pulls in CLI11; comm/init.hpp; parallel/launch.hpp), its training data
 // (parallel/training_data.hpp, the tokenizers: link meshtorch::tokenizers), and the sharded
-// checkpoint engine (parallel/sharded_checkpoint.hpp, io/sharded_tensor.hpp).
+// checkpoint engine (parallel/sharded_checkpoint.hpp; its box algebra, io/sharded_tensor.hpp,
+// comes with parallelize.hpp).
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/layout.hpp>
 

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>

@@ -10,9 +10,11 @@
 // (HF's module names). The decoder block's dataflow is checked here, each module's output
 // placement against the next one's input: a plan whose residual stream placements disagree does
 // not compile, and the message names the module.
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -24,6 +26,7 @@
 #include <meshtorch/parallel/memory_plan.hpp>
 #include <meshtorch/layout/parallel_style.hpp>
 #include <meshtorch/models/llama/config.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::llama {
 
@@ -283,6 +286,22 @@ consteval bool check_parallelizable() {
   return true;
 }
 
+namespace detail {
+
+// A role and its style's name, for describe_styles().
+struct RoleStyle {
+  std::string_view role, style;
+};
+
+// The run-time side of Plan's checks and descriptions: compiled once per program, not once per plan.
+[[noreturn]] MESHTORCH_DECL void throw_tp_problem(std::string_view source, std::string_view problem,
+                                                  std::int64_t tp_size, std::string_view mesh_name);
+[[noreturn]] MESHTORCH_DECL void throw_sequence_not_divisible(std::int64_t seq_length, std::int64_t tp_size);
+MESHTORCH_DECL std::string describe_roles(std::span<const RoleStyle> roles);
+MESHTORCH_DECL std::string describe_plan(std::string_view mesh_name, std::span<const RoleStyle> roles);
+
+}  // namespace detail
+
 template <MeshType M, auto Preset = detail::RunTimeConfig{}, LlamaStyles Styles = SequenceParallelStyles>
 struct Plan {
   using mesh_type = M;
@@ -342,14 +361,12 @@ struct Plan {
   static void validate(const Config& config, std::int64_t tp_size, std::string_view source = "model config") {
     meshtorch::llama::validate(config, source);
     if (auto problem = first_tp_problem<styles>(config, tp_size))
-      throw ConfigError(std::string(source) + ": " + std::string(*problem) + " (" + std::to_string(tp_size) +
-                        ") of " + std::string(M::name));
+      detail::throw_tp_problem(source, *problem, tp_size, M::name);
   }
   // The sequence must split evenly over TP when the residual stream is sharded along it.
   static void validate_sequence(std::int64_t seq_length, std::int64_t tp_size) {
     if (sequence_parallel && tp_size > 1 && seq_length % tp_size != 0)
-      throw ConfigError("--seq-length " + std::to_string(seq_length) + " is not divisible by the TP size " +
-                        std::to_string(tp_size) + ": sequence parallel splits every sequence over the TP ranks");
+      detail::throw_sequence_not_divisible(seq_length, tp_size);
   }
 
   // One rank's device memory for a run of the preset on this mesh (parallel/memory_plan.hpp):
@@ -374,17 +391,51 @@ struct Plan {
     return memory(run).peak();
   }
 
+  // Every role's name and style's name, in dataflow order: what describe_styles() prints.
+  static constexpr auto role_styles = [] {
+    std::array<detail::RoleStyle, std::tuple_size_v<LlamaRoles<styles>>> out{};
+    std::size_t i = 0;
+    for_each_role<styles>([&]<class R>() { out[i++] = {R::name, R::style::name}; });
+    return out;
+  }();
+
   // The mesh and every module's style on one line, for logs and for the fingerprint ranks
   // compare at start-up.
-  static std::string describe() { return std::string(M::name) + ": " + describe_styles(); }
-
-  static std::string describe_styles() {
-    std::string out;
-    for_each_role<styles>([&]<class R>() {
-      out += (out.empty() ? "" : " ") + std::string(R::name) + "=" + std::string(R::style::name);
-    });
-    return out;
-  }
+  static std::string describe() { return detail::describe_plan(M::name, role_styles); }
+  // "embed_tokens=RowwiseParallel<Replicate, Shard<1>> input_layernorm=SequenceParallel<Shard<1>> ..."
+  static std::string describe_styles() { return detail::describe_roles(role_styles); }
 };
 
 }  // namespace meshtorch::llama
+
+#if MESHTORCH_DEFINITIONS
+#include <iterator>
+
+#include <fmt/format.h>
+
+namespace meshtorch::llama::detail {
+
+[[noreturn]] MESHTORCH_DECL void throw_tp_problem(std::string_view source, std::string_view problem,
+                                                  std::int64_t tp_size, std::string_view mesh_name) {
+  throw ConfigError(fmt::format("{}: {} ({}) of {}", source, problem, tp_size, mesh_name));
+}
+
+[[noreturn]] MESHTORCH_DECL void throw_sequence_not_divisible(std::int64_t seq_length, std::int64_t tp_size) {
+  throw ConfigError(fmt::format("--seq-length {} is not divisible by the TP size {}: sequence parallel splits every "
+                                "sequence over the TP ranks",
+                                seq_length, tp_size));
+}
+
+MESHTORCH_DECL std::string describe_roles(std::span<const RoleStyle> roles) {
+  std::string out;
+  for (const auto& [role, style] : roles)
+    fmt::format_to(std::back_inserter(out), "{}{}={}", out.empty() ? "" : " ", role, style);
+  return out;
+}
+
+MESHTORCH_DECL std::string describe_plan(std::string_view mesh_name, std::span<const RoleStyle> roles) {
+  return fmt::format("{}: {}", mesh_name, describe_roles(roles));
+}
+
+}  // namespace meshtorch::llama::detail
+#endif  // MESHTORCH_DEFINITIONS

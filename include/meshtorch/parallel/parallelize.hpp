@@ -135,133 +135,52 @@ MESHTORCH_DECL std::vector<FolderWeight> list_folder_weights(
     const std::filesystem::path& dir, const comm::AxisGroup& group, const comm::AxisGroup& world,
     const std::function<bool(const io::SafetensorsEntry&, const std::filesystem::path&)>& take);
 
-template <MeshType M, llama::LlamaStyles Styles = llama::default_styles<M>>
-class ParallelLlama {
-  static_assert(llama::check_parallelizable<M, Styles>());
+// The groups of a DeviceMesh that ParallelLlama's wrappers use; an axis the mesh type lacks is
+// absent.
+struct ParallelGroups {
+  comm::AxisGroup world;
+  std::string_view mesh_name;  // "Mesh<FSDP<2>, TP<2>>"
+  std::string coordinate;      // "rank 5 of 8 on cpu: DP 1 of 2, FSDP 0 of 2, TP 1 of 2"
+  std::optional<comm::AxisGroup> tp, fsdp, dp;
+  // DP and FSDP merged: the sampler's and the loss' group; absent without either.
+  std::optional<comm::AxisGroup> data_parallel;
+  // This rank's node, where the node's local rank 0 reads the weights (WeightsReadBy::local_rank0).
+  std::optional<comm::AxisGroup> node;
+  int replica = 0;  // the DP coordinate: replicas other than 0 write nothing
+};
 
+// What the mesh type's plan gives the run time: its TP styles as values and its checks.
+struct ParallelPlan {
+  const tp_detail::PlanSteps* tp_steps = nullptr;  // null without a TP axis
+  // Refuses a config the styles cannot split at a TP size (llama::Plan::validate).
+  void (*validate)(const llama::Config& config, std::int64_t tp_size, std::string_view source) = nullptr;
+  // Refuses a sequence length the styles cannot split (llama::Plan::validate_sequence).
+  void (*validate_sequence)(std::int64_t seq_length, std::int64_t tp_size) = nullptr;
+  std::string wrappers;  // ParallelLlama::describe()
+};
+
+// What ParallelLlama<Mesh> does, for the wrappers its mesh type chose (given as groups and the
+// plan's values): one copy of the code in a program, however many mesh types it builds.
+class ParallelLlamaRuntime {
  public:
-  using mesh_type = M;
-  using plan = llama::Plan<M, llama::detail::RunTimeConfig{}, Styles>;
-  static constexpr bool has_tp = M::template has<TP>;
-  static constexpr bool has_fsdp = M::template has<FSDP>;
-  static constexpr bool has_dp = M::template has<DP>;
-
-  ParallelLlama(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, ParallelizeOptions options)
-      : model_(std::move(model)), options_(std::move(options)), world_(mesh.world()), coordinate_(mesh.describe()) {
-    // What building and filling the pieces adds to the resident set at its peak is kept: the
-    // measure that no rank held the whole model.
-    const auto rss_before_build = train::rss_bytes();
-    train::reset_peak_rss();
-    options_.fsdp.device = options_.device;
-    if constexpr (has_dp) replica_ = mesh.template coord<DP>();
-    if constexpr (has_dp || has_fsdp) data_parallel_ = data_parallel_group(mesh);
-    if constexpr (has_tp) plan::validate(model_->config, mesh.template size<TP>(), options_.model_name);
-    const auto dtype = model_->parameters().front().scalar_type();
-    for (auto& [name, leaf] : llama::weight_modules(*model_)) {
-      if (!leaf->weight.is_meta())
-        throw ConfigError(fmt::format("parallelize: '{}.weight' is not on the meta device; build the model with "
-                                      "torch::TensorOptions().device(torch::kMeta) so that no rank holds it whole",
-                                      name));
-      global_shapes_.emplace_back(name + ".weight", leaf->weight.sizes().vec());
-    }
-
-    // 1. Tensor parallel: each rank keeps its TP chunk of every matrix (still on meta).
-    if constexpr (has_tp) tp_ = std::make_unique<TensorParallel<plan>>(model_, mesh.template group<TP>());
-
-    // 2. Activation checkpointing: inside each chosen layer's hooks, so FSDP's gather is not redone.
-    checkpoint_activations(model_, options_.activation_checkpointing);
-    model_->loss_chunk = options_.loss_chunk;
-
-    // 3. FSDP: a unit per decoder layer, then the root; the shards are allocated, the rest not.
-    if constexpr (has_fsdp) {
-      // Under HSDP, DDP's Reducer all-reduces the shards' gradients as autograd delivers them:
-      // the reduce-scatters hand their results to autograd at once instead of staying in flight.
-      if constexpr (has_dp)
-        if (mesh.template size<DP>() > 1) options_.fsdp.reduce_scatters_in_flight = 0;
-      fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, mesh.template group<FSDP>(), options_.fsdp);
-      // As torchtitan: the last layer keeps its weights from forward to backward, which starts
-      // with it (resharding would free them only to gather them again at once).
-      auto& layers = model_->model->decoder_layers;
-      for (std::size_t i = 0; i < layers.size(); ++i)
-        fsdp_->fully_shard(layers[i], i + 1 < layers.size() ? std::nullopt : std::optional<bool>(false));
-      fsdp_->fully_shard(model_);
-    } else {
-      for (auto& [name, leaf] : llama::weight_modules(*model_))
-        leaf->materialize(torch::TensorOptions().device(options_.device).dtype(dtype));
-    }
-
-    // 4. Fill this rank's pieces, one full weight at a time.
-    if (options_.weights_from.empty())
-      initialise(dtype);
-    else if (options_.weights_read_by == WeightsReadBy::rank0)
-      load_weights_through(options_.weights_from, world_);
-    else if (options_.weights_read_by == WeightsReadBy::local_rank0)
-      load_weights_through(options_.weights_from, mesh.node());
-    else
-      load_weights(options_.weights_from);
-    load_rss_growth_ = train::peak_rss_bytes() - rss_before_build;
-
-    // 5. Replication over DP: DDP's bucketed all-reduce of whatever this rank trains (nothing to
-    //    do for a DP axis of one rank).
-    if (options_.zero_stage2 && !has_dp)
-      throw ConfigError(fmt::format("parallelize: zero_stage2 shards gradients over a DP axis, and {} has none",
-                                    std::string(M::name)));
-    if constexpr (has_dp) {
-      if (options_.zero_stage2 && has_fsdp)
-        throw ConfigError(fmt::format("parallelize: zero_stage2 on {}: FSDP already shards gradients (and weights); "
-                                      "use ZeRO-2 on a mesh with DP and no FSDP",
-                                      std::string(M::name)));
-      if (mesh.template size<DP>() > 1) replicate(mesh);
-    }
-    // The sequence-parallel norms' gradients are summed over TP where the optimizer reads them.
-    if constexpr (has_tp) tp_->sum_norm_gradients_into(trained_by_name());
-  }
-
- private:
-  // 5. DDP (or ZeRO-2) over a DP axis of more than one rank.
-  void replicate(const comm::DeviceMesh<M>& mesh) {
-    if constexpr (has_dp) {
-      std::vector<std::pair<std::string, torch::Tensor>> replicated;
-      for (auto& [name, tensor] : named_parameters())
-        if (tensor.numel() > 0) replicated.emplace_back(name, tensor);
-      if constexpr (has_fsdp) {
-        if (options_.fsdp.cpu_offload && options_.device.is_cuda())
-          throw ConfigError("parallelize: cpu_offload on an HSDP mesh (DP and FSDP) is not supported yet: the "
-                            "offloaded shards cannot be all-reduced over the DP axis's NCCL group");
-      }
-      if (options_.zero_stage2)
-        zero2_ = std::make_unique<ZeroStage2>(std::move(replicated), mesh.template group<DP>(),
-                                              ZeroStage2Options{.bucket_cap_mb = options_.ddp.bucket_cap_mb,
-                                                                .buckets_in_flight = options_.zero_stage2_buckets_in_flight});
-      else
-        ddp_ = std::make_unique<DistributedDataParallel>(std::move(replicated), mesh.template group<DP>(), options_.ddp);
-    }
-  }
-
- public:
-  ParallelLlama(ParallelLlama&&) noexcept = default;
-  ParallelLlama& operator=(ParallelLlama&&) noexcept = default;
+  // Builds the wrappers over `groups` in torchtitan's order and fills this rank's pieces; see
+  // the top of this header.
+  MESHTORCH_DECL ParallelLlamaRuntime(llama::LlamaForCausalLM model, ParallelGroups groups,
+                                      const ParallelizeOptions& options, ParallelPlan plan);
+  ParallelLlamaRuntime(ParallelLlamaRuntime&&) noexcept = default;
+  ParallelLlamaRuntime& operator=(ParallelLlamaRuntime&&) noexcept = default;
+  MESHTORCH_DECL ~ParallelLlamaRuntime();
 
   // Mean next-token cross entropy of this rank's batch (vocab-parallel under loss parallel);
   // its backward runs every gradient collective of the layout.
-  torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
-    auto compute = [&] {
-      if constexpr (has_tp)
-        return tp_->loss(input_ids, labels);
-      else
-        return model_->loss(input_ids, labels);
-    };
-    if (ddp_) return (*ddp_)(compute);
-    if (zero2_) zero2_->before_forward();  // the rows other ranks updated
-    return compute();
-  }
+  MESHTORCH_DECL torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels);
 
   // While the guard lives, backward accumulates gradients without the DP all-reduce (DDP's
   // no_sync): use it on all micro-batches of a step but the last. FSDP and ZeRO-2 still
   // reduce-scatter each micro-batch (as FSDP2 and DeepSpeed do), so no full gradient stays.
   class NoSync {
    public:
-    explicit NoSync(ParallelLlama& parallel) {
+    explicit NoSync(ParallelLlamaRuntime& parallel) {
       if (parallel.ddp_) ddp_guard_.emplace(parallel.ddp_->no_sync());
     }
 
@@ -271,16 +190,7 @@ class ParallelLlama {
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
 
   // What the optimizer steps: the FSDP shards, ZeRO-2's rows, or the (TP-sharded) weights.
-  std::vector<std::pair<std::string, torch::Tensor>> named_parameters() const {
-    if (zero2_) return zero2_->named_shards();
-    if constexpr (has_fsdp) {
-      return fsdp_->named_parameters();
-    } else {
-      std::vector<std::pair<std::string, torch::Tensor>> named;
-      for (const auto& item : model_->named_parameters()) named.emplace_back(item.key(), item.value());
-      return named;
-    }
-  }
+  MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> named_parameters() const;
 
   // The data-parallel coordinate and size (DP and FSDP merged): what the sampler splits the
   // global batch by. 0 and 1 on a mesh without either.
@@ -289,84 +199,41 @@ class ParallelLlama {
   const std::optional<comm::AxisGroup>& data_parallel() const { return data_parallel_; }
   // The mean of a per-rank value over the data-parallel group (e.g. the step's loss); TP ranks
   // of a data-parallel coordinate hold the same value already.
-  torch::Tensor mean_over_data_parallel(torch::Tensor value) const {
-    if (!data_parallel_) return value;
-    return comm::all_reduce(*data_parallel_, std::move(value), comm::ReduceOp::avg);
-  }
+  MESHTORCH_DECL torch::Tensor mean_over_data_parallel(torch::Tensor value) const;
   // --measure-waiting, the guide's barrier: the time this rank waits here for the slowest rank
   // of the job goes to the timers' "waiting" phase.
-  void wait_for_slowest(train::PhaseTimers& timers) const {
-    auto timer = timers.time("waiting");
-    comm::barrier(world_);
-  }
+  MESHTORCH_DECL void wait_for_slowest(train::PhaseTimers& timers) const;
 
   // Where this rank's piece of a (HF-named) weight lies in the global weight: its TP chunk, then
   // its FSDP (or ZeRO-2) rows of that chunk. What checkpoints record, what initialisation keeps
   // and what loading reads.
-  io::Box piece_box(const std::string& name, const std::vector<std::int64_t>& global_shape) const {
-    auto box = io::whole(global_shape);
-    if constexpr (has_tp)
-      if (const auto dim = tp_->shard_dim(name)) box = io::chunk(box, *dim, tp_->group().rank(), tp_->group().size());
-    if constexpr (has_fsdp) {
-      const auto [first_row, rows] = fsdp_->rows_of(name);
-      box = io::rows(box, first_row, first_row + rows);
-    }
-    if (zero2_) {
-      const auto [first_row, rows] = zero2_->rows_of(name);
-      box = io::rows(box, first_row, first_row + rows);
-    }
-    return box;
-  }
+  MESHTORCH_DECL io::Box piece_box(const std::string& name, const std::vector<std::int64_t>& global_shape) const;
 
   // This rank's piece of a full (HF-named) weight: a view, no copy.
-  torch::Tensor piece_of(const std::string& name, const torch::Tensor& full) const {
-    const auto shape = full.sizes().vec();
-    return io::view_of(full, io::whole(shape), piece_box(name, shape));
-  }
+  MESHTORCH_DECL torch::Tensor piece_of(const std::string& name, const torch::Tensor& full) const;
 
   // Every weight this rank trains as a box of the global weight, for checkpoints: its TP chunk,
   // then its FSDP (or ZeRO-2) rows. Of identical copies (DP replicas, weights TP leaves whole)
   // exactly one rank is the writer: DP coordinate 0 (every DP rank under ZeRO-2), TP rank 0.
-  std::vector<io::ShardedTensor> sharded_parameters() const {
-    const auto trained = trained_by_name();
-    std::vector<io::ShardedTensor> pieces;
-    for (const auto& [name, shape] : global_shapes_) {
-      bool writer = replica_ == 0 || zero2_;
-      if constexpr (has_tp)
-        if (!tp_->shard_dim(name)) writer = writer && tp_->group().rank() == 0;
-      pieces.push_back(io::sharded(name, trained.at(name), shape, piece_box(name, shape), writer));
-    }
-    return pieces;
-  }
+  MESHTORCH_DECL std::vector<io::ShardedTensor> sharded_parameters() const;
   // Clips every gradient this rank trains so that the whole model's gradient norm is at most
   // `max_norm` (parallel/grad_clipping.hpp); returns the norm before clipping. Every rank calls
   // it, after backward and before the optimizer step.
-  double clip_grad_norm(double max_norm) const {
-    std::vector<ClippedTensor> pieces;
-    for (auto& piece : sharded_parameters()) pieces.push_back({piece.local, piece.writer});
-    return meshtorch::clip_grad_norm(pieces, max_norm, [this](torch::Tensor squares) {
-      return comm::all_reduce(world_, std::move(squares), comm::ReduceOp::sum);
-    });
-  }
+  MESHTORCH_DECL double clip_grad_norm(double max_norm) const;
 
   // "Mesh<...>: tensor parallel over TP (...) -> ...", recorded in checkpoints.
-  std::string layout() const {
-    return std::string(M::name) + ": " + (zero2_ ? std::string("ZeRO-2 over DP (gradients and optimizer state sharded)") : describe());
-  }
+  MESHTORCH_DECL std::string layout() const;
   // "rank 5 of 8 on cpu: DP 1 of 2, FSDP 0 of 2, TP 1 of 2".
   const std::string& coordinate() const { return coordinate_; }
 
   // Refuses a sequence length the layout cannot split (sequence parallel cuts every sequence over
   // TP); the data loader asks before it packs the data.
   void validate_sequence(std::int64_t seq_length) const {
-    if constexpr (has_tp) plan::validate_sequence(seq_length, tp_->group().size());
+    if (tp_) validate_sequence_(seq_length, tp_->group().size());
   }
 
   // "<describe()>: 3145728 of the model's 12582912 parameters held by this rank, float32".
-  std::string summary() const {
-    return fmt::format("{}{}: {} of the model's {} parameters held by this rank, {}", describe(), zero2_ ? " (ZeRO-2: gradients reduce-scattered)" : "", local_numel(),
-                       model_->config.num_parameters(), llama::dtype_name(model_->parameters().front().scalar_type()));
-  }
+  MESHTORCH_DECL std::string summary() const;
 
   // The global (unsharded) shape of every weight, by HF name, in the model's order.
   const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& global_shapes() const {
@@ -379,34 +246,87 @@ class ParallelLlama {
   // peak: the pieces it keeps (on the CPU) plus what reading held at once.
   std::int64_t load_rss_growth_bytes() const { return load_rss_growth_; }
   // Elements of weights this rank holds, and their bytes.
-  std::int64_t local_numel() const {
-    std::int64_t n = 0;
-    for (const auto& [name, tensor] : named_parameters()) n += tensor.numel();
-    return n;
-  }
-  std::int64_t local_bytes() const {
-    std::int64_t n = 0;
-    for (const auto& [name, tensor] : named_parameters()) n += tensor.numel() * tensor.element_size();
-    return n;
-  }
+  MESHTORCH_DECL std::int64_t local_numel() const;
+  MESHTORCH_DECL std::int64_t local_bytes() const;
   // "weights from DIR read by rank0: this rank read 123 of the model's 456 elements; resident set
   // +78 MiB at the peak of loading, its pieces 70 MiB": the line a chapter logs after loading.
-  std::string load_report() const {
-    constexpr double mib = 1024.0 * 1024.0;
-    return fmt::format("weights from {} read by {}: this rank read {} of the model's {} elements; resident set "
-                       "+{:.0f} MiB at the peak of loading, its pieces {:.0f} MiB",
-                       options_.weights_from.string(), to_string(options_.weights_read_by), read_elements_,
-                       model_->config.num_parameters(),
-                       static_cast<double>(load_rss_growth_) / mib, static_cast<double>(local_bytes()) / mib);
-  }
+  MESHTORCH_DECL std::string load_report() const;
 
   llama::LlamaForCausalLM& module() { return model_; }
   const comm::AxisGroup& world() const { return world_; }
-  TensorParallel<plan>* tensor_parallel() const { return tp_.get(); }
+  TensorParallelRuntime* tensor_parallel() const { return tp_.get(); }
   FullyShardedDataParallel* fully_sharded() const { return fsdp_.get(); }
   DistributedDataParallel* data_parallel_replication() const { return ddp_.get(); }
   ZeroStage2* zero_stage2() const { return zero2_.get(); }
   const ParallelizeOptions& options() const { return options_; }
+
+ private:
+  // 5. DDP (or ZeRO-2) over a DP axis of more than one rank.
+  MESHTORCH_DECL void replicate(const comm::AxisGroup& dp);
+
+  // Copies this rank's piece of a weight (in any dtype) into the tensor it trains.
+  MESHTORCH_DECL static void keep_piece(const std::map<std::string, torch::Tensor>& trained, const std::string& name,
+                                        const torch::Tensor& piece, const std::string& source);
+
+  MESHTORCH_DECL std::map<std::string, torch::Tensor> trained_by_name() const;
+
+  // HF's _init_weights over the global shapes, in chapter 1's order and with its random numbers.
+  MESHTORCH_DECL void initialise(torch::ScalarType dtype);
+
+  // An HF folder's weights, file by file (the index's shards): of each weight this rank reads
+  // from disk only the rows its piece lies in (all of them where it keeps whole rows: TP's
+  // dim-1 chunks), then converts to its dtype, so no rank reads a whole model or holds more than
+  // its pieces plus one weight's rows. Every rank reads the folder itself: node-local copies or
+  // a shared file system both work.
+  MESHTORCH_DECL void load_weights(const std::filesystem::path& dir);
+
+  // The rows of a folder's tensor that this rank's piece lies in: [first, first + count).
+  MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> rows_read_for(const io::SafetensorsEntry& entry) const;
+
+  // The group's rank 0 (the world's, or each node's) reads each weight whole and broadcasts it
+  // over the group; every rank keeps its piece. The reader checks every file first and sends the
+  // list of weights, or what is wrong with them (list_folder_weights).
+  MESHTORCH_DECL void load_weights_through(const std::filesystem::path& dir, const comm::AxisGroup& group);
+
+  // Whether a folder's tensor is loaded: the rotary tables are recomputed and a tied head is the embedding.
+  MESHTORCH_DECL bool is_loaded(const std::string& name) const;
+  MESHTORCH_DECL void check_shape(const io::SafetensorsEntry& entry, const std::filesystem::path& file) const;
+  MESHTORCH_DECL const std::vector<std::int64_t>* shape_of(const std::string& name) const;
+
+  llama::LlamaForCausalLM model_;
+  ParallelizeOptions options_;
+  comm::AxisGroup world_;
+  std::string_view mesh_name_;
+  std::string coordinate_;
+  std::string wrappers_;
+  void (*validate_sequence_)(std::int64_t, std::int64_t) = nullptr;
+  int replica_ = 0;  // the DP coordinate: replicas other than 0 write nothing
+  std::int64_t read_elements_ = 0;  // of weights read from a model folder (load_weights)
+  std::int64_t load_rss_growth_ = 0;
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> global_shapes_;
+  std::optional<comm::AxisGroup> data_parallel_;
+  std::unique_ptr<TensorParallelRuntime> tp_;
+  std::unique_ptr<FullyShardedDataParallel> fsdp_;
+  std::unique_ptr<DistributedDataParallel> ddp_;
+  std::unique_ptr<ZeroStage2> zero2_;
+};
+
+// The parallel model of a mesh type: checks the mesh and the styles at compile time, and hands
+// ParallelLlamaRuntime the groups of the axes the type has and the plan's styles as values.
+template <MeshType M, llama::LlamaStyles Styles = llama::default_styles<M>>
+class ParallelLlama : public ParallelLlamaRuntime {
+  static_assert(llama::check_parallelizable<M, Styles>());
+
+ public:
+  using mesh_type = M;
+  using plan = llama::Plan<M, llama::detail::RunTimeConfig{}, Styles>;
+  static constexpr bool has_tp = M::template has<TP>;
+  static constexpr bool has_fsdp = M::template has<FSDP>;
+  static constexpr bool has_dp = M::template has<DP>;
+
+  ParallelLlama(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, ParallelizeOptions options)
+      : ParallelLlamaRuntime(std::move(model), groups_of(mesh, options), options,
+                             {has_tp ? &tp_steps : nullptr, has_tp ? &plan::validate : nullptr, &plan::validate_sequence, describe()}) {}
 
   // "TP(styles) -> FSDP per layer + root -> DDP": the wrappers this mesh type applied, for logs.
   static std::string describe() {
@@ -419,191 +339,31 @@ class ParallelLlama {
   }
 
  private:
-  static comm::AxisGroup data_parallel_group(const comm::DeviceMesh<M>& mesh) {
+  static constexpr tp_detail::PlanSteps tp_steps = [] {
+    if constexpr (has_tp) {
+      static_assert(tp_detail::check_applicable<typename plan::styles>());
+      return tp_detail::plan_steps_of<plan>();
+    } else {
+      return tp_detail::PlanSteps{};
+    }
+  }();
+
+  static ParallelGroups groups_of(const comm::DeviceMesh<M>& mesh, const ParallelizeOptions& options) {
+    ParallelGroups groups{.world = mesh.world(), .mesh_name = M::name, .coordinate = mesh.describe()};
+    if constexpr (has_tp) groups.tp = mesh.template group<TP>();
+    if constexpr (has_fsdp) groups.fsdp = mesh.template group<FSDP>();
+    if constexpr (has_dp) {
+      groups.dp = mesh.template group<DP>();
+      groups.replica = mesh.template coord<DP>();
+    }
     if constexpr (has_dp && has_fsdp)
-      return mesh.template group<DP, FSDP>();
-    else if constexpr (has_dp)
-      return mesh.template group<DP>();
-    else
-      return mesh.template group<FSDP>();
+      groups.data_parallel = mesh.template group<DP, FSDP>();
+    else if constexpr (has_dp || has_fsdp)
+      groups.data_parallel = has_dp ? *groups.dp : *groups.fsdp;
+    // Only asked for when it reads: a job without a node group may still read otherwise.
+    if (options.weights_read_by == WeightsReadBy::local_rank0) groups.node = mesh.node();
+    return groups;
   }
-
-  // Copies this rank's piece of a weight (in any dtype) into the tensor it trains.
-  static void keep_piece(const std::map<std::string, torch::Tensor>& trained, const std::string& name,
-                         const torch::Tensor& piece, const std::string& source) {
-    torch::NoGradGuard no_grad;
-    auto target = trained.at(name);
-    if (piece.sizes() != target.sizes())
-      throw DataError(fmt::format("{}: tensor '{}' gives a piece of shape {}, this rank holds {}", source, name,
-                                  c10::str(piece.sizes()), c10::str(target.sizes())));
-    target.copy_(piece);
-  }
-
-  std::map<std::string, torch::Tensor> trained_by_name() const {
-    const auto named = named_parameters();
-    return {named.begin(), named.end()};
-  }
-
-  // HF's _init_weights over the global shapes, in chapter 1's order and with its random numbers.
-  void initialise(torch::ScalarType dtype) {
-    torch::NoGradGuard no_grad;
-    const double std = model_->config.initializer_range;
-    std::set<std::string> norms;
-    for (auto& [name, leaf] : llama::weight_modules(*model_))
-      if (dynamic_cast<llama::RMSNormImpl*>(leaf)) norms.insert(name + ".weight");
-    const auto trained = trained_by_name();
-    for (const auto& [name, shape] : global_shapes_) {
-      auto full = torch::empty(shape, torch::TensorOptions().device(options_.device).dtype(dtype));
-      if (norms.count(name))
-        full.fill_(1.0);
-      else
-        full.normal_(0.0, std);
-      keep_piece(trained, name, piece_of(name, full), "initialisation");
-    }
-  }
-
-  // An HF folder's weights, file by file (the index's shards): of each weight this rank reads
-  // from disk only the rows its piece lies in (all of them where it keeps whole rows: TP's
-  // dim-1 chunks), then converts to its dtype, so no rank reads a whole model or holds more than
-  // its pieces plus one weight's rows. Every rank reads the folder itself: node-local copies or
-  // a shared file system both work.
-  void load_weights(const std::filesystem::path& dir) {
-    std::set<std::string> loaded;
-    const auto trained = trained_by_name();
-    const auto files = llama::weight_files(dir);
-    // Every header first: a wrong shape stops the load before anything is read, and the read
-    // buffer is sized once, for the largest piece.
-    std::int64_t largest_read = 0;
-    for (const auto& file : files)
-      for (const auto& entry : io::read_safetensors_header(file).entries)
-        if (is_loaded(entry.name)) {
-          check_shape(entry, file);
-          largest_read = std::max(largest_read, rows_read_for(entry).second *
-                                                    static_cast<std::int64_t>(io::SafetensorsRowReader::row_bytes(entry)));
-        }
-    auto buffer = torch::empty({largest_read}, torch::TensorOptions().dtype(torch::kByte));
-    for (const auto& file : files) {
-      io::SafetensorsRowReader reader(file);
-      for (const auto& entry : reader.header().entries) {
-        const auto& name = entry.name;
-        if (!is_loaded(name)) continue;
-        check_shape(entry, file);
-        // The rows the piece lies in, whole; then the piece's columns of them (TP's dim-1 chunks).
-        const auto box = piece_box(name, entry.shape);
-        const auto read_box = entry.shape.empty() ? box : io::rows(io::whole(entry.shape), box.offsets[0],
-                                                                   box.offsets[0] + box.sizes[0]);
-        const auto [first_row, row_count] = rows_read_for(entry);
-        auto read = view_of_buffer(buffer, entry.shape.empty() ? entry.shape : rows_shape(entry.shape, row_count),
-                                   entry.dtype);
-        reader.read_rows_into(entry, first_row, row_count, read);
-        const auto rows = read.to(options_.device);
-        read_elements_ += rows.numel();
-        keep_piece(trained, name, io::view_of(rows, read_box, box), file.string());
-        loaded.insert(name);
-      }
-    }
-    for (const auto& [name, shape] : global_shapes_)
-      if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", dir.string(), name));
-  }
-
-  // The rows of a folder's tensor that this rank's piece lies in: [first, first + count).
-  std::pair<std::int64_t, std::int64_t> rows_read_for(const io::SafetensorsEntry& entry) const {
-    if (entry.shape.empty()) return {0, 1};
-    const auto box = piece_box(entry.name, entry.shape);
-    return {box.offsets[0], box.sizes[0]};
-  }
-  static std::vector<std::int64_t> rows_shape(std::vector<std::int64_t> shape, std::int64_t rows) {
-    shape[0] = rows;
-    return shape;
-  }
-  // `buffer`'s first bytes as a tensor of `shape` and `dtype`: the one buffer each weight is read
-  // (or received) into in turn, so that loading leaves no buffer per weight behind for glibc's
-  // heap to keep (measured: with one per weight, a rank's resident set peaked up to 99 MiB
-  // higher in some runs and not in others).
-  static torch::Tensor view_of_buffer(torch::Tensor& buffer, const std::vector<std::int64_t>& shape,
-                                      torch::ScalarType dtype) {
-    const auto bytes = c10::multiply_integers(shape) * static_cast<std::int64_t>(c10::elementSize(dtype));
-    if (buffer.numel() < bytes) buffer = torch::empty({bytes}, buffer.options());
-    return buffer.narrow(0, 0, bytes).view(dtype).view(shape);
-  }
-
-  // The group's rank 0 (the world's, or each node's) reads each weight whole and broadcasts it
-  // over the group; every rank keeps its piece. The reader checks every file first and sends the
-  // list of weights, or what is wrong with them (list_folder_weights).
-  void load_weights_through(const std::filesystem::path& dir, const comm::AxisGroup& group) {
-    const bool reader_rank = group.rank() == 0;
-    const int reader = group.global_rank_of(0);
-    const auto listing = list_folder_weights(dir, group, world_, [&](const io::SafetensorsEntry& entry,
-                                                                     const std::filesystem::path& file) {
-      if (!is_loaded(entry.name)) return false;
-      check_shape(entry, file);
-      return true;
-    });
-
-    std::set<std::string> loaded;
-    const auto trained = trained_by_name();
-    std::optional<io::SafetensorsRowReader> file_reader;
-    // One buffer for every weight, as big as the largest, read into on the reader and received
-    // into on the others (on the CPU the reader's is the one it broadcasts from).
-    std::int64_t largest = 0;
-    for (const auto& weight : listing)
-      largest = std::max(largest, c10::multiply_integers(weight.shape) *
-                                      static_cast<std::int64_t>(c10::elementSize(weight.dtype)));
-    auto read_buffer = torch::empty({reader_rank ? largest : 0}, torch::TensorOptions().dtype(torch::kByte));
-    auto receive_buffer = torch::empty({reader_rank && options_.device.is_cpu() ? 0 : largest},
-                                       torch::TensorOptions().dtype(torch::kByte).device(options_.device));
-    for (const auto& [name, shape, dtype, file, entry] : listing) {
-      torch::Tensor full;
-      if (reader_rank) {
-        if (!file_reader || file_reader->path() != file) file_reader.emplace(file);
-        auto read = view_of_buffer(read_buffer, shape, dtype);
-        file_reader->read_rows_into(entry, 0, shape.empty() ? 0 : shape[0], read);
-        full = options_.device.is_cpu() ? read : view_of_buffer(receive_buffer, shape, dtype).copy_(read);
-        read_elements_ += full.numel();
-      } else {
-        full = view_of_buffer(receive_buffer, shape, dtype);
-      }
-      full = comm::broadcast(group, full, 0);
-      keep_piece(trained, name, piece_of(name, full), fmt::format("rank {}'s {}", reader, dir.string()));
-      loaded.insert(name);
-    }
-    for (const auto& [name, shape] : global_shapes_)
-      if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", dir.string(), name));
-  }
-
-  // Whether a folder's tensor is loaded: the rotary tables are recomputed and a tied head is the embedding.
-  bool is_loaded(const std::string& name) const {
-    if (name.find("rotary_emb.inv_freq") != std::string::npos) return false;
-    return !(name == "lm_head.weight" && model_->config.tie_word_embeddings);
-  }
-  void check_shape(const io::SafetensorsEntry& entry, const std::filesystem::path& file) const {
-    const auto* shape = shape_of(entry.name);
-    if (!shape)
-      throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", file.string(), entry.name));
-    if (entry.shape != *shape)
-      throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", file.string(), entry.name,
-                                  c10::str(c10::IntArrayRef(entry.shape)), c10::str(c10::IntArrayRef(*shape))));
-  }
-
-  const std::vector<std::int64_t>* shape_of(const std::string& name) const {
-    for (const auto& [n, shape] : global_shapes_)
-      if (n == name) return &shape;
-    return nullptr;
-  }
-
-  llama::LlamaForCausalLM model_;
-  ParallelizeOptions options_;
-  comm::AxisGroup world_;
-  std::string coordinate_;
-  int replica_ = 0;  // the DP coordinate: replicas other than 0 write nothing
-  std::int64_t read_elements_ = 0;  // of weights read from a model folder (load_weights)
-  std::int64_t load_rss_growth_ = 0;
-  std::vector<std::pair<std::string, std::vector<std::int64_t>>> global_shapes_;
-  std::optional<comm::AxisGroup> data_parallel_;
-  std::unique_ptr<TensorParallel<plan>> tp_;
-  std::unique_ptr<FullyShardedDataParallel> fsdp_;
-  std::unique_ptr<DistributedDataParallel> ddp_;
-  std::unique_ptr<ZeroStage2> zero2_;
 };
 
 // The folder to read weights from when -m names a model folder that holds weights; empty for a
@@ -654,6 +414,362 @@ ParallelLlama<M> parallelize(llama::LlamaForCausalLM model, const comm::DeviceMe
 #include <nlohmann/json.hpp>
 
 namespace meshtorch {
+
+MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalLM model, ParallelGroups groups,
+                                                          const ParallelizeOptions& options, ParallelPlan plan)
+    : model_(std::move(model)),
+      options_(options),
+      world_(std::move(groups.world)),
+      mesh_name_(groups.mesh_name),
+      coordinate_(std::move(groups.coordinate)),
+      wrappers_(std::move(plan.wrappers)),
+      validate_sequence_(plan.validate_sequence),
+      replica_(groups.replica),
+      data_parallel_(std::move(groups.data_parallel)) {
+  // What building and filling the pieces adds to the resident set at its peak is kept: the
+  // measure that no rank held the whole model.
+  const auto rss_before_build = train::rss_bytes();
+  train::reset_peak_rss();
+  options_.fsdp.device = options_.device;
+  if (groups.tp) plan.validate(model_->config, groups.tp->size(), options_.model_name);
+  const auto dtype = model_->parameters().front().scalar_type();
+  for (auto& [name, leaf] : llama::weight_modules(*model_)) {
+    if (!leaf->weight.is_meta())
+      throw ConfigError(fmt::format("parallelize: '{}.weight' is not on the meta device; build the model with "
+                                    "torch::TensorOptions().device(torch::kMeta) so that no rank holds it whole",
+                                    name));
+    global_shapes_.emplace_back(name + ".weight", leaf->weight.sizes().vec());
+  }
+
+  // 1. Tensor parallel: each rank keeps its TP chunk of every matrix (still on meta).
+  if (groups.tp) tp_ = std::make_unique<TensorParallelRuntime>(model_, *groups.tp, *plan.tp_steps);
+
+  // 2. Activation checkpointing: inside each chosen layer's hooks, so FSDP's gather is not redone.
+  checkpoint_activations(model_, options_.activation_checkpointing);
+  model_->loss_chunk = options_.loss_chunk;
+
+  // 3. FSDP: a unit per decoder layer, then the root; the shards are allocated, the rest not.
+  if (groups.fsdp) {
+    // Under HSDP, DDP's Reducer all-reduces the shards' gradients as autograd delivers them:
+    // the reduce-scatters hand their results to autograd at once instead of staying in flight.
+    if (groups.dp && groups.dp->size() > 1) options_.fsdp.reduce_scatters_in_flight = 0;
+    fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, *groups.fsdp, options_.fsdp);
+    // As torchtitan: the last layer keeps its weights from forward to backward, which starts
+    // with it (resharding would free them only to gather them again at once).
+    auto& layers = model_->model->decoder_layers;
+    for (std::size_t i = 0; i < layers.size(); ++i)
+      fsdp_->fully_shard(layers[i], i + 1 < layers.size() ? std::nullopt : std::optional<bool>(false));
+    fsdp_->fully_shard(model_);
+  } else {
+    for (auto& [name, leaf] : llama::weight_modules(*model_))
+      leaf->materialize(torch::TensorOptions().device(options_.device).dtype(dtype));
+  }
+
+  // 4. Fill this rank's pieces, one full weight at a time.
+  if (options_.weights_from.empty())
+    initialise(dtype);
+  else if (options_.weights_read_by == WeightsReadBy::rank0)
+    load_weights_through(options_.weights_from, world_);
+  else if (options_.weights_read_by == WeightsReadBy::local_rank0)
+    load_weights_through(options_.weights_from, *groups.node);
+  else
+    load_weights(options_.weights_from);
+  load_rss_growth_ = train::peak_rss_bytes() - rss_before_build;
+
+  // 5. Replication over DP: DDP's bucketed all-reduce of whatever this rank trains (nothing to
+  //    do for a DP axis of one rank).
+  if (options_.zero_stage2 && !groups.dp)
+    throw ConfigError(fmt::format("parallelize: zero_stage2 shards gradients over a DP axis, and {} has none",
+                                  mesh_name_));
+  if (groups.dp) {
+    if (options_.zero_stage2 && groups.fsdp)
+      throw ConfigError(fmt::format("parallelize: zero_stage2 on {}: FSDP already shards gradients (and weights); "
+                                    "use ZeRO-2 on a mesh with DP and no FSDP",
+                                    mesh_name_));
+    if (groups.dp->size() > 1) replicate(*groups.dp);
+  }
+  // The sequence-parallel norms' gradients are summed over TP where the optimizer reads them.
+  if (tp_) tp_->sum_norm_gradients_into(trained_by_name());
+}
+
+MESHTORCH_DECL ParallelLlamaRuntime::~ParallelLlamaRuntime() = default;
+
+MESHTORCH_DECL void ParallelLlamaRuntime::replicate(const comm::AxisGroup& dp) {
+  std::vector<std::pair<std::string, torch::Tensor>> replicated;
+  for (auto& [name, tensor] : named_parameters())
+    if (tensor.numel() > 0) replicated.emplace_back(name, tensor);
+  if (fsdp_ && options_.fsdp.cpu_offload && options_.device.is_cuda())
+    throw ConfigError("parallelize: cpu_offload on an HSDP mesh (DP and FSDP) is not supported yet: the "
+                      "offloaded shards cannot be all-reduced over the DP axis's NCCL group");
+  if (options_.zero_stage2)
+    zero2_ = std::make_unique<ZeroStage2>(std::move(replicated), dp,
+                                          ZeroStage2Options{.bucket_cap_mb = options_.ddp.bucket_cap_mb,
+                                                            .buckets_in_flight = options_.zero_stage2_buckets_in_flight});
+  else
+    ddp_ = std::make_unique<DistributedDataParallel>(std::move(replicated), dp, options_.ddp);
+}
+
+MESHTORCH_DECL torch::Tensor ParallelLlamaRuntime::loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
+  auto compute = [&] { return tp_ ? tp_->loss(input_ids, labels) : model_->loss(input_ids, labels); };
+  if (ddp_) return (*ddp_)(compute);
+  if (zero2_) zero2_->before_forward();  // the rows other ranks updated
+  return compute();
+}
+
+MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> ParallelLlamaRuntime::named_parameters() const {
+  if (zero2_) return zero2_->named_shards();
+  if (fsdp_) return fsdp_->named_parameters();
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  for (const auto& item : model_->named_parameters()) named.emplace_back(item.key(), item.value());
+  return named;
+}
+
+MESHTORCH_DECL torch::Tensor ParallelLlamaRuntime::mean_over_data_parallel(torch::Tensor value) const {
+  if (!data_parallel_) return value;
+  return comm::all_reduce(*data_parallel_, std::move(value), comm::ReduceOp::avg);
+}
+
+MESHTORCH_DECL void ParallelLlamaRuntime::wait_for_slowest(train::PhaseTimers& timers) const {
+  auto timer = timers.time("waiting");
+  comm::barrier(world_);
+}
+
+MESHTORCH_DECL io::Box ParallelLlamaRuntime::piece_box(const std::string& name,
+                                                       const std::vector<std::int64_t>& global_shape) const {
+  auto box = io::whole(global_shape);
+  if (tp_)
+    if (const auto dim = tp_->shard_dim(name)) box = io::chunk(box, *dim, tp_->group().rank(), tp_->group().size());
+  if (fsdp_) {
+    const auto [first_row, rows] = fsdp_->rows_of(name);
+    box = io::rows(box, first_row, first_row + rows);
+  }
+  if (zero2_) {
+    const auto [first_row, rows] = zero2_->rows_of(name);
+    box = io::rows(box, first_row, first_row + rows);
+  }
+  return box;
+}
+
+MESHTORCH_DECL torch::Tensor ParallelLlamaRuntime::piece_of(const std::string& name, const torch::Tensor& full) const {
+  const auto shape = full.sizes().vec();
+  return io::view_of(full, io::whole(shape), piece_box(name, shape));
+}
+
+MESHTORCH_DECL std::vector<io::ShardedTensor> ParallelLlamaRuntime::sharded_parameters() const {
+  const auto trained = trained_by_name();
+  std::vector<io::ShardedTensor> pieces;
+  for (const auto& [name, shape] : global_shapes_) {
+    bool writer = replica_ == 0 || zero2_;
+    if (tp_ && !tp_->shard_dim(name)) writer = writer && tp_->group().rank() == 0;
+    pieces.push_back(io::sharded(name, trained.at(name), shape, piece_box(name, shape), writer));
+  }
+  return pieces;
+}
+
+MESHTORCH_DECL double ParallelLlamaRuntime::clip_grad_norm(double max_norm) const {
+  std::vector<ClippedTensor> pieces;
+  for (auto& piece : sharded_parameters()) pieces.push_back({piece.local, piece.writer});
+  return meshtorch::clip_grad_norm(pieces, max_norm, [this](torch::Tensor squares) {
+    return comm::all_reduce(world_, std::move(squares), comm::ReduceOp::sum);
+  });
+}
+
+MESHTORCH_DECL std::string ParallelLlamaRuntime::layout() const {
+  return fmt::format("{}: {}", mesh_name_,
+                     zero2_ ? "ZeRO-2 over DP (gradients and optimizer state sharded)" : wrappers_);
+}
+
+MESHTORCH_DECL std::string ParallelLlamaRuntime::summary() const {
+  return fmt::format("{}{}: {} of the model's {} parameters held by this rank, {}", wrappers_,
+                     zero2_ ? " (ZeRO-2: gradients reduce-scattered)" : "", local_numel(),
+                     model_->config.num_parameters(), llama::dtype_name(model_->parameters().front().scalar_type()));
+}
+
+MESHTORCH_DECL std::int64_t ParallelLlamaRuntime::local_numel() const {
+  std::int64_t n = 0;
+  for (const auto& [name, tensor] : named_parameters()) n += tensor.numel();
+  return n;
+}
+
+MESHTORCH_DECL std::int64_t ParallelLlamaRuntime::local_bytes() const {
+  std::int64_t n = 0;
+  for (const auto& [name, tensor] : named_parameters()) n += tensor.numel() * tensor.element_size();
+  return n;
+}
+
+MESHTORCH_DECL std::string ParallelLlamaRuntime::load_report() const {
+  constexpr double mib = 1024.0 * 1024.0;
+  return fmt::format("weights from {} read by {}: this rank read {} of the model's {} elements; resident set "
+                     "+{:.0f} MiB at the peak of loading, its pieces {:.0f} MiB",
+                     options_.weights_from.string(), to_string(options_.weights_read_by), read_elements_,
+                     model_->config.num_parameters(), static_cast<double>(load_rss_growth_) / mib,
+                     static_cast<double>(local_bytes()) / mib);
+}
+
+MESHTORCH_DECL void ParallelLlamaRuntime::keep_piece(const std::map<std::string, torch::Tensor>& trained,
+                                                     const std::string& name, const torch::Tensor& piece,
+                                                     const std::string& source) {
+  torch::NoGradGuard no_grad;
+  auto target = trained.at(name);
+  if (piece.sizes() != target.sizes())
+    throw DataError(fmt::format("{}: tensor '{}' gives a piece of shape {}, this rank holds {}", source, name,
+                                c10::str(piece.sizes()), c10::str(target.sizes())));
+  target.copy_(piece);
+}
+
+MESHTORCH_DECL std::map<std::string, torch::Tensor> ParallelLlamaRuntime::trained_by_name() const {
+  const auto named = named_parameters();
+  return {named.begin(), named.end()};
+}
+
+MESHTORCH_DECL void ParallelLlamaRuntime::initialise(torch::ScalarType dtype) {
+  torch::NoGradGuard no_grad;
+  const double std = model_->config.initializer_range;
+  std::set<std::string> norms;
+  for (auto& [name, leaf] : llama::weight_modules(*model_))
+    if (dynamic_cast<llama::RMSNormImpl*>(leaf)) norms.insert(name + ".weight");
+  const auto trained = trained_by_name();
+  for (const auto& [name, shape] : global_shapes_) {
+    auto full = torch::empty(shape, torch::TensorOptions().device(options_.device).dtype(dtype));
+    if (norms.count(name))
+      full.fill_(1.0);
+    else
+      full.normal_(0.0, std);
+    keep_piece(trained, name, piece_of(name, full), "initialisation");
+  }
+}
+
+namespace parallelize_detail {
+
+inline std::vector<std::int64_t> rows_shape(std::vector<std::int64_t> shape, std::int64_t rows) {
+  shape[0] = rows;
+  return shape;
+}
+
+// `buffer`'s first bytes as a tensor of `shape` and `dtype`: the one buffer each weight is read
+// (or received) into in turn, so that loading leaves no buffer per weight behind for glibc's
+// heap to keep (measured: with one per weight, a rank's resident set peaked up to 99 MiB
+// higher in some runs and not in others).
+inline torch::Tensor view_of_buffer(torch::Tensor& buffer, const std::vector<std::int64_t>& shape,
+                                    torch::ScalarType dtype) {
+  const auto bytes = c10::multiply_integers(shape) * static_cast<std::int64_t>(c10::elementSize(dtype));
+  if (buffer.numel() < bytes) buffer = torch::empty({bytes}, buffer.options());
+  return buffer.narrow(0, 0, bytes).view(dtype).view(shape);
+}
+
+}  // namespace parallelize_detail
+
+MESHTORCH_DECL void ParallelLlamaRuntime::load_weights(const std::filesystem::path& dir) {
+  using parallelize_detail::rows_shape;
+  using parallelize_detail::view_of_buffer;
+  std::set<std::string> loaded;
+  const auto trained = trained_by_name();
+  const auto files = llama::weight_files(dir);
+  // Every header first: a wrong shape stops the load before anything is read, and the read
+  // buffer is sized once, for the largest piece.
+  std::int64_t largest_read = 0;
+  for (const auto& file : files)
+    for (const auto& entry : io::read_safetensors_header(file).entries)
+      if (is_loaded(entry.name)) {
+        check_shape(entry, file);
+        largest_read = std::max(largest_read, rows_read_for(entry).second *
+                                                  static_cast<std::int64_t>(io::SafetensorsRowReader::row_bytes(entry)));
+      }
+  auto buffer = torch::empty({largest_read}, torch::TensorOptions().dtype(torch::kByte));
+  for (const auto& file : files) {
+    io::SafetensorsRowReader reader(file);
+    for (const auto& entry : reader.header().entries) {
+      const auto& name = entry.name;
+      if (!is_loaded(name)) continue;
+      check_shape(entry, file);
+      // The rows the piece lies in, whole; then the piece's columns of them (TP's dim-1 chunks).
+      const auto box = piece_box(name, entry.shape);
+      const auto read_box = entry.shape.empty() ? box : io::rows(io::whole(entry.shape), box.offsets[0],
+                                                                 box.offsets[0] + box.sizes[0]);
+      const auto [first_row, row_count] = rows_read_for(entry);
+      auto read = view_of_buffer(buffer, entry.shape.empty() ? entry.shape : rows_shape(entry.shape, row_count),
+                                 entry.dtype);
+      reader.read_rows_into(entry, first_row, row_count, read);
+      const auto rows = read.to(options_.device);
+      read_elements_ += rows.numel();
+      keep_piece(trained, name, io::view_of(rows, read_box, box), file.string());
+      loaded.insert(name);
+    }
+  }
+  for (const auto& [name, shape] : global_shapes_)
+    if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", dir.string(), name));
+}
+
+MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> ParallelLlamaRuntime::rows_read_for(
+    const io::SafetensorsEntry& entry) const {
+  if (entry.shape.empty()) return {0, 1};
+  const auto box = piece_box(entry.name, entry.shape);
+  return {box.offsets[0], box.sizes[0]};
+}
+
+MESHTORCH_DECL void ParallelLlamaRuntime::load_weights_through(const std::filesystem::path& dir,
+                                                               const comm::AxisGroup& group) {
+  using parallelize_detail::view_of_buffer;
+  const bool reader_rank = group.rank() == 0;
+  const int reader = group.global_rank_of(0);
+  const auto listing = list_folder_weights(dir, group, world_, [&](const io::SafetensorsEntry& entry,
+                                                                   const std::filesystem::path& file) {
+    if (!is_loaded(entry.name)) return false;
+    check_shape(entry, file);
+    return true;
+  });
+
+  std::set<std::string> loaded;
+  const auto trained = trained_by_name();
+  std::optional<io::SafetensorsRowReader> file_reader;
+  // One buffer for every weight, as big as the largest, read into on the reader and received
+  // into on the others (on the CPU the reader's is the one it broadcasts from).
+  std::int64_t largest = 0;
+  for (const auto& weight : listing)
+    largest = std::max(largest, c10::multiply_integers(weight.shape) *
+                                    static_cast<std::int64_t>(c10::elementSize(weight.dtype)));
+  auto read_buffer = torch::empty({reader_rank ? largest : 0}, torch::TensorOptions().dtype(torch::kByte));
+  auto receive_buffer = torch::empty({reader_rank && options_.device.is_cpu() ? 0 : largest},
+                                     torch::TensorOptions().dtype(torch::kByte).device(options_.device));
+  for (const auto& [name, shape, dtype, file, entry] : listing) {
+    torch::Tensor full;
+    if (reader_rank) {
+      if (!file_reader || file_reader->path() != file) file_reader.emplace(file);
+      auto read = view_of_buffer(read_buffer, shape, dtype);
+      file_reader->read_rows_into(entry, 0, shape.empty() ? 0 : shape[0], read);
+      full = options_.device.is_cpu() ? read : view_of_buffer(receive_buffer, shape, dtype).copy_(read);
+      read_elements_ += full.numel();
+    } else {
+      full = view_of_buffer(receive_buffer, shape, dtype);
+    }
+    full = comm::broadcast(group, full, 0);
+    keep_piece(trained, name, piece_of(name, full), fmt::format("rank {}'s {}", reader, dir.string()));
+    loaded.insert(name);
+  }
+  for (const auto& [name, shape] : global_shapes_)
+    if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", dir.string(), name));
+}
+
+MESHTORCH_DECL bool ParallelLlamaRuntime::is_loaded(const std::string& name) const {
+  if (name.find("rotary_emb.inv_freq") != std::string::npos) return false;
+  return !(name == "lm_head.weight" && model_->config.tie_word_embeddings);
+}
+
+MESHTORCH_DECL void ParallelLlamaRuntime::check_shape(const io::SafetensorsEntry& entry,
+                                                      const std::filesystem::path& file) const {
+  const auto* shape = shape_of(entry.name);
+  if (!shape)
+    throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", file.string(), entry.name));
+  if (entry.shape != *shape)
+    throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", file.string(), entry.name,
+                                c10::str(c10::IntArrayRef(entry.shape)), c10::str(c10::IntArrayRef(*shape))));
+}
+
+MESHTORCH_DECL const std::vector<std::int64_t>* ParallelLlamaRuntime::shape_of(const std::string& name) const {
+  for (const auto& [n, shape] : global_shapes_)
+    if (n == name) return &shape;
+  return nullptr;
+}
 
 MESHTORCH_DECL std::vector<FolderWeight> list_folder_weights(
     const std::filesystem::path& dir, const comm::AxisGroup& group, const comm::AxisGroup& world,
