@@ -7,6 +7,10 @@
 #if defined(INCLUDE_NLOHMANN_JSON_HPP_)
 #error "with MESHTORCH_SEPARATE_COMPILATION, <meshtorch/meshtorch.hpp> includes <nlohmann/json.hpp>"
 #endif
+// Nor fmt's engine: meshtorch_compiled_library() compiles it once, in src.hpp.
+#if defined(FMT_HEADER_ONLY)
+#error "meshtorch_compiled_library() gave this program FMT_HEADER_ONLY; fmt's engine belongs in src.hpp"
+#endif
 
 #include <chrono>
 #include <string>
@@ -111,6 +115,24 @@ TEST_CASE("JSONL documents through the separately compiled reader") {
   CHECK(error_of_type<mt::DataError>(bad).find("bad.jsonl:1: 'messages' must be a non-empty list") != std::string::npos);
 }
 
+// parallelize() on `mesh` against the plain model drawn from the same seed: equal losses, and
+// every weight is this rank's (one rank: the whole weight).
+template <class Mesh>
+void llama_reference_check(const mt::comm::DeviceMesh<Mesh>& mesh, const mt::llama::Config& config,
+                           const torch::Tensor& ids) {
+  torch::manual_seed(3);
+  mt::llama::LlamaForCausalLM reference(config, torch::TensorOptions().device(torch::kMeta));
+  mt::llama::materialize(reference, torch::TensorOptions());
+  torch::manual_seed(3);
+  auto parallel =
+      mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta)), mesh);
+  CHECK(parallel.loss(ids, ids).template item<double>() ==
+        Approx(reference->loss(ids, ids).item<double>()).epsilon(1e-6));
+  CHECK(parallel.local_numel() == config.num_parameters());
+  CHECK(parallel.layout() == fmt::format("{}: {}", Mesh::name, decltype(parallel)::describe()));
+  CHECK(parallel.data_parallel_size() == 1);
+}
+
 TEST_CASE("FSDP and DDP on one rank through the separately compiled functions") {
   mt::comm::LaunchEnv env;
   env.master_port = 0;  // the store picks a free port; nobody else needs to find it
@@ -145,4 +167,15 @@ TEST_CASE("FSDP and DDP on one rank through the separately compiled functions") 
   }
   CHECK(fsdp.named_parameters().size() == plain_parameters.size());
   CHECK_FALSE(ddp.buckets().empty());
+
+  // parallelize() on the same one-rank mesh (no wrapper applies): ParallelLlamaRuntime builds the
+  // model from the meta device with chapter 1's random numbers.
+  llama_reference_check(mesh, config, ids);
+}
+
+TEST_CASE("fmt's engine compiled once formats as header-only fmt does") {
+  CHECK(fmt::format("{:.3f}|{:>5}|{}|{:e}|{}", 2.5, 42, std::string_view("x"), 1e-9, true) ==
+        "2.500|   42|x|1.000000e-09|true");
+  CHECK(fmt::format("{:.1f} MiB", 1536.0 / 1024) == "1.5 MiB");
+  CHECK_THROWS_AS(fmt::format(fmt::runtime("{:d}"), "text"), fmt::format_error);
 }
