@@ -326,7 +326,10 @@ class ParallelLlama : public ParallelLlamaRuntime {
 
   ParallelLlama(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, ParallelizeOptions options)
       : ParallelLlamaRuntime(std::move(model), groups_of(mesh, options), options,
-                             {has_tp ? &tp_steps : nullptr, has_tp ? &plan::validate : nullptr, &plan::validate_sequence, describe()}) {}
+                             {.tp_steps = has_tp ? &tp_steps : nullptr,
+                              .validate = has_tp ? &plan::validate : nullptr,
+                              .validate_sequence = &plan::validate_sequence,
+                              .wrappers = describe()}) {}
 
   // "TP(styles) -> FSDP per layer + root -> DDP": the wrappers this mesh type applied, for logs.
   static std::string describe() {
@@ -502,9 +505,10 @@ MESHTORCH_DECL void ParallelLlamaRuntime::replicate(const comm::AxisGroup& dp) {
     throw ConfigError("parallelize: cpu_offload on an HSDP mesh (DP and FSDP) is not supported yet: the "
                       "offloaded shards cannot be all-reduced over the DP axis's NCCL group");
   if (options_.zero_stage2)
-    zero2_ = std::make_unique<ZeroStage2>(std::move(replicated), dp,
-                                          ZeroStage2Options{.bucket_cap_mb = options_.ddp.bucket_cap_mb,
-                                                            .buckets_in_flight = options_.zero_stage2_buckets_in_flight});
+    zero2_ = std::make_unique<ZeroStage2>(
+        std::move(replicated), dp,
+        ZeroStage2Options{.bucket_cap_mb = options_.ddp.bucket_cap_mb,
+                          .buckets_in_flight = options_.zero_stage2_buckets_in_flight});
   else
     ddp_ = std::make_unique<DistributedDataParallel>(std::move(replicated), dp, options_.ddp);
 }
@@ -672,8 +676,8 @@ MESHTORCH_DECL void ParallelLlamaRuntime::load_weights(const std::filesystem::pa
     for (const auto& entry : io::read_safetensors_header(file).entries)
       if (is_loaded(entry.name)) {
         check_shape(entry, file);
-        largest_read = std::max(largest_read, rows_read_for(entry).second *
-                                                  static_cast<std::int64_t>(io::SafetensorsRowReader::row_bytes(entry)));
+        const auto row_bytes = static_cast<std::int64_t>(io::SafetensorsRowReader::row_bytes(entry));
+        largest_read = std::max(largest_read, rows_read_for(entry).second * row_bytes);
       }
   auto buffer = torch::empty({largest_read}, torch::TensorOptions().dtype(torch::kByte));
   for (const auto& file : files) {
