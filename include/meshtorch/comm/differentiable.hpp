@@ -52,14 +52,35 @@ MESHTORCH_DECL torch::Tensor apply_redistribute(const torch::Tensor& x, const Ax
 
 }  // namespace detail
 
+// A Redistribution as the run time performs it: the forward step of the activation and the
+// backward step of its gradient, made by collective_for<> at compile time. Tensor parallel keeps
+// its styles' Redistributions as these values, so the code that applies them is not a template.
+struct RedistributionSteps {
+  RedistributeStep forward, backward;
+  constexpr bool moves() const {
+    return forward.collective != Collective::none || backward.collective != Collective::none;
+  }
+};
+template <RedistributionType R>
+inline constexpr RedistributionSteps redistribution_steps{
+    redistribute_step<typename R::from, typename R::to>,
+    redistribute_step<typename R::grad_of_to, typename R::grad_of_from>};
+
+// Runs the forward step on x and, in backward, the backward step on its gradient; x itself when
+// neither moves.
+inline torch::Tensor redistribute_differentiable(const torch::Tensor& x, const AxisGroup& group,
+                                                 const RedistributionSteps& steps) {
+  if (!steps.moves()) return x;
+  return detail::apply_redistribute(x, group, steps.forward, steps.backward);
+}
+
 // Runs R's forward collective on x and, in backward, R's backward collective on its gradient.
 template <RedistributionType R>
 torch::Tensor redistribute_differentiable(const torch::Tensor& x, const AxisGroup& group) {
   if constexpr (R::forward == Collective::none && R::backward == Collective::none)
     return x;
   else
-    return detail::apply_redistribute(x, group, redistribute_step<typename R::from, typename R::to>,
-                                      redistribute_step<typename R::grad_of_to, typename R::grad_of_from>);
+    return detail::apply_redistribute(x, group, redistribution_steps<R>.forward, redistribution_steps<R>.backward);
 }
 
 // f: identity forward, all-reduce (sum) backward. Enters a tensor-parallel region.

@@ -39,7 +39,7 @@
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
-#include <meshtorch/comm/redistribute.hpp>
+#include <meshtorch/comm/differentiable.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/parallel_style.hpp>
 #include <meshtorch/models/forward_hooks.hpp>
@@ -54,24 +54,13 @@ namespace tp_detail {
 MESHTORCH_DECL torch::Tensor chunk_of(const torch::Tensor& full, const comm::AxisGroup& group, std::int64_t dim,
                                       const std::string& name);
 
-// A Redistribution's forward and backward collectives as the run time performs them.
-struct Crossing {
-  comm::RedistributeStep forward, backward;
-  constexpr bool moves() const {
-    return forward.collective != Collective::none || backward.collective != Collective::none;
-  }
-};
-template <RedistributionType R>
-inline constexpr Crossing crossing_of{comm::redistribute_step<typename R::from, typename R::to>,
-                                      comm::redistribute_step<typename R::grad_of_to, typename R::grad_of_from>};
-
 enum class StyleKind { none, colwise, rowwise, sequence_parallel, prepare_input };
 
 // A style as the run time applies it, made from its type at compile time. The code that applies
 // styles takes these values, so it is compiled once per program, not once per plan.
 struct StyleSteps {
   StyleKind kind = StyleKind::none;
-  Crossing enter, leave;
+  comm::RedistributionSteps enter, leave;
   bool replicated_input = true;  // the style takes its input whole (an embedding needs the ids so)
 };
 
@@ -82,8 +71,8 @@ constexpr StyleSteps steps_of() {
                          : SequenceParallelStyle<Style>  ? StyleKind::sequence_parallel
                          : PrepareModuleInputStyle<Style> ? StyleKind::prepare_input
                                                           : StyleKind::none;
-  return {kind, crossing_of<typename Style::enter>, crossing_of<typename Style::leave>,
-          std::is_same_v<typename Style::input, Replicate>};
+  return {kind, comm::redistribution_steps<typename Style::enter>,
+          comm::redistribution_steps<typename Style::leave>, std::is_same_v<typename Style::input, Replicate>};
 }
 
 // Every role's style of a plan, under the role's name (llama::LlamaRoles, the one role list).
@@ -264,7 +253,6 @@ TensorParallel<PlanT> apply_tensor_parallel(llama::LlamaForCausalLM& model, cons
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <meshtorch/comm/collectives.hpp>
-#include <meshtorch/comm/differentiable.hpp>
 
 namespace meshtorch {
 
@@ -282,12 +270,6 @@ MESHTORCH_DECL const StyleSteps& PlanSteps::operator[](std::string_view role) co
   for (const auto& [name, steps] : roles)
     if (name == role) return steps;
   throw ConfigError(fmt::format("tensor parallel: no role '{}' in the plan's styles", role));
-}
-
-// Runs a crossing's forward collective on x, and its backward collective on x's gradient.
-inline torch::Tensor cross(const torch::Tensor& x, const comm::AxisGroup& group, const Crossing& crossing) {
-  if (!crossing.moves()) return x;
-  return comm::detail::apply_redistribute(x, group, crossing.forward, crossing.backward);
 }
 
 MESHTORCH_DECL void NormGradientSum::use_trained(const std::map<std::string, torch::Tensor>& by_name) {
@@ -471,7 +453,7 @@ MESHTORCH_DECL void TensorParallelRuntime::apply(const std::string& name, llama:
       module.hooks.post.push_back([group = group_, leave = style.leave, first, rows](const torch::Tensor& ids,
                                                                                      const torch::Tensor& out) {
         const auto outside = ids.lt(first).logical_or(ids.ge(first + rows)).unsqueeze(-1);
-        return tp_detail::cross(out.masked_fill(outside, 0), group, leave);
+        return comm::redistribute_differentiable(out.masked_fill(outside, 0), group, leave);
       });
       return;
     }
@@ -498,14 +480,14 @@ MESHTORCH_DECL void TensorParallelRuntime::apply(const std::string& name, llama:
 MESHTORCH_DECL void TensorParallelRuntime::add_enter(ForwardHooks& hooks, const tp_detail::StyleSteps& style) {
   if (!style.enter.moves()) return;
   hooks.pre.push_back([group = group_, enter = style.enter](const torch::Tensor& x) {
-    return tp_detail::cross(x, group, enter);
+    return comm::redistribute_differentiable(x, group, enter);
   });
 }
 
 MESHTORCH_DECL void TensorParallelRuntime::add_leave(ForwardHooks& hooks, const tp_detail::StyleSteps& style) {
   if (!style.leave.moves()) return;
   hooks.post.push_back([group = group_, leave = style.leave](const torch::Tensor&, const torch::Tensor& y) {
-    return tp_detail::cross(y, group, leave);
+    return comm::redistribute_differentiable(y, group, leave);
   });
 }
 
