@@ -10,6 +10,7 @@
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/parallel.hpp>
 #include <meshtorch/train/caching_host_allocator.hpp>
+#include <meshtorch/train/cpu_allocation_counter.hpp>
 
 namespace mt = meshtorch;
 using FsdpMesh = mt::Mesh<mt::FSDP<mt::dynamic>>;
@@ -268,6 +269,28 @@ TEST_CASE("fsdp misuse is a clear error naming the module, tensor or rank", "[.]
                     Catch::Contains("short.safetensors: weight '") && Catch::Contains("' is missing"));
 }
 
+TEST_CASE("fsdp's reduce-scatter on the CPU sums each rank's block without a copy of the send buffer",
+          "[.][reduce_scatter_in_place]") {
+  // Gloo's own _reduce_scatter_base clones its input and all-reduces the clone, so a unit's
+  // gradients were held twice until waited for; FSDP all-reduces its send buffer in place.
+  auto mesh = mt::comm::init<FsdpMesh>();
+  const auto& group = mesh.group<mt::FSDP>();
+  auto& counter = mt::train::CpuAllocationCounter::install();
+  const std::int64_t block = std::int64_t{1} << 20;
+  // Rank r sends position + r + 1 at each position of the buffer.
+  auto send = torch::arange(group.size() * block, torch::kFloat) + (group.rank() + 1);
+  auto output = torch::empty({block}, torch::kFloat);
+  const auto before = counter.current();
+  counter.reset_peak();
+  mt::fsdp_detail::start_reduce_scatter_sum_flat(group, output, send, "test reduce_scatter").wait();
+  INFO("allocated while the collective ran: " << counter.peak() - before << " bytes; the send buffer is "
+                                               << send.nbytes());
+  CHECK(counter.peak() - before < static_cast<std::int64_t>(send.nbytes()) / 8);
+  // Over ranks: size x position + (1 + 2 + ... + size), on this rank's block of positions.
+  const auto positions = torch::arange(group.rank() * block, (group.rank() + 1) * block, torch::kFloat);
+  CHECK(torch::equal(output, positions * group.size() + group.size() * (group.size() + 1) / 2));
+}
+
 TEST_CASE("fsdp steps after the first take their large host blocks from the caching allocator", "[.][host_cache]") {
   // What launch() installs on CPU runs: a freed block of 1 MiB or more is kept for its size. An
   // FSDP step allocates the same sizes every time (a unit's gathered weights, Gloo's flat
@@ -296,12 +319,15 @@ TEST_CASE("fsdp steps after the first take their large host blocks from the cach
   CHECK(cache.cached_bytes() > 0);  // the step's buffers, given back to the cache when it ended
   cache.reset_stats();
   for (int i = 0; i < 4; ++i) step();
-  // Nearly every large block of later steps is one given back before; a new one is made only when
-  // the Gloo thread frees a buffer later than in earlier steps, so the total hardly grows.
+  // Most large blocks of later steps are ones given back before. Each reduce-scatter asks for its
+  // shard-sized result while the cache may hold only unit-sized blocks (Gloo sums FSDP's send
+  // buffer in place: no unit-sized clone comes and goes beside it any more), and a block made
+  // late when the Gloo thread frees a buffer later than in earlier steps: each gives a block back
+  // for the one it makes, so the total hardly grows.
   const auto stats = cache.stats();
   INFO(stats.served_from_cache << " of " << stats.large_allocations << " large allocations from the cache; reserved "
                                << reserved << " -> " << cache.reserved_bytes() << " bytes");
   CHECK(stats.large_allocations > 50);
-  CHECK(stats.served_from_cache >= stats.large_allocations * 9 / 10);
+  CHECK(stats.served_from_cache >= stats.large_allocations * 3 / 4);
   CHECK(cache.reserved_bytes() <= reserved + reserved / 5);
 }
