@@ -319,11 +319,12 @@ TEST_CASE("fsdp steps after the first take their large host blocks from the cach
   CHECK(cache.cached_bytes() > 0);  // the step's buffers, given back to the cache when it ended
   cache.reset_stats();
   for (int i = 0; i < 4; ++i) step();
-  // Most large blocks of later steps are ones given back before. Each reduce-scatter asks for its
-  // shard-sized result while the cache may hold only unit-sized blocks (Gloo sums FSDP's send
-  // buffer in place: no unit-sized clone comes and goes beside it any more), and a block made
-  // late when the Gloo thread frees a buffer later than in earlier steps: each gives a block back
-  // for the one it makes, so the total hardly grows.
+  // Most large blocks of later steps are ones given back before. Not all: a step ends with the
+  // gradient shards zero_grad freed in the cache and one unit-sized block too few, so forward
+  // gives shard-sized blocks back to make a unit-sized one, and backward's reduce-scatter results
+  // (shard-sized) then find unit-sized blocks only (Gloo sums FSDP's send buffer in place, so no
+  // unit-sized clone comes and goes in backward any more). About one block per unit and step is
+  // made for one given back: the total does not grow.
   const auto stats = cache.stats();
   INFO(stats.served_from_cache << " of " << stats.large_allocations << " large allocations from the cache; reserved "
                                << reserved << " -> " << cache.reserved_bytes() << " bytes");
