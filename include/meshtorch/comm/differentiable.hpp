@@ -77,10 +77,7 @@ inline torch::Tensor redistribute_differentiable(const torch::Tensor& x, const A
 // Runs R's forward collective on x and, in backward, R's backward collective on its gradient.
 template <RedistributionType R>
 torch::Tensor redistribute_differentiable(const torch::Tensor& x, const AxisGroup& group) {
-  if constexpr (R::forward == Collective::none && R::backward == Collective::none)
-    return x;
-  else
-    return detail::apply_redistribute(x, group, redistribution_steps<R>.forward, redistribution_steps<R>.backward);
+  return redistribute_differentiable(x, group, redistribution_steps<R>);
 }
 
 // f: identity forward, all-reduce (sum) backward. Enters a tensor-parallel region.

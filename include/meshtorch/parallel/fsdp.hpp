@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -466,23 +467,24 @@ inline torch::Tensor alias(const c10::Storage& storage, torch::ScalarType dtype,
   return tensor;
 }
 
-inline PendingWork pending(c10::intrusive_ptr<c10d::Work> work, const std::string& what, const comm::AxisGroup& group) {
-  return PendingWork(
-      std::move(work), [] { return std::monostate{}; }, what, group);
-}
-
 // Issues a collective between two flat buffers (`issue_on` calls the backend); on a group of one
-// rank the output is the input.
+// rank the output is the input. `finish`, when given, runs once the collective is waited for.
 template <class IssueOn>
 PendingWork start_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
-                       const std::string& what, IssueOn issue_on) {
+                       const std::string& what, IssueOn issue_on, std::function<void()> finish = {}) {
   comm::detail::check_device(what, group, input);
   comm::detail::check_device(what, group, output);
   if (group.size() == 1) {
     output.copy_(input);
     return PendingWork::ready(std::monostate{});
   }
-  return pending(comm::detail::issue(what, group, input, [&] { return issue_on(*group.backend()); }), what, group);
+  return PendingWork(
+      comm::detail::issue(what, group, input, [&] { return issue_on(*group.backend()); }),
+      [finish = std::move(finish)] {
+        if (finish) finish();
+        return std::monostate{};
+      },
+      what, group);
 }
 
 // Issues the all-gather of the group's flat buffers, concatenated in rank order into output
@@ -505,21 +507,16 @@ inline PendingWork start_all_gather_flat(const comm::AxisGroup& group, torch::Te
 // copied out when waited for: the bytes on the wire are the same, one copy of the unit fewer.
 inline PendingWork start_reduce_scatter_sum_flat(const comm::AxisGroup& group, torch::Tensor& output,
                                                  torch::Tensor& input, const std::string& what) {
-  if (group.device() == comm::Device::cpu && group.size() > 1) {
-    comm::detail::check_device(what, group, input);
-    comm::detail::check_device(what, group, output);
+  if (group.device() == comm::Device::cpu) {
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
     options.timeout = group.timeout();
     std::vector<torch::Tensor> tensors{input};
-    auto work = comm::detail::issue(what, group, input, [&] { return group.backend()->allreduce(tensors, options); });
-    return PendingWork(
-        std::move(work),
+    return start_flat(
+        group, output, input, what, [&](c10d::Backend& backend) { return backend.allreduce(tensors, options); },
         [output, input, rank = group.rank(), size = group.size()]() mutable {
           output.copy_(input.view({size, -1})[rank]);
-          return std::monostate{};
-        },
-        what, group);
+        });
   }
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
