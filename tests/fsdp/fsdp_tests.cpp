@@ -3,7 +3,10 @@
 // trained on the whole global batch; the sharded model sees its rank's half.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
+#include <thread>
 
 #include <meshtorch/comm/comm.hpp>
 #include <meshtorch/comm/init.hpp>
@@ -269,7 +272,8 @@ TEST_CASE("fsdp misuse is a clear error naming the module, tensor or rank", "[.]
                     Catch::Contains("short.safetensors: weight '") && Catch::Contains("' is missing"));
 }
 
-TEST_CASE("fsdp's reduce-scatter on the CPU sums each rank's block without a copy of the send buffer",
+TEST_CASE("fsdp's reduce-scatter on the CPU sums each rank's block without a copy of the send buffer, "
+          "and gives the buffer back when the sums arrive",
           "[.][reduce_scatter_in_place]") {
   // Gloo's own _reduce_scatter_base clones its input and all-reduces the clone, so a unit's
   // gradients were held twice until waited for; FSDP all-reduces its send buffer in place.
@@ -282,10 +286,19 @@ TEST_CASE("fsdp's reduce-scatter on the CPU sums each rank's block without a cop
   auto output = torch::empty({block}, torch::kFloat);
   const auto before = counter.current();
   counter.reset_peak();
-  mt::fsdp_detail::start_reduce_scatter_sum_flat(group, output, send, "test reduce_scatter").wait();
-  INFO("allocated while the collective ran: " << counter.peak() - before << " bytes; the send buffer is "
-                                               << send.nbytes());
-  CHECK(counter.peak() - before < static_cast<std::int64_t>(send.nbytes()) / 8);
+  const auto send_bytes = static_cast<std::int64_t>(send.nbytes());
+  auto work = mt::fsdp_detail::start_reduce_scatter_sum_flat(group, output, send, "test reduce_scatter");
+  // The buffer's memory is given back when the sums arrive, before anyone waits: FSDP waits a
+  // layer later. Polled, since only Gloo's thread knows when that is.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (counter.current() > before - send_bytes && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CHECK(counter.current() <= before - send_bytes);
+  work.wait();
+  CHECK(send.storage().nbytes() == 0);
+  INFO("allocated while the collective ran: " << counter.peak() - before << " bytes; the send buffer was "
+                                               << send_bytes);
+  CHECK(counter.peak() - before < send_bytes / 8);
   // Over ranks: size x position + (1 + 2 + ... + size), on this rank's block of positions.
   const auto positions = torch::arange(group.rank() * block, (group.rank() + 1) * block, torch::kFloat);
   CHECK(torch::equal(output, positions * group.size() + group.size() * (group.size() + 1) / 2));
@@ -324,11 +337,16 @@ TEST_CASE("fsdp steps after the first take their large host blocks from the cach
   // gives shard-sized blocks back to make a unit-sized one, and backward's reduce-scatter results
   // (shard-sized) then find unit-sized blocks only (Gloo sums FSDP's send buffer in place, so no
   // unit-sized clone comes and goes in backward any more). About one block per unit and step is
-  // made for one given back: the total does not grow.
+  // made for one given back: the total does not grow. It may differ by one unit-sized block
+  // between two runs: Gloo's thread gives a reduce-scatter's send buffer back when the sums
+  // arrive, before or after the next unit asks for a block of that size.
+  std::size_t largest_unit_bytes = 0;
+  for (const auto& unit : sharded.fsdp->units())
+    largest_unit_bytes = std::max(largest_unit_bytes, static_cast<std::size_t>(unit->gathered_numel()) * 4);
   const auto stats = cache.stats();
   INFO(stats.served_from_cache << " of " << stats.large_allocations << " large allocations from the cache; reserved "
                                << reserved << " -> " << cache.reserved_bytes() << " bytes");
   CHECK(stats.large_allocations > 50);
   CHECK(stats.served_from_cache >= stats.large_allocations * 3 / 4);
-  CHECK(cache.reserved_bytes() <= reserved + reserved / 5);
+  CHECK(cache.reserved_bytes() <= reserved + largest_unit_bytes);
 }

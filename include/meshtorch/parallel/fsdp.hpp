@@ -114,7 +114,7 @@ class FsdpUnit;
 struct FsdpReduction {
   FsdpUnit* unit = nullptr;
   fsdp_detail::PendingWork work;
-  torch::Tensor send;    // what the collective reads (on Gloo, sums in place), kept until it is done
+  torch::Tensor send;    // what the collective reads; on Gloo summed in place and emptied when the sums arrive
   torch::Tensor output;  // this rank's block: the sum over the group
 };
 
@@ -503,8 +503,10 @@ inline PendingWork start_all_gather_flat(const comm::AxisGroup& group, torch::Te
 // Gloo has no reduce-scatter of its own: its _reduce_scatter_base clones the input and
 // all-reduces the clone, so a unit's gradients were held twice from the issue until the wait (at
 // llama-100m, 24 MiB more per reduce-scatter in flight). The send buffer is ours and read by
-// nothing after this collective, so on the CPU it is all-reduced in place and this rank's block
-// copied out when waited for: the bytes on the wire are the same, one copy of the unit fewer.
+// nothing after this collective, so on the CPU it is all-reduced in place; when the sums arrive,
+// Gloo's thread copies this rank's block out and gives the buffer's memory back (input keeps a
+// storage of no bytes), so the buffer lives while the collective runs and not until the wait,
+// which comes a layer later. The bytes on the wire are the same.
 inline PendingWork start_reduce_scatter_sum_flat(const comm::AxisGroup& group, torch::Tensor& output,
                                                  torch::Tensor& input, const std::string& what) {
   if (group.device() == comm::Device::cpu) {
@@ -512,11 +514,24 @@ inline PendingWork start_reduce_scatter_sum_flat(const comm::AxisGroup& group, t
     options.reduceOp = c10d::ReduceOp::SUM;
     options.timeout = group.timeout();
     std::vector<torch::Tensor> tensors{input};
+    auto block_copied = std::make_shared<c10::intrusive_ptr<c10::ivalue::Future>>();
+    auto copy_block_and_free = [output, input, rank = group.rank(),
+                                size = group.size()](c10::ivalue::Future& summed) -> c10::IValue {
+      // A failed all-reduce is reported by the wait; its buffer is then freed with the tensor.
+      if (summed.hasError()) return {};
+      output.copy_(input.view({size, -1})[rank]);
+      free_storage(input.storage());
+      return {};
+    };
     return start_flat(
-        group, output, input, what, [&](c10d::Backend& backend) { return backend.allreduce(tensors, options); },
-        [output, input, rank = group.rank(), size = group.size()]() mutable {
-          output.copy_(input.view({size, -1})[rank]);
-        });
+        group, output, input, what,
+        [&](c10d::Backend& backend) {
+          auto work = backend.allreduce(tensors, options);
+          *block_copied = work->getFuture()->then(std::move(copy_block_and_free), c10::NoneType::get());
+          return work;
+        },
+        // The work's wait returns when the sums are in; the copy runs just after, on Gloo's thread.
+        [block_copied] { (*block_copied)->waitAndThrow(); });
   }
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
