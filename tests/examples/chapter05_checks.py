@@ -151,8 +151,13 @@ def load_folder(tools):
                       f"files' bf16 the pieces and the reads come to {pieces / 2 + growth - pieces:.0f} MiB, "
                       f"half the folder plus the largest tensor {folder_mib / 2 + largest_mib:.0f} MiB)")
                 assert pieces >= folder_mib - 2, (pieces, folder_mib)  # fp32 halves of a bf16 folder
-                bound = largest_mib + 8  # + 8 MiB: the listing, headers and what else the build allocates
+                # + 12 MiB: the listing, headers, Gloo's buffers and what else the build allocates.
+                # Measured: 5 MiB over half the largest tensor reading by every rank, 7.5-8.5 MiB over
+                # the whole one reading by rank 0 (8 MiB of room failed once by 0.5 MiB under ctest -j2).
+                bound = largest_mib + 12
                 assert growth - pieces <= bound, (read_by, rank, growth, pieces, bound)
+                if read_by == "every-rank":  # the issue's criterion, in the files' bf16
+                    assert pieces / 2 + growth - pieces <= folder_mib / 2 + largest_mib, (rank, growth, pieces)
         consolidated = pathlib.Path(tmp) / "consolidated"
         run([tools["consolidate"], str(pathlib.Path(tmp) / "every-rank" / "checkpoint"), str(consolidated)])
         print(run([python, "-c", COMPARE_FOLDERS, str(folder), str(consolidated)]).stdout.strip())
