@@ -11,7 +11,10 @@
 //   - the next layer's all-gather issued while a layer computes (--prefetch-layers), and
 //     reduce-scatters left running while backward goes on;
 //   - the loss over chunks of positions (--loss-chunk; automatic: chunked once the batch's fp32
-//     logits would pass 256 MiB, as a 128k vocabulary's do), so full logits never exist.
+//     logits would pass 256 MiB, as a 128k vocabulary's do), so full logits never exist;
+//   - optionally (--optimizer-in-backward, torchtune's optimizer_in_bwd) AdamW stepping each
+//     layer's shards as their gradients arrive in backward, so the model's gradients are never
+//     all held at once (not with clipping or accumulation, which need them all first).
 // Launch over a hosts file with launch.sh; watch with the log tails and meshtorch-top.
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
@@ -24,6 +27,7 @@ namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::FSDP<mt::dynamic>>;
 
 struct Chapter5Args : mt::train::TrainArgs, mt::train::FsdpArgs {
+  bool optimizer_in_backward = false;
   Chapter5Args() {
     // The recipe's defaults; each can be turned off from the command line.
     activation_checkpointing = "full";
@@ -32,6 +36,9 @@ struct Chapter5Args : mt::train::TrainArgs, mt::train::FsdpArgs {
   void add_to(CLI::App& app) {
     TrainArgs::add_to(app);
     add_fsdp_flags(app);  // --reshard-after-forward, --cpu-offload, --prefetch-layers
+    app.add_flag("--optimizer-in-backward", optimizer_in_backward,
+                 "step each layer's shards as their gradients arrive in backward and free the gradients "
+                 "(not with --max-grad-norm or --grad-accum)");
   }
 };
 
@@ -56,6 +63,7 @@ int train(const Chapter5Args& args) {
   // With --cpu-offload the shards are CPU tensors: the fused AdamW steps on the CPU.
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
   const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());
+  if (args.optimizer_in_backward) model.step_in_backward(optimizer, args.max_grad_norm, sampler.micro_batches());
 
   mt::train::Experiment experiment(args, mesh.rank(), sampler.global_batch(), device,
                                    mt::train::tensorboard_tracker(args, mesh.rank()));
@@ -68,6 +76,7 @@ int train(const Chapter5Args& args) {
     while (state.epoch_step < sampler.steps_per_epoch()) {
       if (args.max_steps > 0 && state.global_step >= args.max_steps) return 0;
 
+      optimizer.set_lr(schedule.lr_at(state.global_step));  // before backward, which may step
       torch::Tensor step_loss = torch::zeros({}, torch::TensorOptions().device(device).dtype(torch::kDouble));
       for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
         torch::Tensor input_ids;
@@ -83,7 +92,8 @@ int train(const Chapter5Args& args) {
           loss = model.loss(input_ids, /*labels=*/input_ids) / static_cast<double>(sampler.micro_batches());
         }
         {
-          // Per layer: re-gather, recompute the forward, backward, reduce-scatter (left running).
+          // Per layer: re-gather, recompute the forward, backward, reduce-scatter (left running;
+          // with --optimizer-in-backward, the layer's AdamW step once it lands).
           auto timer = timers.time("backward");
           loss.backward();
         }
@@ -91,10 +101,11 @@ int train(const Chapter5Args& args) {
       }
       {
         auto timer = timers.time("update");
-        if (args.max_grad_norm > 0) state.grad_norm = model.clip_grad_norm(args.max_grad_norm);
-        optimizer.set_lr(schedule.lr_at(state.global_step));
-        optimizer.step();
-        optimizer.zero_grad(/*set_to_none=*/!args.cpu_offload);
+        if (!args.optimizer_in_backward) {
+          if (args.max_grad_norm > 0) state.grad_norm = model.clip_grad_norm(args.max_grad_norm);
+          optimizer.step();
+          optimizer.zero_grad(/*set_to_none=*/!args.cpu_offload);
+        }
       }
       experiment.end_step(state, model.mean_over_data_parallel(step_loss).item<double>(), progress);
       if (state.global_step % args.log_freq == 0)

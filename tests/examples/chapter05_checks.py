@@ -36,9 +36,9 @@ def single(tools, *args):
     return run([tools["chapter1"], *common_except(args), *args])
 
 
-def recipe(tools, nproc, *args):
+def recipe(tools, nproc, *args, expect_ok=True):
     return run([tools["meshrun"], "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "--",
-                tools["chapter5"], *common_except(args), *args])
+                tools["chapter5"], *common_except(args), *args], expect_ok=expect_ok)
 
 
 def recipe_parity(tools):
@@ -63,6 +63,31 @@ def recipe_parity(tools):
         a, b = metrics(f"{tmp}/recipe"), metrics(f"{tmp}/same")
         assert [r["running_loss"] for r in a] == [r["running_loss"] for r in b], (a, b)
         compare_params(model_file(f"{tmp}/recipe"), model_file(f"{tmp}/same"), 0.0)
+
+
+def optimizer_in_backward(tools):
+    """The recipe (checkpointing, CPU offload, prefetch, chunked loss) with AdamW stepping each
+    layer in backward gives the same losses, weights and optimizer state, bit for bit, as the
+    step after backward, over 12 steps without clipping; with clipping or accumulation it is
+    refused at start-up, naming the flag; and it resumes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["-b", "2", "--save-dir", tmp, "--max-steps", "12", "--ckpt-freq", "12", "--cpu-offload",
+                 "--loss-chunk", "7", "--lr-schedule", "warmup-cosine", "--warmup-steps", "3"]
+        recipe(tools, 2, "-e", "after", *flags)
+        recipe(tools, 2, "-e", "during", "--optimizer-in-backward", *flags)
+        a, b = metrics(f"{tmp}/after"), metrics(f"{tmp}/during")
+        assert [r["running_loss"] for r in a] == [r["running_loss"] for r in b], (a, b)
+        for rank_file in ("rank0.safetensors", "rank1.safetensors"):
+            # The weights and AdamW's moments and step counts, every byte.
+            after = (pathlib.Path(tmp) / "after" / "checkpoint" / rank_file).read_bytes()
+            during = (pathlib.Path(tmp) / "during" / "checkpoint" / rank_file).read_bytes()
+            assert after == during, f"{rank_file} differs"
+        for extra, message in ((["--max-grad-norm", "1"], "clipping by the global norm (--max-grad-norm 1)"),
+                               (["--grad-accum", "2"], "2 micro-batches per step (--grad-accum")):
+            refused = recipe(tools, 2, "-e", "refused", "--optimizer-in-backward", *extra, *flags, expect_ok=False)
+            assert refused.returncode != 0 and message in refused.stdout + refused.stderr, (extra, refused.stderr)
+        check_stop_and_resume(lambda *args: recipe(tools, 2, *args), tmp,
+                              ["-b", "2", "--save-dir", tmp, "--ckpt-freq", "10", "--optimizer-in-backward"])
 
 
 def resume(tools):
@@ -207,5 +232,6 @@ if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter5": sys.argv[3], "consolidate": sys.argv[4],
              "python": sys.argv[6] if len(sys.argv) > 6 else None}
     {"recipe-parity": recipe_parity, "resume": resume, "pretrained": pretrained, "load-folder": load_folder,
+     "optimizer-in-backward": optimizer_in_backward,
      "launch": launch}[sys.argv[5]](tools)
     print("ok")

@@ -245,6 +245,72 @@ TEST_CASE("fsdp frees each layer's full weights after forward and every unit's a
   }
 }
 
+TEST_CASE("fsdp stepping AdamW in backward as each unit's gradients arrive equals stepping after backward, "
+          "bit for bit, and never holds two units' gradients",
+          "[.][optimizer_in_backward]") {
+  auto mesh = mt::comm::init<FsdpMesh>();
+  const auto& group = mesh.group<mt::FSDP>();
+  const auto config = odd_tiny(/*tied=*/true);
+  // Prefetching and reduce-scatters in flight as chapter 5 runs them, and more.
+  for (const std::int64_t in_flight : {1, 2}) {
+    INFO("reduce_scatters_in_flight = " << in_flight);
+    const mt::FsdpOptions options{.prefetch_layers = 1, .reduce_scatters_in_flight = in_flight};
+    torch::manual_seed(3);
+    auto after = sharded_llama(config, group, options);
+    torch::manual_seed(3);
+    auto during = sharded_llama(config, group, options);
+    mt::train::AdamW after_optimizer(after.fsdp->named_parameters(), {.lr = 1e-3});
+    mt::train::AdamW during_optimizer(during.fsdp->named_parameters(), {.lr = 1e-3});
+    const auto shards = during.fsdp->named_parameters();
+    auto shards_with_gradients = [&] {
+      std::int64_t n = 0;
+      for (const auto& [name, shard] : shards) n += shard.grad().defined();
+      return n;
+    };
+    // At each call: how many shards of other units hold a gradient.
+    std::vector<std::int64_t> held_at_each_call;
+    during.fsdp->on_gradients_ready([&](const std::vector<torch::Tensor>& unit_shards) {
+      held_at_each_call.push_back(shards_with_gradients() - static_cast<std::int64_t>(unit_shards.size()));
+      for (const auto& shard : unit_shards) REQUIRE(shard.grad().defined());
+      during_optimizer.step(unit_shards);
+      for (const auto& shard : unit_shards) shard.mutable_grad() = torch::Tensor();
+    });
+    const auto units = static_cast<std::int64_t>(during.fsdp->units().size());
+    torch::manual_seed(11);
+    for (int step = 0; step < 3; ++step) {
+      const auto ids = torch::randint(0, config.vocab_size, {2, 16}, torch::kLong);
+      const double lr = 1e-3 * (step + 1);  // a schedule: set before backward, which steps
+      after_optimizer.set_lr(lr);
+      during_optimizer.set_lr(lr);
+      auto after_loss = after.model->loss(ids, ids);
+      after_loss.backward();
+      after_optimizer.step();
+      after_optimizer.zero_grad();
+      held_at_each_call.clear();
+      auto during_loss = during.model->loss(ids, ids);
+      during_loss.backward();
+      CHECK(during_loss.item<double>() == after_loss.item<double>());
+      // Every unit stepped once, each while it alone held gradients; none left after backward.
+      REQUIRE(static_cast<std::int64_t>(held_at_each_call.size()) == units);
+      CHECK(held_at_each_call == std::vector<std::int64_t>(units, 0));
+      CHECK(shards_with_gradients() == 0);
+    }
+    const auto a = after.fsdp->full_state_dict(), b = during.fsdp->full_state_dict();
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      INFO(a[i].first);
+      CHECK(torch::equal(a[i].second, b[i].second));
+    }
+  }
+  // Stepping a tensor the optimizer was not built with, and a hook nothing would call.
+  mt::train::AdamW optimizer({{"w", torch::zeros({2}, torch::requires_grad())}}, {});
+  CHECK_THROWS_WITH(optimizer.step({torch::zeros({3})}),
+                    Catch::Contains("a tensor of shape [3] is not one of the 1 parameters"));
+  auto synchronous = sharded_llama(config, group, {.reduce_scatters_in_flight = 0});
+  CHECK_THROWS_WITH(synchronous.fsdp->on_gradients_ready([](const std::vector<torch::Tensor>&) {}),
+                    Catch::Contains("reduce_scatters_in_flight is 0") &&
+                        Catch::Contains("rank " + std::to_string(group.global_rank())));
+}
+
 TEST_CASE("fsdp misuse is a clear error naming the module, tensor or rank", "[.][bad_input]") {
   auto mesh = mt::comm::init<FsdpMesh>();
   const auto& group = mesh.group<mt::FSDP>();

@@ -207,6 +207,10 @@ TEST_CASE("rank body: ZeRO-2 with gradient clipping equals one process", "[.][ze
   CHECK(parallel.zero_stage2()->gradient_numel() == block);
   CHECK(block < whole / 2 + whole / 50);
   for (const auto& item : parallel.module()->named_parameters()) CHECK_FALSE(item.value().grad().defined());
+  // Stepping in backward is FSDP's alone (ZeRO-2's buckets are reduced after their gradients).
+  CHECK_THROWS_WITH(parallel.step_in_backward(optimizer, /*max_grad_norm=*/0, /*micro_batches=*/1),
+                    Catch::Contains("--optimizer-in-backward on rank " + std::to_string(mesh.rank())) &&
+                        Catch::Contains("needs FSDP alone"));
 }
 
 TEST_CASE("rank body: FSDP built by parallelize", "[.][parallelize_fsdp]") {

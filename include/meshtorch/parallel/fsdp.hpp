@@ -145,6 +145,10 @@ class FsdpSchedule {
   // reading .grad outside a backward that some other code drove.
   MESHTORCH_DECL void finish_gradients();
 
+  // Called with a unit once a backward's gradients are in its shards' .grad (see
+  // FullyShardedDataParallel::on_gradients_ready).
+  std::function<void(FsdpUnit&)> gradients_ready;
+
  private:
   MESHTORCH_DECL void finish_oldest_reduction();
   // Backward ends before the optimizer steps: whatever reduce-scatters are left then are waited
@@ -379,6 +383,25 @@ class FullyShardedDataParallel {
   // backward does it when it ends; a program that reads .grad after a backward that failed half
   // way calls it.
   void finish_gradients() { schedule_->finish_gradients(); }
+
+  // Calls `ready` with a unit's shards (the leaves the optimizer steps) as soon as a backward's
+  // reduce-scattered gradients are in their .grad, on the thread running the backward, before the
+  // units after it in backward are done: what stepping the optimizer in backward needs (a unit
+  // stepped and its gradients freed there, so the whole model's gradients never exist at once).
+  // Only with reduce-scatters in flight: with none, gradients go back through autograd, which
+  // calls nothing here.
+  void on_gradients_ready(std::function<void(const std::vector<torch::Tensor>& shards)> ready) {
+    if (options_.reduce_scatters_in_flight == 0)
+      throw ConfigError(fmt::format("FullyShardedDataParallel::on_gradients_ready on rank {}: gradients go back "
+                                    "through autograd when reduce_scatters_in_flight is 0 (as under HSDP); "
+                                    "nothing would call it",
+                                    group_.global_rank()));
+    schedule_->gradients_ready = [ready = std::move(ready)](FsdpUnit& unit) {
+      std::vector<torch::Tensor> shards;
+      for (const auto& p : unit.parameters()) shards.push_back(p.shard);
+      ready(shards);
+    };
+  }
 
   const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
   const comm::AxisGroup& group() const { return group_; }
@@ -855,6 +878,7 @@ MESHTORCH_DECL void FsdpSchedule::finish_oldest_reduction() {
   auto reduction = std::move(reductions_.front());
   reductions_.pop_front();
   reduction.unit->accumulate_gradients(reduction);
+  if (gradients_ready) gradients_ready(*reduction.unit);
 }
 
 MESHTORCH_DECL void FsdpSchedule::finish_gradients() {

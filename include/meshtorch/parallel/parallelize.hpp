@@ -56,6 +56,7 @@
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/zero_stage2.hpp>
 #include <meshtorch/separate_compilation.hpp>
+#include <meshtorch/train/adamw.hpp>
 #include <meshtorch/train/memory.hpp>
 #include <meshtorch/train/timers.hpp>
 #include <meshtorch/train/train_args.hpp>
@@ -220,6 +221,17 @@ class ParallelLlamaRuntime {
   // `max_norm` (parallel/grad_clipping.hpp); returns the norm before clipping. Every rank calls
   // it, after backward and before the optimizer step.
   MESHTORCH_DECL double clip_grad_norm(double max_norm) const;
+
+  // Steps `optimizer` in backward (torchtune's optimizer_in_bwd): each FSDP unit's shards as soon
+  // as their reduce-scattered gradients are in, after which those gradients are freed; so a rank
+  // holds one unit's gradient shards at a time, not the whole model's. Every
+  // element gets the update optimizer.step() would give it. The loop then sets the learning rate
+  // before the step's forward and calls neither step() nor clipping. Refused (ConfigError naming
+  // the flag) with what needs every gradient before any update: clipping by the global norm
+  // (max_grad_norm > 0) and accumulation over micro_batches > 1; and on layouts other than FSDP
+  // alone (tensor parallel sums norm gradients after backward; DP replicas and HSDP all-reduce
+  // after it). `optimizer` must outlive every backward.
+  MESHTORCH_DECL void step_in_backward(train::AdamW& optimizer, double max_grad_norm, std::int64_t micro_batches);
 
   // "Mesh<...>: tensor parallel over TP (...) -> ...", recorded in checkpoints.
   MESHTORCH_DECL std::string layout() const;
@@ -575,6 +587,27 @@ MESHTORCH_DECL double ParallelLlamaRuntime::clip_grad_norm(double max_norm) cons
   for (auto& piece : sharded_parameters()) pieces.push_back({piece.local, piece.writer});
   return meshtorch::clip_grad_norm(pieces, max_norm, [this](torch::Tensor squares) {
     return comm::all_reduce(world_, std::move(squares), comm::ReduceOp::sum);
+  });
+}
+
+MESHTORCH_DECL void ParallelLlamaRuntime::step_in_backward(train::AdamW& optimizer, double max_grad_norm,
+                                                           std::int64_t micro_batches) {
+  const auto refuse = [&](const std::string& why) {
+    throw ConfigError(fmt::format("--optimizer-in-backward on rank {}: {}", world_.rank(), why));
+  };
+  if (max_grad_norm > 0)
+    refuse(fmt::format("clipping by the global norm (--max-grad-norm {}) needs every gradient before any update; "
+                       "drop one of the two",
+                       max_grad_norm));
+  if (micro_batches > 1)
+    refuse(fmt::format("{} micro-batches per step (--grad-accum or --global-batch-size) sum their gradients "
+                       "before the update; use one",
+                       micro_batches));
+  if (!fsdp_ || tp_ || ddp_ || zero2_)
+    refuse(fmt::format("the layout is {}; stepping in backward needs FSDP alone (Mesh<FSDP<...>>)", mesh_name_));
+  fsdp_->on_gradients_ready([&optimizer](const std::vector<torch::Tensor>& shards) {
+    optimizer.step(shards);
+    for (const auto& shard : shards) shard.mutable_grad() = torch::Tensor();
   });
 }
 

@@ -4,6 +4,7 @@
 // over parameters one op at a time. State is named after the parameters, so it can be saved
 // to safetensors and loaded by name.
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -41,15 +42,24 @@ class AdamW {
 
   MESHTORCH_DECL void step();
 
+  // Steps only these parameters (of those given at construction; each must be one of them),
+  // those with a gradient: what stepping in backward does for one FSDP unit at a time. Each
+  // element's update is the one step() would make.
+  MESHTORCH_DECL void step(const std::vector<torch::Tensor>& subset);
+
   // "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step" for every parameter.
   MESHTORCH_DECL io::NamedTensors state() const;
 
   MESHTORCH_DECL void load_state(const io::SafetensorsFile& file, const std::string& source);
 
  private:
+  // One fused kernel per (device, dtype) group of these parameters (those with a gradient).
+  MESHTORCH_DECL void step_indices(const std::vector<std::size_t>& indices);
+
   AdamWOptions options_;
   std::vector<std::pair<std::string, torch::Tensor>> params_;
   std::vector<torch::Tensor> exp_avg_, exp_avg_sq_, steps_;
+  std::unordered_map<const c10::TensorImpl*, std::size_t> index_of_;  // for step(subset)
 };
 
 }  // namespace meshtorch::train
@@ -76,6 +86,7 @@ MESHTORCH_DECL AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> n
     exp_avg_sq_.push_back(torch::zeros_like(p, torch::MemoryFormat::Preserve));
     // The fused kernel wants the step as a float tensor on the parameter's device.
     steps_.push_back(torch::zeros({}, p.options().dtype(torch::kFloat)));
+    index_of_.emplace(p.unsafeGetTensorImpl(), index_of_.size());
   }
 }
 
@@ -90,10 +101,29 @@ MESHTORCH_DECL void AdamW::zero_grad(bool set_to_none) {
 }
 
 MESHTORCH_DECL void AdamW::step() {
+  std::vector<std::size_t> all(params_.size());
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+  step_indices(all);
+}
+
+MESHTORCH_DECL void AdamW::step(const std::vector<torch::Tensor>& subset) {
+  std::vector<std::size_t> indices;
+  for (const auto& p : subset) {
+    const auto it = index_of_.find(p.unsafeGetTensorImpl());
+    if (it == index_of_.end())
+      throw ConfigError(fmt::format("AdamW::step: a tensor of shape {} is not one of the {} parameters this "
+                                    "optimizer was built with",
+                                    c10::str(p.sizes()), params_.size()));
+    indices.push_back(it->second);
+  }
+  step_indices(indices);
+}
+
+MESHTORCH_DECL void AdamW::step_indices(const std::vector<std::size_t>& indices) {
   torch::NoGradGuard no_grad;
   // Group by (device, dtype): the fused kernel takes same-device, same-dtype lists.
   std::map<std::pair<std::string, int>, std::vector<std::size_t>> groups;
-  for (std::size_t i = 0; i < params_.size(); ++i) {
+  for (const auto i : indices) {
     const auto& p = params_[i].second;
     if (!p.grad().defined()) continue;
     groups[{p.device().str(), static_cast<int>(p.scalar_type())}].push_back(i);
