@@ -22,6 +22,11 @@ using Recipe405b = llama::Plan<mt::Mesh<mt::FSDP<64>>, llama::presets::llama_3_1
 static_assert(Recipe405b::peak_bytes(recipe) <= 80 * mt::GiB);
 static_assert(Recipe405b::memory(recipe).trained_state() == 0 && Recipe405b::memory(recipe).host > 100e9);
 static_assert(Recipe405b::memory({.batch = 1, .seq = 4096, .cpu_offload = true}).activations > 80 * mt::GiB);
+// Stepping AdamW in backward holds one unit's gradient shards, the largest unit's at most (for
+// Llama-3.1-8B the root: embedding, head and final norm, 1,050,677,248 parameters), over 8 ranks.
+using Fsdp8b = llama::Plan<mt::Mesh<mt::FSDP<8>>, llama::presets::llama_3_1_8b>;
+static_assert(Fsdp8b::memory({.state_bytes = 4, .optimizer_in_backward = true}).gradients == 1050677248.0 * 4 / 8);
+static_assert(Fsdp8b::memory({.state_bytes = 4}).gradients > 7 * Fsdp8b::memory({.state_bytes = 4, .optimizer_in_backward = true}).gradients);
 // 2D: the TP extent divides what a rank holds and computes.
 static_assert(Plan405b::memory(recipe).gathered < Recipe405b::memory(recipe).gathered / 4);
 

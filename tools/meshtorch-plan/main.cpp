@@ -87,6 +87,8 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_flag("!--no-reshard-after-forward", run.reshard_after_forward,
                "FSDP: keep every layer gathered from its forward to its backward");
+  app.add_flag("--optimizer-in-backward", run.optimizer_in_backward,
+               "FSDP: AdamW steps each layer as its gradients arrive, so one layer's gradients are held, not all");
   app.add_option("--loss-chunk", run.loss_chunk, "positions per loss chunk: -1 automatic, 0 all at once")
       ->capture_default_str();
   app.add_flag("--json", json, "print the figures as one JSON object (bytes)");
@@ -107,6 +109,8 @@ int main(int argc, char** argv) {
                                                  : mt::DataParallelKind::fsdp;
     if (run.cpu_offload && kind != mt::DataParallelKind::fsdp)
       throw mt::ConfigError("--cpu-offload needs --data-parallel fsdp (FSDP's offload of its shards)");
+    if (run.optimizer_in_backward && kind != mt::DataParallelKind::fsdp)
+      throw mt::ConfigError("--optimizer-in-backward needs --data-parallel fsdp (FSDP steps each unit in backward)");
     run.state_bytes = static_cast<std::int64_t>(bytes);
     run.compute_bytes = (compute_dtype.empty() ? dtype : compute_dtype) == "bfloat16" ? 2 : 4;
     run.checkpoint_every = mt::parse_activation_checkpointing(checkpointing).every;

@@ -6,7 +6,9 @@
 // The parts, in bytes per rank:
 //   weights, gradients, optimizer   the trained state: replicated (DDP), AdamW state sharded
 //                                   (ZeRO-1), gradients too (ZeRO-2) or everything (FSDP) over the
-//                                   data-parallel ranks; on the host with cpu_offload (FSDP)
+//                                   data-parallel ranks; on the host with cpu_offload (FSDP); with
+//                                   optimizer_in_backward (FSDP) one unit's gradient shards, not
+//                                   the model's
 //   gathered                        FSDP: the unit running, the prefetched ones and the root kept
 //                                   from forward to backward, in the compute dtype
 //   reductions                      FSDP: a unit's full gradients and the reduce-scatters' buffers
@@ -57,6 +59,7 @@ struct RunShape {
   std::int64_t reduce_scatters_in_flight = 1;  // FSDP
   bool cpu_offload = false;                   // FSDP: the trained state on the host
   bool reshard_after_forward = true;          // FSDP
+  bool optimizer_in_backward = false;         // FSDP: each unit stepped as its gradients arrive, then freed
 };
 
 // Ranks of each kind; tensor parallel with sequence and loss parallel (chapter 6's plan).
@@ -125,6 +128,7 @@ constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes lay
   m.weights = params * state / (fsdp ? n : 1);
   m.gradients = params * state / (fsdp || layout.data_parallel == DataParallelKind::zero2 ? n : 1);
   m.optimizer = 2 * params * state / (layout.data_parallel == DataParallelKind::ddp ? 1 : n);
+  if (fsdp && run.optimizer_in_backward) m.gradients = std::max(layer, root) * state / n;
   if (fsdp && run.cpu_offload) {
     m.host = m.trained_state();
     m.weights = m.gradients = m.optimizer = 0;
