@@ -8,8 +8,9 @@
   guide's FSDP2, tensor-parallel and 2D scripts under torchrun (opt-in: --only fsdp,tp,2d);
 - ch1-bf16: chapter 1 in bfloat16 (opt-in: --only ch1-bf16);
 - ch5: chapter 5's memory savers against their cost, each beside the Python stack's (opt-in:
-  --only ch5): activation checkpointing at llama-100m, sequence 1024, 2 ranks of FSDP, and the
-  chunked loss at a vocabulary of 128256, sequence 2048, in chapter 1;
+  --only ch5): activation checkpointing at llama-100m, sequence 1024, 2 ranks of FSDP (also with
+  AdamW stepping in backward, ours only), and the chunked loss at a vocabulary of 128256,
+  sequence 2048, in chapter 1;
 - compile-time: the cost of including meshtorch.
 Each pair runs in turns (A/B/A/B...) so that a change in the machine's load hits both sides alike,
 then medians and ratios per pair. Run it through bench/run, which prepares the Python environment.
@@ -824,6 +825,15 @@ CH5_PARTS = {
                           variants={"none": ["--activation-checkpointing", "none"],
                                     "full": ["--activation-checkpointing", "full"]},
                           targets="peak RSS full / none <= 0.6, step time <= 1.4"),
+    # The same runs with AdamW stepping each layer in backward (--optimizer-in-backward, both
+    # variants): the recipe's memory option for runs without clipping or accumulation. The
+    # guide's script has no counterpart, so PyTorch does not run it.
+    "in-backward": dict(spec=dict(config=REFERENCE / "configs" / "llama-100m", batch=1, seq=1024, steps=4, warmup=1),
+                        variants={"none": ["--activation-checkpointing", "none", "--optimizer-in-backward"],
+                                  "full": ["--activation-checkpointing", "full", "--optimizer-in-backward"]},
+                        label="checkpointing, AdamW in backward",
+                        targets="peak RSS full / none <= 0.6, step time <= 1.4",
+                        torch_variants=[]),
     "loss": dict(spec=dict(config=REFERENCE / "configs" / "llama-vocab128k", batch=1, seq=2048, steps=4, warmup=1),
                  variants={"plain": ["--loss-chunk", "0"], "chunked": []},
                  targets="peak RSS chunked / plain <= 0.5, step time within 10%",
@@ -890,7 +900,8 @@ def ch5_section(args, corpus, runs_dir, out, machine):
              f"{machine['cpu']}, {machine['cores']} cores; fp32, MALLOC_MMAP_THRESHOLD_=1048576 on both stacks, "
              f"{args.ch5_reps} repetition(s), {minutes} minutes. Checkpointing: llama-100m, batch 1 x sequence 1024 "
              "per rank, 2 ranks x 1 thread of FSDP (ours: chapter 5; PyTorch: the guide's FSDP2 script with "
-             "checkpoint_wrapper on every decoder layer). Loss: chapter 1 at hidden 512, 2 layers, vocabulary "
+             "checkpoint_wrapper on every decoder layer); the same with --optimizer-in-backward in both variants, ours "
+             "only (the guide's script has no counterpart). Loss: chapter 1 at hidden 512, 2 layers, vocabulary "
              "128256, batch 1 x sequence 2048, 2 threads (ours chunked automatically or --loss-chunk 0; PyTorch: "
              "transformers' loss over the full logits). Step times are medians after the first step; RSS is rank "
              "0's peak. Ratios are medians over repetitions of the ratio within one.", "",
@@ -903,9 +914,9 @@ def ch5_section(args, corpus, runs_dir, out, machine):
                     continue
                 runs = results.get((part, v, side), {})
                 if not runs:
-                    lines.append(f"| {part} | {v} | {label[side]} | not run |  |  |  |  |")
+                    lines.append(f"| {meta.get('label', part)} | {v} | {label[side]} | not run |  |  |  |  |")
                     continue
-                lines.append(f"| {part} | {v} | {label[side]} | {fmt(med(runs, 'time/total'))} | "
+                lines.append(f"| {meta.get('label', part)} | {v} | {label[side]} | {fmt(med(runs, 'time/total'))} | "
                              + " | ".join(fmt(med(runs, f"time/{p}")) for p in ("forward", "backward", "update"))
                              + f" | {fmt(med(runs, 'peak_rss_gb'), 2)} |")
     lines += ["", "| part | ratio | peak RSS | ms/step | target |", "| --- | --- | ---: | ---: | --- |"]
@@ -917,8 +928,10 @@ def ch5_section(args, corpus, runs_dir, out, machine):
             if side == "torch" and saver not in torch_variants:
                 continue
             a, b = get(saver, side), get(base, side)
-            lines.append(f"| {part} | {label[side]} {saver} / {base} | {r2(paired(a, b, 'peak_rss_gb'))} "
+            lines.append(f"| {meta.get('label', part)} | {label[side]} {saver} / {base} | {r2(paired(a, b, 'peak_rss_gb'))} "
                          f"| {r2(paired(a, b, 'time/total'))} | {meta['targets'] if side == 'ours' else ''} |")
+        if not torch_variants:
+            continue
         for v in (base, saver):
             # Against PyTorch's run of the same variant, or of its baseline where it has no saver.
             theirs = v if v in torch_variants else base
