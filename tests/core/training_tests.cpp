@@ -227,6 +227,55 @@ TEST_CASE("AdamW zero_grad without set_to_none keeps each gradient's memory and 
   CHECK(torch::equal(kept, freed));
 }
 
+TEST_CASE("AdamW with offload steps host copies and gives the weights and state of stepping in place, bit for bit",
+          "[optim]") {
+  torch::manual_seed(0);
+  // Two weights that are views of one buffer, as an FSDP unit's shards are (one version counter).
+  auto flat_in_place = torch::randn({6 * 5 + 4});
+  auto flat_offloaded = flat_in_place.clone();
+  auto views = [](const torch::Tensor& flat) {
+    return std::vector<std::pair<std::string, torch::Tensor>>{
+        {"a", flat.narrow(0, 0, 30).view({6, 5}).requires_grad_(true)},
+        {"b", flat.narrow(0, 30, 4).requires_grad_(true)}};
+  };
+  auto in_place_params = views(flat_in_place);
+  auto offloaded_params = views(flat_offloaded);
+  mt::train::AdamW in_place(in_place_params, {.lr = 1e-2});
+  mt::train::AdamW offloaded(offloaded_params, {.lr = 1e-2, .offload = true});
+  auto a = offloaded_params[0].second;
+  for (int step = 0; step < 6; ++step) {
+    INFO("step " << step);
+    const auto target_a = torch::randn({6, 5}), target_b = torch::randn({4});
+    for (auto* params : {&in_place_params, &offloaded_params})
+      ((*params)[0].second - target_a).pow(2).sum().add((*params)[1].second.sub(target_b).pow(3).sum()).backward();
+    if (step == 2) {
+      // Written by someone else between steps (a checkpoint loaded into the weights): the next
+      // step starts from these values, not from the host copy.
+      torch::NoGradGuard no_grad;
+      const auto loaded = torch::randn({6, 5});
+      in_place_params[0].second.copy_(loaded);
+      a.copy_(loaded);
+    }
+    if (step == 4) {
+      offloaded.step({a});  // a subset, as stepping in backward does; b keeps its gradient
+      in_place.step({in_place_params[0].second});
+      CHECK(offloaded_params[1].second.grad().defined());
+    }
+    in_place.step();
+    offloaded.step();
+    in_place.zero_grad();
+    offloaded.zero_grad();
+    CHECK(torch::equal(flat_in_place, flat_offloaded));
+  }
+  const auto expected = in_place.state(), got = offloaded.state();
+  REQUIRE(expected.size() == got.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    INFO(got[i].first);
+    CHECK(expected[i].first == got[i].first);
+    CHECK(torch::equal(expected[i].second, got[i].second));
+  }
+}
+
 TEST_CASE("the memory estimate's activations and loss are what autograd holds, with and without checkpointing and "
           "a chunked loss",
           "[memory]") {

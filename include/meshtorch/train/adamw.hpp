@@ -3,6 +3,14 @@
 // calls), one kernel launch per device and dtype group. LibTorch's torch::optim::AdamW loops
 // over parameters one op at a time. State is named after the parameters, so it can be saved
 // to safetensors and loaded by name.
+//
+// With `offload` (DeepSpeed's offload_optimizer; ZeRO-Offload) the moments, the step counts and a
+// copy of each parameter live in host memory and the fused kernel runs on the CPU there: a step
+// copies the gradients to the host (non_blocking, into pinned buffers kept from step to step),
+// waits for them, steps the host copies and copies them back to the parameters (non_blocking).
+// The parameters themselves stay where they are, so forward and backward are unchanged; what
+// the device no longer holds is the moments (two parameters' worth). Parameter offload is
+// FSDP's cpu_offload, where the parameters are already host tensors and this is not needed.
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -22,6 +30,10 @@ struct AdamWOptions {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.01;  // torch.optim.AdamW's default, as the guide uses it
+  // The state and the update in host memory (see above). On a CPU device it runs the same
+  // copies between host tensors, costing a copy of the parameters and gradients and saving
+  // nothing: it is there to check the path.
+  bool offload = false;
 };
 
 MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> named_trainable_parameters(torch::nn::Module& module);
@@ -47,25 +59,39 @@ class AdamW {
   // element's update is the one step() would make.
   MESHTORCH_DECL void step(const std::vector<torch::Tensor>& subset);
 
-  // "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step" for every parameter.
+  // "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step" for every parameter (host tensors
+  // with offload).
   MESHTORCH_DECL io::NamedTensors state() const;
 
   MESHTORCH_DECL void load_state(const io::SafetensorsFile& file, const std::string& source);
 
  private:
-  // One fused kernel per (device, dtype) group of these parameters (those with a gradient).
+  // These parameters (those with a gradient), on the device or through their host copies.
   MESHTORCH_DECL void step_indices(const std::vector<std::size_t>& indices);
+  // One fused kernel per (device, dtype) group of params[i], grads[i] for i in `indices`.
+  MESHTORCH_DECL void fused_step(const std::vector<std::size_t>& indices, const std::vector<torch::Tensor>& params,
+                                 const std::vector<torch::Tensor>& grads);
 
   AdamWOptions options_;
   std::vector<std::pair<std::string, torch::Tensor>> params_;
   std::vector<torch::Tensor> exp_avg_, exp_avg_sq_, steps_;
   std::unordered_map<const c10::TensorImpl*, std::size_t> index_of_;  // for step(subset)
+  // With offload: each parameter's host copy (what the kernel steps), its gradient's host buffer,
+  // and the parameter's version when the two last agreed. Anything else writing the parameter
+  // (loading a checkpoint, a gather into it) changes its version, and the next step first
+  // copies it to the host again.
+  std::vector<torch::Tensor> host_params_, host_grads_;
+  std::vector<std::int64_t> host_param_versions_;
 };
 
 }  // namespace meshtorch::train
 
 #if MESHTORCH_DEFINITIONS
 #include <map>
+#include <numeric>
+#include <set>
+
+#include <meshtorch/train/copy_in_flight.hpp>
 
 #include <fmt/format.h>
 
@@ -81,11 +107,22 @@ MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> named_trainabl
 
 MESHTORCH_DECL AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_parameters, AdamWOptions options)
     : options_(options), params_(std::move(named_parameters)) {
+  torch::NoGradGuard no_grad;
   for (auto& [name, p] : params_) {
-    exp_avg_.push_back(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-    exp_avg_sq_.push_back(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-    // The fused kernel wants the step as a float tensor on the parameter's device.
-    steps_.push_back(torch::zeros({}, p.options().dtype(torch::kFloat)));
+    if (options_.offload) {
+      const auto host = host_options_for(p.device(), p.scalar_type());
+      host_params_.push_back(torch::empty(p.sizes(), host));
+      host_grads_.push_back(torch::Tensor());  // allocated at the first step with a gradient
+      host_param_versions_.push_back(-1);      // copied from the parameter at its first step
+      exp_avg_.push_back(torch::zeros(p.sizes(), host.pinned_memory(false)));
+      exp_avg_sq_.push_back(torch::zeros(p.sizes(), host.pinned_memory(false)));
+      steps_.push_back(torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat)));
+    } else {
+      exp_avg_.push_back(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      exp_avg_sq_.push_back(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      // The fused kernel wants the step as a float tensor on the parameter's device.
+      steps_.push_back(torch::zeros({}, p.options().dtype(torch::kFloat)));
+    }
     index_of_.emplace(p.unsafeGetTensorImpl(), index_of_.size());
   }
 }
@@ -102,7 +139,7 @@ MESHTORCH_DECL void AdamW::zero_grad(bool set_to_none) {
 
 MESHTORCH_DECL void AdamW::step() {
   std::vector<std::size_t> all(params_.size());
-  for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+  std::iota(all.begin(), all.end(), std::size_t{0});
   step_indices(all);
 }
 
@@ -121,18 +158,50 @@ MESHTORCH_DECL void AdamW::step(const std::vector<torch::Tensor>& subset) {
 
 MESHTORCH_DECL void AdamW::step_indices(const std::vector<std::size_t>& indices) {
   torch::NoGradGuard no_grad;
+  std::vector<std::size_t> with_grad;
+  for (const auto i : indices)
+    if (params_[i].second.grad().defined()) with_grad.push_back(i);
+  std::vector<torch::Tensor> params(params_.size()), grads(params_.size());
+  if (!options_.offload) {
+    for (const auto i : with_grad) {
+      params[i] = params_[i].second;
+      grads[i] = params_[i].second.grad();
+    }
+    fused_step(with_grad, params, grads);
+    return;
+  }
+  std::set<std::string> devices;  // the devices whose streams run copies to the host
+  for (const auto i : with_grad) {
+    const auto& p = params_[i].second;
+    if (p._version() != host_param_versions_[i]) host_params_[i].copy_(p);  // written since the last step
+    const auto& grad = p.grad();
+    if (!host_grads_[i].defined() || host_grads_[i].scalar_type() != grad.scalar_type())
+      host_grads_[i] = torch::empty(p.sizes(), host_options_for(p.device(), grad.scalar_type()));
+    host_grads_[i].copy_(grad, /*non_blocking=*/true);
+    devices.insert(p.device().str());
+    params[i] = host_params_[i];
+    grads[i] = host_grads_[i];
+  }
+  for (const auto& device : devices) CopyInFlight::after_copies_on(torch::Device(device)).wait();
+  fused_step(with_grad, params, grads);
+  // Host memory is pinned for a GPU parameter, so these copies run on its stream; the host
+  // copies are next written by the next step, after that step's wait for the stream.
+  for (const auto i : with_grad) params_[i].second.copy_(host_params_[i], /*non_blocking=*/true);
+  // After all of them: parameters that are views of one buffer (an FSDP unit's shards) share
+  // one version counter, which each copy moves on.
+  for (const auto i : with_grad) host_param_versions_[i] = params_[i].second._version();
+}
+
+MESHTORCH_DECL void AdamW::fused_step(const std::vector<std::size_t>& indices, const std::vector<torch::Tensor>& params,
+                                      const std::vector<torch::Tensor>& grads) {
   // Group by (device, dtype): the fused kernel takes same-device, same-dtype lists.
   std::map<std::pair<std::string, int>, std::vector<std::size_t>> groups;
-  for (const auto i : indices) {
-    const auto& p = params_[i].second;
-    if (!p.grad().defined()) continue;
-    groups[{p.device().str(), static_cast<int>(p.scalar_type())}].push_back(i);
-  }
+  for (const auto i : indices) groups[{params[i].device().str(), static_cast<int>(params[i].scalar_type())}].push_back(i);
   for (const auto& [key, members] : groups) {
     std::vector<torch::Tensor> p, g, m, v, s;
     for (auto i : members) {
-      p.push_back(params_[i].second);
-      g.push_back(params_[i].second.grad());
+      p.push_back(params[i]);
+      g.push_back(grads[i]);
       m.push_back(exp_avg_[i]);
       v.push_back(exp_avg_sq_[i]);
       s.push_back(steps_[i]);
