@@ -66,6 +66,7 @@
 #include <meshtorch/io/safetensors.hpp>
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/separate_compilation.hpp>
+#include <meshtorch/train/copy_in_flight.hpp>
 
 namespace meshtorch {
 
@@ -82,7 +83,11 @@ struct FsdpOptions {
   // backward: less memory, one more all-gather per layer and step.
   bool reshard_after_forward = true;
   // Shards, gradients and optimizer state live in CPU memory and the optimizer steps there;
-  // each gather copies the shard to `device`, each reduce-scatter copies the result back.
+  // each gather copies the shard to `device`. Each reduce-scatter's mean is copied to pinned
+  // host memory without blocking the host, and lands in .grad once the copies of
+  // reduce_scatters_in_flight later units have started too, or when backward ends (at once with
+  // reduce_scatters_in_flight 0). Optimizer offload alone, the shards staying on the device, is
+  // train::AdamWOptions::offload.
   bool cpu_offload = false;
   MixedPrecision mixed_precision;
   // Where forward and backward compute.
@@ -118,6 +123,15 @@ struct FsdpReduction {
   torch::Tensor output;  // this rank's block: the sum over the group
 };
 
+// A finished reduce-scatter's mean on its way to the shards' .grad: with cpu_offload on a GPU,
+// copied to pinned host memory without blocking the host, which waits for it (`copy`) only
+// when the gradients land (FSDP2 blocks on the copy only before the optimizer step).
+struct FsdpGradientCopy {
+  FsdpUnit* unit = nullptr;
+  torch::Tensor flat;  // [shard_numel] in the shards' dtype, on their device
+  train::CopyInFlight copy;
+};
+
 // What the units of one FullyShardedDataParallel share while forward and backward run: the
 // order they run in (for prefetching) and the reduce-scatters in flight.
 class FsdpSchedule {
@@ -151,6 +165,8 @@ class FsdpSchedule {
 
  private:
   MESHTORCH_DECL void finish_oldest_reduction();
+  // The oldest copy's gradients into .grad, then gradients_ready.
+  MESHTORCH_DECL void land_oldest_gradients();
   // Backward ends before the optimizer steps: whatever reduce-scatters are left then are waited
   // for by the engine's final callback, queued once, in the outermost backward (a checkpointed
   // layer's recomputation runs a nested one, whose callbacks run when that layer is done).
@@ -160,6 +176,9 @@ class FsdpSchedule {
   std::int64_t in_flight_;
   std::vector<FsdpUnit*> order_;
   std::deque<FsdpReduction> reductions_;
+  // With cpu_offload: gradients copied (or being copied) to the host, not yet in .grad; at most
+  // as many as reduce-scatters in flight.
+  std::deque<FsdpGradientCopy> gradient_copies_;
   bool final_callback_queued_ = false;
 };
 
@@ -249,9 +268,16 @@ class FsdpUnit {
   // the shards' dtype and on their device.
   MESHTORCH_DECL std::vector<torch::Tensor> shard_gradients(FsdpReduction& reduction);
 
-  // Adds a finished reduce-scatter's result to the shards' .grad (or sets it), as autograd's
-  // accumulation would.
-  MESHTORCH_DECL void accumulate_gradients(FsdpReduction& reduction);
+  // Waits for the reduce-scatter and starts taking its mean to the shards' dtype and device
+  // (with cpu_offload on a GPU, a non_blocking copy into pinned host memory).
+  MESHTORCH_DECL FsdpGradientCopy start_gradient_copy(FsdpReduction& reduction);
+
+  // Waits for the copy and adds its gradients to the shards' .grad (or sets them), as
+  // autograd's accumulation would.
+  MESHTORCH_DECL void land_gradients(FsdpGradientCopy& copy);
+
+  // Whether the shards live in host memory (cpu_offload).
+  bool offloads() const { return options_.cpu_offload; }
 
   MESHTORCH_DECL std::string describe() const;
 
@@ -270,6 +296,8 @@ class FsdpUnit {
     return torch::TensorOptions().device(options_.device).dtype(param_dtype());
   }
   MESHTORCH_DECL torch::Tensor full_weight(const Parameter& p) const;
+  // One view per weight of a [shard_numel] buffer: its shard's shape.
+  MESHTORCH_DECL std::vector<torch::Tensor> shard_views(const torch::Tensor& flat) const;
 
   std::string name_;
   bool is_root_;
@@ -688,20 +716,30 @@ MESHTORCH_DECL FsdpReduction FsdpUnit::start_reduce_scatter(const std::vector<to
 }
 
 MESHTORCH_DECL std::vector<torch::Tensor> FsdpUnit::shard_gradients(FsdpReduction& reduction) {
+  auto copy = start_gradient_copy(reduction);
+  copy.copy.wait();
+  return shard_views(copy.flat);
+}
+
+MESHTORCH_DECL FsdpGradientCopy FsdpUnit::start_gradient_copy(FsdpReduction& reduction) {
   torch::NoGradGuard no_grad;
   reduction.work.wait();
   reduction.output.div_(group_.size());
-  std::vector<torch::Tensor> grads;
-  for (const auto& p : params_)
-    grads.push_back(reduction.output.narrow(0, p.shard_offset, p.local_rows * p.row_numel)
-                        .view(p.shard.sizes())
-                        .to(p.shard.device(), shard_dtype_));
-  return grads;
+  FsdpGradientCopy result{this, reduction.output.to(shard_dtype_), {}};
+  if (shard_flat_.device() != result.flat.device()) {
+    const auto from = result.flat.device();
+    auto host = torch::empty({shard_numel_}, train::host_options_for(from, shard_dtype_));
+    host.copy_(result.flat, /*non_blocking=*/true);
+    result.flat = std::move(host);
+    result.copy = train::CopyInFlight::after_copies_on(from);
+  }
+  return result;
 }
 
-MESHTORCH_DECL void FsdpUnit::accumulate_gradients(FsdpReduction& reduction) {
-  auto grads = shard_gradients(reduction);
+MESHTORCH_DECL void FsdpUnit::land_gradients(FsdpGradientCopy& copy) {
+  copy.copy.wait();
   torch::NoGradGuard no_grad;
+  auto grads = shard_views(copy.flat);
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto& slot = params_[i].shard.mutable_grad();
     if (slot.defined())
@@ -709,6 +747,13 @@ MESHTORCH_DECL void FsdpUnit::accumulate_gradients(FsdpReduction& reduction) {
     else
       slot = grads[i];
   }
+}
+
+MESHTORCH_DECL std::vector<torch::Tensor> FsdpUnit::shard_views(const torch::Tensor& flat) const {
+  std::vector<torch::Tensor> views;
+  for (const auto& p : params_)
+    views.push_back(flat.narrow(0, p.shard_offset, p.local_rows * p.row_numel).view(p.shard.sizes()));
+  return views;
 }
 
 MESHTORCH_DECL std::string FsdpUnit::describe() const {
@@ -877,13 +922,25 @@ MESHTORCH_DECL std::vector<torch::Tensor> FsdpSchedule::after_backward(FsdpUnit&
 MESHTORCH_DECL void FsdpSchedule::finish_oldest_reduction() {
   auto reduction = std::move(reductions_.front());
   reductions_.pop_front();
-  reduction.unit->accumulate_gradients(reduction);
-  if (gradients_ready) gradients_ready(*reduction.unit);
+  auto* unit = reduction.unit;
+  gradient_copies_.push_back(unit->start_gradient_copy(reduction));
+  // Offloaded gradients land later, so the host does not wait for the copy while backward goes
+  // on; the shards' .grad is host memory that nothing on the device waits for.
+  const std::int64_t left_in_flight = unit->offloads() ? in_flight_ : 0;
+  while (static_cast<std::int64_t>(gradient_copies_.size()) > left_in_flight) land_oldest_gradients();
+}
+
+MESHTORCH_DECL void FsdpSchedule::land_oldest_gradients() {
+  auto copy = std::move(gradient_copies_.front());
+  gradient_copies_.pop_front();
+  copy.unit->land_gradients(copy);
+  if (gradients_ready) gradients_ready(*copy.unit);
 }
 
 MESHTORCH_DECL void FsdpSchedule::finish_gradients() {
   final_callback_queued_ = false;
   while (!reductions_.empty()) finish_oldest_reduction();
+  while (!gradient_copies_.empty()) land_oldest_gradients();
   for (auto* unit : order_)
     if (unit->is_gathering()) unit->reshard();
 }
