@@ -7,7 +7,9 @@
 //   - activation checkpointing on every decoder layer (--activation-checkpointing full): a
 //     layer keeps only its input and recomputes the rest in backward, with forward's RNG;
 //   - CPU offload (--cpu-offload): shards, gradients and AdamW state in CPU memory, the fused
-//     AdamW kernel stepping there, gradients zeroed in place rather than freed;
+//     AdamW kernel stepping there, gradients copied there without blocking and zeroed in place
+//     rather than freed; or only AdamW's state and step on the host (--optimizer-offload,
+//     DeepSpeed's offload_optimizer), the shards and gradients staying on the device;
 //   - the next layer's all-gather issued while a layer computes (--prefetch-layers), and
 //     reduce-scatters left running while backward goes on;
 //   - the loss over chunks of positions (--loss-chunk; automatic: chunked once the batch's fp32
@@ -28,6 +30,7 @@ using Mesh = mt::Mesh<mt::FSDP<mt::dynamic>>;
 
 struct Chapter5Args : mt::train::TrainArgs, mt::train::FsdpArgs {
   bool optimizer_in_backward = false;
+  bool optimizer_offload = false;
   Chapter5Args() {
     // The recipe's defaults; each can be turned off from the command line.
     activation_checkpointing = "full";
@@ -39,6 +42,10 @@ struct Chapter5Args : mt::train::TrainArgs, mt::train::FsdpArgs {
     app.add_flag("--optimizer-in-backward", optimizer_in_backward,
                  "step each layer's shards as their gradients arrive in backward and free the gradients "
                  "(not with --max-grad-norm or --grad-accum)");
+    app.add_flag("--optimizer-offload", optimizer_offload,
+                 "keep AdamW's moments and a copy of the shards in host memory and step there; the shards and "
+                 "gradients stay on the device (--cpu-offload moves them all)")
+        ->excludes("--cpu-offload");
   }
 };
 
@@ -56,12 +63,15 @@ int train(const Chapter5Args& args) {
                        "checkpointed layers: {}; prefetch {} layer(s); shards{}",
                        args.model_name, config.num_parameters(), fsdp.units().size(), fsdp.local_numel(),
                        fsdp.largest_unit_numel(), args.activation_checkpointing, args.prefetch_layers,
-                       args.cpu_offload ? " in CPU memory" : " on the device"));
+                       args.cpu_offload         ? " in CPU memory"
+                       : args.optimizer_offload ? " on the device, AdamW's state in host memory"
+                                                : " on the device"));
   if (!options.weights_from.empty()) log.info(model.load_report());
 
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
-  // With --cpu-offload the shards are CPU tensors: the fused AdamW steps on the CPU.
-  mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
+  // With --cpu-offload the shards are CPU tensors: the fused AdamW steps on the CPU, where
+  // --optimizer-offload takes it too.
+  mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr, .offload = args.optimizer_offload});
   const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());
   if (args.optimizer_in_backward) model.step_in_backward(optimizer, args.max_grad_norm, sampler.micro_batches());
 

@@ -1,8 +1,8 @@
 # Chapter 5: the recipe with everything on and off against chapter 1, and against itself without
-# checkpointing and prefetch; stop and resume; pretrained weights read by rank 0 or every rank;
+# checkpointing and prefetch, and with its shards, gradients or AdamW offloaded or not; stop and resume; pretrained weights read by rank 0 or every rank;
 # a 400 MB folder written by transformers loaded within half the folder plus its largest tensor
 # (with the bench environment; skipped without it); launch.sh over a hosts file.
-foreach(check recipe-parity optimizer-in-backward resume pretrained load-folder launch)
+foreach(check recipe-parity optimizer-in-backward offload resume pretrained load-folder launch)
   add_test(NAME "examples: 05-training-llama-405b ${check}"
            COMMAND Python3::Interpreter ${CMAKE_CURRENT_SOURCE_DIR}/chapter05_checks.py
                    $<TARGET_FILE:meshrun> $<TARGET_FILE:01-single-gpu> $<TARGET_FILE:05-training-llama-405b>

@@ -7,7 +7,8 @@ wrote, loaded by every rank for its own rows within half the folder plus its lar
 launch.sh over a hosts file (ssh faked as in chapter 3's checks: each "host" is this machine).
 
 usage: chapter05_checks.py MESHRUN CHAPTER1 CHAPTER5 CONSOLIDATE CHECK [VENV_PYTHON]
-  CHECK: recipe-parity, resume, pretrained, load-folder (needs VENV_PYTHON with transformers) or launch
+  CHECK: recipe-parity, optimizer-in-backward, offload, resume, pretrained, load-folder (needs VENV_PYTHON
+         with transformers) or launch
 """
 import json
 import os
@@ -88,6 +89,42 @@ def optimizer_in_backward(tools):
             assert refused.returncode != 0 and message in refused.stdout + refused.stderr, (extra, refused.stderr)
         check_stop_and_resume(lambda *args: recipe(tools, 2, *args), tmp,
                               ["-b", "2", "--save-dir", tmp, "--ckpt-freq", "10", "--optimizer-in-backward"])
+
+
+def offload(tools):
+    """Where AdamW and the gradients live changes no byte: the recipe with its shards on the device,
+    with everything in CPU memory (--cpu-offload: gradients landing in .grad after later layers'
+    reduce-scatters, zeroed in place between steps) and with AdamW alone on the host
+    (--optimizer-offload), over 12 steps with clipping and 2 micro-batches per step, leaves the
+    same checkpoint files; so does --optimizer-offload with AdamW stepping in backward. Both
+    offloads at once are refused, naming the flags; --optimizer-offload resumes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["-b", "2", "--save-dir", tmp, "--max-steps", "12", "--ckpt-freq", "12", "--loss-chunk", "7", *CLIP]
+
+        def same_checkpoints(a, b):
+            ma, mb = metrics(f"{tmp}/{a}"), metrics(f"{tmp}/{b}")
+            assert [r["running_loss"] for r in ma] == [r["running_loss"] for r in mb], (ma, mb)
+            for rank_file in ("rank0.safetensors", "rank1.safetensors"):
+                # The weights and AdamW's moments and step counts, every byte.
+                x = (pathlib.Path(tmp) / a / "checkpoint" / rank_file).read_bytes()
+                y = (pathlib.Path(tmp) / b / "checkpoint" / rank_file).read_bytes()
+                assert x == y, f"{a} and {b}: {rank_file} differs"
+
+        recipe(tools, 2, "-e", "device", "--grad-accum", "2", *flags)
+        recipe(tools, 2, "-e", "host", "--grad-accum", "2", "--cpu-offload", *flags)
+        out = recipe(tools, 2, "-e", "optimizer", "--grad-accum", "2", "--optimizer-offload", *flags)
+        assert "shards on the device, AdamW's state in host memory" in out.stdout, out.stdout
+        same_checkpoints("device", "host")
+        same_checkpoints("device", "optimizer")
+        no_clip = [f for f in flags if f not in ("--max-grad-norm", "0.5")]
+        recipe(tools, 2, "-e", "after", *no_clip)
+        recipe(tools, 2, "-e", "during", "--optimizer-offload", "--optimizer-in-backward", *no_clip)
+        same_checkpoints("after", "during")
+        refused = recipe(tools, 2, "-e", "both", "--optimizer-offload", "--cpu-offload", *flags, expect_ok=False)
+        assert refused.returncode != 0 and re.search(r"--(cpu|optimizer)-offload excludes --(optimizer|cpu)-offload",
+                                                     refused.stderr), refused.stderr
+        check_stop_and_resume(lambda *args: recipe(tools, 2, *args), tmp,
+                              ["-b", "2", "--save-dir", tmp, "--ckpt-freq", "10", "--optimizer-offload"])
 
 
 def resume(tools):
@@ -232,6 +269,6 @@ if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter5": sys.argv[3], "consolidate": sys.argv[4],
              "python": sys.argv[6] if len(sys.argv) > 6 else None}
     {"recipe-parity": recipe_parity, "resume": resume, "pretrained": pretrained, "load-folder": load_folder,
-     "optimizer-in-backward": optimizer_in_backward,
+     "optimizer-in-backward": optimizer_in_backward, "offload": offload,
      "launch": launch}[sys.argv[5]](tools)
     print("ok")
