@@ -2,7 +2,7 @@
 """End-to-end checks of examples/08-alternative-frameworks (the DeepSpeed-style engine) against
 chapter 1 on the same global batch, run by CTest on CPU with Gloo, fp32, one thread per rank.
 
-usage: chapter08_checks.py MESHRUN CHAPTER1 CHAPTER8 {stages-parity|clipping-parity|resume|config-errors}
+usage: chapter08_checks.py MESHRUN CHAPTER1 CHAPTER8 {stages-parity|clipping-parity|optimizer-offload|resume|config-errors}
 """
 import json
 import pathlib
@@ -84,6 +84,25 @@ def clipping_parity(tools):
     parity(tools, clipping=True)
 
 
+def optimizer_offload(tools):
+    """Stages 1-3 with offload_optimizer alone (AdamW's state and step on the host, the weights on
+    the device) log the same losses and save the same weights, bit for bit, as without it, over 12
+    steps with clipping and accumulation."""
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["--save-dir", tmp, "--max-steps", "12", "--ckpt-freq", "12"]
+        for stage in (1, 2, 3):
+            plain = config(f"{tmp}/stage{stage}.json", stage, clipping=True)
+            offloaded = config(f"{tmp}/stage{stage}-offload.json", stage, clipping=True,
+                               zero_optimization={"stage": stage, "offload_optimizer": {"device": "cpu"}})
+            engine(tools, 2, plain, "-e", f"stage{stage}", *flags)
+            out = engine(tools, 2, offloaded, "-e", f"stage{stage}-offload", *flags)
+            assert "AdamW's state and step offloaded to the CPU" in out.stdout, out.stdout
+            a, b = metrics(f"{tmp}/stage{stage}"), metrics(f"{tmp}/stage{stage}-offload")
+            assert [r["running_loss"] for r in a] == [r["running_loss"] for r in b], (stage, a, b)
+            compare_params(model_file(f"{tmp}/stage{stage}"), model_file(f"{tmp}/stage{stage}-offload"), 0.0)
+            print(f"stage {stage}: the same losses and weights with the optimizer offloaded")
+
+
 def resume(tools):
     """For every stage: 30 steps straight against 20, a stop and engine.load_checkpoint to 30."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,6 +127,8 @@ def config_errors(tools):
                                        "gradient_accumulation_steps 2 x 2 data-parallel ranks = 8"),
             ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
              "zero_optimization.offload_param: parameters are offloaded with stage 3 only"),
+            ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+             "zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3"),
             ({"optimizer": {"type": "Lamb"}}, "optimizer.type: expected one of AdamW, Adam, got \"Lamb\""),
             ({"fp16": {"enabled": True}}, "fp16.enabled: fp16 with loss scaling is not implemented"),
         ]
@@ -129,6 +150,7 @@ def config_errors(tools):
 
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter8": sys.argv[3]}
-    {"stages-parity": stages_parity, "clipping-parity": clipping_parity, "resume": resume,
+    {"stages-parity": stages_parity, "clipping-parity": clipping_parity, "optimizer-offload": optimizer_offload,
+     "resume": resume,
      "config-errors": config_errors}[sys.argv[4]](tools)
     print("ok")

@@ -65,6 +65,19 @@ TEST_CASE("a DeepSpeed config's keys become the engine's settings", "[single][de
   CHECK(cosine.schedule().lr_at(0) == Approx(5e-4));
   CHECK(cosine.schedule().lr_at(2) == Approx(7.5e-4));
   CHECK(cosine.schedule().lr_at(19) == Approx(1e-4));
+
+  // Optimizer offload alone (ZeRO-Offload) moves AdamW to the host; with the parameters
+  // offloaded too, FSDP's shards are host tensors and AdamW steps them where they are.
+  CHECK_FALSE(c.optimizer.offload);
+  auto zero_offload = parse(R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2,
+                                "offload_optimizer": {"device": "cpu", "pin_memory": true}}})");
+  CHECK(zero_offload.offload_optimizer);
+  CHECK_FALSE(zero_offload.offload_param);
+  CHECK(zero_offload.optimizer.offload);
+  auto both = parse(R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3,
+                        "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}})");
+  CHECK(both.offload_param);
+  CHECK_FALSE(both.optimizer.offload);
 }
 
 TEST_CASE("a DeepSpeed config refuses wrong types, unknown keys and impossible combinations by key path",
@@ -84,7 +97,9 @@ TEST_CASE("a DeepSpeed config refuses wrong types, unknown keys and impossible c
   fails(R"({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}})",
         "optimizer.params.betas: expected two numbers [a, b], got [0.9]");
   fails(R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})",
-        "offload_optimizer and offload_param go together here");
+        "zero_optimization.offload_optimizer: offload_param without it is not implemented");
+  fails(R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})",
+        "zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3, as in DeepSpeed; stage is 0");
   fails(R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1, "overlap_comm": true}})",
         "zero_optimization.overlap_comm applies to stage 2 here");
   fails(R"({"train_micro_batch_size_per_gpu": 2, "scheduler": {"type": "WarmupCosineLR", "params": {}}})",

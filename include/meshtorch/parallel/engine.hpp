@@ -100,7 +100,9 @@ class Engine {
                               args_.batch_size, args_.grad_accum, *config_.train_batch_size,
                               config_.bf16 ? "bf16" : "fp32",
                               config_.gradient_clipping > 0 ? fmt::format(", clipping at {}", config_.gradient_clipping) : "",
-                              config_.offload_param ? ", shards offloaded to the CPU" : ""));
+                              config_.offload_param       ? ", shards offloaded to the CPU"
+                              : config_.offload_optimizer ? ", AdamW's state and step offloaded to the CPU"
+                                                          : ""));
   }
 
   Engine(const Engine&) = delete;

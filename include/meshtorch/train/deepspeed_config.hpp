@@ -13,7 +13,9 @@
 //   optimizer {type AdamW|Adam, params}      train::AdamW (lr, betas, eps, weight_decay)
 //   scheduler {WarmupCosineLR|WarmupDecayLR} train/lr_schedule.hpp
 //   zero_optimization.stage 0-3              DDP, + ZeroRedundancyOptimizer, ZeroStage2, FSDP
-//   zero_optimization.offload_*.device       cpu with stage 3 (FSDP's cpu_offload)
+//   zero_optimization.offload_param.device   cpu with stage 3 and offload_optimizer (FSDP's cpu_offload)
+//   zero_optimization.offload_optimizer      cpu alone with stages 1-3: AdamW's state and step on the host
+//                                            (train::AdamWOptions::offload; ZeRO-Offload)
 //   zero_optimization.overlap_comm, contiguous_gradients, reduce_bucket_size
 //   gradient_clipping                        clip by the global norm over the mesh
 //   steps_per_print                          the metrics line's period (--log-freq wins)
@@ -321,16 +323,17 @@ struct DeepSpeedConfig {
         throw ConfigError(fmt::format("{}: zero_optimization.offload_param: parameters are offloaded with stage 3 "
                                       "only (they are sharded there); stage is {}",
                                       file, c.zero_stage));
-      if (c.offload_optimizer && c.zero_stage != 3)
-        throw ConfigError(fmt::format("{}: zero_optimization.offload_optimizer: optimizer offload is implemented with "
-                                      "stage 3 (FSDP's cpu_offload, which keeps shards, gradients and optimizer "
-                                      "state on the CPU); stage is {}",
-                                      file, c.zero_stage));
-      if (c.offload_optimizer != c.offload_param)
-        throw ConfigError(fmt::format("{}: zero_optimization.offload_{}: offload_optimizer and offload_param go "
-                                      "together here (FSDP's cpu_offload moves both); set both devices to cpu or "
-                                      "both to none",
-                                      file, c.offload_param ? "optimizer" : "param"));
+      if (c.offload_optimizer && c.zero_stage == 0)
+        throw ConfigError(fmt::format("{}: zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, "
+                                      "2 or 3, as in DeepSpeed; stage is 0",
+                                      file));
+      if (c.offload_param && !c.offload_optimizer)
+        throw ConfigError(fmt::format("{}: zero_optimization.offload_optimizer: offload_param without it is not "
+                                      "implemented (FSDP's cpu_offload steps AdamW where the shards are, on the "
+                                      "CPU); set offload_optimizer.device to cpu too",
+                                      file));
+      // With the shards offloaded AdamW already steps on the host; alone, AdamW moves there.
+      c.optimizer.offload = c.offload_optimizer && !c.offload_param;
     }
 
     c.gradient_clipping = top.number("gradient_clipping", 0, std::numeric_limits<double>::max()).value_or(0);
