@@ -27,6 +27,15 @@ static_assert(Recipe405b::memory({.batch = 1, .seq = 4096, .cpu_offload = true})
 using Fsdp8b = llama::Plan<mt::Mesh<mt::FSDP<8>>, llama::presets::llama_3_1_8b>;
 static_assert(Fsdp8b::memory({.state_bytes = 4, .optimizer_in_backward = true}).gradients == 1050677248.0 * 4 / 8);
 static_assert(Fsdp8b::memory({.state_bytes = 4}).gradients > 7 * Fsdp8b::memory({.state_bytes = 4, .optimizer_in_backward = true}).gradients);
+// Optimizer offload alone: the AdamW state leaves the device for the host, where a copy of the
+// shards and their gradients joins it; the device keeps the shards and gradients.
+constexpr mt::RunShape fp32_state{.state_bytes = 4}, offloaded_optimizer{.state_bytes = 4, .optimizer_offload = true};
+static_assert(Fsdp8b::memory(offloaded_optimizer).optimizer == 0);
+static_assert(Fsdp8b::memory(offloaded_optimizer).host == 2 * Fsdp8b::memory(fp32_state).optimizer);
+static_assert(Fsdp8b::memory(offloaded_optimizer).weights == Fsdp8b::memory(fp32_state).weights &&
+              Fsdp8b::memory(offloaded_optimizer).gradients == Fsdp8b::memory(fp32_state).gradients);
+constexpr double peak_saved = Fsdp8b::peak_bytes(fp32_state) - Fsdp8b::peak_bytes(offloaded_optimizer);
+static_assert(peak_saved > Fsdp8b::memory(fp32_state).optimizer - 1 && peak_saved < Fsdp8b::memory(fp32_state).optimizer + 1);
 // 2D: the TP extent divides what a rank holds and computes.
 static_assert(Plan405b::memory(recipe).gathered < Recipe405b::memory(recipe).gathered / 4);
 

@@ -87,6 +87,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_flag("!--no-reshard-after-forward", run.reshard_after_forward,
                "FSDP: keep every layer gathered from its forward to its backward");
+  app.add_flag("--optimizer-offload", run.optimizer_offload,
+               "AdamW's state and step in host memory, the weights and gradients on the device")
+      ->excludes("--cpu-offload");
   app.add_flag("--optimizer-in-backward", run.optimizer_in_backward,
                "FSDP: AdamW steps each layer as its gradients arrive, so one layer's gradients are held, not all");
   app.add_option("--loss-chunk", run.loss_chunk, "positions per loss chunk: -1 automatic, 0 all at once")
@@ -120,7 +123,7 @@ int main(int argc, char** argv) {
     const double largest = std::max(static_cast<double>(sizes.layer), root);
     // The trained state wherever it lives: the same amounts on the host with --cpu-offload.
     auto on_device = run;
-    on_device.cpu_offload = false;
+    on_device.cpu_offload = on_device.optimizer_offload = false;
     const auto state = mt::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, on_device);
     const double held = state.weights / bytes;
 
@@ -160,7 +163,8 @@ int main(int argc, char** argv) {
     std::printf("  %-22s %14s\n", "parameters held", human(held, "").c_str());
     std::printf("  %-22s %14s\n", "weights", gigabytes(weights).c_str());
     std::printf("  %-22s %14s\n", "gradients", gigabytes(grads).c_str());
-    std::printf("  %-22s %14s\n", "AdamW state", gigabytes(moments).c_str());
+    std::printf("  %-22s %14s%s\n", "AdamW state", gigabytes(moments).c_str(),
+                run.optimizer_offload ? "  (in host memory, with a copy of the weights and gradients: twice this)" : "");
     std::printf("  %-22s %14s\n", "total", gigabytes(weights + grads + moments).c_str());
     if (data_parallel == "fsdp" && dp > 1)
       std::printf("  %-22s %14s  (%s, whole over FSDP: its weights and their gradients)\n", "largest gathered unit",

@@ -8,7 +8,8 @@
 //                                   (ZeRO-1), gradients too (ZeRO-2) or everything (FSDP) over the
 //                                   data-parallel ranks; on the host with cpu_offload (FSDP); with
 //                                   optimizer_in_backward (FSDP) one unit's gradient shards, not
-//                                   the model's
+//                                   the model's; with optimizer_offload the AdamW state on the
+//                                   host, beside a copy of the weights it steps and their gradients
 //   gathered                        FSDP: the unit running, the prefetched ones and the root kept
 //                                   from forward to backward, in the compute dtype
 //   reductions                      FSDP: a unit's full gradients and the reduce-scatters' buffers
@@ -60,6 +61,7 @@ struct RunShape {
   bool cpu_offload = false;                   // FSDP: the trained state on the host
   bool reshard_after_forward = true;          // FSDP
   bool optimizer_in_backward = false;         // FSDP: each unit stepped as its gradients arrive, then freed
+  bool optimizer_offload = false;             // any layout: AdamW's state and step on the host (not with cpu_offload)
 };
 
 // Ranks of each kind; tensor parallel with sequence and loss parallel (chapter 6's plan).
@@ -71,7 +73,7 @@ struct LayoutSizes {
 
 struct MemoryEstimate {
   double weights = 0, gradients = 0, optimizer = 0;  // on the device
-  double host = 0;                                     // offloaded trained state
+  double host = 0;                                     // offloaded trained state (or AdamW's part of it)
   double gathered = 0, reductions = 0;
   double activations = 0, loss = 0, backward_peak = 0;
   constexpr double trained_state() const { return weights + gradients + optimizer; }
@@ -132,6 +134,10 @@ constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes lay
   if (fsdp && run.cpu_offload) {
     m.host = m.trained_state();
     m.weights = m.gradients = m.optimizer = 0;
+  } else if (run.optimizer_offload) {
+    // The moments, and a host copy of each weight AdamW steps and of its gradient: as much again.
+    m.host = 2 * m.optimizer;
+    m.optimizer = 0;
   }
 
   // FSDP's gathered units (when there is more than one rank, or offload moves them) and their
