@@ -67,6 +67,16 @@ std::pair<double, std::string> largest_difference(mt::llama::LlamaForCausalLM& r
   return {worst, where};
 }
 
+// Every weight of two sharded models, gathered: equal bit for bit.
+void check_same_weights(const Sharded& a, const Sharded& b) {
+  const auto x = a.fsdp->full_state_dict(), y = b.fsdp->full_state_dict();
+  REQUIRE(x.size() == y.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    INFO(x[i].first);
+    CHECK(torch::equal(x[i].second, y[i].second));
+  }
+}
+
 // Trains a reference and a sharded model side by side for 4 steps on the same global batches
 // and checks every step's loss and the final parameters. The parameter tolerance is looser than
 // the loss one: Adam divides by sqrt(v), which magnifies rounding in the smallest gradients.
@@ -295,11 +305,7 @@ TEST_CASE("fsdp stepping AdamW in backward as each unit's gradients arrive equal
       CHECK(held_at_each_call == std::vector<std::int64_t>(units, 0));
       CHECK(shards_with_gradients() == 0);
     }
-    const auto a = after.fsdp->full_state_dict(), b = during.fsdp->full_state_dict();
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      INFO(a[i].first);
-      CHECK(torch::equal(a[i].second, b[i].second));
-    }
+    check_same_weights(after, during);
   }
   // Stepping a tensor the optimizer was not built with, and a hook nothing would call.
   mt::train::AdamW optimizer({{"w", torch::zeros({2}, torch::requires_grad())}}, {});
@@ -349,11 +355,7 @@ TEST_CASE("fsdp with cpu_offload, whose gradients land in .grad after later unit
       device_optimizer.zero_grad();
       offloaded_optimizer.zero_grad(/*set_to_none=*/false);  // the guide's choice when offloading
     }
-    const auto a = device.fsdp->full_state_dict(), b = offloaded.fsdp->full_state_dict();
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      INFO(a[i].first);
-      CHECK(torch::equal(a[i].second, b[i].second));
-    }
+    check_same_weights(device, offloaded);
   }
 }
 
