@@ -42,6 +42,17 @@ def recipe(tools, nproc, *args, expect_ok=True):
                 tools["chapter5"], *common_except(args), *args], expect_ok=expect_ok)
 
 
+def assert_same_run(save_dir, a, b):
+    """Runs a and b under save_dir logged the same losses and left the same checkpoint files on
+    both ranks: the weights and AdamW's moments and step counts, every byte."""
+    ma, mb = metrics(f"{save_dir}/{a}"), metrics(f"{save_dir}/{b}")
+    assert [r["running_loss"] for r in ma] == [r["running_loss"] for r in mb], (ma, mb)
+    for rank_file in ("rank0.safetensors", "rank1.safetensors"):
+        x = (pathlib.Path(save_dir) / a / "checkpoint" / rank_file).read_bytes()
+        y = (pathlib.Path(save_dir) / b / "checkpoint" / rank_file).read_bytes()
+        assert x == y, f"{a} and {b}: {rank_file} differs"
+
+
 def recipe_parity(tools):
     """Chapter 1 with the plain loss against the recipe with everything on (every layer
     checkpointed, CPU offload, prefetch, a reduce-scatter in flight, the loss in chunks of 7
@@ -76,13 +87,7 @@ def optimizer_in_backward(tools):
                  "--loss-chunk", "7", "--lr-schedule", "warmup-cosine", "--warmup-steps", "3"]
         recipe(tools, 2, "-e", "after", *flags)
         recipe(tools, 2, "-e", "during", "--optimizer-in-backward", *flags)
-        a, b = metrics(f"{tmp}/after"), metrics(f"{tmp}/during")
-        assert [r["running_loss"] for r in a] == [r["running_loss"] for r in b], (a, b)
-        for rank_file in ("rank0.safetensors", "rank1.safetensors"):
-            # The weights and AdamW's moments and step counts, every byte.
-            after = (pathlib.Path(tmp) / "after" / "checkpoint" / rank_file).read_bytes()
-            during = (pathlib.Path(tmp) / "during" / "checkpoint" / rank_file).read_bytes()
-            assert after == during, f"{rank_file} differs"
+        assert_same_run(tmp, "after", "during")
         for extra, message in ((["--max-grad-norm", "1"], "clipping by the global norm (--max-grad-norm 1)"),
                                (["--grad-accum", "2"], "2 micro-batches per step (--grad-accum")):
             refused = recipe(tools, 2, "-e", "refused", "--optimizer-in-backward", *extra, *flags, expect_ok=False)
@@ -101,25 +106,16 @@ def offload(tools):
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["-b", "2", "--save-dir", tmp, "--max-steps", "12", "--ckpt-freq", "12", "--loss-chunk", "7", *CLIP]
 
-        def same_checkpoints(a, b):
-            ma, mb = metrics(f"{tmp}/{a}"), metrics(f"{tmp}/{b}")
-            assert [r["running_loss"] for r in ma] == [r["running_loss"] for r in mb], (ma, mb)
-            for rank_file in ("rank0.safetensors", "rank1.safetensors"):
-                # The weights and AdamW's moments and step counts, every byte.
-                x = (pathlib.Path(tmp) / a / "checkpoint" / rank_file).read_bytes()
-                y = (pathlib.Path(tmp) / b / "checkpoint" / rank_file).read_bytes()
-                assert x == y, f"{a} and {b}: {rank_file} differs"
-
         recipe(tools, 2, "-e", "device", "--grad-accum", "2", *flags)
         recipe(tools, 2, "-e", "host", "--grad-accum", "2", "--cpu-offload", *flags)
         out = recipe(tools, 2, "-e", "optimizer", "--grad-accum", "2", "--optimizer-offload", *flags)
         assert "shards on the device, AdamW's state in host memory" in out.stdout, out.stdout
-        same_checkpoints("device", "host")
-        same_checkpoints("device", "optimizer")
+        assert_same_run(tmp, "device", "host")
+        assert_same_run(tmp, "device", "optimizer")
         no_clip = [f for f in flags if f not in ("--max-grad-norm", "0.5")]
         recipe(tools, 2, "-e", "after", *no_clip)
         recipe(tools, 2, "-e", "during", "--optimizer-offload", "--optimizer-in-backward", *no_clip)
-        same_checkpoints("after", "during")
+        assert_same_run(tmp, "after", "during")
         refused = recipe(tools, 2, "-e", "both", "--optimizer-offload", "--cpu-offload", *flags, expect_ok=False)
         assert refused.returncode != 0 and re.search(r"--(cpu|optimizer)-offload excludes --(optimizer|cpu)-offload",
                                                      refused.stderr), refused.stderr
