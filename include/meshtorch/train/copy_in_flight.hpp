@@ -29,8 +29,6 @@ class CopyInFlight {
     return copy;
   }
 
-  bool pending() const { return event_.has_value(); }
-
   void wait() {
     if (!event_) return;
     event_->synchronize();
