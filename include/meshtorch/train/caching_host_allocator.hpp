@@ -2,7 +2,7 @@
 // LibTorch's CPU allocator with a cache for large blocks, as CUDA's caching allocator keeps device
 // blocks: a freed block of at least 1 MiB is kept by its exact size and handed out again for that
 // size; a size it cannot serve first gives back as many bytes of the blocks cached longest. A training step allocates the same sizes at every step (a layer's gathered weights, the
-// flat buffer Gloo's all-gather copies through, gradients, activations), so after the first step
+// reduce-scatter buffers, gradients, activations), so after the first step
 // they come from the cache. Without it glibc serves such blocks from its heap once its dynamic
 // mmap threshold has grown past them, and the heap fragments: measured at llama-100m, chapter 7
 // on 4 ranks (FSDP 2 x TP 2) held 0.91-1.05 GB per rank after 2 steps and 1.16 GB after 6, where
