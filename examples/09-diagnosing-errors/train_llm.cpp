@@ -63,7 +63,10 @@ double cause_fault(const Chapter9Args& args, const mt::comm::DeviceMesh<Mesh>& m
   log.warning(fmt::format("causing the '{}' fault at step {}", args.fault, step));
   if (args.fault == "hang")
     for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
-  if (args.fault == "desync") mt::comm::all_reduce(mesh.group<mt::DP>(), torch::ones({1}));
+  if (args.fault == "desync") {
+    const auto& group = mesh.group<mt::DP>();
+    mt::comm::all_reduce(group, torch::ones({1}, torch::Device(group.device_name())));
+  }
   if (args.fault == "crash") std::raise(SIGSEGV);
   return args.fault == "nan" ? std::nan("") : 1.0;
 }

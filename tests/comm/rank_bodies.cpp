@@ -457,6 +457,19 @@ TEST_CASE("a group of a CUDA mesh refuses CPU tensors and points at its metadata
   CHECK_THROWS_WITH(wide.metadata(), Catch::Contains("has no CPU companion group for metadata"));
 }
 
+TEST_CASE("each local rank gets its own GPU, or a start-up error naming --nproc-per-node", "[comm][single]") {
+  CHECK(cuda_device_for(0, 8) == 0);
+  CHECK(cuda_device_for(7, 8) == 7);
+  // One visible GPU: the launcher shows each rank its own (Slurm's --gpus-per-task=1).
+  CHECK(cuda_device_for(5, 1) == 0);
+  // 8 ranks on a node of 4 GPUs would share them; NCCL refuses that at its first collective.
+  CHECK_THROWS_AS(cuda_device_for(4, 4), ConfigError);
+  CHECK_THROWS_WITH(cuda_device_for(4, 4), Catch::Contains("local rank 4") && Catch::Contains("sees 4 GPUs") &&
+                                               Catch::Contains("--nproc-per-node 4") &&
+                                               Catch::Contains("CUDA_VISIBLE_DEVICES"));
+  CHECK_THROWS_WITH(cuda_device_for(-1, 4), Catch::Contains("local rank -1 is negative"));
+}
+
 TEST_CASE("--device cuda in a CPU build is a ConfigError naming the fix", "[comm][single]") {
 #if !defined(MESHTORCH_WITH_CUDA)
   CHECK_THROWS_AS(local_cuda_device(0), ConfigError);

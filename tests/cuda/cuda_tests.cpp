@@ -1,12 +1,15 @@
 // The CUDA/NCCL code paths on a GPU (built with -DMESHTORCH_CUDA=ON; scripts/gpu-check runs it):
 // NCCL groups bound to the rank's GPU, the device check, metadata over the CPU companion, CUDA RNG
-// states in checkpoints, the CUDA memory figures and AdamW offloaded from a GPU.
+// states in checkpoints, the CUDA memory figures, AdamW offloaded from a GPU, FSDP with CPU
+// offload under gradient clipping, and the flight recorder's completion of a stream's wait.
 #include <catch2/catch.hpp>
 
 #include <chrono>
 #include <filesystem>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include <meshtorch/comm/init.hpp>
 #include <meshtorch/meshtorch.hpp>
@@ -110,4 +113,46 @@ TEST_CASE("AdamW offloaded from a GPU steps pinned host copies and copies them b
   // The CPU's fused kernel and the GPU's round differently: close, not equal.
   INFO("max difference " << (in_place_weight - offloaded_weight).abs().max().item<double>());
   CHECK(torch::allclose(in_place_weight.cpu(), offloaded_weight.cpu(), 1e-6, 1e-6));
+}
+
+TEST_CASE("FSDP with CPU offload on a GPU clips by the global norm, whose gradients are on the host", "[cuda]") {
+  REQUIRE(torch::cuda::is_available());
+  auto mesh = mt::comm::init<mt::Mesh<mt::FSDP<mt::dynamic>>>(one_rank_cuda());
+  const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(mesh.group<mt::FSDP>().cuda_device()));
+  const auto config = mt::llama::presets::llama_tiny;
+  torch::manual_seed(3);
+  mt::llama::LlamaForCausalLM reference(config, torch::TensorOptions().device(torch::kMeta));
+  mt::llama::materialize(reference, torch::TensorOptions());
+  torch::manual_seed(3);
+  mt::ParallelizeOptions options{.device = gpu};
+  options.fsdp.cpu_offload = true;
+  auto parallel =
+      mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta)), mesh, options);
+  const auto ids = torch::randint(0, config.vocab_size, {2, 64}, torch::kLong);
+  reference->loss(ids, ids).backward();
+  const double expected = torch::nn::utils::clip_grad_norm_(reference->parameters(), /*max_norm=*/0.5);
+  parallel.loss(ids.to(gpu), ids.to(gpu)).backward();
+  const double norm = parallel.clip_grad_norm(0.5);  // the squares on the host, the sum over NCCL
+  CHECK(norm == Approx(expected).epsilon(1e-4));
+}
+
+TEST_CASE("a collective the stream waits for is completed in the flight recorder once the GPU has run it", "[cuda]") {
+  REQUIRE(torch::cuda::is_available());
+  auto& recorder = mt::comm::FlightRecorder::instance();
+  REQUIRE(recorder.enabled());
+  const mt::comm::AxisGroup group("FSDP", {0}, 0, {}, 10s, mt::comm::Device::cuda, {}, 0);
+  int backend = 0;
+  const auto id = recorder.record(&backend, "FSDP", {0}, "nccl", "all_gather", {}, "Float");
+  recorder.waiting(id);
+  // Work queued ahead on the stream, then the event behind it.
+  const auto gpu = torch::TensorOptions().device(torch::kCUDA, 0);
+  auto busy = torch::randn({4096, 4096}, gpu);
+  for (int i = 0; i < 8; ++i) busy = busy.mm(busy).div_(busy.norm());
+  mt::comm::detail::record_completion(id, group);
+  torch::cuda::synchronize();
+  CHECK(recorder.poll_device_completions() >= 1);
+  bool completed = false;
+  for (const auto& entry : recorder.entries())
+    if (entry["id"] == id) completed = entry["state"] == "completed";
+  CHECK(completed);
 }

@@ -7,7 +7,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -93,6 +95,61 @@ TEST_CASE("the flight recorder numbers collectives per group and keeps the last 
   CHECK(entries[2]["ended_s"].get<double>() >= entries[2]["issued_s"].get<double>());
   REQUIRE(recorder.longest_wait());
   CHECK(recorder.longest_wait()->op == "all_gather");
+}
+
+TEST_CASE("a collective a GPU stream waits for stays waiting until the device has run it", "[recorder]") {
+  // NCCL's wait returns once the stream is ordered after the collective; the recorder asks the
+  // device (here, flags standing for two events) before calling it completed.
+  FlightRecorder recorder(3);
+  int nccl = 0;
+  bool first_ran = false, second_ran = false;
+  const auto first = recorder.record(&nccl, "FSDP", {0, 1}, "nccl", "all_gather", shape, "BFloat16");
+  const auto second = recorder.record(&nccl, "FSDP", {0, 1}, "nccl", "reduce_scatter", shape, "Float");
+  for (auto [id, ran] : {std::pair{first, &first_ran}, std::pair{second, &second_ran}}) {
+    recorder.waiting(id);
+    recorder.completes_when(id, [ran] { return *ran; });
+  }
+  CHECK(recorder.poll_device_completions() == 0);
+  json progress = recorder.progress();
+  CHECK(progress["groups"][0]["completed"] == 0);
+  CHECK(progress["waiting"]["op"] == "all_gather");  // the oldest, what a hang report names
+  REQUIRE(recorder.longest_wait());
+  CHECK(recorder.longest_wait()->op == "all_gather");
+
+  first_ran = true;
+  CHECK(recorder.poll_device_completions() == 1);
+  progress = recorder.progress();
+  CHECK(progress["groups"][0]["completed"] == 1);
+  CHECK(progress["waiting"]["op"] == "reduce_scatter");
+  CHECK(recorder.entries()[0]["state"] == "completed");
+  CHECK(recorder.poll_device_completions() == 0);  // asked once, then forgotten
+
+  // A device that cannot answer (a broken context throws) leaves it waiting, and polling goes on.
+  const auto third = recorder.record(&nccl, "FSDP", {0, 1}, "nccl", "all_gather", shape, "BFloat16");
+  recorder.waiting(third);
+  bool context_broken = true;
+  recorder.completes_when(third, [&context_broken] {
+    if (context_broken) throw std::runtime_error("CUDA error: an illegal memory access");
+    return true;
+  });
+  second_ran = true;
+  CHECK(recorder.poll_device_completions() == 1);
+  CHECK(recorder.progress()["waiting"]["seq"] == 3);
+
+  // A failure reported meanwhile is not turned into a completion.
+  recorder.failed(third);
+  context_broken = false;
+  CHECK(recorder.poll_device_completions() == 0);
+  CHECK(recorder.entries()[2]["state"] == "failed");
+  CHECK(recorder.progress()["groups"][0]["completed"] == 2);
+
+  // A slot the ring gives to a newer collective drops the old one's question.
+  const auto fourth = recorder.record(&nccl, "FSDP", {0, 1}, "nccl", "all_gather", shape, "BFloat16");
+  recorder.waiting(fourth);
+  recorder.completes_when(fourth, [] { return true; });
+  for (int i = 0; i < 3; ++i) recorder.record(&nccl, "FSDP", {0, 1}, "nccl", "all_gather", shape, "BFloat16");
+  CHECK(recorder.poll_device_completions() == 0);
+  CHECK(recorder.progress()["groups"][0]["completed"] == 2);
 }
 
 TEST_CASE("a failed collective goes to the handler the watchdog installs, else is marked failed", "[recorder]") {

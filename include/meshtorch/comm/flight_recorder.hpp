@@ -2,7 +2,8 @@
 // The flight recorder: per process a ring buffer of the last collectives (record id, group,
 // per-group sequence number, op, shape, dtype, issue/wait/end times, state), as PyTorch's NCCL
 // flight recorder keeps. Collectives record themselves when issued (comm::detail::issue) and
-// when their wait ends (Work::wait); a dump is the JSON that meshtorch-diagnose reads.
+// when their wait ends (Work::wait; on a GPU, when the stream that waited has run them); a dump
+// is the JSON that meshtorch-diagnose reads.
 //
 // Recording is one uncontended mutex, a hash lookup of the group and a copy into a ring slot
 // whose buffers are reused: a few hundred ns, no allocation once the ring is warm (an op name
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -63,6 +65,8 @@ struct FlightEntry {
   const char* dtype = "";
   std::chrono::steady_clock::time_point issued, wait_started, ended;
   CollectiveState state = CollectiveState::scheduled;
+  // Set while a device stream, not the host, waits for it (NCCL): true once the device has run it.
+  std::function<bool()> done_on_device;
 };
 
 // A collective whose wait has lasted longest: what the watchdog checks against the timeout.
@@ -95,6 +99,17 @@ class FlightRecorder {
   void waiting(std::uint64_t id) { set_state(id, CollectiveState::waiting); }
   void completed(std::uint64_t id) { set_state(id, CollectiveState::completed); }
   void failed(std::uint64_t id) { set_state(id, CollectiveState::failed); }
+
+  // For a wait that only ordered a device stream after the collective (NCCL's wait returns at
+  // once): it stays waiting until `done` says the device has run it, which
+  // poll_device_completions() asks. Marking it completed at the wait would leave a collective
+  // stuck on the GPU looking finished in every report and dump.
+  MESHTORCH_DECL void completes_when(std::uint64_t id, std::function<bool()> done);
+
+  // Marks completed the collectives whose device has run them; the watchdog calls it every
+  // second. A `done` that throws (a broken device context) leaves its collective waiting.
+  // Returns how many it marked.
+  MESHTORCH_DECL std::size_t poll_device_completions();
 
   // The collective waited on longest, if any wait is under way.
   MESHTORCH_DECL std::optional<PendingCollective> longest_wait() const;
@@ -180,6 +195,7 @@ class FlightRecorder {
   const FlightEntry* find(std::uint64_t id) const { return const_cast<FlightRecorder*>(this)->find(id); }
 
   MESHTORCH_DECL void set_state(std::uint64_t id, CollectiveState state);
+  MESHTORCH_DECL void set_state_locked(FlightEntry& entry, CollectiveState state);
 
   mutable std::mutex mutex_;
   std::vector<FlightEntry> ring_;
@@ -191,6 +207,7 @@ class FlightRecorder {
 }  // namespace meshtorch::comm
 
 #if MESHTORCH_DEFINITIONS
+#include <algorithm>
 #include <cstdlib>
 
 namespace meshtorch::comm {
@@ -231,6 +248,7 @@ MESHTORCH_DECL std::uint64_t FlightRecorder::record(const void* backend, std::st
   entry.issued = now;
   entry.wait_started = entry.ended = {};
   entry.state = CollectiveState::scheduled;
+  entry.done_on_device = nullptr;
   if (group.last_op != kind) group.last_op.assign(kind);
   last_ = id;
   return id;
@@ -246,6 +264,40 @@ MESHTORCH_DECL std::optional<PendingCollective> FlightRecorder::longest_wait() c
   if (!oldest) return std::nullopt;
   return PendingCollective{oldest->id, oldest->group->name, oldest->op, oldest->seq,
                            std::chrono::duration<double>(now - oldest->wait_started).count()};
+}
+
+MESHTORCH_DECL void FlightRecorder::completes_when(std::uint64_t id, std::function<bool()> done) {
+  if (!id) return;
+  std::lock_guard lock(mutex_);
+  if (FlightEntry* entry = find(id); entry && entry->state == CollectiveState::waiting)
+    entry->done_on_device = std::move(done);
+}
+
+MESHTORCH_DECL std::size_t FlightRecorder::poll_device_completions() {
+  // The device is asked outside the lock, so that a slow query never holds up a collective's
+  // recording; oldest first, as one stream runs them.
+  std::vector<std::pair<std::uint64_t, std::function<bool()>>> pending;
+  {
+    std::lock_guard lock(mutex_);
+    for (const auto& entry : ring_)
+      if (entry.id && entry.done_on_device) pending.emplace_back(entry.id, entry.done_on_device);
+  }
+  std::sort(pending.begin(), pending.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::size_t marked = 0;
+  for (const auto& [id, done] : pending) {
+    bool finished = false;
+    try {
+      finished = done();
+    } catch (...) {
+    }
+    if (!finished) continue;
+    std::lock_guard lock(mutex_);
+    FlightEntry* entry = find(id);
+    if (!entry || !entry->done_on_device) continue;  // overwritten, or ended otherwise, meanwhile
+    set_state_locked(*entry, CollectiveState::completed);
+    ++marked;
+  }
+  return marked;
 }
 
 MESHTORCH_DECL std::size_t FlightRecorder::capacity_from_env() {
@@ -280,18 +332,21 @@ MESHTORCH_DECL RecordedGroup& FlightRecorder::group_of(const void* backend, std:
 
 MESHTORCH_DECL void FlightRecorder::set_state(std::uint64_t id, CollectiveState state) {
   if (!id) return;
-  const auto now = Clock::now();
   std::lock_guard lock(mutex_);
-  FlightEntry* entry = find(id);
-  if (!entry) return;  // overwritten: the ring wrapped while it was in flight
-  entry->state = state;
+  if (FlightEntry* entry = find(id)) set_state_locked(*entry, state);  // else the ring wrapped meanwhile
+}
+
+MESHTORCH_DECL void FlightRecorder::set_state_locked(FlightEntry& entry, CollectiveState state) {
+  const auto now = Clock::now();
+  entry.state = state;
   if (state == CollectiveState::waiting) {
-    entry->wait_started = now;
-  } else {
-    entry->ended = now;
-    auto& group = const_cast<RecordedGroup&>(*entry->group);
-    if (state == CollectiveState::completed && entry->seq > group.completed) group.completed = entry->seq;
+    entry.wait_started = now;
+    return;
   }
+  entry.ended = now;
+  entry.done_on_device = nullptr;
+  auto& group = const_cast<RecordedGroup&>(*entry.group);
+  if (state == CollectiveState::completed && entry.seq > group.completed) group.completed = entry.seq;
 }
 
 }  // namespace meshtorch::comm

@@ -13,7 +13,9 @@
 //      meshrun and torchrun look), and the process ends with exit code 124.
 // It fires when a Gloo wait throws (its timeout, or a peer that vanished), and from its own
 // thread when a wait has lasted the timeout plus a grace period (a backend that does not time
-// out by itself). NCCL collectives are bounded by ProcessGroupNCCL's own watchdog.
+// out by itself). NCCL collectives are bounded by ProcessGroupNCCL's own watchdog; this one asks
+// the GPU every second which of them it has run, so that a report or dump shows the one stuck on
+// the device as waiting.
 //
 // The dump is also written on request (SIGUSR2, or dump_flight_recorder()) and, best effort, on
 // a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, which std::abort raises). Where
@@ -264,6 +266,7 @@ class Watchdog {
         continue;
       }
       next_publish = Clock::now() + publish_period;
+      FlightRecorder::instance().poll_device_completions();  // NCCL's, which no host wait ends
       publish();
       if (stacks_requested_.exchange(false)) write_stacks("request (SIGUSR1)");
       if (dump_requested_.exchange(false)) {

@@ -71,6 +71,11 @@ c10::intrusive_ptr<c10d::Work> issue(std::string_view collective, const AxisGrou
 MESHTORCH_DECL void wait_collective(c10d::Work& work, std::uint64_t record, const std::string& collective,
                                     const AxisGroup& group);
 
+// The collective `record` has been waited for. On the CPU it has ended. On a GPU the wait only
+// ordered the current stream after it, so it ends in the flight recorder when an event recorded
+// on that stream now has passed (polled by the watchdog), not before.
+MESHTORCH_DECL void record_completion(std::uint64_t record, const AxisGroup& group);
+
 }  // namespace detail
 
 template <class Result>
@@ -112,7 +117,11 @@ class Work {
 }  // namespace meshtorch::comm
 
 #if MESHTORCH_DEFINITIONS
+#include <memory>
 #include <span>
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <fmt/format.h>
 
@@ -153,7 +162,22 @@ MESHTORCH_DECL void wait_collective(c10d::Work& work, std::uint64_t record, cons
     report_collective_failure(record, collective + " over the " + group.describe(), e.what());
     throw collective_error(collective, group, fmt::format("{} (timeout {} ms)", e.what(), group.timeout().count()));
   }
-  FlightRecorder::instance().completed(record);
+  record_completion(record, group);
+}
+
+MESHTORCH_DECL void record_completion(std::uint64_t record, const AxisGroup& group) {
+  if (!record) return;
+  if (group.device() == Device::cpu) {
+    FlightRecorder::instance().completed(record);
+    return;
+  }
+  // c10's device-generic event, so that this compiles without the CUDA headers.
+  c10::Device device(group.device_name());
+  const c10::impl::VirtualGuardImpl guard(device.type());
+  if (!device.has_index()) device = guard.getDevice();
+  auto event = std::make_shared<c10::Event>(device.type());
+  event->record(guard.getStream(device));
+  FlightRecorder::instance().completes_when(record, [event] { return event->query(); });
 }
 
 }  // namespace meshtorch::comm::detail

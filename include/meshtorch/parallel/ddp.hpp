@@ -239,12 +239,14 @@ class RecordedAllReduceHook : public c10d::CppCommHookInterface<c10::intrusive_p
     auto future = state_->allreduce(tensors)->getFuture();
     // The Reducer waits for it at the end of backward; from here it is pending.
     comm::FlightRecorder::instance().waiting(record);
-    future->addCallback([record, what = "DDP all_reduce of gradient bucket " + std::to_string(bucket.getIndex()) +
-                                        " over the " + group_.describe()](c10::ivalue::Future& done) {
+    // On NCCL the callback runs once the all-reduce is queued, on a stream ordered after it.
+    future->addCallback([record, group = group_,
+                         what = "DDP all_reduce of gradient bucket " + std::to_string(bucket.getIndex()) + " over the " +
+                                group_.describe()](c10::ivalue::Future& done) {
       if (done.hasError())
         comm::report_collective_failure(record, what, done.tryRetrieveErrorMessage());
       else
-        comm::FlightRecorder::instance().completed(record);
+        comm::detail::record_completion(record, group);
     });
     return future;
   }

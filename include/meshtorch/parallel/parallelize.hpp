@@ -585,8 +585,11 @@ MESHTORCH_DECL std::vector<io::ShardedTensor> ParallelLlamaRuntime::sharded_para
 MESHTORCH_DECL double ParallelLlamaRuntime::clip_grad_norm(double max_norm) const {
   std::vector<ClippedTensor> pieces;
   for (auto& piece : sharded_parameters()) pieces.push_back({piece.local, piece.writer});
-  return meshtorch::clip_grad_norm(pieces, max_norm, [this](torch::Tensor squares) {
-    return comm::all_reduce(world_, std::move(squares), comm::ReduceOp::sum);
+  return meshtorch::clip_grad_norm(pieces, max_norm, [this](const torch::Tensor& squares) {
+    // Under CPU offload the gradients, and so their squares, are on the host; the sum goes over
+    // the world's device (NCCL's GPU) and comes back.
+    const torch::Device on(world_.device_name());
+    return comm::all_reduce(world_, squares.to(on), comm::ReduceOp::sum).to(squares.device());
   });
 }
 
