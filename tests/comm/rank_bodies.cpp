@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/comm.hpp>
@@ -455,6 +456,28 @@ TEST_CASE("a group of a CUDA mesh refuses CPU tensors and points at its metadata
   // With more ranks the companion is needed, and a group made without one says so.
   const AxisGroup wide("TP", {0, 1}, 0, {}, 10s, Device::cuda, {}, 0);
   CHECK_THROWS_WITH(wide.metadata(), Catch::Contains("has no CPU companion group for metadata"));
+}
+
+TEST_CASE("a wait on the CPU, or on a GPU group bound to no device, ends the collective in the recorder",
+          "[comm][single]") {
+  // A GPU group's wait leaves it waiting for its stream's event (tests/cuda); without a bound
+  // device there is no stream to ask, so it ends at its wait, as on the CPU, with no CUDA call.
+  auto& recorder = FlightRecorder::instance();
+  REQUIRE(recorder.enabled());
+  const auto state_of = [&](std::uint64_t id) {
+    for (const auto& entry : recorder.entries())
+      if (entry["id"] == id) return entry["state"].get<std::string>();
+    return std::string("not recorded");
+  };
+  int backend = 0;
+  for (const auto device : {Device::cpu, Device::cuda}) {
+    const AxisGroup group("FSDP", {0, 1}, 0, {}, 10s, device);
+    const std::vector<std::int64_t> shape{4};
+    const auto id = recorder.record(&backend, "FSDP", {0, 1}, "test", "all_gather", shape, "Float");
+    recorder.waiting(id);
+    meshtorch::comm::detail::record_completion(id, group);
+    CHECK(state_of(id) == "completed");
+  }
 }
 
 TEST_CASE("each local rank gets its own GPU, or a start-up error naming --nproc-per-node", "[comm][single]") {

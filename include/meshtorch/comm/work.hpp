@@ -117,8 +117,11 @@ class Work {
 }  // namespace meshtorch::comm
 
 #if MESHTORCH_DEFINITIONS
+#include <map>
 #include <memory>
+#include <mutex>
 #include <span>
+#include <vector>
 
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -165,19 +168,53 @@ MESHTORCH_DECL void wait_collective(c10d::Work& work, std::uint64_t record, cons
   record_completion(record, group);
 }
 
+// A CUDA event of `device` from a pool that never destroys them: destroying an event can block
+// while a kernel on the device hangs, which is when the watchdog thread that asks them must not.
+// The last owner's release only puts it back. Never freed: the pool outlives the CUDA runtime.
+MESHTORCH_DECL std::shared_ptr<c10::Event> pooled_device_event(c10::Device device) {
+  struct Pool {
+    std::mutex mutex;
+    std::map<c10::DeviceIndex, std::vector<c10::Event*>> free;
+  };
+  static auto* pool = new Pool;
+  c10::Event* event = nullptr;
+  {
+    std::lock_guard lock(pool->mutex);
+    if (auto& free = pool->free[device.index()]; !free.empty()) {
+      event = free.back();
+      free.pop_back();
+    }
+  }
+  if (!event) event = new c10::Event(device.type());
+  return std::shared_ptr<c10::Event>(event, [index = device.index()](c10::Event* returned) {
+    std::lock_guard lock(pool->mutex);
+    pool->free[index].push_back(returned);
+  });
+}
+
 MESHTORCH_DECL void record_completion(std::uint64_t record, const AxisGroup& group) {
   if (!record) return;
-  if (group.device() == Device::cpu) {
-    FlightRecorder::instance().completed(record);
+  auto& recorder = FlightRecorder::instance();
+  // On the CPU the wait ended it. A GPU group bound to no device cannot say which stream waited.
+  if (group.device() == Device::cpu || group.cuda_device() < 0) {
+    recorder.completed(record);
     return;
   }
-  // c10's device-generic event, so that this compiles without the CUDA headers.
-  c10::Device device(group.device_name());
-  const c10::impl::VirtualGuardImpl guard(device.type());
-  if (!device.has_index()) device = guard.getDevice();
-  auto event = std::make_shared<c10::Event>(device.type());
-  event->record(guard.getStream(device));
-  FlightRecorder::instance().completes_when(record, [event] { return event->query(); });
+  try {
+    // c10's device-generic event and guard, so that this compiles without the CUDA headers.
+    const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(group.cuda_device()));
+    auto event = pooled_device_event(device);
+    event->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+    recorder.completes_when(record, [event, device] {
+      // The asking thread (the watchdog's) makes the rank's GPU its current device, and keeps
+      // it: a CUDA call there with GPU 0 current would open a context on GPU 0 for every rank.
+      const c10::impl::VirtualGuardImpl guard(device.type());
+      if (guard.getDevice() != device) guard.setDevice(device);
+      return event->query();
+    });
+  } catch (const std::exception&) {
+    recorder.completed(record);  // no event to ask: ended at its wait, as the CPU's
+  }
 }
 
 }  // namespace meshtorch::comm::detail
