@@ -1,9 +1,19 @@
 # Build helpers for meshtorch's own tests, examples, tools and benchmarks.
+#
+# Every LibTorch program of the project is built with separate compilation: the library's
+# non-template functions are compiled once, in meshtorch_compiled (one source file per part, built
+# side by side), and each program's translation units see only their declarations. Header-only,
+# each example compiled the whole library again (60-76 s a unit at -O2, three quarters of it
+# generating code for the library's inline functions; docs/performance.md#build-time). The
+# header-only mode is what tests/headers compiles, header by header, and what the LibTorch-free
+# tools and tests use.
 
 # One precompiled header for every translation unit that includes LibTorch: parsing
-# <torch/torch.h> dominates their compile time.
+# <torch/torch.h> dominates their compile time. Built with the definitions of the compiled library
+# (MESHTORCH_SEPARATE_COMPILATION, fmt not header-only), which every user of it shares.
 add_library(meshtorch_pch OBJECT ${PROJECT_SOURCE_DIR}/cmake/pch.cpp)
-target_link_libraries(meshtorch_pch PUBLIC meshtorch::meshtorch meshtorch::torch)
+target_link_libraries(meshtorch_pch PUBLIC meshtorch::headers meshtorch::torch)
+target_compile_definitions(meshtorch_pch PUBLIC MESHTORCH_SEPARATE_COMPILATION)
 target_precompile_headers(meshtorch_pch PRIVATE
   <torch/torch.h>
   <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -11,10 +21,15 @@ target_precompile_headers(meshtorch_pch PRIVATE
   <nlohmann/json.hpp>
   <CLI/CLI.hpp>)
 
-# meshtorch_executable(NAME SOURCES...): a LibTorch program in build/bin sharing the PCH.
+# The library's definitions, compiled once for every program below.
+meshtorch_compiled_library(meshtorch_compiled meshtorch::torch)
+target_precompile_headers(meshtorch_compiled REUSE_FROM meshtorch_pch)
+
+# meshtorch_executable(NAME SOURCES...): a LibTorch program in build/bin linking the compiled
+# library and sharing the PCH.
 function(meshtorch_executable name)
   add_executable(${name} ${ARGN})
-  target_link_libraries(${name} PRIVATE meshtorch_pch)
+  target_link_libraries(${name} PRIVATE meshtorch_compiled)
   target_precompile_headers(${name} REUSE_FROM meshtorch_pch)
 endfunction()
 

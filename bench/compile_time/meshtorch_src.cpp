@@ -1,3 +1,3 @@
 // The separately compiled functions: what a program built with MESHTORCH_SEPARATE_COMPILATION
 // compiles once, in one of its files.
-#include <meshtorch/src.hpp>
+#include <meshtorch/src/core.hpp>

@@ -1,4 +1,4 @@
-// The functions that <meshtorch/src.hpp> compiles once, called from a program that sees only
+// The functions that <meshtorch/src/core.hpp> compiles once, called from a program that sees only
 // their declarations: each links, and each does what the header-only build does.
 #include <meshtorch/meshtorch.hpp>
 
@@ -7,9 +7,9 @@
 #if defined(INCLUDE_NLOHMANN_JSON_HPP_)
 #error "with MESHTORCH_SEPARATE_COMPILATION, <meshtorch/meshtorch.hpp> includes <nlohmann/json.hpp>"
 #endif
-// Nor fmt's engine: meshtorch_compiled_library() compiles it once, in src.hpp.
+// Nor fmt's engine: meshtorch_compiled_library() compiles it once, in src/core.hpp.
 #if defined(FMT_HEADER_ONLY)
-#error "meshtorch_compiled_library() gave this program FMT_HEADER_ONLY; fmt's engine belongs in src.hpp"
+#error "meshtorch_compiled_library() gave this program FMT_HEADER_ONLY; fmt's engine belongs in src/core.hpp"
 #endif
 
 #include <chrono>

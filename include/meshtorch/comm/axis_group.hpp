@@ -77,7 +77,7 @@ inline AxisGroup single_process_group() {
 
 }  // namespace meshtorch::comm
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -122,4 +122,4 @@ MESHTORCH_DECL std::string AxisGroup::describe() const {
 }
 
 }  // namespace meshtorch::comm
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -170,7 +170,7 @@ MESHTORCH_AXIS_FORM(broadcast_coalesced_async)
 
 }  // namespace meshtorch::comm
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <algorithm>
 
 #include <fmt/format.h>
@@ -502,4 +502,4 @@ MESHTORCH_DECL std::vector<std::string> all_gather_object(const AxisGroup& group
 }
 
 }  // namespace meshtorch::comm
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

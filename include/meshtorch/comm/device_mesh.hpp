@@ -153,7 +153,7 @@ class DeviceMesh {
 
 }  // namespace meshtorch::comm
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <fmt/format.h>
 
 namespace meshtorch::comm::detail {
@@ -179,4 +179,4 @@ MESHTORCH_DECL void throw_no_node_group(const LaunchEnv& env) {
 }
 
 }  // namespace meshtorch::comm::detail
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -116,7 +116,7 @@ torch::Tensor reduce_scatter_to_sequence_parallel_region(const torch::Tensor& x,
 
 }  // namespace meshtorch::comm
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 namespace meshtorch::comm::detail {
 
 MESHTORCH_DECL torch::Tensor RedistributeFunction::forward(torch::autograd::AutogradContext* ctx,
@@ -143,4 +143,4 @@ MESHTORCH_DECL torch::Tensor apply_redistribute(const torch::Tensor& x, const Ax
 }
 
 }  // namespace meshtorch::comm::detail
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

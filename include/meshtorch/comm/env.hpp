@@ -81,7 +81,7 @@ MESHTORCH_DECL LaunchEnv launch_env();
 
 }  // namespace meshtorch::comm
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <unistd.h>
 
 #include <charconv>
@@ -317,4 +317,4 @@ MESHTORCH_DECL LaunchEnv launch_env() {
 }
 
 }  // namespace meshtorch::comm
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

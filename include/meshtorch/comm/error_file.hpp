@@ -56,7 +56,7 @@ int run_recorded(Body&& body) {
 
 }  // namespace meshtorch::comm
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -144,4 +144,4 @@ MESHTORCH_DECL bool record_error(const std::exception_ptr& error) {
 }
 
 }  // namespace meshtorch::comm
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

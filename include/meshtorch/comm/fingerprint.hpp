@@ -41,7 +41,7 @@ MESHTORCH_DECL void check_fingerprints(c10d::Store& store, int rank, int world_s
 
 }  // namespace meshtorch::comm
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <algorithm>
 #include <exception>
 
@@ -118,4 +118,4 @@ MESHTORCH_DECL void check_fingerprints(c10d::Store& store, int rank, int world_s
 }
 
 }  // namespace meshtorch::comm
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -206,7 +206,7 @@ class FlightRecorder {
 
 }  // namespace meshtorch::comm
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <algorithm>
 #include <cstdlib>
 
@@ -350,4 +350,4 @@ MESHTORCH_DECL void FlightRecorder::set_state_locked(FlightEntry& entry, Collect
 }
 
 }  // namespace meshtorch::comm
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -64,7 +64,7 @@ torch::Tensor redistribute(const torch::Tensor& tensor, const M& mesh, AxisKey<K
 
 }  // namespace meshtorch::comm
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <fmt/format.h>
 
 namespace meshtorch::comm {
@@ -113,4 +113,4 @@ MESHTORCH_DECL torch::Tensor redistribute(const torch::Tensor& tensor, const Axi
 }
 
 }  // namespace meshtorch::comm
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

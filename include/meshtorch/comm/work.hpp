@@ -116,7 +116,7 @@ class Work {
 
 }  // namespace meshtorch::comm
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <map>
 #include <memory>
 #include <mutex>
@@ -218,4 +218,4 @@ MESHTORCH_DECL void record_completion(std::uint64_t record, const AxisGroup& gro
 }
 
 }  // namespace meshtorch::comm::detail
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

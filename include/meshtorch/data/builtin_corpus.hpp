@@ -54,7 +54,7 @@ MESHTORCH_DECL std::vector<std::string> builtin_corpus(std::size_t approx_bytes 
 
 }  // namespace meshtorch::data
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 namespace meshtorch::data {
 
 MESHTORCH_DECL std::vector<std::string> builtin_corpus(std::size_t approx_bytes) {
@@ -103,4 +103,4 @@ MESHTORCH_DECL std::vector<std::string> builtin_corpus(std::size_t approx_bytes)
 }
 
 }  // namespace meshtorch::data
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -60,7 +60,7 @@ MESHTORCH_DECL DataFiles resolve_data_files(const std::string& name, const std::
 
 }  // namespace meshtorch::data
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <glob.h>
 
 #include <algorithm>
@@ -159,4 +159,4 @@ MESHTORCH_DECL DataFiles resolve_data_files(const std::string& name, const std::
 }
 
 }  // namespace meshtorch::data
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -62,7 +62,7 @@ MESHTORCH_DECL TokenBlocks load_dataset(const std::string& name, std::int64_t se
 
 }  // namespace meshtorch::data
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <algorithm>
 #include <span>
 
@@ -123,4 +123,4 @@ MESHTORCH_DECL TokenBlocks load_dataset(const std::string& name, std::int64_t se
 }
 
 }  // namespace meshtorch::data
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -194,7 +194,7 @@ TokenStreamStats tokenize_files(const DataFiles& data, const DocumentEncoder& en
 
 }  // namespace meshtorch::data
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <nlohmann/json.hpp>
 
 namespace meshtorch::data {
@@ -267,4 +267,4 @@ MESHTORCH_DECL void for_each_jsonl_document(const std::filesystem::path& path, c
 }
 
 }  // namespace meshtorch::data
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -67,7 +67,7 @@ class PrefetchingLoader {
 
 }  // namespace meshtorch::data
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 namespace meshtorch::data {
 
 MESHTORCH_DECL PrefetchingLoader::PrefetchingLoader(const TokenBlocks& blocks, const DpInvariantSampler& sampler,
@@ -104,4 +104,4 @@ MESHTORCH_DECL PrefetchingLoader::~PrefetchingLoader() {
 }
 
 }  // namespace meshtorch::data
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -50,7 +50,7 @@ class DpInvariantSampler {
 
 }  // namespace meshtorch::data
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <numeric>
 
 #include <fmt/format.h>
@@ -87,4 +87,4 @@ MESHTORCH_DECL std::vector<std::int64_t> DpInvariantSampler::permutation(std::in
 }
 
 }  // namespace meshtorch::data
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -38,7 +38,7 @@ inline void write_file_atomically(const std::filesystem::path& path, std::string
 
 }  // namespace meshtorch::io
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -95,4 +95,4 @@ MESHTORCH_DECL void AtomicFile::commit() {
 }
 
 }  // namespace meshtorch::io
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

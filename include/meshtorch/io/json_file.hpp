@@ -40,7 +40,7 @@ nlohmann::json read_json_file(const std::filesystem::path& path, std::string_vie
 
 }  // namespace meshtorch::io
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -109,4 +109,4 @@ template nlohmann::json read_json_file<ConfigError>(const std::filesystem::path&
 #endif
 
 }  // namespace meshtorch::io
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -26,7 +26,7 @@ MESHTORCH_DECL std::filesystem::path model_file(const std::filesystem::path& dir
 
 }  // namespace meshtorch::io
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <algorithm>
 
 #include <fmt/format.h>
@@ -79,4 +79,4 @@ MESHTORCH_DECL std::filesystem::path model_file(const std::filesystem::path& dir
 }
 
 }  // namespace meshtorch::io
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

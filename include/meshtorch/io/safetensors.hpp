@@ -140,7 +140,7 @@ MESHTORCH_DECL SafetensorsFile load_safetensors(const std::filesystem::path& pat
 
 }  // namespace meshtorch::io
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <limits>
 
 #include <fmt/format.h>
@@ -340,4 +340,4 @@ MESHTORCH_DECL SafetensorsHeader parse_header(std::istream& in, std::uint64_t fi
 
 }  // namespace safetensors_detail
 }  // namespace meshtorch::io
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

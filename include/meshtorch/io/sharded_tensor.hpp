@@ -99,7 +99,7 @@ inline ShardedTensor replicated(std::string name, torch::Tensor tensor, bool wri
 
 }  // namespace meshtorch::io
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <algorithm>
 
 #include <fmt/format.h>
@@ -203,4 +203,4 @@ MESHTORCH_DECL ShardedTensor sharded(std::string name, torch::Tensor local, std:
 }
 
 }  // namespace meshtorch::io
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

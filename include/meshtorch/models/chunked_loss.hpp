@@ -32,7 +32,7 @@ MESHTORCH_DECL torch::Tensor chunked_linear_loss(const torch::Tensor& rows, cons
 
 }  // namespace meshtorch
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <algorithm>
 #include <utility>
 
@@ -92,4 +92,4 @@ MESHTORCH_DECL torch::Tensor chunked_linear_loss(const torch::Tensor& rows, cons
 }
 
 }  // namespace meshtorch
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

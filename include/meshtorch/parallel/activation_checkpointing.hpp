@@ -33,7 +33,7 @@ MESHTORCH_DECL std::int64_t checkpoint_activations(llama::LlamaForCausalLM& mode
 
 }  // namespace meshtorch
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <string>
 #include <utility>
 #include <vector>
@@ -135,4 +135,4 @@ MESHTORCH_DECL std::int64_t checkpoint_activations(llama::LlamaForCausalLM& mode
 }
 
 }  // namespace meshtorch
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

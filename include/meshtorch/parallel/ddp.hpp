@@ -162,7 +162,7 @@ class DistributedDataParallel {
 
 }  // namespace meshtorch
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <sstream>
 #include <unordered_map>
 
@@ -337,4 +337,4 @@ MESHTORCH_DECL void DistributedDataParallel::before_forward() {
 MESHTORCH_DECL void DistributedDataParallel::after_forward() { reducer_->prepare_for_backward({}); }
 
 }  // namespace meshtorch
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -475,7 +475,7 @@ class FullyShardedDataParallel {
 
 }  // namespace meshtorch
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -1036,4 +1036,4 @@ MESHTORCH_DECL torch::Tensor FsdpUnit::post_forward(const torch::Tensor& output)
 }
 
 }  // namespace meshtorch
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -37,7 +37,7 @@ inline double clip_grad_norm(const std::vector<torch::Tensor>& parameters, doubl
 
 }  // namespace meshtorch
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <algorithm>
 #include <cmath>
 
@@ -72,4 +72,4 @@ MESHTORCH_DECL double clip_grad_norm(const std::vector<ClippedTensor>& pieces, d
 }
 
 }  // namespace meshtorch
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -408,7 +408,7 @@ struct Plan {
 
 }  // namespace meshtorch::llama
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <iterator>
 
 #include <fmt/format.h>
@@ -438,4 +438,4 @@ MESHTORCH_DECL std::string describe_plan(std::string_view mesh_name, std::span<c
 }
 
 }  // namespace meshtorch::llama::detail
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -425,7 +425,7 @@ ParallelLlama<M> parallelize(llama::LlamaForCausalLM model, const comm::DeviceMe
 
 }  // namespace meshtorch
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <nlohmann/json.hpp>
 
 namespace meshtorch {
@@ -849,4 +849,4 @@ MESHTORCH_DECL std::vector<FolderWeight> list_folder_weights(
 }
 
 }  // namespace meshtorch
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -61,7 +61,7 @@ inline double scaled_lr(double lr, LrScaling rule, std::int64_t factor) {
 
 }  // namespace meshtorch
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <fmt/format.h>
 
 namespace meshtorch {
@@ -74,4 +74,4 @@ MESHTORCH_DECL LrScaling parse_lr_scaling(const std::string& name) {
 }
 
 }  // namespace meshtorch
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

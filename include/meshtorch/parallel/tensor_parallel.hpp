@@ -248,7 +248,7 @@ TensorParallel<PlanT> apply_tensor_parallel(llama::LlamaForCausalLM& model, cons
 
 }  // namespace meshtorch
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 
@@ -506,4 +506,4 @@ MESHTORCH_DECL void TensorParallelRuntime::shard(const std::string& name, llama:
 }
 
 }  // namespace meshtorch
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

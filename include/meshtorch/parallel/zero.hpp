@@ -72,7 +72,7 @@ class ZeroRedundancyOptimizer {
 
 }  // namespace meshtorch
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <algorithm>
 #include <deque>
 #include <map>
@@ -145,4 +145,4 @@ MESHTORCH_DECL train::AdamW ZeroRedundancyOptimizer::make_local(const train::Ada
 }
 
 }  // namespace meshtorch
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -165,7 +165,7 @@ class ZeroStage2 {
 
 }  // namespace meshtorch
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <functional>
 
 #include <fmt/format.h>
@@ -383,4 +383,4 @@ MESHTORCH_DECL void ZeroStage2::check_backward_complete() const {
 }
 
 }  // namespace meshtorch
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -86,7 +86,7 @@ class AdamW {
 
 }  // namespace meshtorch::train
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <map>
 #include <numeric>
 #include <set>
@@ -240,4 +240,4 @@ MESHTORCH_DECL void AdamW::load_state(const io::SafetensorsFile& file, const std
 }
 
 }  // namespace meshtorch::train
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

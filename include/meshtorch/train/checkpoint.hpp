@@ -43,7 +43,7 @@ MESHTORCH_DECL TrainState read_train_state(const std::filesystem::path& dir, con
 
 }  // namespace meshtorch::train
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -127,4 +127,4 @@ MESHTORCH_DECL TrainState read_train_state(const std::filesystem::path& dir, con
 }
 
 }  // namespace meshtorch::train
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

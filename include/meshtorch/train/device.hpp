@@ -33,7 +33,7 @@ MESHTORCH_DECL void use_deterministic_algorithms(bool on);
 
 }  // namespace meshtorch::train
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <sched.h>
 #include <stdlib.h>
 
@@ -84,4 +84,4 @@ MESHTORCH_DECL void use_deterministic_algorithms(bool on) {
 }
 
 }  // namespace meshtorch::train
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -151,7 +151,7 @@ class Experiment {
 
 }  // namespace meshtorch::train
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <cmath>
 
 #include <nlohmann/json.hpp>
@@ -219,4 +219,4 @@ MESHTORCH_DECL void Experiment::log_metrics(TrainState& state, std::int64_t step
 }
 
 }  // namespace meshtorch::train
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

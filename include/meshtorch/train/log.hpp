@@ -44,7 +44,7 @@ class ProgressBar {
 
 }  // namespace meshtorch::train
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <unistd.h>
 
 #include <cerrno>
@@ -90,4 +90,4 @@ MESHTORCH_DECL void ProgressBar::update(std::int64_t done, const std::string& su
 }
 
 }  // namespace meshtorch::train
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -118,7 +118,7 @@ inline LrSchedule lr_schedule(const TrainArgs& args, std::int64_t steps_per_epoc
 
 }  // namespace meshtorch::train
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <fmt/format.h>
 
 namespace meshtorch::train {
@@ -183,4 +183,4 @@ MESHTORCH_DECL LrSchedule lr_schedule(const TrainArgs& args, std::int64_t steps_
 }
 
 }  // namespace meshtorch::train
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

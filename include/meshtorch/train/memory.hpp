@@ -27,7 +27,7 @@ MESHTORCH_DECL void reset_peak_memory(const torch::Device& device);
 
 }  // namespace meshtorch::train
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <fstream>
 
 #if defined(MESHTORCH_WITH_CUDA)
@@ -88,4 +88,4 @@ MESHTORCH_DECL void reset_peak_memory(const torch::Device& device) {
 }
 
 }  // namespace meshtorch::train
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -98,7 +98,7 @@ class LogWindow {
 
 }  // namespace meshtorch::train
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <nlohmann/json.hpp>
 
 namespace meshtorch::train {
@@ -173,4 +173,4 @@ MESHTORCH_DECL nlohmann::ordered_json LogWindow::record(const TrainState& state,
 }
 
 }  // namespace meshtorch::train
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -31,7 +31,7 @@ MESHTORCH_DECL void restore_rng_states(const io::SafetensorsFile& contents, cons
 
 }  // namespace meshtorch::train
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <mutex>
 
 #include <ATen/Context.h>
@@ -78,4 +78,4 @@ MESHTORCH_DECL void restore_rng_states(const io::SafetensorsFile& contents, cons
 }
 
 }  // namespace meshtorch::train
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

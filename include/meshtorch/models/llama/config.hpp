@@ -222,7 +222,7 @@ MESHTORCH_DECL void validate(const Config& c, std::string_view source = "config"
 
 }  // namespace meshtorch::llama
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <algorithm>
 #include <cstdio>
 #include <iterator>
@@ -280,4 +280,4 @@ MESHTORCH_DECL void validate(const Config& c, std::string_view source) {
 }
 
 }  // namespace meshtorch::llama
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -48,7 +48,7 @@ MESHTORCH_DECL std::string unread_config_fields_note(const std::string& name_or_
 
 }  // namespace meshtorch::llama
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -346,4 +346,4 @@ MESHTORCH_DECL std::string unread_config_fields_note(const std::string& name_or_
 }
 
 }  // namespace meshtorch::llama
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -95,7 +95,7 @@ class Rotary {
 
 }  // namespace meshtorch::llama
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <numbers>
 
 namespace meshtorch::llama {
@@ -206,4 +206,4 @@ MESHTORCH_DECL torch::Tensor Rotary::apply(const torch::Tensor& x, const torch::
 }
 
 }  // namespace meshtorch::llama
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

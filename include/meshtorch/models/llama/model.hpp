@@ -128,7 +128,7 @@ MESHTORCH_DECL void materialize(LlamaForCausalLM& lm, const torch::TensorOptions
 
 }  // namespace meshtorch::llama
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 namespace meshtorch::llama {
 
 MESHTORCH_DECL AttentionImpl::AttentionImpl(const Config& c, const torch::TensorOptions& options)
@@ -290,4 +290,4 @@ MESHTORCH_DECL void materialize(LlamaForCausalLM& lm, const torch::TensorOptions
 }
 
 }  // namespace meshtorch::llama
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

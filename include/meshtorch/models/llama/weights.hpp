@@ -79,7 +79,7 @@ inline bool load_pretrained_weights_if_present(LlamaForCausalLM& lm, const std::
 
 }  // namespace meshtorch::llama
 
-#if MESHTORCH_DEFINITIONS
+#if MESHTORCH_DEFINES(core)
 #include <map>
 #include <set>
 
@@ -183,4 +183,4 @@ MESHTORCH_DECL std::optional<torch::ScalarType> pretrained_dtype(const std::file
 }
 
 }  // namespace meshtorch::llama
-#endif  // MESHTORCH_DEFINITIONS
+#endif  // MESHTORCH_DEFINES(core)

@@ -1,12 +1,15 @@
 #pragma once
-// The definitions of meshtorch's non-template functions, for a program built with
-// MESHTORCH_SEPARATE_COMPILATION (separate_compilation.hpp): include this in exactly one of its
-// source files. meshtorch_compiled_library() (cmake/meshtorchSeparateCompilation.cmake) builds a
-// library of it.
+// The definitions of the core part (the umbrella header's reach) and fmt's engine, for a program
+// built with MESHTORCH_SEPARATE_COMPILATION (separate_compilation.hpp): include this in exactly
+// one of its source files, and nothing else there. meshtorch_compiled_library()
+// (cmake/meshtorchSeparateCompilation.cmake) builds a library of the parts.
 #if !defined(MESHTORCH_SEPARATE_COMPILATION)
-#error "<meshtorch/src.hpp> needs MESHTORCH_SEPARATE_COMPILATION; a header-only program adds no source file"
+#error "<meshtorch/src/core.hpp> needs MESHTORCH_SEPARATE_COMPILATION; a header-only program adds no source file"
 #endif
-#define MESHTORCH_SOURCE
+#if defined(MESHTORCH_SOURCE)
+#error "one part of meshtorch per source file: <meshtorch/src/core.hpp> found MESHTORCH_SOURCE already defined"
+#endif
+#define MESHTORCH_SOURCE MESHTORCH_PART_core
 #include <meshtorch/meshtorch.hpp>
 
 // fmt's engine, compiled once too where the program's units do not use fmt header-only
