@@ -6,35 +6,20 @@
 // init_process_group(device_id=...)): left unbound, ProcessGroupNCCL guesses the GPU from the
 // group rank at the first collective, which in an axis group is a mesh coordinate, not a GPU.
 #include <chrono>
-#include <cstdlib>
 #include <memory>
-#include <string>
 
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <gloo/transport/device.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#if defined(MESHTORCH_WITH_CUDA)
-// c10d's headers hide ProcessGroupNCCL unless this is defined; TorchConfig does not define it.
-#ifndef USE_C10D_NCCL
-#define USE_C10D_NCCL
-#endif
-#include <c10/cuda/CUDAFunctions.h>
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
-
 #include <meshtorch/comm/device.hpp>
-#include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
 
 // The network endpoint Gloo binds to. One job on one node talks over loopback; across nodes,
 // GLOO_SOCKET_IFNAME picks the interface as it does in PyTorch, else the host name's address.
-inline std::shared_ptr<::gloo::transport::Device> make_gloo_device(bool single_node) {
-  if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME"); interface && *interface)
-    return c10d::ProcessGroupGloo::createDeviceForInterface(interface);
-  if (single_node) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  return c10d::ProcessGroupGloo::createDefaultDevice();
-}
+MESHTORCH_DECL std::shared_ptr<::gloo::transport::Device> make_gloo_device(bool single_node);
 
 struct BackendRequest {
   Device device = Device::cpu;
@@ -46,7 +31,36 @@ struct BackendRequest {
   int cuda_device = -1;  // the rank's GPU, for an NCCL backend
 };
 
-inline c10::intrusive_ptr<c10d::Backend> make_backend(const BackendRequest& request) {
+MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_backend(const BackendRequest& request);
+
+}  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINES(programs)
+#include <cstdlib>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#if defined(MESHTORCH_WITH_CUDA)
+// c10d's headers hide ProcessGroupNCCL unless this is defined; TorchConfig does not define it.
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <meshtorch/error.hpp>
+
+namespace meshtorch::comm {
+
+MESHTORCH_DECL std::shared_ptr<::gloo::transport::Device> make_gloo_device(bool single_node) {
+  if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME"); interface && *interface)
+    return c10d::ProcessGroupGloo::createDeviceForInterface(interface);
+  if (single_node) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_backend(const BackendRequest& request) {
   if (request.device == Device::cpu) {
     auto options = c10d::ProcessGroupGloo::Options::create(request.timeout);
     options->devices.push_back(request.gloo_device);
@@ -77,3 +91,4 @@ inline c10::intrusive_ptr<c10d::Backend> make_backend(const BackendRequest& requ
 }
 
 }  // namespace meshtorch::comm
+#endif  // MESHTORCH_DEFINES(programs)

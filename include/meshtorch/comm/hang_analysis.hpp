@@ -12,19 +12,16 @@
 //     progress or is in no collective at all is where the job is stuck;
 // and for each culprit the last collective it took part in.
 // Standard library, fmt and nlohmann-json only: the diagnose tool needs no LibTorch.
-#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <map>
 #include <optional>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
+
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
 
@@ -60,25 +57,54 @@ struct HangVerdict {
   std::string summary;               // one line
   std::vector<std::string> details;  // further lines, each a sentence
 
-  std::string text() const {
-    std::string out = summary;
-    for (const auto& line : details) out += "\n  " + line;
-    return out;
-  }
+  MESHTORCH_DECL std::string text() const;
 };
+
+// A rank's report from its progress JSON (FlightRecorder::progress()).
+MESHTORCH_DECL RankReport rank_report_from_progress(int rank, const nlohmann::json& progress);
+
+// Adds a dump's ring (FlightRecorder::entries()) to the report: the op of every recorded
+// sequence number, so a desync further back than the last collective is found too.
+MESHTORCH_DECL void add_ring(RankReport& report, const nlohmann::json& entries);
+
+// The reports of every rank from their dumps: a rank's own dump where it wrote one, else what
+// the dumping ranks read of it from the store (and whether it still answered then).
+MESHTORCH_DECL std::map<int, RankReport> rank_reports_from_dumps(const std::vector<nlohmann::json>& dumps);
+
+// The verdict on the reports of every rank (see above): the culprits, a summary line and details.
+MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports);
+
+}  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINES(programs)
+#include <algorithm>
+#include <cstdlib>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+namespace meshtorch::comm {
+
+MESHTORCH_DECL std::string HangVerdict::text() const {
+  std::string out = summary;
+  for (const auto& line : details) out += "\n  " + line;
+  return out;
+}
 
 namespace detail {
 
-inline std::string ranks_phrase(const std::vector<int>& ranks) {
+MESHTORCH_DECL std::string ranks_phrase(const std::vector<int>& ranks) {
   if (ranks.size() == 1) return fmt::format("rank {}", ranks.front());
   return fmt::format("ranks {}", fmt::join(ranks, ", "));
 }
 
-inline std::string describe_collective(const std::string& op, std::uint64_t seq, const std::string& group) {
+MESHTORCH_DECL std::string describe_collective(const std::string& op, std::uint64_t seq, const std::string& group) {
   return fmt::format("{} #{} over the {}", op, seq, group);
 }
 
-inline std::optional<std::string> op_at(const RankReport& report, const std::string& group, std::uint64_t seq) {
+MESHTORCH_DECL std::optional<std::string> op_at(const RankReport& report, const std::string& group, std::uint64_t seq) {
   if (auto found = report.ops.find({group, seq}); found != report.ops.end()) return found->second;
   if (auto g = report.groups.find(group); g != report.groups.end() && g->second.issued == seq && !g->second.op.empty())
     return g->second.op;
@@ -86,26 +112,25 @@ inline std::optional<std::string> op_at(const RankReport& report, const std::str
 }
 
 // "float32[4, 8]" from a ring entry or a progress report; empty when it names no tensor.
-inline std::string tensor_text(const nlohmann::json& entry) {
+MESHTORCH_DECL std::string tensor_text(const nlohmann::json& entry) {
   const auto dtype = entry.value("dtype", "");
   if (dtype.empty() || !entry.contains("shape") || !entry["shape"].is_array()) return {};
   return fmt::format("{}[{}]", dtype, fmt::join(entry["shape"].get<std::vector<std::int64_t>>(), ", "));
 }
 
-inline void add_tensor(RankReport& report, const nlohmann::json& entry) {
+MESHTORCH_DECL void add_tensor(RankReport& report, const nlohmann::json& entry) {
   if (auto text = tensor_text(entry); !text.empty())
     report.tensors[{entry.value("group", ""), entry.value("seq", std::uint64_t{0})}] = text;
 }
 
-inline std::uint64_t issued_on(const RankReport& report, const std::string& group) {
+MESHTORCH_DECL std::uint64_t issued_on(const RankReport& report, const std::string& group) {
   auto g = report.groups.find(group);
   return g == report.groups.end() ? 0 : g->second.issued;
 }
 
 }  // namespace detail
 
-// A rank's report from its progress JSON (FlightRecorder::progress()).
-inline RankReport rank_report_from_progress(int rank, const nlohmann::json& progress) {
+MESHTORCH_DECL RankReport rank_report_from_progress(int rank, const nlohmann::json& progress) {
   RankReport report;
   report.rank = rank;
   if (!progress.is_object()) return report;
@@ -135,9 +160,7 @@ inline RankReport rank_report_from_progress(int rank, const nlohmann::json& prog
   return report;
 }
 
-// Adds a dump's ring (FlightRecorder::entries()) to the report: the op of every recorded
-// sequence number, so a desync further back than the last collective is found too.
-inline void add_ring(RankReport& report, const nlohmann::json& entries) {
+MESHTORCH_DECL void add_ring(RankReport& report, const nlohmann::json& entries) {
   if (!entries.is_array()) return;
   for (const auto& e : entries) {
     if (!e.is_object()) continue;
@@ -146,9 +169,7 @@ inline void add_ring(RankReport& report, const nlohmann::json& entries) {
   }
 }
 
-// The reports of every rank from their dumps: a rank's own dump where it wrote one, else what
-// the dumping ranks read of it from the store (and whether it still answered then).
-inline std::map<int, RankReport> rank_reports_from_dumps(const std::vector<nlohmann::json>& dumps) {
+MESHTORCH_DECL std::map<int, RankReport> rank_reports_from_dumps(const std::vector<nlohmann::json>& dumps) {
   std::map<int, RankReport> reports;
   for (const auto& dump : dumps) {
     const int rank = dump.value("rank", -1);
@@ -178,7 +199,7 @@ inline std::map<int, RankReport> rank_reports_from_dumps(const std::vector<nlohm
   return reports;
 }
 
-inline HangVerdict analyse_hang(const std::map<int, RankReport>& reports) {
+MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports) {
   using detail::describe_collective;
   using detail::ranks_phrase;
   HangVerdict verdict;
@@ -360,3 +381,4 @@ inline HangVerdict analyse_hang(const std::map<int, RankReport>& reports) {
 }
 
 }  // namespace meshtorch::comm
+#endif  // MESHTORCH_DEFINES(programs)

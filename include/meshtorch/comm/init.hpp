@@ -11,6 +11,9 @@
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#if defined(MESHTORCH_WITH_CUDA)
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/backend.hpp>

@@ -2,18 +2,30 @@
 // TCPStore rendezvous: rank 0 serves the store at MASTER_ADDR:MASTER_PORT, every rank connects,
 // and nobody waits longer than the timeout for a rank that never comes.
 #include <chrono>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <meshtorch/comm/env.hpp>
+#include <meshtorch/separate_compilation.hpp>
+
+namespace meshtorch::comm {
+
+MESHTORCH_DECL c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env, std::chrono::milliseconds timeout);
+
+}  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINES(programs)
 #include <exception>
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include <meshtorch/comm/env.hpp>
 #include <meshtorch/error.hpp>
 
 namespace meshtorch::comm {
 
-inline c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env,
-                                                   std::chrono::milliseconds timeout) {
+MESHTORCH_DECL c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env,
+                                                           std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(env.master_port);
   options.isServer = env.rank == 0;
@@ -34,3 +46,4 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env,
 }
 
 }  // namespace meshtorch::comm
+#endif  // MESHTORCH_DEFINES(programs)

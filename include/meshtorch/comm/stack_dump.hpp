@@ -16,6 +16,25 @@
 // A thread interrupted in a system call sees it restarted (SA_RESTART), or EINTR from the calls
 // that are never restarted (poll, epoll_wait, nanosleep); the libraries under LibTorch retry on
 // EINTR, as they must for any signal.
+#include <string>
+
+#include <meshtorch/separate_compilation.hpp>
+
+namespace meshtorch::comm {
+
+// Installs the capture handler and the SIGUSR1 request, and hands the watchdog its dumper.
+// Idempotent.
+MESHTORCH_DECL void install_stack_dumps();
+
+// Every thread's stack but the caller's, as text. One capture at a time.
+MESHTORCH_DECL std::string all_thread_stacks();
+
+// Writes every thread's stack to stderr, framed so that a log reader finds it.
+MESHTORCH_DECL void write_all_thread_stacks(int rank, const std::string& reason);
+
+}  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINES(programs)
 #include <dirent.h>
 #include <execinfo.h>
 #include <signal.h>
@@ -31,7 +50,6 @@
 #include <iostream>
 #include <mutex>
 #include <sstream>
-#include <string>
 #include <thread>
 #include <vector>
 
@@ -56,9 +74,9 @@ namespace stack_dump_detail {
 inline constexpr int max_frames = 128;
 inline constexpr auto answer_wait = std::chrono::milliseconds(2000);
 
-inline int capture_signal() { return SIGRTMIN + 5; }
+MESHTORCH_DECL int capture_signal() { return SIGRTMIN + 5; }
 
-inline long thread_id() { return ::syscall(SYS_gettid); }
+MESHTORCH_DECL long thread_id() { return ::syscall(SYS_gettid); }
 
 // The one capture in flight: `owner` is the thread asked; its handler claims the slot by
 // negating it (a late answer of a thread given up on finds another owner and writes nothing).
@@ -69,12 +87,12 @@ struct Slot {
   int depth = 0;
 };
 
-inline Slot& slot() {
+MESHTORCH_DECL Slot& slot() {
   static Slot s;
   return s;
 }
 
-extern "C" inline void on_capture_signal(int) {
+extern "C" MESHTORCH_DECL void on_capture_signal(int) {
   Slot& s = slot();
   long expected = thread_id();
   if (!s.owner.compare_exchange_strong(expected, -expected)) return;
@@ -82,14 +100,14 @@ extern "C" inline void on_capture_signal(int) {
   s.done.store(true, std::memory_order_release);
 }
 
-inline std::string thread_name(long tid) {
+MESHTORCH_DECL std::string thread_name(long tid) {
   std::ifstream in(fmt::format("/proc/self/task/{}/comm", tid));
   std::string name;
   std::getline(in, name);
   return name;
 }
 
-inline std::vector<long> thread_ids() {
+MESHTORCH_DECL std::vector<long> thread_ids() {
   std::vector<long> ids;
   if (DIR* dir = ::opendir("/proc/self/task")) {
     while (const dirent* entry = ::readdir(dir))
@@ -112,7 +130,7 @@ class RecordedStack : public backward::StackTrace {
 #endif
 
 // The symbolised frames, most recent call last (Python's and backward's order), each resolved once.
-inline std::string symbolise(void* const* frames, int depth, int skip) {
+MESHTORCH_DECL std::string symbolise(void* const* frames, int depth, int skip) {
 #if MESHTORCH_HAS_BACKWARD
   RecordedStack stack(frames, depth, skip);
   backward::TraceResolver resolver;
@@ -143,12 +161,7 @@ inline std::string symbolise(void* const* frames, int depth, int skip) {
 
 }  // namespace stack_dump_detail
 
-// Installs the capture handler and the SIGUSR1 request, and hands the watchdog its dumper.
-// Idempotent.
-inline void install_stack_dumps();
-
-// Every thread's stack but the caller's, as text. One capture at a time.
-inline std::string all_thread_stacks() {
+MESHTORCH_DECL std::string all_thread_stacks() {
   namespace d = stack_dump_detail;
   static std::mutex one_at_a_time;
   std::lock_guard lock(one_at_a_time);
@@ -196,8 +209,7 @@ inline std::string all_thread_stacks() {
   return out;
 }
 
-// Writes every thread's stack to stderr, framed so that a log reader finds it.
-inline void write_all_thread_stacks(int rank, const std::string& reason) {
+MESHTORCH_DECL void write_all_thread_stacks(int rank, const std::string& reason) {
   const std::string stacks = all_thread_stacks();
   std::cerr << fmt::format("meshtorch: rank {}: stacks of every thread (pid {}, {}), most recent call last:\n{}"
                            "meshtorch: rank {}: end of stacks\n",
@@ -205,7 +217,7 @@ inline void write_all_thread_stacks(int rank, const std::string& reason) {
             << std::flush;
 }
 
-inline void install_stack_dumps() {
+MESHTORCH_DECL void install_stack_dumps() {
   static std::once_flag once;
   std::call_once(once, [] {
     namespace d = stack_dump_detail;
@@ -221,3 +233,4 @@ inline void install_stack_dumps() {
 }
 
 }  // namespace meshtorch::comm
+#endif  // MESHTORCH_DEFINES(programs)

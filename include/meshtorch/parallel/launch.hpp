@@ -11,7 +11,6 @@
 //   using Mesh = mt::Mesh<mt::FSDP<mt::dynamic>, mt::TP<mt::dynamic>>;
 //   auto run = mt::launch<Mesh>(args, {mt::from_world_size, args.tp});
 //   run.mesh.group<mt::TP>() ... run.device ... run.log.info(...)
-#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <utility>
@@ -27,6 +26,7 @@
 #include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/models/llama/weights.hpp>
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/args.hpp>
 #include <meshtorch/train/caching_host_allocator.hpp>
 #include <meshtorch/train/device.hpp>
@@ -46,12 +46,7 @@ struct Launch {
 // Where ranks dump their flight recorder: MESHTORCH_FLIGHT_RECORDER_DIR, else the experiment's
 // folder (<save-dir>/<name>/flight_recorder), else a folder in the temporary directory named by
 // the rendezvous port, which all ranks of a job share.
-inline std::filesystem::path flight_recorder_dir(const train::TrainArgs& args, const comm::LaunchEnv& env) {
-  if (const char* dir = std::getenv("MESHTORCH_FLIGHT_RECORDER_DIR"); dir && *dir) return dir;
-  if (!args.experiment_name.empty())
-    return std::filesystem::path(args.save_dir) / args.experiment_name / "flight_recorder";
-  return std::filesystem::temp_directory_path() / ("meshtorch-flight-recorder-" + std::to_string(env.master_port));
-}
+MESHTORCH_DECL std::filesystem::path flight_recorder_dir(const train::TrainArgs& args, const comm::LaunchEnv& env);
 
 // `extents` are the mesh's dynamic extents (see comm::InitOptions::extents). `plan` is added to
 // the flags in the fingerprint: anything else all ranks must agree on.
@@ -84,3 +79,18 @@ Launch<M> launch(const train::TrainArgs& args, std::vector<int> extents = {}, co
 }
 
 }  // namespace meshtorch
+
+#if MESHTORCH_DEFINES(programs)
+#include <cstdlib>
+
+namespace meshtorch {
+
+MESHTORCH_DECL std::filesystem::path flight_recorder_dir(const train::TrainArgs& args, const comm::LaunchEnv& env) {
+  if (const char* dir = std::getenv("MESHTORCH_FLIGHT_RECORDER_DIR"); dir && *dir) return dir;
+  if (!args.experiment_name.empty())
+    return std::filesystem::path(args.save_dir) / args.experiment_name / "flight_recorder";
+  return std::filesystem::temp_directory_path() / ("meshtorch-flight-recorder-" + std::to_string(env.master_port));
+}
+
+}  // namespace meshtorch
+#endif  // MESHTORCH_DEFINES(programs)

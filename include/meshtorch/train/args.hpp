@@ -5,12 +5,11 @@
 // group: a rank started with other values fails at once instead of hanging later.
 // The programs' header: the library's own headers read TrainArgs from train/train_args.hpp,
 // which does not pull in CLI11.
-#include <limits>
-#include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/train_args.hpp>
 
 namespace meshtorch::train {
@@ -20,7 +19,17 @@ inline constexpr const char* per_rank_flags = "Per-rank options";
 
 // Every flag's value but the per-rank ones, one "name=value" per line, in the order the flags
 // were added: what all ranks of a run must agree on.
-inline std::string flags_fingerprint(const CLI::App& app) {
+MESHTORCH_DECL std::string flags_fingerprint(const CLI::App& app);
+
+}  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINES(programs)
+#include <limits>
+#include <sstream>
+
+namespace meshtorch::train {
+
+MESHTORCH_DECL std::string flags_fingerprint(const CLI::App& app) {
   std::string per_rank_names;
   for (const CLI::Option* option : app.get_options())
     if (option->get_group() == per_rank_flags) per_rank_names += "|" + option->get_single_name() + "=";
@@ -33,9 +42,9 @@ inline std::string flags_fingerprint(const CLI::App& app) {
   return out;
 }
 
-inline std::string TrainArgs::fingerprint() const { return app_ ? flags_fingerprint(*app_) : std::string(); }
+MESHTORCH_DECL std::string TrainArgs::fingerprint() const { return app_ ? flags_fingerprint(*app_) : std::string(); }
 
-inline void TrainArgs::add_to(CLI::App& app) {
+MESHTORCH_DECL void TrainArgs::add_to(CLI::App& app) {
   app_ = &app;
   // A flag given twice takes its last value, as Python's argparse does: a launch script's
   // defaults come first and the caller's additions override them.
@@ -155,7 +164,7 @@ inline void TrainArgs::add_to(CLI::App& app) {
       ->group(per_rank_flags);
 }
 
-inline void FsdpArgs::add_fsdp_flags(CLI::App& app, bool with_cpu_offload) {
+MESHTORCH_DECL void FsdpArgs::add_fsdp_flags(CLI::App& app, bool with_cpu_offload) {
   app.add_flag("--reshard-after-forward,!--no-reshard-after-forward", reshard_after_forward,
                "free each layer's gathered weights after its forward and gather them again for backward")
       ->capture_default_str();
@@ -170,3 +179,4 @@ inline void FsdpArgs::add_fsdp_flags(CLI::App& app, bool with_cpu_offload) {
 }
 
 }  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINES(programs)

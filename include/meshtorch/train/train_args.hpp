@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include <meshtorch/separate_compilation.hpp>
+
 namespace CLI {
 class App;
 }  // namespace CLI
@@ -49,8 +51,8 @@ struct TrainArgs {
 
   // Both defined in train/args.hpp.
   // The flags every rank must share (all that were parsed by the app these were added to).
-  inline std::string fingerprint() const;
-  inline void add_to(CLI::App& app);
+  MESHTORCH_DECL std::string fingerprint() const;
+  MESHTORCH_DECL void add_to(CLI::App& app);
 
  private:
   const CLI::App* app_ = nullptr;
@@ -64,7 +66,7 @@ struct FsdpArgs {
   std::int64_t prefetch_layers = 1;
 
   // Defined in train/args.hpp. Without --cpu-offload where the chapter's mesh cannot offload.
-  inline void add_fsdp_flags(CLI::App& app, bool with_cpu_offload = true);
+  MESHTORCH_DECL void add_fsdp_flags(CLI::App& app, bool with_cpu_offload = true);
 };
 
 }  // namespace meshtorch::train
