@@ -12,19 +12,10 @@
 // on (the tokenizer's files and each data file's path, size and modification time), so an edited
 // data file or another tokenizer gets a file of its own. Written through AtomicFile: a crash
 // leaves no file, never a half one.
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-
-#include <algorithm>
 #include <bit>
-#include <cerrno>
+#include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
-#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -32,12 +23,9 @@
 #include <string_view>
 #include <vector>
 
-#include <fmt/format.h>
-
 #include <meshtorch/data/documents.hpp>
-#include <meshtorch/error.hpp>
 #include <meshtorch/io/atomic_file.hpp>
-#include <meshtorch/io/xxh3.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::data {
 
@@ -63,45 +51,24 @@ inline std::uint32_t id_bytes_for(std::int64_t vocab_size) { return vocab_size <
 // A key over strings: the tokenizer's identity, then each data file's stamp.
 class TokenCacheKey {
  public:
-  TokenCacheKey() { XXH3_64bits_reset(&state_); add("meshtorch token cache 2"); }
+  MESHTORCH_DECL TokenCacheKey();
 
-  void add(std::string_view text) {
-    const std::uint64_t size = text.size();  // the length first, so "ab"+"c" differs from "a"+"bc"
-    XXH3_64bits_update(&state_, &size, sizeof size);
-    XXH3_64bits_update(&state_, text.data(), text.size());
-  }
+  MESHTORCH_DECL void add(std::string_view text);
   // A file by content (tokenizer files: small, and a rewrite with the same stamp must not match).
-  void add_file_contents(const std::filesystem::path& path) {
-    std::error_code error;
-    if (!std::filesystem::is_regular_file(path, error)) return add(fmt::format("{}: absent", path.filename().string()));
-    add(path.filename().string());
-    const int fd = ::open(path.c_str(), O_RDONLY);
-    if (fd < 0) throw DataError(fmt::format("{}: cannot open ({})", path.string(), std::strerror(errno)));
-    char block[1 << 16];
-    for (ssize_t n; (n = ::read(fd, block, sizeof block)) != 0;) {
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        ::close(fd);
-        throw DataError(fmt::format("{}: read failed ({})", path.string(), std::strerror(errno)));
-      }
-      XXH3_64bits_update(&state_, block, static_cast<std::size_t>(n));
-    }
-    ::close(fd);
-  }
+  MESHTORCH_DECL void add_file_contents(const std::filesystem::path& path);
   // A data file by path, size and modification time: hashing a 10 GB corpus at every start
   // would cost what the cache saves. An edit changes the size or the time.
-  void add_file_stamp(const std::filesystem::path& path) {
-    struct stat info {};
-    if (::stat(path.c_str(), &info) != 0)
-      throw DataError(fmt::format("{}: cannot stat ({})", path.string(), std::strerror(errno)));
-    add(fmt::format("{}|{}|{}.{:09}", std::filesystem::absolute(path).lexically_normal().string(), info.st_size,
-                    info.st_mtim.tv_sec, info.st_mtim.tv_nsec));
-  }
+  MESHTORCH_DECL void add_file_stamp(const std::filesystem::path& path);
 
-  std::uint64_t value() const { return XXH3_64bits_digest(&state_); }
+  MESHTORCH_DECL std::uint64_t value() const;
 
  private:
-  XXH3_state_t state_{};
+  // XXH3's streaming state (XXH3_state_t of io/xxh3.hpp) as bytes, so that this header does not
+  // include xxhash.h; the definitions check that it fits.
+  struct alignas(64) Xxh3State {
+    unsigned char bytes[576];
+  };
+  Xxh3State state_{};
 };
 
 // The cached ids, over the mapped file (read-only), which stays mapped while a copy of `ids` lives:
@@ -117,21 +84,125 @@ struct CachedTokens {
   std::int32_t operator[](std::size_t i) const {
     return id_bytes == 2 ? static_cast<const std::uint16_t*>(ids.get())[i] : static_cast<const std::int32_t*>(ids.get())[i];
   }
-  std::vector<std::int32_t> to_vector() const {
-    std::vector<std::int32_t> out(count);
-    for (std::size_t i = 0; i < count; ++i) out[i] = (*this)[i];
-    return out;
-  }
+  MESHTORCH_DECL std::vector<std::int32_t> to_vector() const;
 };
 
-inline std::filesystem::path token_cache_path(const std::filesystem::path& cache_dir, std::uint64_t key) {
-  return cache_dir / fmt::format("tokens-{:016x}.ids", key);
-}
+MESHTORCH_DECL std::filesystem::path token_cache_path(const std::filesystem::path& cache_dir, std::uint64_t key);
 
 // The cache file for `key` mapped, or nullopt with `why` when it is absent, belongs to another
 // key, or is cut short (the caller then tokenises again and replaces it).
-inline std::optional<CachedTokens> open_token_cache(const std::filesystem::path& path, std::uint64_t key,
-                                                    std::string* why = nullptr) {
+MESHTORCH_DECL std::optional<CachedTokens> open_token_cache(const std::filesystem::path& path, std::uint64_t key,
+                                                            std::string* why = nullptr);
+
+// Appends ids to a new cache file and publishes it with its footer at finish().
+class TokenCacheWriter {
+ public:
+  // `id_bytes`: 2 (every id below 65536; a larger one is an error) or 4.
+  MESHTORCH_DECL TokenCacheWriter(const std::filesystem::path& path, std::uint64_t key, std::uint32_t id_bytes);
+
+  MESHTORCH_DECL void append(std::span<const std::int32_t> ids);
+
+  MESHTORCH_DECL void finish(const TokenStreamStats& stats);
+
+ private:
+  MESHTORCH_DECL static std::filesystem::path prepare(const std::filesystem::path& path);
+
+  std::filesystem::path path_;
+  io::AtomicFile file_;
+  TokenCacheFooter footer_;
+  std::vector<std::uint16_t> narrow_;
+};
+
+}  // namespace meshtorch::data
+
+#if MESHTORCH_DEFINES(programs)
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <new>
+
+#include <fmt/format.h>
+
+#include <meshtorch/error.hpp>
+#include <meshtorch/io/xxh3.hpp>
+
+namespace meshtorch::data {
+
+namespace token_cache_detail {
+
+// The XXH3_state_t that TokenCacheKey's bytes hold.
+template <class Bytes>
+XXH3_state_t* xxh3(Bytes& bytes) {
+  static_assert(sizeof(XXH3_state_t) <= sizeof(Bytes) && alignof(XXH3_state_t) <= alignof(Bytes));
+  return std::launder(reinterpret_cast<XXH3_state_t*>(&bytes));
+}
+template <class Bytes>
+const XXH3_state_t* xxh3(const Bytes& bytes) {
+  static_assert(sizeof(XXH3_state_t) <= sizeof(Bytes) && alignof(XXH3_state_t) <= alignof(Bytes));
+  return std::launder(reinterpret_cast<const XXH3_state_t*>(&bytes));
+}
+
+}  // namespace token_cache_detail
+
+MESHTORCH_DECL TokenCacheKey::TokenCacheKey() {
+  XXH3_64bits_reset(token_cache_detail::xxh3(state_));
+  add("meshtorch token cache 2");
+}
+
+MESHTORCH_DECL void TokenCacheKey::add(std::string_view text) {
+  const std::uint64_t size = text.size();  // the length first, so "ab"+"c" differs from "a"+"bc"
+  XXH3_64bits_update(token_cache_detail::xxh3(state_), &size, sizeof size);
+  XXH3_64bits_update(token_cache_detail::xxh3(state_), text.data(), text.size());
+}
+
+MESHTORCH_DECL void TokenCacheKey::add_file_contents(const std::filesystem::path& path) {
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error)) return add(fmt::format("{}: absent", path.filename().string()));
+  add(path.filename().string());
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw DataError(fmt::format("{}: cannot open ({})", path.string(), std::strerror(errno)));
+  char block[1 << 16];
+  for (ssize_t n; (n = ::read(fd, block, sizeof block)) != 0;) {
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      ::close(fd);
+      throw DataError(fmt::format("{}: read failed ({})", path.string(), std::strerror(errno)));
+    }
+    XXH3_64bits_update(token_cache_detail::xxh3(state_), block, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+}
+
+MESHTORCH_DECL void TokenCacheKey::add_file_stamp(const std::filesystem::path& path) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0)
+    throw DataError(fmt::format("{}: cannot stat ({})", path.string(), std::strerror(errno)));
+  add(fmt::format("{}|{}|{}.{:09}", std::filesystem::absolute(path).lexically_normal().string(), info.st_size,
+                  info.st_mtim.tv_sec, info.st_mtim.tv_nsec));
+}
+
+MESHTORCH_DECL std::uint64_t TokenCacheKey::value() const {
+  return XXH3_64bits_digest(token_cache_detail::xxh3(state_));
+}
+
+MESHTORCH_DECL std::vector<std::int32_t> CachedTokens::to_vector() const {
+  std::vector<std::int32_t> out(count);
+  for (std::size_t i = 0; i < count; ++i) out[i] = (*this)[i];
+  return out;
+}
+
+MESHTORCH_DECL std::filesystem::path token_cache_path(const std::filesystem::path& cache_dir, std::uint64_t key) {
+  return cache_dir / fmt::format("tokens-{:016x}.ids", key);
+}
+
+MESHTORCH_DECL std::optional<CachedTokens> open_token_cache(const std::filesystem::path& path, std::uint64_t key,
+                                                            std::string* why) {
   auto refuse = [&](std::string reason) -> std::optional<CachedTokens> {
     if (why) *why = fmt::format("{}: {}", path.string(), reason);
     return std::nullopt;
@@ -178,56 +249,47 @@ inline std::optional<CachedTokens> open_token_cache(const std::filesystem::path&
   return cached;
 }
 
-// Appends ids to a new cache file and publishes it with its footer at finish().
-class TokenCacheWriter {
- public:
-  // `id_bytes`: 2 (every id below 65536; a larger one is an error) or 4.
-  TokenCacheWriter(const std::filesystem::path& path, std::uint64_t key, std::uint32_t id_bytes)
-      : path_(path), file_(prepare(path)) {
-    footer_.key = key;
-    footer_.id_bytes = id_bytes;
-    footer_.min_id = std::numeric_limits<std::int32_t>::max();
-    footer_.max_id = std::numeric_limits<std::int32_t>::min();
-  }
+MESHTORCH_DECL TokenCacheWriter::TokenCacheWriter(const std::filesystem::path& path, std::uint64_t key,
+                                                  std::uint32_t id_bytes)
+    : path_(path), file_(prepare(path)) {
+  footer_.key = key;
+  footer_.id_bytes = id_bytes;
+  footer_.min_id = std::numeric_limits<std::int32_t>::max();
+  footer_.max_id = std::numeric_limits<std::int32_t>::min();
+}
 
-  void append(std::span<const std::int32_t> ids) {
-    if (ids.empty()) return;
-    const auto [low, high] = std::ranges::minmax(ids);
-    footer_.min_id = std::min(footer_.min_id, low);
-    footer_.max_id = std::max(footer_.max_id, high);
-    footer_.token_count += ids.size();
-    if (footer_.id_bytes == 4) return file_.write(ids.data(), ids.size_bytes());
-    if (low < 0 || high > 65535)
-      throw DataError(fmt::format("{}: token id {} does not fit the 16 bits the vocabulary promised", path_.string(),
-                                  low < 0 ? low : high));
-    narrow_.assign(ids.begin(), ids.end());
-    file_.write(narrow_.data(), narrow_.size() * sizeof(std::uint16_t));
-  }
+MESHTORCH_DECL void TokenCacheWriter::append(std::span<const std::int32_t> ids) {
+  if (ids.empty()) return;
+  const auto [low, high] = std::ranges::minmax(ids);
+  footer_.min_id = std::min(footer_.min_id, low);
+  footer_.max_id = std::max(footer_.max_id, high);
+  footer_.token_count += ids.size();
+  if (footer_.id_bytes == 4) return file_.write(ids.data(), ids.size_bytes());
+  if (low < 0 || high > 65535)
+    throw DataError(fmt::format("{}: token id {} does not fit the 16 bits the vocabulary promised", path_.string(),
+                                low < 0 ? low : high));
+  narrow_.assign(ids.begin(), ids.end());
+  file_.write(narrow_.data(), narrow_.size() * sizeof(std::uint16_t));
+}
 
-  void finish(const TokenStreamStats& stats) {
-    footer_.files = stats.files;
-    footer_.documents = stats.documents;
-    footer_.skipped_lines = stats.skipped_lines;
-    if (footer_.token_count == 0) footer_.min_id = 0, footer_.max_id = -1;
-    file_.write(&footer_, sizeof footer_);
-    file_.commit();
-  }
+MESHTORCH_DECL void TokenCacheWriter::finish(const TokenStreamStats& stats) {
+  footer_.files = stats.files;
+  footer_.documents = stats.documents;
+  footer_.skipped_lines = stats.skipped_lines;
+  if (footer_.token_count == 0) footer_.min_id = 0, footer_.max_id = -1;
+  file_.write(&footer_, sizeof footer_);
+  file_.commit();
+}
 
- private:
-  static std::filesystem::path prepare(const std::filesystem::path& path) {
-    std::error_code error;
-    std::filesystem::create_directories(path.parent_path(), error);
-    if (error)
-      throw DataError(fmt::format("{}: cannot create the token cache folder ({}); set MESHTORCH_DATA_CACHE to a "
-                                  "writable folder",
-                                  path.parent_path().string(), error.message()));
-    return path;
-  }
-
-  std::filesystem::path path_;
-  io::AtomicFile file_;
-  TokenCacheFooter footer_;
-  std::vector<std::uint16_t> narrow_;
-};
+MESHTORCH_DECL std::filesystem::path TokenCacheWriter::prepare(const std::filesystem::path& path) {
+  std::error_code error;
+  std::filesystem::create_directories(path.parent_path(), error);
+  if (error)
+    throw DataError(fmt::format("{}: cannot create the token cache folder ({}); set MESHTORCH_DATA_CACHE to a "
+                                "writable folder",
+                                path.parent_path().string(), error.message()));
+  return path;
+}
 
 }  // namespace meshtorch::data
+#endif  // MESHTORCH_DEFINES(programs)

@@ -11,127 +11,55 @@
 //   + ZeroRedundancyOptimizer       AdamW state of the owned weights   the owner
 //
 // Every rank calls save and load: both are collectives over the whole job.
-#include <cmath>
-#include <exception>
 #include <filesystem>
 #include <map>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
-#include <meshtorch/comm/collectives.hpp>
-#include <meshtorch/error.hpp>
 #include <meshtorch/io/sharded_tensor.hpp>
-#include <meshtorch/models/llama/config_json.hpp>
 #include <meshtorch/models/llama/model.hpp>
-#include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/parallel/parallelize.hpp>
 #include <meshtorch/parallel/sharded_checkpoint.hpp>
 #include <meshtorch/parallel/zero.hpp>
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/adamw.hpp>
 #include <meshtorch/train/checkpoint.hpp>
 #include <meshtorch/train/experiment.hpp>
-#include <meshtorch/train/log.hpp>
-#include <meshtorch/train/rng.hpp>
 #include <meshtorch/train/state.hpp>
 
 namespace meshtorch::parallel {
 
 // AdamW's state with the boxes of the weights it steps.
-inline std::vector<io::ShardedTensor> optimizer_state_pieces(const train::AdamW& optimizer,
-                                                             const std::vector<io::ShardedTensor>& weights) {
-  return adamw_state_tensors(optimizer, weights);
-}
+MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const train::AdamW& optimizer,
+                                                                     const std::vector<io::ShardedTensor>& weights);
 
 // ZeRO-1's state: each rank holds (and writes) the state of the weights it owns, whole. A load on
 // another world size fills each rank's new share from whichever rank saved it.
-inline std::vector<io::ShardedTensor> optimizer_state_pieces(const ZeroRedundancyOptimizer& optimizer,
-                                                             const std::vector<io::ShardedTensor>& weights) {
-  std::set<std::string> owned;
-  for (const auto& [name, parameter] : optimizer.owned_parameters()) owned.insert(name);
-  std::vector<io::ShardedTensor> mine;
-  for (const auto& weight : weights) {
-    if (!owned.contains(weight.name)) continue;
-    if (weight.box != io::whole(weight.global_shape))
-      throw ConfigError(fmt::format("checkpoint: ZeroRedundancyOptimizer steps '{}', of which this rank holds only "
-                                    "{}; ZeRO-1 shards whole weights over a DP-only mesh (use AdamW with FSDP or TP)",
-                                    weight.name, io::to_string(weight.box)));
-    auto piece = weight;
-    piece.writer = true;  // the owner is the one rank of its DP group holding this state
-    mine.push_back(std::move(piece));
-  }
-  return adamw_state_tensors(optimizer, mine);
-}
+MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const ZeroRedundancyOptimizer& optimizer,
+                                                                     const std::vector<io::ShardedTensor>& weights);
 
 // Saves <exp_dir>/ckpt-<step> from every rank's pieces, with this rank's RNG states and
 // state.json. A non-finite running loss is never saved: the previous checkpoint stays the latest.
-inline SavedCheckpoint save_training_checkpoint(const std::filesystem::path& exp_dir, const std::vector<io::ShardedTensor>& tensors,
-                                     const train::TrainState& state, const train::RunIdentity& identity,
-                                     const comm::AxisGroup& world, const SaveOptions& options) {
-  if (!std::isfinite(state.running_loss))
-    throw DataError(fmt::format("not saving the checkpoint of global_step {} into {}: the running loss is {}; the "
-                                "previous checkpoint stays the latest",
-                                state.global_step, exp_dir.string(), state.running_loss));
-  return save_sharded_checkpoint(exp_dir, state.global_step, tensors, train::to_json(state, identity),
-                                 train::capture_rng_states(), world, options);
-}
+MESHTORCH_DECL SavedCheckpoint save_training_checkpoint(const std::filesystem::path& exp_dir,
+                                                        const std::vector<io::ShardedTensor>& tensors,
+                                                        const train::TrainState& state,
+                                                        const train::RunIdentity& identity, const comm::AxisGroup& world,
+                                                        const SaveOptions& options);
 
 // Fills every rank's pieces from the checkpoint <exp_dir>/checkpoint links to and returns its
 // training state, or nothing for a fresh experiment. All ranks must find the same folder (one
 // save directory they all see); when any rank cannot, every rank throws.
-inline std::optional<train::TrainState> load_training_checkpoint(const std::filesystem::path& exp_dir,
-                                                                 std::vector<io::ShardedTensor>& tensors,
-                                                                 const train::RunIdentity& identity,
-                                                                 const comm::AxisGroup& world) {
-  const train::Logger log(world.global_rank());
-  ResumePoint point;
-  std::exception_ptr failure;
-  try {
-    point = find_checkpoint_to_resume(exp_dir);
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  const auto failed = sharded_detail::failed_ranks(world, failure != nullptr);
-  if (failure) std::rethrow_exception(failure);
-  if (!failed.empty())
-    throw DataError(fmt::format("rank(s) {} could not tell which checkpoint of {} to resume from (see their logs)",
-                                fmt::join(failed, ", "), exp_dir.string()));
-  const auto found = point.checkpoint ? point.checkpoint->string() : std::string("no checkpoint");
-  const auto seen = comm::all_gather_object(world, found);
-  for (int r = 0; r < world.size(); ++r)
-    if (seen[static_cast<std::size_t>(r)] != seen[0])
-      throw ConfigError(fmt::format("rank {} resumes from '{}' but rank {} from '{}': --save-dir must be one folder "
-                                    "that every rank sees (a shared file system)",
-                                    world.global_rank_of(r), seen[static_cast<std::size_t>(r)], world.global_rank_of(0),
-                                    seen[0]));
-  if (world.rank() == 0)
-    for (const auto& partial : point.ignored_partial)
-      log.warning(fmt::format("ignoring {}: a save that did not finish", partial.string()));
-  if (!point.checkpoint) return std::nullopt;
-
-  const auto& dir = *point.checkpoint;
-  const auto loaded = load_sharded_checkpoint(dir, tensors, world);
-  auto state = train::read_train_state(nlohmann::json::parse(loaded.state.dump()), (dir / state_file_name).string(), identity);
-  if (loaded.rank_state)
-    train::restore_rng_states(io::SafetensorsFile{*loaded.rank_state, {}}, dir / rank_file_name(world.rank()));
-  else if (world.rank() == 0)
-    log.warning(loaded.rank_state_note);
-  if (world.rank() == 0 && loaded.manifest.world_size != world.size())
-    log.info(fmt::format("resharded {} from {} ranks ({}) onto {}", dir.string(), loaded.manifest.world_size,
-                         loaded.manifest.layout, world.size()));
-  return state;
-}
+MESHTORCH_DECL std::optional<train::TrainState> load_training_checkpoint(const std::filesystem::path& exp_dir,
+                                                                         std::vector<io::ShardedTensor>& tensors,
+                                                                         const train::RunIdentity& identity,
+                                                                         const comm::AxisGroup& world);
 
 // config.json of the model as saved: consolidation turns the checkpoint into an HF folder with it.
-inline std::map<std::string, std::string> config_file(const llama::Config& config, torch::ScalarType dtype) {
-  return {{"config.json", llama::config_to_json(config, llama::dtype_name(dtype)).dump(2) + "\n"}};
-}
+MESHTORCH_DECL std::map<std::string, std::string> config_file(const llama::Config& config, torch::ScalarType dtype);
 
 }  // namespace meshtorch::parallel
 
@@ -140,12 +68,7 @@ namespace meshtorch::train {
 // Chapter 1's model: one process saves every weight whole.
 template <>
 struct Checkpointing<llama::LlamaForCausalLM> {
-  static std::vector<io::ShardedTensor> weights(llama::LlamaForCausalLM& model) {
-    std::vector<io::ShardedTensor> pieces;
-    for (const auto& item : model->named_parameters())
-      pieces.push_back(io::replicated(item.key(), item.value(), /*writer=*/true));
-    return pieces;
-  }
+  MESHTORCH_DECL static std::vector<io::ShardedTensor> weights(llama::LlamaForCausalLM& model);
 
   template <class Optimizer>
   static void save(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model, const Optimizer& optimizer,
@@ -198,3 +121,119 @@ struct Checkpointing<ParallelLlama<M, Styles>> {
 };
 
 }  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINES(programs)
+#include <cmath>
+#include <exception>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/error.hpp>
+#include <meshtorch/models/llama/config_json.hpp>
+#include <meshtorch/models/llama/weights.hpp>
+#include <meshtorch/train/log.hpp>
+#include <meshtorch/train/rng.hpp>
+
+namespace meshtorch::parallel {
+
+MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const train::AdamW& optimizer,
+                                                                     const std::vector<io::ShardedTensor>& weights) {
+  return adamw_state_tensors(optimizer, weights);
+}
+
+MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const ZeroRedundancyOptimizer& optimizer,
+                                                                     const std::vector<io::ShardedTensor>& weights) {
+  std::set<std::string> owned;
+  for (const auto& [name, parameter] : optimizer.owned_parameters()) owned.insert(name);
+  std::vector<io::ShardedTensor> mine;
+  for (const auto& weight : weights) {
+    if (!owned.contains(weight.name)) continue;
+    if (weight.box != io::whole(weight.global_shape))
+      throw ConfigError(fmt::format("checkpoint: ZeroRedundancyOptimizer steps '{}', of which this rank holds only "
+                                    "{}; ZeRO-1 shards whole weights over a DP-only mesh (use AdamW with FSDP or TP)",
+                                    weight.name, io::to_string(weight.box)));
+    auto piece = weight;
+    piece.writer = true;  // the owner is the one rank of its DP group holding this state
+    mine.push_back(std::move(piece));
+  }
+  return adamw_state_tensors(optimizer, mine);
+}
+
+MESHTORCH_DECL SavedCheckpoint save_training_checkpoint(const std::filesystem::path& exp_dir,
+                                                        const std::vector<io::ShardedTensor>& tensors,
+                                                        const train::TrainState& state,
+                                                        const train::RunIdentity& identity, const comm::AxisGroup& world,
+                                                        const SaveOptions& options) {
+  if (!std::isfinite(state.running_loss))
+    throw DataError(fmt::format("not saving the checkpoint of global_step {} into {}: the running loss is {}; the "
+                                "previous checkpoint stays the latest",
+                                state.global_step, exp_dir.string(), state.running_loss));
+  return save_sharded_checkpoint(exp_dir, state.global_step, tensors, train::to_json(state, identity),
+                                 train::capture_rng_states(), world, options);
+}
+
+MESHTORCH_DECL std::optional<train::TrainState> load_training_checkpoint(const std::filesystem::path& exp_dir,
+                                                                         std::vector<io::ShardedTensor>& tensors,
+                                                                         const train::RunIdentity& identity,
+                                                                         const comm::AxisGroup& world) {
+  const train::Logger log(world.global_rank());
+  ResumePoint point;
+  std::exception_ptr failure;
+  try {
+    point = find_checkpoint_to_resume(exp_dir);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  const auto failed = sharded_detail::failed_ranks(world, failure != nullptr);
+  if (failure) std::rethrow_exception(failure);
+  if (!failed.empty())
+    throw DataError(fmt::format("rank(s) {} could not tell which checkpoint of {} to resume from (see their logs)",
+                                fmt::join(failed, ", "), exp_dir.string()));
+  const auto found = point.checkpoint ? point.checkpoint->string() : std::string("no checkpoint");
+  const auto seen = comm::all_gather_object(world, found);
+  for (int r = 0; r < world.size(); ++r)
+    if (seen[static_cast<std::size_t>(r)] != seen[0])
+      throw ConfigError(fmt::format("rank {} resumes from '{}' but rank {} from '{}': --save-dir must be one folder "
+                                    "that every rank sees (a shared file system)",
+                                    world.global_rank_of(r), seen[static_cast<std::size_t>(r)], world.global_rank_of(0),
+                                    seen[0]));
+  if (world.rank() == 0)
+    for (const auto& partial : point.ignored_partial)
+      log.warning(fmt::format("ignoring {}: a save that did not finish", partial.string()));
+  if (!point.checkpoint) return std::nullopt;
+
+  const auto& dir = *point.checkpoint;
+  const auto loaded = load_sharded_checkpoint(dir, tensors, world);
+  auto state = train::read_train_state(nlohmann::json::parse(loaded.state.dump()), (dir / state_file_name).string(), identity);
+  if (loaded.rank_state)
+    train::restore_rng_states(io::SafetensorsFile{*loaded.rank_state, {}}, dir / rank_file_name(world.rank()));
+  else if (world.rank() == 0)
+    log.warning(loaded.rank_state_note);
+  if (world.rank() == 0 && loaded.manifest.world_size != world.size())
+    log.info(fmt::format("resharded {} from {} ranks ({}) onto {}", dir.string(), loaded.manifest.world_size,
+                         loaded.manifest.layout, world.size()));
+  return state;
+}
+
+MESHTORCH_DECL std::map<std::string, std::string> config_file(const llama::Config& config, torch::ScalarType dtype) {
+  return {{"config.json", llama::config_to_json(config, llama::dtype_name(dtype)).dump(2) + "\n"}};
+}
+
+}  // namespace meshtorch::parallel
+
+namespace meshtorch::train {
+
+MESHTORCH_DECL std::vector<io::ShardedTensor> Checkpointing<llama::LlamaForCausalLM>::weights(
+    llama::LlamaForCausalLM& model) {
+  std::vector<io::ShardedTensor> pieces;
+  for (const auto& item : model->named_parameters())
+    pieces.push_back(io::replicated(item.key(), item.value(), /*writer=*/true));
+  return pieces;
+}
+
+}  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINES(programs)

@@ -16,31 +16,26 @@
 // publish_sharded_checkpoint on rank 0) and the collective save_sharded_checkpoint that orders
 // them with the group; loading likewise (the collective form shares the checksum work).
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <memory>
 #include <optional>
-#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/axis_group.hpp>
-#include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/error.hpp>
-#include <meshtorch/io/atomic_file.hpp>
 #include <meshtorch/io/safetensors.hpp>
 #include <meshtorch/io/safetensors_reader.hpp>
 #include <meshtorch/io/sharded_tensor.hpp>
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/adamw.hpp>
 #include <meshtorch/train/checkpoint.hpp>
 
@@ -54,11 +49,11 @@ using train::checkpoint_link_name;
 // Tensors named with this prefix are optimizer state: loaded like weights, left out of consolidation.
 inline constexpr std::string_view optimizer_prefix = "optimizer/";
 
-inline std::string sharded_checkpoint_name(std::int64_t global_step) { return fmt::format("ckpt-{:08d}", global_step); }
-inline std::string rank_file_name(int rank) { return fmt::format("rank{}.safetensors", rank); }
-inline std::string rank_piece_list_name(int rank) { return fmt::format("rank{}.pieces.json", rank); }
+MESHTORCH_DECL std::string sharded_checkpoint_name(std::int64_t global_step);
+MESHTORCH_DECL std::string rank_file_name(int rank);
+MESHTORCH_DECL std::string rank_piece_list_name(int rank);
 // Per-rank state (RNG) lives in the rank's file under these keys and is never resharded.
-inline std::string rank_state_key(int rank, const std::string& name) { return fmt::format("rank{}/{}", rank, name); }
+MESHTORCH_DECL std::string rank_state_key(int rank, const std::string& name);
 
 struct SaveOptions {
   std::string layout;  // free-form description of the mesh and placements, recorded in the manifest
@@ -95,12 +90,230 @@ struct Manifest {
   std::map<int, std::vector<std::string>> rank_state;  // rank -> names (keys are rank_state_key)
   std::map<int, std::string> coordinates;              // rank -> SaveOptions::coordinate
 
-  const TensorRecord* find(const std::string& name) const {
-    const auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
-                                     [](const TensorRecord& t, const std::string& n) { return t.name < n; });
-    return it != tensors.end() && it->name == name ? &*it : nullptr;
-  }
+  // The tensor of that name, or nullptr.
+  MESHTORCH_DECL const TensorRecord* find(const std::string& name) const;
 };
+
+MESHTORCH_DECL nlohmann::ordered_json to_json(const Manifest& m);
+
+// Reads and checks <dir>/manifest.json (structure, names, boxes, exact cover); the files
+// themselves are checked by verify_checkpoint_files.
+MESHTORCH_DECL Manifest read_manifest(const std::filesystem::path& checkpoint_dir);
+
+// One file against its manifest entry: its size always, its checksum when asked; what is wrong
+// with it (naming it), or nothing.
+MESHTORCH_DECL std::optional<std::string> check_checkpoint_file(const std::filesystem::path& checkpoint_dir,
+                                                                const std::string& name, const io::FileDigest& expected,
+                                                                bool checksum);
+
+// Every file's size, and the checksum of those `checksum_this(index)` picks (index in the
+// manifest's file order). One message per damaged file.
+template <class ChecksumThis>
+std::vector<std::string> check_checkpoint_files(const std::filesystem::path& checkpoint_dir, const Manifest& m,
+                                                ChecksumThis&& checksum_this) {
+  std::vector<std::string> problems;
+  std::size_t index = 0;
+  for (const auto& [name, expected] : m.files)
+    if (auto problem = check_checkpoint_file(checkpoint_dir, name, expected, checksum_this(index++)))
+      problems.push_back(std::move(*problem));
+  return problems;
+}
+
+MESHTORCH_DECL void throw_if_damaged(const std::filesystem::path& checkpoint_dir,
+                                     const std::vector<std::string>& problems);
+
+// Every file's size and checksum, in one process (consolidation, tools, tests).
+MESHTORCH_DECL void verify_checkpoint_files(const std::filesystem::path& checkpoint_dir, const Manifest& m);
+
+// Returned by write_rank_pieces: the file this rank wrote and what it cost.
+struct RankWriteResult {
+  std::filesystem::path file;
+  io::FileDigest digest;
+  std::int64_t pieces = 0;
+  std::int64_t largest_staging_numel = 0;  // the largest copy made to write (0: none)
+};
+
+// Step 1 of a save, on every rank, no communication: writes this rank's pieces (those with
+// writer = true) and its per-rank state into <partial_dir>/rank<R>.safetensors,
+// fsynced, then the list of what it wrote into rank<R>.pieces.json, last: a rank stopped before
+// the list is written has not finished, and publishing refuses the folder.
+MESHTORCH_DECL RankWriteResult write_rank_pieces(const std::filesystem::path& partial_dir, int rank, int world_size,
+                                                 const std::vector<io::ShardedTensor>& tensors,
+                                                 const io::NamedTensors& rank_state,
+                                                 const std::string& coordinate = "");
+
+// Moves <exp>/<name>.partial to <exp>/<name>, swaps <exp>/checkpoint to it with rename(2), and
+// only then removes older checkpoints and stale .partial folders.
+MESHTORCH_DECL void publish_checkpoint_folder(const std::filesystem::path& exp_dir, const std::string& name);
+
+// Step 2 of a save, on rank 0 after every rank's step 1, no communication: reads every rank's
+// piece list, re-checks each file's size and checksum, checks that the pieces cover every tensor
+// exactly once, writes state.json, the extra files and manifest.json, and publishes. Anything
+// missing or wrong is an error naming the rank or file, and nothing is published.
+MESHTORCH_DECL Manifest publish_sharded_checkpoint(const std::filesystem::path& exp_dir, std::int64_t global_step,
+                                                   int world_size, const nlohmann::ordered_json& state,
+                                                   const SaveOptions& options = {});
+
+namespace sharded_detail {
+
+// The ranks of `group` whose `failed` is true, known to every rank (an all-gather: also the
+// barrier between the steps, bounded by the group's timeout).
+MESHTORCH_DECL std::vector<int> failed_ranks(const comm::AxisGroup& group, bool failed);
+
+}  // namespace sharded_detail
+
+// Saves a checkpoint of step `global_step` into <exp_dir>/ckpt-<step>/, called by every rank of
+// `group` (all ranks of the job) with its own pieces: no rank gathers anything. `state` (rank 0's
+// is written) becomes state.json; `rank_state` (RNG states, ...) is this rank's own, saved under
+// rank<R>/<name> and returned by a load on the same world size. Returns the published folder and
+// what this rank wrote. When any rank fails, every rank throws and the previous checkpoint stays
+// the one linked.
+struct SavedCheckpoint {
+  std::filesystem::path folder;
+  RankWriteResult written;
+};
+
+MESHTORCH_DECL SavedCheckpoint save_sharded_checkpoint(const std::filesystem::path& exp_dir, std::int64_t global_step,
+                                                       const std::vector<io::ShardedTensor>& tensors,
+                                                       const nlohmann::ordered_json& state,
+                                                       const io::NamedTensors& rank_state, const comm::AxisGroup& group,
+                                                       const SaveOptions& options = {});
+
+// Where a run resumes from: `dir` itself when it is a checkpoint (it holds a manifest), else the
+// folder its `checkpoint` link names, or nothing for a fresh experiment. Complete ckpt-* folders
+// without the link are an error (never a silent fresh start that would then delete them);
+// .partial folders (a save that did not finish) are ignored and listed.
+struct ResumePoint {
+  std::optional<std::filesystem::path> checkpoint;
+  std::vector<std::filesystem::path> ignored_partial;
+};
+
+MESHTORCH_DECL ResumePoint find_checkpoint_to_resume(const std::filesystem::path& exp_dir);
+
+// What a load returns besides the tensors it filled.
+struct LoadedCheckpoint {
+  nlohmann::ordered_json state;                // state.json
+  std::optional<io::NamedTensors> rank_state;  // this rank's, when the world size is the saved one
+  std::string rank_state_note;                 // why rank_state is absent
+  Manifest manifest;
+  std::vector<std::string> not_requested;  // tensors the checkpoint holds that were not loaded
+};
+
+namespace sharded_detail {
+
+// load_sharded_checkpoint's work once the files of `out.manifest` are checked: state.json, the
+// tensors and this rank's state into `out`.
+MESHTORCH_DECL void load_checked(const std::filesystem::path& checkpoint_dir, std::vector<io::ShardedTensor>& tensors,
+                                 int rank, int world_size, LoadedCheckpoint& out);
+
+}  // namespace sharded_detail
+
+// Fills each of `tensors` (its `local`, in place, on its device) from a checkpoint folder, as
+// rank `rank` of `world_size`, after checking every file's size and `checksummed` files'
+// checksums (every file by default). Boxes may differ from the saved ones in any way; a tensor
+// absent from the checkpoint, or a box reaching outside the saved pieces, is an error naming it.
+template <class ChecksumThis>
+LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
+                                         std::vector<io::ShardedTensor>& tensors, int rank, int world_size,
+                                         ChecksumThis&& checksummed) {
+  LoadedCheckpoint out;
+  out.manifest = read_manifest(checkpoint_dir);
+  throw_if_damaged(checkpoint_dir, check_checkpoint_files(checkpoint_dir, out.manifest, checksummed));
+  sharded_detail::load_checked(checkpoint_dir, tensors, rank, world_size, out);
+  return out;
+}
+
+MESHTORCH_DECL LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
+                                                        std::vector<io::ShardedTensor>& tensors, int rank = 0,
+                                                        int world_size = 1);
+
+// The collective load: every rank of `group` calls it with its own boxes. Each file's checksum is
+// computed by one rank (file i by rank i mod world) and the verdict shared, so the folder is read
+// once for checking; then each rank reads only the rows its boxes need.
+MESHTORCH_DECL LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
+                                                        std::vector<io::ShardedTensor>& tensors,
+                                                        const comm::AxisGroup& group);
+
+// AdamW's state for `parameters` as pieces with the same boxes, so optimizer state reshards like
+// the weights: "optimizer/<name>.exp_avg" and ".exp_avg_sq" share the parameter's box, and
+// ".step" is a replicated scalar written by the rank holding the parameter's first element. The
+// tensors alias the optimizer's own, so a load fills the optimizer in place. Any optimizer whose
+// state() names AdamW's state so (AdamW, ZeroRedundancyOptimizer for the parameters it owns).
+template <class Optimizer>
+std::vector<io::ShardedTensor> adamw_state_tensors(const Optimizer& optimizer,
+                                                   const std::vector<io::ShardedTensor>& parameters) {
+  const auto state = optimizer.state();
+  std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
+  auto take = [&](const std::string& name) {
+    const auto it = by_name.find(name);
+    if (it == by_name.end())
+      throw ConfigError(
+          fmt::format("adamw_state_tensors: the optimizer has no state '{}' (is it built on the same "
+                      "parameter names as the pieces?)",
+                      name));
+    return it->second;
+  };
+  std::vector<io::ShardedTensor> out;
+  for (const auto& p : parameters) {
+    const std::string prefix = fmt::format("{}{}", optimizer_prefix, p.name);
+    out.push_back(io::sharded(prefix + ".exp_avg", take(p.name + ".exp_avg"), p.global_shape, p.box, p.writer));
+    out.push_back(io::sharded(prefix + ".exp_avg_sq", take(p.name + ".exp_avg_sq"), p.global_shape, p.box, p.writer));
+    const bool holds_origin = !p.box.empty() && std::all_of(p.box.offsets.begin(), p.box.offsets.end(),
+                                                            [](std::int64_t o) { return o == 0; });
+    out.push_back(io::replicated(prefix + ".step", take(p.name + ".step"), p.writer && holds_origin));
+  }
+  return out;
+}
+
+// What consolidate_sharded_checkpoint wrote.
+struct ConsolidateResult {
+  std::vector<std::filesystem::path> files;
+  std::int64_t tensors = 0;
+  std::uint64_t bytes = 0;  // of tensor data
+};
+
+struct ConsolidateOptions {
+  std::uint64_t max_shard_bytes = std::uint64_t{5} << 30;  // transformers' default: 5 GB per file
+  bool include_optimizer = false;
+};
+
+// Turns a sharded checkpoint into an HF folder: config.json (and the other extra files) copied,
+// model.safetensors, or model-0000i-of-0000n.safetensors with model.safetensors.index.json beyond
+// max_shard_bytes. One process, no launcher; assembles one full tensor at a time, written straight
+// into the output file (whose header is planned from the manifest), so memory holds one tensor.
+MESHTORCH_DECL ConsolidateResult consolidate_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
+                                                                const std::filesystem::path& out_dir,
+                                                                const ConsolidateOptions& options = {});
+
+}  // namespace meshtorch::parallel
+
+#if MESHTORCH_DEFINES(programs)
+#include <exception>
+#include <fstream>
+#include <memory>
+#include <set>
+
+#include <fmt/ranges.h>
+
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/io/atomic_file.hpp>
+
+namespace meshtorch::parallel {
+
+MESHTORCH_DECL std::string sharded_checkpoint_name(std::int64_t global_step) {
+  return fmt::format("ckpt-{:08d}", global_step);
+}
+MESHTORCH_DECL std::string rank_file_name(int rank) { return fmt::format("rank{}.safetensors", rank); }
+MESHTORCH_DECL std::string rank_piece_list_name(int rank) { return fmt::format("rank{}.pieces.json", rank); }
+MESHTORCH_DECL std::string rank_state_key(int rank, const std::string& name) {
+  return fmt::format("rank{}/{}", rank, name);
+}
+
+MESHTORCH_DECL const TensorRecord* Manifest::find(const std::string& name) const {
+  const auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
+                                   [](const TensorRecord& t, const std::string& n) { return t.name < n; });
+  return it != tensors.end() && it->name == name ? &*it : nullptr;
+}
 
 namespace sharded_detail {
 
@@ -222,7 +435,7 @@ inline io::FileDigest parse_digest(const nlohmann::json& j, const std::string& w
 
 }  // namespace sharded_detail
 
-inline nlohmann::ordered_json to_json(const Manifest& m) {
+MESHTORCH_DECL nlohmann::ordered_json to_json(const Manifest& m) {
   nlohmann::ordered_json j;
   j["format"] = sharded_checkpoint_format;
   j["version"] = m.version;
@@ -247,9 +460,7 @@ inline nlohmann::ordered_json to_json(const Manifest& m) {
   return j;
 }
 
-// Reads and checks <dir>/manifest.json (structure, names, boxes, exact cover); the files
-// themselves are checked by verify_checkpoint_files.
-inline Manifest read_manifest(const std::filesystem::path& checkpoint_dir) {
+MESHTORCH_DECL Manifest read_manifest(const std::filesystem::path& checkpoint_dir) {
   using namespace sharded_detail;
   const auto path = checkpoint_dir / manifest_file_name;
   if (!std::filesystem::exists(path))
@@ -327,11 +538,9 @@ inline Manifest read_manifest(const std::filesystem::path& checkpoint_dir) {
   return m;
 }
 
-// One file against its manifest entry: its size always, its checksum when asked; what is wrong
-// with it (naming it), or nothing.
-inline std::optional<std::string> check_checkpoint_file(const std::filesystem::path& checkpoint_dir,
-                                                        const std::string& name, const io::FileDigest& expected,
-                                                        bool checksum) {
+MESHTORCH_DECL std::optional<std::string> check_checkpoint_file(const std::filesystem::path& checkpoint_dir,
+                                                                const std::string& name, const io::FileDigest& expected,
+                                                                bool checksum) {
   const auto path = checkpoint_dir / name;
   std::error_code error;
   const auto size = std::filesystem::file_size(path, error);
@@ -352,20 +561,8 @@ inline std::optional<std::string> check_checkpoint_file(const std::filesystem::p
   return std::nullopt;
 }
 
-// Every file's size, and the checksum of those `checksum_this(index)` picks (index in the
-// manifest's file order). One message per damaged file.
-template <class ChecksumThis>
-std::vector<std::string> check_checkpoint_files(const std::filesystem::path& checkpoint_dir, const Manifest& m,
-                                                ChecksumThis&& checksum_this) {
-  std::vector<std::string> problems;
-  std::size_t index = 0;
-  for (const auto& [name, expected] : m.files)
-    if (auto problem = check_checkpoint_file(checkpoint_dir, name, expected, checksum_this(index++)))
-      problems.push_back(std::move(*problem));
-  return problems;
-}
-
-inline void throw_if_damaged(const std::filesystem::path& checkpoint_dir, const std::vector<std::string>& problems) {
+MESHTORCH_DECL void throw_if_damaged(const std::filesystem::path& checkpoint_dir,
+                                     const std::vector<std::string>& problems) {
   if (problems.empty()) return;
   throw DataError(
       fmt::format("checkpoint {} is damaged or incomplete: {}; resume from another checkpoint "
@@ -373,26 +570,13 @@ inline void throw_if_damaged(const std::filesystem::path& checkpoint_dir, const 
                   checkpoint_dir.string(), fmt::join(problems, "; ")));
 }
 
-// Every file's size and checksum, in one process (consolidation, tools, tests).
-inline void verify_checkpoint_files(const std::filesystem::path& checkpoint_dir, const Manifest& m) {
+MESHTORCH_DECL void verify_checkpoint_files(const std::filesystem::path& checkpoint_dir, const Manifest& m) {
   throw_if_damaged(checkpoint_dir, check_checkpoint_files(checkpoint_dir, m, [](std::size_t) { return true; }));
 }
 
-// Returned by write_rank_pieces: the file this rank wrote and what it cost.
-struct RankWriteResult {
-  std::filesystem::path file;
-  io::FileDigest digest;
-  std::int64_t pieces = 0;
-  std::int64_t largest_staging_numel = 0;  // the largest copy made to write (0: none)
-};
-
-// Step 1 of a save, on every rank, no communication: writes this rank's pieces (those with
-// writer = true) and its per-rank state into <partial_dir>/rank<R>.safetensors,
-// fsynced, then the list of what it wrote into rank<R>.pieces.json, last: a rank stopped before
-// the list is written has not finished, and publishing refuses the folder.
-inline RankWriteResult write_rank_pieces(const std::filesystem::path& partial_dir, int rank, int world_size,
-                                         const std::vector<io::ShardedTensor>& tensors,
-                                         const io::NamedTensors& rank_state, const std::string& coordinate = "") {
+MESHTORCH_DECL RankWriteResult write_rank_pieces(const std::filesystem::path& partial_dir, int rank, int world_size,
+                                                 const std::vector<io::ShardedTensor>& tensors,
+                                                 const io::NamedTensors& rank_state, const std::string& coordinate) {
   using namespace sharded_detail;
   if (rank < 0 || rank >= world_size)
     throw ConfigError(fmt::format("write_rank_pieces: rank {} is outside a world of {}", rank, world_size));
@@ -444,9 +628,7 @@ inline RankWriteResult write_rank_pieces(const std::filesystem::path& partial_di
   return result;
 }
 
-// Moves <exp>/<name>.partial to <exp>/<name>, swaps <exp>/checkpoint to it with rename(2), and
-// only then removes older checkpoints and stale .partial folders.
-inline void publish_checkpoint_folder(const std::filesystem::path& exp_dir, const std::string& name) {
+MESHTORCH_DECL void publish_checkpoint_folder(const std::filesystem::path& exp_dir, const std::string& name) {
   const std::filesystem::path final_dir = exp_dir / name;
   const std::filesystem::path partial_dir = exp_dir / (name + ".partial");
   const std::filesystem::path replaced = exp_dir / (name + ".replaced");
@@ -467,13 +649,9 @@ inline void publish_checkpoint_folder(const std::filesystem::path& exp_dir, cons
   }
 }
 
-// Step 2 of a save, on rank 0 after every rank's step 1, no communication: reads every rank's
-// piece list, re-checks each file's size and checksum, checks that the pieces cover every tensor
-// exactly once, writes state.json, the extra files and manifest.json, and publishes. Anything
-// missing or wrong is an error naming the rank or file, and nothing is published.
-inline Manifest publish_sharded_checkpoint(const std::filesystem::path& exp_dir, std::int64_t global_step,
-                                           int world_size, const nlohmann::ordered_json& state,
-                                           const SaveOptions& options = {}) {
+MESHTORCH_DECL Manifest publish_sharded_checkpoint(const std::filesystem::path& exp_dir, std::int64_t global_step,
+                                                   int world_size, const nlohmann::ordered_json& state,
+                                                   const SaveOptions& options) {
   using namespace sharded_detail;
   const auto name = sharded_checkpoint_name(global_step);
   const auto partial_dir = exp_dir / (name + ".partial");
@@ -551,9 +729,7 @@ inline torch::Tensor flag_tensor(const comm::AxisGroup& group, int value) {
   return torch::full({1}, value, torch::TensorOptions().dtype(torch::kInt).device(device));
 }
 
-// The ranks of `group` whose `failed` is true, known to every rank (an all-gather: also the
-// barrier between the steps, bounded by the group's timeout).
-inline std::vector<int> failed_ranks(const comm::AxisGroup& group, bool failed) {
+MESHTORCH_DECL std::vector<int> failed_ranks(const comm::AxisGroup& group, bool failed) {
   const auto all = comm::all_gather(group, flag_tensor(group, failed ? 1 : 0)).to(torch::kCPU);
   std::vector<int> out;
   for (int r = 0; r < group.size(); ++r)
@@ -563,21 +739,11 @@ inline std::vector<int> failed_ranks(const comm::AxisGroup& group, bool failed) 
 
 }  // namespace sharded_detail
 
-// Saves a checkpoint of step `global_step` into <exp_dir>/ckpt-<step>/, called by every rank of
-// `group` (all ranks of the job) with its own pieces: no rank gathers anything. `state` (rank 0's
-// is written) becomes state.json; `rank_state` (RNG states, ...) is this rank's own, saved under
-// rank<R>/<name> and returned by a load on the same world size. Returns the published folder and
-// what this rank wrote. When any rank fails, every rank throws and the previous checkpoint stays
-// the one linked.
-struct SavedCheckpoint {
-  std::filesystem::path folder;
-  RankWriteResult written;
-};
-
-inline SavedCheckpoint save_sharded_checkpoint(const std::filesystem::path& exp_dir, std::int64_t global_step,
-                                               const std::vector<io::ShardedTensor>& tensors,
-                                               const nlohmann::ordered_json& state, const io::NamedTensors& rank_state,
-                                               const comm::AxisGroup& group, const SaveOptions& options = {}) {
+MESHTORCH_DECL SavedCheckpoint save_sharded_checkpoint(const std::filesystem::path& exp_dir, std::int64_t global_step,
+                                                       const std::vector<io::ShardedTensor>& tensors,
+                                                       const nlohmann::ordered_json& state,
+                                                       const io::NamedTensors& rank_state, const comm::AxisGroup& group,
+                                                       const SaveOptions& options) {
   const auto name = sharded_checkpoint_name(global_step);
   const auto partial_dir = exp_dir / (name + ".partial");
   auto collective_step = [&](const char* what, auto&& work) {
@@ -610,16 +776,7 @@ inline SavedCheckpoint save_sharded_checkpoint(const std::filesystem::path& exp_
   return {exp_dir / name, written};
 }
 
-// Where a run resumes from: `dir` itself when it is a checkpoint (it holds a manifest), else the
-// folder its `checkpoint` link names, or nothing for a fresh experiment. Complete ckpt-* folders
-// without the link are an error (never a silent fresh start that would then delete them);
-// .partial folders (a save that did not finish) are ignored and listed.
-struct ResumePoint {
-  std::optional<std::filesystem::path> checkpoint;
-  std::vector<std::filesystem::path> ignored_partial;
-};
-
-inline ResumePoint find_checkpoint_to_resume(const std::filesystem::path& exp_dir) {
+MESHTORCH_DECL ResumePoint find_checkpoint_to_resume(const std::filesystem::path& exp_dir) {
   ResumePoint out;
   if (!std::filesystem::exists(exp_dir)) return out;
   if (std::filesystem::exists(exp_dir / manifest_file_name)) {
@@ -659,15 +816,6 @@ inline ResumePoint find_checkpoint_to_resume(const std::filesystem::path& exp_di
                     exp_dir.string(), fmt::join(complete, ", "), checkpoint_link_name, complete.back(), link.string()));
   return out;
 }
-
-// What a load returns besides the tensors it filled.
-struct LoadedCheckpoint {
-  nlohmann::ordered_json state;                // state.json
-  std::optional<io::NamedTensors> rank_state;  // this rank's, when the world size is the saved one
-  std::string rank_state_note;                 // why rank_state is absent
-  Manifest manifest;
-  std::vector<std::string> not_requested;  // tensors the checkpoint holds that were not loaded
-};
 
 namespace sharded_detail {
 
@@ -738,21 +886,9 @@ inline std::string world_note(const Manifest& m, int world_size) {
       m.world_size, world_size);
 }
 
-}  // namespace sharded_detail
-
-// Fills each of `tensors` (its `local`, in place, on its device) from a checkpoint folder, as
-// rank `rank` of `world_size`, after checking every file's size and `checksummed` files'
-// checksums (every file by default). Boxes may differ from the saved ones in any way; a tensor
-// absent from the checkpoint, or a box reaching outside the saved pieces, is an error naming it.
-template <class ChecksumThis>
-LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
-                                         std::vector<io::ShardedTensor>& tensors, int rank, int world_size,
-                                         ChecksumThis&& checksummed) {
-  using namespace sharded_detail;
-  LoadedCheckpoint out;
-  out.manifest = read_manifest(checkpoint_dir);
+MESHTORCH_DECL void load_checked(const std::filesystem::path& checkpoint_dir, std::vector<io::ShardedTensor>& tensors,
+                                 int rank, int world_size, LoadedCheckpoint& out) {
   const auto& m = out.manifest;
-  throw_if_damaged(checkpoint_dir, check_checkpoint_files(checkpoint_dir, m, checksummed));
   if (!m.files.contains(std::string(state_file_name)))
     throw DataError(fmt::format("{}: {} is not listed under files", (checkpoint_dir / manifest_file_name).string(),
                                 state_file_name));
@@ -789,20 +925,19 @@ LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& checkpoint
         state.emplace_back(name, readers.get(rank_file_name(rank)).read(rank_state_key(rank, name)));
     out.rank_state = std::move(state);
   }
-  return out;
 }
 
-inline LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
-                                                std::vector<io::ShardedTensor>& tensors, int rank = 0,
-                                                int world_size = 1) {
+}  // namespace sharded_detail
+
+MESHTORCH_DECL LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
+                                                        std::vector<io::ShardedTensor>& tensors, int rank,
+                                                        int world_size) {
   return load_sharded_checkpoint(checkpoint_dir, tensors, rank, world_size, [](std::size_t) { return true; });
 }
 
-// The collective load: every rank of `group` calls it with its own boxes. Each file's checksum is
-// computed by one rank (file i by rank i mod world) and the verdict shared, so the folder is read
-// once for checking; then each rank reads only the rows its boxes need.
-inline LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
-                                                std::vector<io::ShardedTensor>& tensors, const comm::AxisGroup& group) {
+MESHTORCH_DECL LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
+                                                        std::vector<io::ShardedTensor>& tensors,
+                                                        const comm::AxisGroup& group) {
   const auto m = read_manifest(checkpoint_dir);
   const auto world = static_cast<std::size_t>(group.size());
   const auto me = static_cast<std::size_t>(group.rank());
@@ -832,56 +967,9 @@ inline LoadedCheckpoint load_sharded_checkpoint(const std::filesystem::path& che
                                  [](std::size_t) { return false; });
 }
 
-// AdamW's state for `parameters` as pieces with the same boxes, so optimizer state reshards like
-// the weights: "optimizer/<name>.exp_avg" and ".exp_avg_sq" share the parameter's box, and
-// ".step" is a replicated scalar written by the rank holding the parameter's first element. The
-// tensors alias the optimizer's own, so a load fills the optimizer in place. Any optimizer whose
-// state() names AdamW's state so (AdamW, ZeroRedundancyOptimizer for the parameters it owns).
-template <class Optimizer>
-std::vector<io::ShardedTensor> adamw_state_tensors(const Optimizer& optimizer,
-                                                   const std::vector<io::ShardedTensor>& parameters) {
-  const auto state = optimizer.state();
-  std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
-  auto take = [&](const std::string& name) {
-    const auto it = by_name.find(name);
-    if (it == by_name.end())
-      throw ConfigError(
-          fmt::format("adamw_state_tensors: the optimizer has no state '{}' (is it built on the same "
-                      "parameter names as the pieces?)",
-                      name));
-    return it->second;
-  };
-  std::vector<io::ShardedTensor> out;
-  for (const auto& p : parameters) {
-    const std::string prefix = fmt::format("{}{}", optimizer_prefix, p.name);
-    out.push_back(io::sharded(prefix + ".exp_avg", take(p.name + ".exp_avg"), p.global_shape, p.box, p.writer));
-    out.push_back(io::sharded(prefix + ".exp_avg_sq", take(p.name + ".exp_avg_sq"), p.global_shape, p.box, p.writer));
-    const bool holds_origin = !p.box.empty() && std::all_of(p.box.offsets.begin(), p.box.offsets.end(),
-                                                            [](std::int64_t o) { return o == 0; });
-    out.push_back(io::replicated(prefix + ".step", take(p.name + ".step"), p.writer && holds_origin));
-  }
-  return out;
-}
-
-// What consolidate_sharded_checkpoint wrote.
-struct ConsolidateResult {
-  std::vector<std::filesystem::path> files;
-  std::int64_t tensors = 0;
-  std::uint64_t bytes = 0;  // of tensor data
-};
-
-struct ConsolidateOptions {
-  std::uint64_t max_shard_bytes = std::uint64_t{5} << 30;  // transformers' default: 5 GB per file
-  bool include_optimizer = false;
-};
-
-// Turns a sharded checkpoint into an HF folder: config.json (and the other extra files) copied,
-// model.safetensors, or model-0000i-of-0000n.safetensors with model.safetensors.index.json beyond
-// max_shard_bytes. One process, no launcher; assembles one full tensor at a time, written straight
-// into the output file (whose header is planned from the manifest), so memory holds one tensor.
-inline ConsolidateResult consolidate_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
-                                                const std::filesystem::path& out_dir,
-                                                const ConsolidateOptions& options = {}) {
+MESHTORCH_DECL ConsolidateResult consolidate_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
+                                                                const std::filesystem::path& out_dir,
+                                                                const ConsolidateOptions& options) {
   using namespace sharded_detail;
   const auto m = read_manifest(checkpoint_dir);
   verify_checkpoint_files(checkpoint_dir, m);
@@ -943,3 +1031,4 @@ inline ConsolidateResult consolidate_sharded_checkpoint(const std::filesystem::p
 }
 
 }  // namespace meshtorch::parallel
+#endif  // MESHTORCH_DEFINES(programs)

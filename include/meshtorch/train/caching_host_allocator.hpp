@@ -13,7 +13,6 @@
 //
 // launch() installs it on CPU runs; MESHTORCH_HOST_ALLOCATOR=default keeps LibTorch's own.
 #include <cstddef>
-#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -22,11 +21,8 @@
 #include <vector>
 
 #include <c10/core/Allocator.h>
-#include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/alloc_cpu.h>
-#include <fmt/format.h>
 
-#include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::train {
 
@@ -39,43 +35,12 @@ class CachingHostAllocator final : public c10::Allocator {
 
   // The process's allocator: blocks it hands out may be freed at any time up to exit, so it is
   // never destroyed.
-  static CachingHostAllocator& instance() {
-    static auto* allocator = new CachingHostAllocator();
-    return *allocator;
-  }
+  MESHTORCH_DECL static CachingHostAllocator& instance();
 
   // Makes it the allocator of every CPU tensor allocated from now on (earlier ones keep theirs).
-  static void install() { c10::SetCPUAllocator(&instance(), /*priority=*/1); }
+  MESHTORCH_DECL static void install();
 
-  c10::DataPtr allocate(std::size_t nbytes) override {
-    void* data = nullptr;
-    if (nbytes >= min_cached_bytes) {
-      std::vector<void*> evicted;
-      {
-        std::lock_guard lock(mutex_);
-        ++stats_.large_allocations;
-        if (auto it = free_.find(nbytes); it != free_.end() && !it->second.empty()) {
-          data = it->second.back();
-          it->second.pop_back();
-          std::erase_if(order_, [&](const auto& entry) { return entry.second == data; });
-          cached_bytes_ -= nbytes;
-          ++stats_.served_from_cache;
-        } else {
-          evicted = evict_locked(nbytes);
-        }
-      }
-      // The system's part outside the lock: freeing and allocating may take the kernel's time.
-      for (void* block : evicted) c10::free_cpu(block);
-      const bool made = data == nullptr;
-      if (made) data = c10::alloc_cpu(nbytes);
-      std::lock_guard lock(mutex_);
-      if (made) reserved_bytes_ += nbytes;
-      live_[data] = nbytes;
-    } else if (nbytes > 0) {
-      data = c10::alloc_cpu(nbytes);
-    }
-    return {data, data, &CachingHostAllocator::release, c10::Device(c10::kCPU)};
-  }
+  MESHTORCH_DECL c10::DataPtr allocate(std::size_t nbytes) override;
 
   c10::DeleterFnPtr raw_deleter() const override { return &CachingHostAllocator::release; }
 
@@ -109,18 +74,7 @@ class CachingHostAllocator final : public c10::Allocator {
   }
 
   // Gives every cached block back to the system.
-  void release_cached() {
-    std::unordered_map<std::size_t, std::vector<void*>> blocks;
-    {
-      std::lock_guard lock(mutex_);
-      blocks.swap(free_);
-      order_.clear();
-      reserved_bytes_ -= cached_bytes_;
-      cached_bytes_ = 0;
-    }
-    for (auto& [size, list] : blocks)
-      for (void* data : list) c10::free_cpu(data);
-  }
+  MESHTORCH_DECL void release_cached();
 
  private:
   CachingHostAllocator() = default;
@@ -129,42 +83,9 @@ class CachingHostAllocator final : public c10::Allocator {
   // gradients after forward's activations): the blocks cached longest are given back, at least
   // as many bytes as are now asked for, so that the cache holds what recurs and not the previous
   // phase's sizes on top of this one's (which would raise the peak the cache is meant to lower).
-  std::vector<void*> evict_locked(std::size_t wanted) {
-    std::vector<void*> evicted;
-    std::size_t freed = 0;
-    while (freed < wanted && !order_.empty()) {
-      const auto [size, data] = order_.front();
-      order_.pop_front();
-      auto& list = free_[size];
-      std::erase(list, data);
-      evicted.push_back(data);
-      freed += size;
-      cached_bytes_ -= size;
-      reserved_bytes_ -= size;
-    }
-    return evicted;
-  }
+  MESHTORCH_DECL std::vector<void*> evict_locked(std::size_t wanted);
 
-  static void release(void* data) {
-    if (!data) return;
-    auto& self = instance();
-    {
-      std::lock_guard lock(self.mutex_);
-      const auto it = self.live_.find(data);
-      if (it != self.live_.end()) {
-        const auto nbytes = it->second;
-        self.live_.erase(it);
-        if (self.cached_bytes_ + nbytes <= max_cached_bytes) {
-          self.free_[nbytes].push_back(data);
-          self.order_.emplace_back(nbytes, data);
-          self.cached_bytes_ += nbytes;
-          return;
-        }
-        self.reserved_bytes_ -= nbytes;
-      }
-    }
-    c10::free_cpu(data);
-  }
+  MESHTORCH_DECL static void release(void* data);
 
   mutable std::mutex mutex_;
   std::unordered_map<void*, std::size_t> live_;                // large blocks in tensors, by address
@@ -177,7 +98,109 @@ class CachingHostAllocator final : public c10::Allocator {
 
 // launch()'s choice for CPU runs: the caching allocator unless MESHTORCH_HOST_ALLOCATOR says
 // `default` (LibTorch's own, e.g. to measure with jemalloc preloaded). Returns which is in use.
-inline std::string use_host_allocator_from_environment() {
+MESHTORCH_DECL std::string use_host_allocator_from_environment();
+
+}  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINES(programs)
+#include <cstdlib>
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <fmt/format.h>
+
+#include <meshtorch/error.hpp>
+
+namespace meshtorch::train {
+
+MESHTORCH_DECL CachingHostAllocator& CachingHostAllocator::instance() {
+  static auto* allocator = new CachingHostAllocator();
+  return *allocator;
+}
+
+MESHTORCH_DECL void CachingHostAllocator::install() { c10::SetCPUAllocator(&instance(), /*priority=*/1); }
+
+MESHTORCH_DECL c10::DataPtr CachingHostAllocator::allocate(std::size_t nbytes) {
+  void* data = nullptr;
+  if (nbytes >= min_cached_bytes) {
+    std::vector<void*> evicted;
+    {
+      std::lock_guard lock(mutex_);
+      ++stats_.large_allocations;
+      if (auto it = free_.find(nbytes); it != free_.end() && !it->second.empty()) {
+        data = it->second.back();
+        it->second.pop_back();
+        std::erase_if(order_, [&](const auto& entry) { return entry.second == data; });
+        cached_bytes_ -= nbytes;
+        ++stats_.served_from_cache;
+      } else {
+        evicted = evict_locked(nbytes);
+      }
+    }
+    // The system's part outside the lock: freeing and allocating may take the kernel's time.
+    for (void* block : evicted) c10::free_cpu(block);
+    const bool made = data == nullptr;
+    if (made) data = c10::alloc_cpu(nbytes);
+    std::lock_guard lock(mutex_);
+    if (made) reserved_bytes_ += nbytes;
+    live_[data] = nbytes;
+  } else if (nbytes > 0) {
+    data = c10::alloc_cpu(nbytes);
+  }
+  return {data, data, &CachingHostAllocator::release, c10::Device(c10::kCPU)};
+}
+
+MESHTORCH_DECL void CachingHostAllocator::release_cached() {
+  std::unordered_map<std::size_t, std::vector<void*>> blocks;
+  {
+    std::lock_guard lock(mutex_);
+    blocks.swap(free_);
+    order_.clear();
+    reserved_bytes_ -= cached_bytes_;
+    cached_bytes_ = 0;
+  }
+  for (auto& [size, list] : blocks)
+    for (void* data : list) c10::free_cpu(data);
+}
+
+MESHTORCH_DECL std::vector<void*> CachingHostAllocator::evict_locked(std::size_t wanted) {
+  std::vector<void*> evicted;
+  std::size_t freed = 0;
+  while (freed < wanted && !order_.empty()) {
+    const auto [size, data] = order_.front();
+    order_.pop_front();
+    auto& list = free_[size];
+    std::erase(list, data);
+    evicted.push_back(data);
+    freed += size;
+    cached_bytes_ -= size;
+    reserved_bytes_ -= size;
+  }
+  return evicted;
+}
+
+MESHTORCH_DECL void CachingHostAllocator::release(void* data) {
+  if (!data) return;
+  auto& self = instance();
+  {
+    std::lock_guard lock(self.mutex_);
+    const auto it = self.live_.find(data);
+    if (it != self.live_.end()) {
+      const auto nbytes = it->second;
+      self.live_.erase(it);
+      if (self.cached_bytes_ + nbytes <= max_cached_bytes) {
+        self.free_[nbytes].push_back(data);
+        self.order_.emplace_back(nbytes, data);
+        self.cached_bytes_ += nbytes;
+        return;
+      }
+      self.reserved_bytes_ -= nbytes;
+    }
+  }
+  c10::free_cpu(data);
+}
+
+MESHTORCH_DECL std::string use_host_allocator_from_environment() {
   const char* choice = std::getenv("MESHTORCH_HOST_ALLOCATOR");
   const std::string value = choice ? choice : "caching";
   if (value == "default") return value;
@@ -190,3 +213,4 @@ inline std::string use_host_allocator_from_environment() {
 }
 
 }  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINES(programs)

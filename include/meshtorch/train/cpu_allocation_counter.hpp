@@ -10,36 +10,25 @@
 //   ... forward and backward ...
 //   counter.peak() - before   // what the step held at most, in bytes
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
 #include <c10/core/Allocator.h>
-#include <c10/core/CPUAllocator.h>
+
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::train {
 
 class CpuAllocationCounter final : public c10::Allocator {
  public:
-  static CpuAllocationCounter& install() {
-    static CpuAllocationCounter* counter = [] {
-      auto* made = new CpuAllocationCounter(c10::GetCPUAllocator());  // lives as long as the process
-      c10::SetCPUAllocator(made, /*priority=*/1);
-      return made;
-    }();
-    return *counter;
-  }
+  MESHTORCH_DECL static CpuAllocationCounter& install();
 
   std::int64_t current() const { return current_.load(); }
   std::int64_t peak() const { return peak_.load(); }
   void reset_peak() { peak_.store(current_.load()); }
 
-  c10::DataPtr allocate(std::size_t nbytes) override {
-    auto inner = inner_->allocate(nbytes);
-    void* data = inner.get();
-    const auto device = inner.device();
-    add(static_cast<std::int64_t>(nbytes));
-    return {data, new Held{std::move(inner), static_cast<std::int64_t>(nbytes), this}, &release, device};
-  }
+  MESHTORCH_DECL c10::DataPtr allocate(std::size_t nbytes) override;
 
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 
@@ -71,3 +60,30 @@ class CpuAllocationCounter final : public c10::Allocator {
 };
 
 }  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINES(programs)
+#include <utility>
+
+#include <c10/core/CPUAllocator.h>
+
+namespace meshtorch::train {
+
+MESHTORCH_DECL CpuAllocationCounter& CpuAllocationCounter::install() {
+  static CpuAllocationCounter* counter = [] {
+    auto* made = new CpuAllocationCounter(c10::GetCPUAllocator());  // lives as long as the process
+    c10::SetCPUAllocator(made, /*priority=*/1);
+    return made;
+  }();
+  return *counter;
+}
+
+MESHTORCH_DECL c10::DataPtr CpuAllocationCounter::allocate(std::size_t nbytes) {
+  auto inner = inner_->allocate(nbytes);
+  void* data = inner.get();
+  const auto device = inner.device();
+  add(static_cast<std::int64_t>(nbytes));
+  return {data, new Held{std::move(inner), static_cast<std::int64_t>(nbytes), this}, &release, device};
+}
+
+}  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINES(programs)
