@@ -11,19 +11,32 @@
 #include <optional>
 #include <string>
 
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
-
 #include <meshtorch/data/bpe_tokenizer.hpp>
 #include <meshtorch/data/sentencepiece_tokenizer.hpp>
 #include <meshtorch/data/text_tokenizer.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/json_file.hpp>
 #include <meshtorch/io/model_folder.hpp>
+#include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::data {
 
-inline bool folder_has_tokenizer(const std::filesystem::path& dir) {
+MESHTORCH_DECL bool folder_has_tokenizer(const std::filesystem::path& dir);
+
+// The folder's tokenizer with its <bos>/<eos>; `note` (if given) receives what was chosen and why,
+// for the caller's log.
+MESHTORCH_DECL std::unique_ptr<TextTokenizer> load_tokenizer(const std::filesystem::path& dir,
+                                                            std::string* note = nullptr);
+
+}  // namespace meshtorch::data
+
+#if MESHTORCH_DEFINES(tokenizers)
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace meshtorch::data {
+
+MESHTORCH_DECL bool folder_has_tokenizer(const std::filesystem::path& dir) {
   return std::filesystem::is_directory(dir) &&
          (io::present_in_folder(dir / "tokenizer.json") || io::present_in_folder(dir / "tokenizer.model"));
 }
@@ -90,9 +103,7 @@ inline std::optional<std::int32_t> id_from_generation_config(const nlohmann::jso
 
 }  // namespace folder_detail
 
-// The folder's tokenizer with its <bos>/<eos>; `note` (if given) receives what was chosen and why,
-// for the caller's log.
-inline std::unique_ptr<TextTokenizer> load_tokenizer(const std::filesystem::path& dir, std::string* note = nullptr) {
+MESHTORCH_DECL std::unique_ptr<TextTokenizer> load_tokenizer(const std::filesystem::path& dir, std::string* note) {
   const auto json_path = folder_detail::folder_file_if_present(dir, "tokenizer.json");
   const auto model_path = folder_detail::folder_file_if_present(dir, "tokenizer.model");
   std::unique_ptr<TextTokenizer> tokenizer;
@@ -145,3 +156,4 @@ inline std::unique_ptr<TextTokenizer> load_tokenizer(const std::filesystem::path
 }
 
 }  // namespace meshtorch::data
+#endif  // MESHTORCH_DEFINES(tokenizers)

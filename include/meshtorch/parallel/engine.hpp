@@ -43,6 +43,7 @@
 #include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/parallel/parallelize.hpp>
 #include <meshtorch/parallel/zero.hpp>
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/adamw.hpp>
 #include <meshtorch/train/deepspeed_config.hpp>
 #include <meshtorch/train/experiment.hpp>
@@ -65,16 +66,8 @@ struct ModelStateBytes {
 
 // The training flags with the config's values in place of -b, --grad-accum, --lr, --dtype and
 // --max-grad-norm, for `data_parallel` ranks; what launch() fingerprints and the data loader reads.
-inline train::TrainArgs engine_args(train::TrainArgs args, train::DeepSpeedConfig& config, std::int64_t data_parallel) {
-  config.resolve_batch(data_parallel);
-  args.batch_size = *config.micro_batch_per_gpu;
-  args.grad_accum = *config.gradient_accumulation_steps;
-  args.global_batch_size = 0;
-  args.lr = config.optimizer.lr;
-  args.max_grad_norm = config.gradient_clipping;
-  args.dtype = config.bf16 ? "bfloat16" : "float32";
-  return args;
-}
+MESHTORCH_DECL train::TrainArgs engine_args(train::TrainArgs args, train::DeepSpeedConfig& config,
+                                            std::int64_t data_parallel);
 
 template <MeshType M>
 class Engine {
@@ -278,3 +271,21 @@ int initialize(const train::TrainArgs& args, const train::DeepSpeedConfig& confi
 }
 
 }  // namespace meshtorch
+
+#if MESHTORCH_DEFINES(tracking)
+namespace meshtorch {
+
+MESHTORCH_DECL train::TrainArgs engine_args(train::TrainArgs args, train::DeepSpeedConfig& config,
+                                            std::int64_t data_parallel) {
+  config.resolve_batch(data_parallel);
+  args.batch_size = *config.micro_batch_per_gpu;
+  args.grad_accum = *config.gradient_accumulation_steps;
+  args.global_batch_size = 0;
+  args.lr = config.optimizer.lr;
+  args.max_grad_norm = config.gradient_clipping;
+  args.dtype = config.bf16 ? "bfloat16" : "float32";
+  return args;
+}
+
+}  // namespace meshtorch
+#endif  // MESHTORCH_DEFINES(tracking)

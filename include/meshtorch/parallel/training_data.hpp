@@ -10,8 +10,6 @@
 #include <optional>
 #include <string>
 
-#include <fmt/format.h>
-
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/comm/env.hpp>
@@ -19,6 +17,7 @@
 #include <meshtorch/data/dataset_tokenizer.hpp>
 #include <meshtorch/data/sampler.hpp>
 #include <meshtorch/parallel/rank.hpp>
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/log.hpp>
 #include <meshtorch/train/train_args.hpp>
 
@@ -36,7 +35,31 @@ struct DataParallelCoordinate {
 
 // Micro-batches per optimizer step: --grad-accum, or what --global-batch-size leaves for -b on
 // `dp_size` ranks.
-inline std::int64_t micro_batches_per_step(const train::TrainArgs& args, std::int64_t dp_size) {
+MESHTORCH_DECL std::int64_t micro_batches_per_step(const train::TrainArgs& args, std::int64_t dp_size);
+
+// `world`: every rank of the job; nothing on one process. -d other than 'builtin' goes through its
+// token cache (data/token_cache.hpp), written once and mapped by every rank.
+MESHTORCH_DECL TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size,
+                                               DataParallelCoordinate data_parallel = {},
+                                               const comm::AxisGroup* world = nullptr);
+
+// For a model parallelize() built: its data-parallel group (DP and FSDP merged) splits the batch,
+// and the sequence length must be one its layout can split.
+template <class ParallelModel>
+  requires requires(const ParallelModel& m) { m.data_parallel_size(); m.world(); m.validate_sequence(1); }
+TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size, const ParallelModel& model) {
+  model.validate_sequence(args.seq_length);
+  return load_training_data(args, vocab_size, {model.data_parallel_size(), model.data_parallel_rank()}, &model.world());
+}
+
+}  // namespace meshtorch
+
+#if MESHTORCH_DEFINES(tokenizers)
+#include <fmt/format.h>
+
+namespace meshtorch {
+
+MESHTORCH_DECL std::int64_t micro_batches_per_step(const train::TrainArgs& args, std::int64_t dp_size) {
   if (args.global_batch_size == 0) return args.grad_accum;
   const std::int64_t per_micro_batch = args.batch_size * dp_size;
   if (args.global_batch_size % per_micro_batch != 0)
@@ -97,11 +120,8 @@ inline data::TokenBlocks load_cached(const train::TrainArgs& args, const comm::A
 
 }  // namespace training_data_detail
 
-// `world`: every rank of the job; nothing on one process. -d other than 'builtin' goes through its
-// token cache (data/token_cache.hpp), written once and mapped by every rank.
-inline TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size,
-                                       DataParallelCoordinate data_parallel = {},
-                                       const comm::AxisGroup* world = nullptr) {
+MESHTORCH_DECL TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size,
+                                               DataParallelCoordinate data_parallel, const comm::AxisGroup* world) {
   std::string note;
   auto blocks = world && args.dataset_name != "builtin"
                     ? training_data_detail::load_cached(args, *world, note)
@@ -117,13 +137,5 @@ inline TrainingData load_training_data(const train::TrainArgs& args, std::int64_
   return {std::move(blocks), sampler};
 }
 
-// For a model parallelize() built: its data-parallel group (DP and FSDP merged) splits the batch,
-// and the sequence length must be one its layout can split.
-template <class ParallelModel>
-  requires requires(const ParallelModel& m) { m.data_parallel_size(); m.world(); m.validate_sequence(1); }
-TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size, const ParallelModel& model) {
-  model.validate_sequence(args.seq_length);
-  return load_training_data(args, vocab_size, {model.data_parallel_size(), model.data_parallel_rank()}, &model.world());
-}
-
 }  // namespace meshtorch
+#endif  // MESHTORCH_DEFINES(tokenizers)

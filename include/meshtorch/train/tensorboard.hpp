@@ -21,13 +21,9 @@
 // rank 0 of each node, one run per node: tensorboard/node-<k>), all (tensorboard/rank-<r>).
 //
 // Link requirements: Boost headers (CMake target meshtorch::tracking).
-#include <unistd.h>
-
-#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -36,12 +32,11 @@
 #include <utility>
 #include <vector>
 
-#include <boost/crc.hpp>
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 #include <meshtorch/comm/env.hpp>
 #include <meshtorch/error.hpp>
+#include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/metrics.hpp>
 #include <meshtorch/train/args.hpp>  // TrainArgs::fingerprint(), the flags written as text
 
@@ -124,6 +119,112 @@ message Event {
 }
 )proto";
 
+// A protobuf message in wire format, field by field; defined with the definitions below, which
+// alone write messages.
+class WireMessage;
+
+// The field numbers of `event_schema` that we write.
+struct fields {
+  static constexpr int event_wall_time = 1, event_step = 2, event_file_version = 3, event_summary = 5,
+                       event_session_log = 7;
+  static constexpr int summary_value = 1;
+  static constexpr int value_tag = 1, value_simple_value = 2, value_tensor = 8, value_metadata = 9;
+  static constexpr int metadata_plugin_data = 1, metadata_data_class = 4, plugin_data_plugin_name = 1;
+  static constexpr int tensor_dtype = 1, tensor_tensor_shape = 2, tensor_string_val = 8;
+  static constexpr int session_log_status = 1;
+  static constexpr int dt_string = 7, data_class_tensor = 2, session_start = 1;  // enum values
+};
+
+// TFRecord's masked CRC-32C (the Castagnoli polynomial, reflected): a CRC stored beside the data
+// it covers is rotated and offset so that a CRC of CRCs is not trivially zero.
+MESHTORCH_DECL std::uint32_t masked_crc32c(const void* data, std::size_t size);
+
+}  // namespace tensorboard_detail
+
+// One event file of one run: events.out.tfevents.<seconds>.<host>.<pid>.<n> in `run_dir`, appended
+// record by record and flushed after each, so TensorBoard shows a run while it trains.
+class EventFileWriter {
+  using fields = tensorboard_detail::fields;
+
+ public:
+  explicit EventFileWriter(const std::filesystem::path& run_dir);
+  EventFileWriter(const EventFileWriter&) = delete;
+  EventFileWriter& operator=(const EventFileWriter&) = delete;
+  ~EventFileWriter();
+
+  const std::filesystem::path& path() const { return path_; }
+
+  // Scalars at `step`, one Summary.Value (tag, simple_value) each.
+  void add_scalars(std::int64_t step, const std::vector<std::pair<std::string, double>>& scalars);
+
+  // Markdown shown in TensorBoard's Text tab: a scalar string tensor tagged for the text plugin.
+  void add_text(std::int64_t step, const std::string& tag, const std::string& markdown);
+
+  // The run (re)starts at `step`: TensorBoard discards what this run folder holds for later steps.
+  void add_session_start(std::int64_t step);
+
+ private:
+  static tensorboard_detail::WireMessage event(std::int64_t step);
+
+  void write(const tensorboard_detail::WireMessage& event);
+
+  std::filesystem::path path_;
+  std::FILE* file_ = nullptr;
+};
+
+enum class TrackingRanks { rank0, node, all };
+
+MESHTORCH_DECL TrackingRanks parse_tracking_ranks(const std::string& text);
+
+// This rank's run folder under <experiment>/tensorboard, or nullopt when it does not write:
+// rank0 -> the folder itself on rank 0; node -> node-<k> on each node's local rank 0 (k = rank /
+// ranks per node, as launchers number nodes); all -> rank-<r> on every rank.
+MESHTORCH_DECL std::optional<std::filesystem::path> tensorboard_run_dir(const std::filesystem::path& experiment_dir,
+                                                                        TrackingRanks ranks, int rank, int local_rank,
+                                                                        int local_world_size);
+
+// The Experiment's tracker for --tensorboard: on a rank that writes (`run_dir`), the run's flags
+// as text when it starts, a session start at a resumed step, and every numeric field of each
+// metrics record as a scalar; on the others, nothing.
+class TensorBoardTracker final : public MetricsTracker {
+ public:
+  TensorBoardTracker(const std::optional<std::filesystem::path>& run_dir, const std::string& flags);
+
+  // The event file this rank writes, if any.
+  std::optional<std::filesystem::path> path() const {
+    return writer_ ? std::optional(writer_->path()) : std::nullopt;
+  }
+
+  void on_start(std::int64_t global_step) override {
+    if (writer_ && global_step > 0) writer_->add_session_start(global_step);
+  }
+
+  void on_metrics(const nlohmann::ordered_json& record) override;
+
+ private:
+  std::optional<EventFileWriter> writer_;
+};
+
+// What an example passes to its Experiment: with --tensorboard, a tracker on every rank (writing
+// on the ranks --tracking-ranks names); without it, nullptr. --tensorboard needs -e.
+MESHTORCH_DECL std::unique_ptr<MetricsTracker> tensorboard_tracker(const TrainArgs& args, int rank);
+
+}  // namespace meshtorch::train
+
+#if MESHTORCH_DEFINES(tracking)
+#include <unistd.h>
+
+#include <bit>
+#include <cstring>
+
+#include <boost/crc.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace meshtorch::train {
+
+namespace tensorboard_detail {
+
 // A protobuf message in wire format, field by field (proto3: fields at their default are omitted
 // by the caller, as protobuf itself omits them).
 class WireMessage {
@@ -168,21 +269,7 @@ class WireMessage {
   std::string bytes_;
 };
 
-// The field numbers of `event_schema` that we write.
-struct fields {
-  static constexpr int event_wall_time = 1, event_step = 2, event_file_version = 3, event_summary = 5,
-                       event_session_log = 7;
-  static constexpr int summary_value = 1;
-  static constexpr int value_tag = 1, value_simple_value = 2, value_tensor = 8, value_metadata = 9;
-  static constexpr int metadata_plugin_data = 1, metadata_data_class = 4, plugin_data_plugin_name = 1;
-  static constexpr int tensor_dtype = 1, tensor_tensor_shape = 2, tensor_string_val = 8;
-  static constexpr int session_log_status = 1;
-  static constexpr int dt_string = 7, data_class_tensor = 2, session_start = 1;  // enum values
-};
-
-// TFRecord's masked CRC-32C (the Castagnoli polynomial, reflected): a CRC stored beside the data
-// it covers is rotated and offset so that a CRC of CRCs is not trivially zero.
-inline std::uint32_t masked_crc32c(const void* data, std::size_t size) {
+MESHTORCH_DECL std::uint32_t masked_crc32c(const void* data, std::size_t size) {
   boost::crc_optimal<32, 0x1EDC6F41, 0xFFFFFFFF, 0xFFFFFFFF, true, true> crc;
   crc.process_bytes(data, size);
   const std::uint32_t value = crc.checksum();
@@ -191,111 +278,90 @@ inline std::uint32_t masked_crc32c(const void* data, std::size_t size) {
 
 }  // namespace tensorboard_detail
 
-// One event file of one run: events.out.tfevents.<seconds>.<host>.<pid>.<n> in `run_dir`, appended
-// record by record and flushed after each, so TensorBoard shows a run while it trains.
-class EventFileWriter {
-  using fields = tensorboard_detail::fields;
-
- public:
-  explicit EventFileWriter(const std::filesystem::path& run_dir) {
-    std::error_code error;
-    std::filesystem::create_directories(run_dir, error);
-    if (error)
-      throw DataError(fmt::format("{}: cannot create the TensorBoard run folder ({})", run_dir.string(), error.message()));
-    const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(
-                             std::chrono::system_clock::now().time_since_epoch())
-                             .count();
-    // A restart within the same second gets the next number, never another run's file.
-    for (int n = 0;; ++n) {
-      path_ = run_dir / fmt::format("events.out.tfevents.{}.{}.{}.{}", seconds, comm::host_name(), ::getpid(), n);
-      if (!std::filesystem::exists(path_)) break;
-    }
-    file_ = std::fopen(path_.c_str(), "wb");
-    if (!file_) throw DataError(fmt::format("{}: cannot create ({})", path_.string(), std::strerror(errno)));
-    write(event(0).bytes(fields::event_file_version, "brain.Event:2"));
+MESHTORCH_DECL EventFileWriter::EventFileWriter(const std::filesystem::path& run_dir) {
+  std::error_code error;
+  std::filesystem::create_directories(run_dir, error);
+  if (error)
+    throw DataError(fmt::format("{}: cannot create the TensorBoard run folder ({})", run_dir.string(), error.message()));
+  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count();
+  // A restart within the same second gets the next number, never another run's file.
+  for (int n = 0;; ++n) {
+    path_ = run_dir / fmt::format("events.out.tfevents.{}.{}.{}.{}", seconds, comm::host_name(), ::getpid(), n);
+    if (!std::filesystem::exists(path_)) break;
   }
-  EventFileWriter(const EventFileWriter&) = delete;
-  EventFileWriter& operator=(const EventFileWriter&) = delete;
-  ~EventFileWriter() {
-    if (file_) std::fclose(file_);
-  }
+  file_ = std::fopen(path_.c_str(), "wb");
+  if (!file_) throw DataError(fmt::format("{}: cannot create ({})", path_.string(), std::strerror(errno)));
+  write(event(0).bytes(fields::event_file_version, "brain.Event:2"));
+}
 
-  const std::filesystem::path& path() const { return path_; }
+MESHTORCH_DECL EventFileWriter::~EventFileWriter() {
+  if (file_) std::fclose(file_);
+}
 
-  // Scalars at `step`, one Summary.Value (tag, simple_value) each.
-  void add_scalars(std::int64_t step, const std::vector<std::pair<std::string, double>>& scalars) {
-    tensorboard_detail::WireMessage summary;
-    for (const auto& [tag, value] : scalars)
-      summary.message(fields::summary_value, tensorboard_detail::WireMessage()
-                                                 .bytes(fields::value_tag, tag)
-                                                 .float32(fields::value_simple_value, static_cast<float>(value)));
-    write(event(step).message(fields::event_summary, summary));
-  }
+MESHTORCH_DECL void EventFileWriter::add_scalars(std::int64_t step,
+                                                const std::vector<std::pair<std::string, double>>& scalars) {
+  tensorboard_detail::WireMessage summary;
+  for (const auto& [tag, value] : scalars)
+    summary.message(fields::summary_value, tensorboard_detail::WireMessage()
+                                               .bytes(fields::value_tag, tag)
+                                               .float32(fields::value_simple_value, static_cast<float>(value)));
+  write(event(step).message(fields::event_summary, summary));
+}
 
-  // Markdown shown in TensorBoard's Text tab: a scalar string tensor tagged for the text plugin.
-  void add_text(std::int64_t step, const std::string& tag, const std::string& markdown) {
-    using tensorboard_detail::WireMessage;
-    const auto metadata =
-        WireMessage()
-            .message(fields::metadata_plugin_data, WireMessage().bytes(fields::plugin_data_plugin_name, "text"))
-            .varint(fields::metadata_data_class, fields::data_class_tensor);
-    const auto tensor = WireMessage()
-                            .varint(fields::tensor_dtype, fields::dt_string)
-                            .message(fields::tensor_tensor_shape, WireMessage())  // no dimensions: a scalar
-                            .bytes(fields::tensor_string_val, markdown);
-    const auto value = WireMessage()
-                           .bytes(fields::value_tag, tag)
-                           .message(fields::value_metadata, metadata)
-                           .message(fields::value_tensor, tensor);
-    write(event(step).message(fields::event_summary, WireMessage().message(fields::summary_value, value)));
-  }
+MESHTORCH_DECL void EventFileWriter::add_text(std::int64_t step, const std::string& tag, const std::string& markdown) {
+  using tensorboard_detail::WireMessage;
+  const auto metadata =
+      WireMessage()
+          .message(fields::metadata_plugin_data, WireMessage().bytes(fields::plugin_data_plugin_name, "text"))
+          .varint(fields::metadata_data_class, fields::data_class_tensor);
+  const auto tensor = WireMessage()
+                          .varint(fields::tensor_dtype, fields::dt_string)
+                          .message(fields::tensor_tensor_shape, WireMessage())  // no dimensions: a scalar
+                          .bytes(fields::tensor_string_val, markdown);
+  const auto value = WireMessage()
+                         .bytes(fields::value_tag, tag)
+                         .message(fields::value_metadata, metadata)
+                         .message(fields::value_tensor, tensor);
+  write(event(step).message(fields::event_summary, WireMessage().message(fields::summary_value, value)));
+}
 
-  // The run (re)starts at `step`: TensorBoard discards what this run folder holds for later steps.
-  void add_session_start(std::int64_t step) {
-    write(event(step).message(fields::event_session_log,
-                              tensorboard_detail::WireMessage().varint(fields::session_log_status, fields::session_start)));
-  }
+MESHTORCH_DECL void EventFileWriter::add_session_start(std::int64_t step) {
+  write(event(step).message(fields::event_session_log,
+                            tensorboard_detail::WireMessage().varint(fields::session_log_status, fields::session_start)));
+}
 
- private:
-  static tensorboard_detail::WireMessage event(std::int64_t step) {
-    const std::chrono::duration<double> now = std::chrono::system_clock::now().time_since_epoch();
-    tensorboard_detail::WireMessage message;
-    message.float64(fields::event_wall_time, now.count());
-    if (step != 0) message.varint(fields::event_step, static_cast<std::uint64_t>(step));
-    return message;
-  }
+MESHTORCH_DECL tensorboard_detail::WireMessage EventFileWriter::event(std::int64_t step) {
+  const std::chrono::duration<double> now = std::chrono::system_clock::now().time_since_epoch();
+  tensorboard_detail::WireMessage message;
+  message.float64(fields::event_wall_time, now.count());
+  if (step != 0) message.varint(fields::event_step, static_cast<std::uint64_t>(step));
+  return message;
+}
 
-  void write(const tensorboard_detail::WireMessage& event) {
-    const std::string& data = event.str();
-    const std::uint64_t length = data.size();  // little-endian on the platforms LibTorch supports
-    const std::uint32_t length_crc = tensorboard_detail::masked_crc32c(&length, sizeof length);
-    const std::uint32_t data_crc = tensorboard_detail::masked_crc32c(data.data(), data.size());
-    const bool written = std::fwrite(&length, sizeof length, 1, file_) == 1 &&
-                         std::fwrite(&length_crc, sizeof length_crc, 1, file_) == 1 &&
-                         std::fwrite(data.data(), 1, data.size(), file_) == data.size() &&
-                         std::fwrite(&data_crc, sizeof data_crc, 1, file_) == 1 && std::fflush(file_) == 0;
-    if (!written) throw DataError(fmt::format("{}: writing an event failed ({})", path_.string(), std::strerror(errno)));
-  }
+MESHTORCH_DECL void EventFileWriter::write(const tensorboard_detail::WireMessage& event) {
+  const std::string& data = event.str();
+  const std::uint64_t length = data.size();  // little-endian on the platforms LibTorch supports
+  const std::uint32_t length_crc = tensorboard_detail::masked_crc32c(&length, sizeof length);
+  const std::uint32_t data_crc = tensorboard_detail::masked_crc32c(data.data(), data.size());
+  const bool written = std::fwrite(&length, sizeof length, 1, file_) == 1 &&
+                       std::fwrite(&length_crc, sizeof length_crc, 1, file_) == 1 &&
+                       std::fwrite(data.data(), 1, data.size(), file_) == data.size() &&
+                       std::fwrite(&data_crc, sizeof data_crc, 1, file_) == 1 && std::fflush(file_) == 0;
+  if (!written) throw DataError(fmt::format("{}: writing an event failed ({})", path_.string(), std::strerror(errno)));
+}
 
-  std::filesystem::path path_;
-  std::FILE* file_ = nullptr;
-};
-
-enum class TrackingRanks { rank0, node, all };
-
-inline TrackingRanks parse_tracking_ranks(const std::string& text) {
+MESHTORCH_DECL TrackingRanks parse_tracking_ranks(const std::string& text) {
   if (text == "rank0") return TrackingRanks::rank0;
   if (text == "node") return TrackingRanks::node;
   if (text == "all") return TrackingRanks::all;
   throw ConfigError(fmt::format("--tracking-ranks '{}': use rank0, node or all", text));
 }
 
-// This rank's run folder under <experiment>/tensorboard, or nullopt when it does not write:
-// rank0 -> the folder itself on rank 0; node -> node-<k> on each node's local rank 0 (k = rank /
-// ranks per node, as launchers number nodes); all -> rank-<r> on every rank.
-inline std::optional<std::filesystem::path> tensorboard_run_dir(const std::filesystem::path& experiment_dir,
-                                                                TrackingRanks ranks, int rank, int local_rank,
-                                                                int local_world_size) {
+MESHTORCH_DECL std::optional<std::filesystem::path> tensorboard_run_dir(const std::filesystem::path& experiment_dir,
+                                                                        TrackingRanks ranks, int rank, int local_rank,
+                                                                        int local_world_size) {
   const auto root = experiment_dir / "tensorboard";
   switch (ranks) {
     case TrackingRanks::rank0:
@@ -308,41 +374,22 @@ inline std::optional<std::filesystem::path> tensorboard_run_dir(const std::files
   return std::nullopt;
 }
 
-// The Experiment's tracker for --tensorboard: on a rank that writes (`run_dir`), the run's flags
-// as text when it starts, a session start at a resumed step, and every numeric field of each
-// metrics record as a scalar; on the others, nothing.
-class TensorBoardTracker final : public MetricsTracker {
- public:
-  TensorBoardTracker(const std::optional<std::filesystem::path>& run_dir, const std::string& flags) {
-    if (!run_dir) return;
-    writer_.emplace(*run_dir);
-    writer_->add_text(0, "flags", "```\n" + flags + "```");
-  }
+MESHTORCH_DECL TensorBoardTracker::TensorBoardTracker(const std::optional<std::filesystem::path>& run_dir,
+                                                      const std::string& flags) {
+  if (!run_dir) return;
+  writer_.emplace(*run_dir);
+  writer_->add_text(0, "flags", "```\n" + flags + "```");
+}
 
-  // The event file this rank writes, if any.
-  std::optional<std::filesystem::path> path() const {
-    return writer_ ? std::optional(writer_->path()) : std::nullopt;
-  }
+MESHTORCH_DECL void TensorBoardTracker::on_metrics(const nlohmann::ordered_json& record) {
+  if (!writer_) return;
+  std::vector<std::pair<std::string, double>> scalars;
+  for (const auto& [key, value] : record.items())
+    if (key != "global_step" && value.is_number()) scalars.emplace_back(key, value.get<double>());
+  writer_->add_scalars(record.at("global_step").get<std::int64_t>(), scalars);
+}
 
-  void on_start(std::int64_t global_step) override {
-    if (writer_ && global_step > 0) writer_->add_session_start(global_step);
-  }
-
-  void on_metrics(const nlohmann::ordered_json& record) override {
-    if (!writer_) return;
-    std::vector<std::pair<std::string, double>> scalars;
-    for (const auto& [key, value] : record.items())
-      if (key != "global_step" && value.is_number()) scalars.emplace_back(key, value.get<double>());
-    writer_->add_scalars(record.at("global_step").get<std::int64_t>(), scalars);
-  }
-
- private:
-  std::optional<EventFileWriter> writer_;
-};
-
-// What an example passes to its Experiment: with --tensorboard, a tracker on every rank (writing
-// on the ranks --tracking-ranks names); without it, nullptr. --tensorboard needs -e.
-inline std::unique_ptr<MetricsTracker> tensorboard_tracker(const TrainArgs& args, int rank) {
+MESHTORCH_DECL std::unique_ptr<MetricsTracker> tensorboard_tracker(const TrainArgs& args, int rank) {
   const auto ranks = parse_tracking_ranks(args.tracking_ranks);
   if (!args.tensorboard) return nullptr;
   if (args.experiment_name.empty())
@@ -355,3 +402,4 @@ inline std::unique_ptr<MetricsTracker> tensorboard_tracker(const TrainArgs& args
 }
 
 }  // namespace meshtorch::train
+#endif  // MESHTORCH_DEFINES(tracking)
