@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/io/json_file.hpp>
 #include <meshtorch/meshtorch.hpp>
 
 #include "../core/test_support.hpp"

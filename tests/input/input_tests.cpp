@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/io/json_file.hpp>
 #include <meshtorch/meshtorch.hpp>
 
 #include "../core/test_support.hpp"

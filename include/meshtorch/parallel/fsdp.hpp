@@ -111,6 +111,14 @@ namespace fsdp_detail {
 // the collective and the ranks) and records completion in the flight recorder.
 using PendingWork = comm::Work<std::monostate>;
 
+// A unit's all-gather of its flat shard buffer into `output` (every rank's shard in rank order),
+// and the reduce-scatter of its flat gradient buffer `input` into this rank's block of sums.
+// Declared here for the tests of their memory use; defined with FSDP below.
+MESHTORCH_DECL PendingWork start_all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output,
+                                                 torch::Tensor& input, const std::string& what);
+MESHTORCH_DECL PendingWork start_reduce_scatter_sum_flat(const comm::AxisGroup& group, torch::Tensor& output,
+                                                         torch::Tensor& input, const std::string& what);
+
 }  // namespace fsdp_detail
 
 class FsdpUnit;
@@ -549,8 +557,8 @@ PendingWork start_flat(const comm::AxisGroup& group, torch::Tensor& output, torc
 // into its place in the output: the same blocks cross the wire (each rank receives the others'
 // once), written once, and nothing is allocated. The broadcasts are one collective to the caller
 // and to the flight recorder (comm::JoinedWork).
-inline PendingWork start_all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
-                                         const std::string& what) {
+MESHTORCH_DECL PendingWork start_all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output,
+                                                 torch::Tensor& input, const std::string& what) {
   if (group.device() == comm::Device::cpu) {
     return start_flat(group, output, input, what, [&](c10d::Backend& backend) {
       auto blocks = output.view({group.size(), -1});
@@ -582,8 +590,8 @@ inline PendingWork start_all_gather_flat(const comm::AxisGroup& group, torch::Te
 // Gloo's thread copies this rank's block out and gives the buffer's memory back (input keeps a
 // storage of no bytes), so the buffer lives while the collective runs and not until the wait,
 // which comes a layer later. The bytes on the wire are the same.
-inline PendingWork start_reduce_scatter_sum_flat(const comm::AxisGroup& group, torch::Tensor& output,
-                                                 torch::Tensor& input, const std::string& what) {
+MESHTORCH_DECL PendingWork start_reduce_scatter_sum_flat(const comm::AxisGroup& group, torch::Tensor& output,
+                                                         torch::Tensor& input, const std::string& what) {
   if (group.device() == comm::Device::cpu) {
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
