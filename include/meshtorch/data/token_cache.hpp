@@ -25,6 +25,7 @@
 
 #include <meshtorch/data/documents.hpp>
 #include <meshtorch/io/atomic_file.hpp>
+#include <meshtorch/io/xxh3.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::data {
@@ -63,12 +64,7 @@ class TokenCacheKey {
   MESHTORCH_DECL std::uint64_t value() const;
 
  private:
-  // XXH3's streaming state (XXH3_state_t of io/xxh3.hpp) as bytes, so that this header does not
-  // include xxhash.h; the definitions check that it fits.
-  struct alignas(64) Xxh3State {
-    unsigned char bytes[576];
-  };
-  Xxh3State state_{};
+  XXH3_state_t state_{};
 };
 
 // The cached ids, over the mapped file (read-only), which stays mapped while a copy of `ids` lives:
@@ -125,40 +121,22 @@ class TokenCacheWriter {
 #include <cerrno>
 #include <cstring>
 #include <limits>
-#include <new>
 
 #include <fmt/format.h>
 
 #include <meshtorch/error.hpp>
-#include <meshtorch/io/xxh3.hpp>
 
 namespace meshtorch::data {
 
-namespace token_cache_detail {
-
-// The XXH3_state_t that TokenCacheKey's bytes hold.
-template <class Bytes>
-XXH3_state_t* xxh3(Bytes& bytes) {
-  static_assert(sizeof(XXH3_state_t) <= sizeof(Bytes) && alignof(XXH3_state_t) <= alignof(Bytes));
-  return std::launder(reinterpret_cast<XXH3_state_t*>(&bytes));
-}
-template <class Bytes>
-const XXH3_state_t* xxh3(const Bytes& bytes) {
-  static_assert(sizeof(XXH3_state_t) <= sizeof(Bytes) && alignof(XXH3_state_t) <= alignof(Bytes));
-  return std::launder(reinterpret_cast<const XXH3_state_t*>(&bytes));
-}
-
-}  // namespace token_cache_detail
-
 MESHTORCH_DECL TokenCacheKey::TokenCacheKey() {
-  XXH3_64bits_reset(token_cache_detail::xxh3(state_));
+  XXH3_64bits_reset(&state_);
   add("meshtorch token cache 2");
 }
 
 MESHTORCH_DECL void TokenCacheKey::add(std::string_view text) {
   const std::uint64_t size = text.size();  // the length first, so "ab"+"c" differs from "a"+"bc"
-  XXH3_64bits_update(token_cache_detail::xxh3(state_), &size, sizeof size);
-  XXH3_64bits_update(token_cache_detail::xxh3(state_), text.data(), text.size());
+  XXH3_64bits_update(&state_, &size, sizeof size);
+  XXH3_64bits_update(&state_, text.data(), text.size());
 }
 
 MESHTORCH_DECL void TokenCacheKey::add_file_contents(const std::filesystem::path& path) {
@@ -174,7 +152,7 @@ MESHTORCH_DECL void TokenCacheKey::add_file_contents(const std::filesystem::path
       ::close(fd);
       throw DataError(fmt::format("{}: read failed ({})", path.string(), std::strerror(errno)));
     }
-    XXH3_64bits_update(token_cache_detail::xxh3(state_), block, static_cast<std::size_t>(n));
+    XXH3_64bits_update(&state_, block, static_cast<std::size_t>(n));
   }
   ::close(fd);
 }
@@ -188,7 +166,7 @@ MESHTORCH_DECL void TokenCacheKey::add_file_stamp(const std::filesystem::path& p
 }
 
 MESHTORCH_DECL std::uint64_t TokenCacheKey::value() const {
-  return XXH3_64bits_digest(token_cache_detail::xxh3(state_));
+  return XXH3_64bits_digest(&state_);
 }
 
 MESHTORCH_DECL std::vector<std::int32_t> CachedTokens::to_vector() const {

@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include <meshtorch/io/atomic_file.hpp>
+#include <meshtorch/io/xxh3.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::io {
@@ -67,12 +68,7 @@ class SafetensorsStreamWriter {
   std::filesystem::path path_;
   std::vector<TensorEntry> entries_;
   AtomicFile file_;
-  // XXH3's streaming state (XXH3_state_t of io/xxh3.hpp) as bytes, so that this header does not
-  // include xxhash.h; the definitions check that it fits.
-  struct alignas(64) Xxh3State {
-    unsigned char bytes[576];
-  };
-  Xxh3State state_;
+  XXH3_state_t state_;
   std::uint64_t bytes_ = 0;
   std::size_t next_ = 0;
   std::int64_t largest_staging_numel_ = 0;
@@ -128,7 +124,6 @@ class SafetensorsRangeReader {
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <new>
 #include <utility>
 
 #include <fmt/format.h>
@@ -137,20 +132,7 @@ class SafetensorsRangeReader {
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/safetensors.hpp>
-#include <meshtorch/io/xxh3.hpp>
-
 namespace meshtorch::io {
-
-namespace xxh3_detail {
-
-// The XXH3_state_t that a writer's bytes hold.
-template <class Bytes>
-XXH3_state_t* state(Bytes& bytes) {
-  static_assert(sizeof(XXH3_state_t) <= sizeof(Bytes) && alignof(XXH3_state_t) <= alignof(Bytes));
-  return std::launder(reinterpret_cast<XXH3_state_t*>(&bytes));
-}
-
-}  // namespace xxh3_detail
 
 MESHTORCH_DECL std::string checksum_hex(std::uint64_t value) { return fmt::format("{:016x}", value); }
 
@@ -182,7 +164,7 @@ MESHTORCH_DECL SafetensorsStreamWriter::SafetensorsStreamWriter(const std::files
                                                                 std::vector<TensorEntry> entries,
                                                                 const std::map<std::string, std::string>& metadata)
     : path_(path), entries_(std::move(entries)), file_(path) {
-  XXH3_64bits_reset(xxh3_detail::state(state_));
+  XXH3_64bits_reset(&state_);
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::uint64_t offset = 0;
@@ -223,12 +205,12 @@ MESHTORCH_DECL FileDigest SafetensorsStreamWriter::commit() {
   if (next_ != entries_.size())
     throw DataError(fmt::format("{}: {} of {} tensors written", path_.string(), next_, entries_.size()));
   file_.commit();
-  return FileDigest{bytes_, XXH3_64bits_digest(xxh3_detail::state(state_))};
+  return FileDigest{bytes_, XXH3_64bits_digest(&state_)};
 }
 
 MESHTORCH_DECL void SafetensorsStreamWriter::write(const void* data, std::size_t size) {
   file_.write(data, size);
-  XXH3_64bits_update(xxh3_detail::state(state_), data, size);
+  XXH3_64bits_update(&state_, data, size);
   bytes_ += size;
 }
 
