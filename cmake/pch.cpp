@@ -1,1 +1,0 @@
-// Precompiled-header carrier: see meshtorchBuildHelpers.cmake.
