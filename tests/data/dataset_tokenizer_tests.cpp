@@ -13,29 +13,16 @@
 #include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/train/device.hpp>
 
+#include "data_support.hpp"
+
 namespace mt = meshtorch;
 namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path fixtures = MESHTORCH_DATA_FIXTURES;
-
-fs::path fresh_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("meshtorch-data-test-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-template <class Work>
-std::string error_of(Work&& work) {
-  try {
-    work();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using mt::testing::fixtures;
+using mt::testing::error_of;
+using mt::testing::fresh_dir;
 
 std::vector<std::int32_t> all_tokens(const mt::data::TokenBlocks& blocks) {
   std::vector<std::int64_t> rows(static_cast<std::size_t>(blocks.size()));

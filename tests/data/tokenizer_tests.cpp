@@ -14,12 +14,16 @@
 
 #include <meshtorch/data/folder_tokenizer.hpp>
 
+#include "data_support.hpp"
+
 namespace mt = meshtorch;
 namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path fixtures = MESHTORCH_DATA_FIXTURES;
+using mt::testing::fixtures;
+using mt::testing::error_of;
+using mt::testing::fresh_dir;
 
 std::vector<nlohmann::json> read_jsonl(const fs::path& path) {
   std::ifstream in(path);
@@ -35,27 +39,11 @@ std::vector<std::string> corpus() {
   return texts;
 }
 
-fs::path fresh_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("meshtorch-data-test-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
 void write(const fs::path& path, const std::string& text) { std::ofstream(path) << text; }
 
 nlohmann::json fixture_tokenizer_json() {
   std::ifstream in(fixtures / "bpe" / "tokenizer.json");
   return nlohmann::json::parse(in);
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 // Each text's ids must equal the reference's; the first difference is shown with its text.
