@@ -17,7 +17,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from ports import free_port  # noqa: E402
 
-TIMEOUT_S = 15
+TIMEOUT_S = 10
 FLAGS = ["-m", "llama-tiny", "-d", "builtin", "-s", "32", "-b", "2", "--threads", "1", "--dtype", "float32",
          "--log-freq", "2", "--timeout", str(TIMEOUT_S)]
 
