@@ -9,8 +9,8 @@
 # tools and tests use.
 
 # The library's definitions, compiled once for every program below, and the precompiled header
-# every translation unit that includes LibTorch shares: parsing <torch/torch.h> dominates their
-# compile time. The header is built with the library's definitions (MESHTORCH_SEPARATE_COMPILATION,
+# every translation unit that includes LibTorch shares: parsing LibTorch's headers (the parts
+# meshtorch/torch.hpp names) dominates their compile time. The header is built with the library's definitions (MESHTORCH_SEPARATE_COMPILATION,
 # fmt not header-only), which every program linking it shares, and by the library's own target,
 # so that no empty carrier file is compiled for it (8 s: loading the 800 MB header alone costs a
 # unit that much, most of it instantiating templates LibTorch's inline functions name). CLI11 is
@@ -18,7 +18,7 @@
 # main files and the programs part include it.
 meshtorch_compiled_library(meshtorch_compiled meshtorch::torch)
 target_precompile_headers(meshtorch_compiled PRIVATE
-  <torch/torch.h>
+  <meshtorch/torch.hpp>
   <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
   <torch/csrc/distributed/c10d/TCPStore.hpp>
   <nlohmann/json.hpp>)

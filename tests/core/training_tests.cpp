@@ -15,6 +15,10 @@
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/text_format.h>
 
+// LibTorch's own AdamW and clipping, the references (not in the parts of LibTorch meshtorch includes).
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>

@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/nn/modules/linear.h>  // the tests' small models
 
 #include <meshtorch/comm/comm.hpp>
 #include <meshtorch/comm/init.hpp>

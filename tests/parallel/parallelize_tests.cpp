@@ -7,6 +7,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <torch/nn/utils/clip_grad.h>  // the reference norm
+
 #include <meshtorch/comm/comm.hpp>
 #include <meshtorch/comm/init.hpp>
 #include <meshtorch/meshtorch.hpp>

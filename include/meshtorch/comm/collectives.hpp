@@ -24,7 +24,7 @@
 #include <variant>
 #include <vector>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/work.hpp>

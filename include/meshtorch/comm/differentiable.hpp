@@ -15,7 +15,7 @@
 // f and g are Megatron-LM's operators around a column- then row-parallel pair; the sequence
 // parallel pair replaces g when activations are sharded along the sequence. Parallel styles
 // (layout/parallel_style.hpp) carry their own Redistributions, run through redistribute_differentiable.
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/redistribute.hpp>

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/collectives.hpp>

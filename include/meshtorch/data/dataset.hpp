@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 // Only load_dataset needs it, but the umbrella header offers documents.hpp (and data_files.hpp)
 // through this header.

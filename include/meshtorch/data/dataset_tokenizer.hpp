@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <string>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/data/cached_dataset.hpp>
 #include <meshtorch/data/dataset.hpp>

@@ -8,7 +8,7 @@
 #include <optional>
 #include <thread>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/data/dataset.hpp>
 #include <meshtorch/data/sampler.hpp>

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/io/atomic_file.hpp>
 #include <meshtorch/io/xxh3.hpp>

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/separate_compilation.hpp>

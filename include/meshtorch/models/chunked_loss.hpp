@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <functional>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/models/loss_chunk.hpp>
 #include <meshtorch/separate_compilation.hpp>

@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 namespace meshtorch {
 

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <functional>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/parallel/checkpoint_selection.hpp>

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/io/sharded_tensor.hpp>

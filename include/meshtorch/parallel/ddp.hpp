@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/error.hpp>

@@ -31,7 +31,7 @@
 #include <variant>
 
 #include <fmt/format.h>
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/env.hpp>
 #include <meshtorch/error.hpp>

@@ -8,7 +8,7 @@
 #include <functional>
 #include <vector>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/separate_compilation.hpp>

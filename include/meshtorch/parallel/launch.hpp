@@ -17,7 +17,7 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/device_mesh.hpp>
 #include <meshtorch/comm/init.hpp>

@@ -38,7 +38,7 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/comm/device_mesh.hpp>

@@ -28,7 +28,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/error.hpp>

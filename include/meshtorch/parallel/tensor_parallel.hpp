@@ -36,7 +36,7 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/differentiable.hpp>

@@ -34,7 +34,7 @@
 #include <vector>
 
 #include <torch/csrc/autograd/function.h>
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/work.hpp>

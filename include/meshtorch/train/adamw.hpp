@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/safetensors.hpp>

@@ -4,7 +4,7 @@
 #include <optional>
 #include <string>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/separate_compilation.hpp>

@@ -21,7 +21,7 @@
 #include <utility>
 
 #include <fmt/format.h>
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/separate_compilation.hpp>

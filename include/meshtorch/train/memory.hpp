@@ -5,7 +5,7 @@
 #include <map>
 #include <string>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/separate_compilation.hpp>
 

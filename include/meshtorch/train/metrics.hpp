@@ -11,7 +11,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json_fwd.hpp>
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/separate_compilation.hpp>

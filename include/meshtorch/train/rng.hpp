@@ -11,7 +11,7 @@
 #include <vector>
 
 #include <torch/cuda.h>
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/safetensors.hpp>

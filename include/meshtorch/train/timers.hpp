@@ -6,7 +6,7 @@
 #include <map>
 #include <string>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 namespace meshtorch::train {
 

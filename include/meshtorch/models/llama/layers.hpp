@@ -6,7 +6,7 @@
 #include <functional>
 #include <utility>
 #include <vector>
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/models/forward_hooks.hpp>
 #include <meshtorch/models/llama/config.hpp>

@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 #include <vector>
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/models/chunked_loss.hpp>
 #include <meshtorch/models/llama/config.hpp>

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include <torch/torch.h>
+#include <meshtorch/torch.hpp>
 
 #include <meshtorch/io/model_folder.hpp>
 #include <meshtorch/io/safetensors.hpp>
