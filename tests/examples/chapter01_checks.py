@@ -43,14 +43,14 @@ def loss_falls(binary):
 
 
 def resume(binary, consolidate):
-    common = ["-m", "llama-tiny", "-d", "builtin", "--log-freq", "10", "--ckpt-freq", "20", "-b", "4", "-s", "128"]
+    common = ["-m", "llama-tiny", "-d", "builtin", "--log-freq", "5", "--ckpt-freq", "10", "-b", "4", "-s", "128"]
     with tempfile.TemporaryDirectory() as tmp:
-        run(binary, *common, "-e", "straight", "--save-dir", tmp, "--max-steps", "40")
-        run(binary, *common, "-e", "stopped", "--save-dir", tmp, "--max-steps", "20")
-        second = run(binary, *common, "-e", "stopped", "--save-dir", tmp, "--max-steps", "40")
-        assert "resumed from" in second.stdout and "global_step 20" in second.stdout, second.stdout
+        run(binary, *common, "-e", "straight", "--save-dir", tmp, "--max-steps", "20")
+        run(binary, *common, "-e", "stopped", "--save-dir", tmp, "--max-steps", "10")
+        second = run(binary, *common, "-e", "stopped", "--save-dir", tmp, "--max-steps", "20")
+        assert "resumed from" in second.stdout and "global_step 10" in second.stdout, second.stdout
         straight, resumed = metrics(tmp, "straight"), metrics(tmp, "stopped")
-        assert [r["global_step"] for r in resumed] == [10, 20, 30, 40], resumed
+        assert [r["global_step"] for r in resumed] == [5, 10, 15, 20], resumed
         for a, b in zip(straight, resumed):
             print(f"step {a['global_step']}: straight {a['running_loss']:.9f} resumed {b['running_loss']:.9f}")
             assert abs(a["running_loss"] - b["running_loss"]) <= 1e-6, (a, b)
@@ -60,7 +60,7 @@ def resume(binary, consolidate):
         for name in ["config.json", "manifest.json", "rank0.safetensors", "state.json"]:
             assert (ckpt / name).exists(), name
         state = json.loads((ckpt / "state.json").read_text())
-        assert state["global_step"] == 40, state
+        assert state["global_step"] == 20, state
         # Consolidated, it is an HF folder that chapter 1 starts from: its first loss is the
         # loss the saved weights give, below the untrained model's.
         subprocess.run([consolidate, str(ckpt), f"{tmp}/hf"], check=True, capture_output=True, text=True)
@@ -300,8 +300,8 @@ def schedules(binary):
 def activation_checkpointing(binary):
     """--activation-checkpointing full / k: the same losses and weights as without (the layers
     run again in backward, on the same inputs), and less memory at a long sequence."""
-    common = ["-m", "llama-tiny", "-d", "builtin", "-b", "8", "-s", "512", "--log-freq", "2", "--max-steps", "6",
-              "--ckpt-freq", "6"]
+    common = ["-m", "llama-tiny", "-d", "builtin", "-b", "8", "-s", "512", "--log-freq", "2", "--max-steps", "4",
+              "--ckpt-freq", "4"]
     with tempfile.TemporaryDirectory() as tmp:
         peaks = {}
         for mode in ["none", "full", "2"]:

@@ -75,8 +75,8 @@ def resume(tools):
         print(f"weight elements per rank: {sizes}")
         assert sorted(sizes) == [0, 1] and abs(sizes[0] - sizes[1]) <= 0.01 * sum(sizes.values()), sizes
         # The 2-rank checkpoint resumes on 1 rank with the same global batch, as the 2-rank run goes on.
-        fsdp(tools, 2, "-b", "2", "--save-dir", tmp, "--ckpt-freq", "10", "-e", "straight", "--max-steps", "40")
-        one = fsdp(tools, 1, "-b", "4", "--save-dir", tmp, "--ckpt-freq", "10", "-e", "stopped", "--max-steps", "40")
+        fsdp(tools, 2, "-b", "2", "--save-dir", tmp, "--ckpt-freq", "10", "-e", "straight", "--max-steps", "25")
+        one = fsdp(tools, 1, "-b", "4", "--save-dir", tmp, "--ckpt-freq", "10", "-e", "stopped", "--max-steps", "25")
         assert "from 2 ranks" in one.stdout, one.stdout
         compare_losses(metrics(f"{tmp}/straight"), metrics(f"{tmp}/stopped"), LOSS_RTOL)
         compare_params(model_file(f"{tmp}/straight"), model_file(f"{tmp}/stopped"), PARAM_TOL)

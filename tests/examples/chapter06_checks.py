@@ -53,9 +53,9 @@ def resume(tools):
         assert len(chunked) >= 4, chunked
         # The TP-2 checkpoint resumes with TP 1 on one rank (weights and AdamW state resharded).
         tp_run(tools, 2, "-b", "2", "--tp", "2", "--save-dir", tmp, "--ckpt-freq", "10", "-e", "straight",
-               "--max-steps", "40")
+               "--max-steps", "25")
         one = tp_run(tools, 1, "-b", "2", "--tp", "1", "--save-dir", tmp, "--ckpt-freq", "10", "-e", "stopped",
-                     "--max-steps", "40")
+                     "--max-steps", "25")
         assert "from 2 ranks" in one.stdout, one.stdout
         compare_losses(metrics(f"{tmp}/straight"), metrics(f"{tmp}/stopped"), 1e-5)
         compare_params(model_file(f"{tmp}/straight"), model_file(f"{tmp}/stopped"), 1e-4)

@@ -65,12 +65,12 @@ def reshard_resume(tools):
     """FSDP 2 x TP 2 on 4 ranks, then FSDP 2 on 2 ranks, then 1 rank, all with the global batch of
     4: the same data in the same order, so the losses and weights follow the straight 4-rank run."""
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ["--save-dir", tmp, "--ckpt-freq", "10"]
-        run_2d(tools, 4, "-b", "2", "--tp", "2", *flags, "-e", "straight", "--max-steps", "30")
-        run_2d(tools, 4, "-b", "2", "--tp", "2", *flags, "-e", "moved", "--max-steps", "10")
-        two = run_2d(tools, 2, "-b", "2", "--tp", "1", *flags, "-e", "moved", "--max-steps", "20")
+        flags = ["--save-dir", tmp, "--ckpt-freq", "5"]
+        run_2d(tools, 4, "-b", "2", "--tp", "2", *flags, "-e", "straight", "--max-steps", "15")
+        run_2d(tools, 4, "-b", "2", "--tp", "2", *flags, "-e", "moved", "--max-steps", "5")
+        two = run_2d(tools, 2, "-b", "2", "--tp", "1", *flags, "-e", "moved", "--max-steps", "10")
         assert "resharded" in two.stdout and "from 4 ranks" in two.stdout, two.stdout
-        one = run_2d(tools, 1, "-b", "4", "--tp", "1", *flags, "-e", "moved", "--max-steps", "30")
+        one = run_2d(tools, 1, "-b", "4", "--tp", "1", *flags, "-e", "moved", "--max-steps", "15")
         assert "from 2 ranks" in one.stdout, one.stdout
         compare_losses(metrics(f"{tmp}/straight"), metrics(f"{tmp}/moved"), 1e-5)
         compare_params(model_file(f"{tmp}/straight"), model_file(f"{tmp}/moved"), 1e-4)

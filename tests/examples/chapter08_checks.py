@@ -104,7 +104,7 @@ def optimizer_offload(tools):
 
 
 def resume(tools):
-    """For every stage: 30 steps straight against 20, a stop and engine.load_checkpoint to 30."""
+    """For every stage: 15 steps straight against 10, a stop and engine.load_checkpoint to 15."""
     with tempfile.TemporaryDirectory() as tmp:
         for stage in range(4):
             save_dir = pathlib.Path(tmp) / f"stage{stage}"
