@@ -5,8 +5,8 @@ is compiled to an object file, without a precompiled header and without ccache, 
 jobs share the cores, where wall time does not) and the compiler's peak memory are reported.
 The meshtorch units are compiled twice, header-only and with MESHTORCH_SEPARATE_COMPILATION (and,
 as meshtorch_compiled_library() builds them, without FMT_HEADER_ONLY: fmt's engine is compiled once,
-in src.hpp), and the source file that separate compilation adds to a program once
-(<meshtorch/src.hpp>) is timed too.
+in src/core.hpp), and the source file of the core part, which separate compilation adds to a
+program once (<meshtorch/src/core.hpp>), is timed too.
 
     python3 bench/compile_time.py [--reps 3] [--out bench/out/compile-time.md]
 
@@ -34,14 +34,14 @@ SOURCES = ROOT / "bench" / "compile_time"
 SEPARATE = ["-DMESHTORCH_SEPARATE_COMPILATION"]
 # (key, source, label, extra flags): header-only, then with MESHTORCH_SEPARATE_COMPILATION (the
 # library's non-template functions compiled once per program, in the file that includes
-# <meshtorch/src.hpp>, whose own cost is the last row).
+# <meshtorch/src/core.hpp>, whose own cost is the last row).
 UNITS = [
     ("torch", "torch_only.cpp", "`<torch/torch.h>` only", []),
     ("umbrella", "meshtorch_umbrella.cpp", "+ `<meshtorch/meshtorch.hpp>`", []),
     ("plan2d", "meshtorch_plan2d.cpp", "+ a 2D Llama plan (FSDP<4> x TP<8>, llama-3.1-8b) applied to a model", []),
     ("umbrella-separate", "meshtorch_umbrella.cpp", "+ `<meshtorch/meshtorch.hpp>`, separate compilation", SEPARATE),
     ("plan2d-separate", "meshtorch_plan2d.cpp", "+ the 2D plan, separate compilation", SEPARATE),
-    ("src", "meshtorch_src.cpp", "`<meshtorch/src.hpp>`: the separately compiled functions, once per program", SEPARATE),
+    ("src", "meshtorch_src.cpp", "`<meshtorch/src/core.hpp>`: the core part's separately compiled functions, once per program", SEPARATE),
 ]
 
 
@@ -133,7 +133,7 @@ def main():
                 if name in errors:
                     continue
                 unit_flags = flags + extra
-                if extra == SEPARATE:  # as meshtorch_compiled_library(): fmt compiled once, in src.hpp
+                if extra == SEPARATE:  # as meshtorch_compiled_library(): fmt compiled once, in src/core.hpp
                     unit_flags = [f for f in unit_flags if not f.startswith("-DFMT_HEADER_ONLY")]
                 seconds, cpu_seconds, gib, rc, output = compile_once(compiler, unit_flags, SOURCES / source,
                                                                      Path(tmp) / "unit.o")
