@@ -10,8 +10,9 @@
 
 # The library's definitions, compiled once for every program below, and the precompiled header
 # every translation unit that includes LibTorch shares: parsing LibTorch's headers (the parts
-# meshtorch/torch.hpp names) dominates their compile time. The header is built with the library's definitions (MESHTORCH_SEPARATE_COMPILATION,
-# fmt not header-only), which every program linking it shares, and by the library's own target,
+# meshtorch/torch.hpp names) dominates their compile time. The header is built with the library's
+# definitions (MESHTORCH_SEPARATE_COMPILATION, fmt not header-only), which every program linking
+# it shares, and by the library's own target,
 # so that no empty carrier file is compiled for it (8 s: loading the 800 MB header alone costs a
 # unit that much, most of it instantiating templates LibTorch's inline functions name). CLI11 is
 # left out: held in the header it costs every unit 2.8 s more at its end, and only the programs'
