@@ -17,7 +17,9 @@
 #include <meshtorch/comm/error_file.hpp>
 
 #include <meshtorch/io/atomic_file.hpp>
+#include <meshtorch/io/file_digest.hpp>
 #include <meshtorch/io/safetensors.hpp>
+#include <meshtorch/io/safetensors_writer.hpp>
 
 #include <meshtorch/models/llama/config.hpp>
 #include <meshtorch/models/llama/config_json.hpp>

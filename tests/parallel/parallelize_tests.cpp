@@ -205,7 +205,7 @@ TEST_CASE("rank body: ZeRO-2 with gradient clipping equals one process", "[.][ze
   auto ids = torch::randint(0, config.vocab_size, {local_batch, seq_length}, torch::kLong);
   parallel.loss(ids, ids).backward();
   std::int64_t block = 0;  // this rank's rows of every weight, padded to ceil(rows / 2)
-  for (const auto& p : parallel.zero_stage2()->parameters()) block += p.rows_per_rank * p.row_numel;
+  for (const auto& p : parallel.zero_stage2()->parameters()) block += p.block.rows_per_rank * p.row_numel;
   CHECK(parallel.zero_stage2()->gradient_numel() == block);
   CHECK(block < whole / 2 + whole / 50);
   for (const auto& item : parallel.module()->named_parameters()) CHECK_FALSE(item.value().grad().defined());

@@ -5,6 +5,7 @@
 // Checked before a file is opened, so that an index naming /etc/passwd or ../x reads nothing.
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <system_error>
 
 #include <meshtorch/error.hpp>
@@ -18,11 +19,19 @@ inline bool present_in_folder(const std::filesystem::path& path) {
   return std::filesystem::exists(std::filesystem::symlink_status(path, ignored));
 }
 
-// The file `name` of the model folder `dir`, which `named_by` names (the index's entry, or the
-// folder's layout): a plain file name whose file, after following links, is a regular file the
-// folder may read.
-MESHTORCH_DECL std::filesystem::path model_file(const std::filesystem::path& dir, const std::string& name,
-                                                const std::string& named_by);
+// Which folder a file is confined to: a model folder may also read its Hugging Face cache blobs.
+enum class FolderKind { model, checkpoint };
+
+// The file `name` of the folder `dir`, which `named_by` names (the index's entry, a manifest's,
+// or the folder's layout): a plain file name whose file, after following links, is a regular file
+// the folder may read.
+MESHTORCH_DECL std::filesystem::path confined_file(const std::filesystem::path& dir, const std::string& name,
+                                                   const std::string& named_by, FolderKind kind);
+
+inline std::filesystem::path model_file(const std::filesystem::path& dir, const std::string& name,
+                                        const std::string& named_by) {
+  return confined_file(dir, name, named_by, FolderKind::model);
+}
 
 }  // namespace meshtorch::io
 
@@ -54,13 +63,14 @@ inline bool allowed_target(const fs::path& target, const fs::path& dir) {
 
 }  // namespace model_folder_detail
 
-MESHTORCH_DECL std::filesystem::path model_file(const std::filesystem::path& dir, const std::string& name,
-                                                const std::string& named_by) {
+MESHTORCH_DECL std::filesystem::path confined_file(const std::filesystem::path& dir, const std::string& name,
+                                                   const std::string& named_by, FolderKind kind) {
   namespace fs = std::filesystem;
+  const std::string_view folder = kind == FolderKind::model ? "model folder" : "checkpoint folder";
   if (name.empty() || name == "." || name == ".." || name.find_first_of(std::string("/\\\0", 3)) != std::string::npos)
-    throw DataError(fmt::format("{} is '{}', not a plain file name; a model folder's files must lie in the folder "
+    throw DataError(fmt::format("{} is '{}', not a plain file name; a {}'s files must lie in the folder "
                                 "itself, named without '/', '\\' or '..'",
-                                named_by, name));
+                                named_by, name, folder));
   const fs::path path = dir / name;
   if (!present_in_folder(path))
     throw DataError(fmt::format("{} is '{}', which does not exist in {}", named_by, name, dir.string()));
@@ -70,9 +80,11 @@ MESHTORCH_DECL std::filesystem::path model_file(const std::filesystem::path& dir
   const auto target = fs::canonical(path, error);
   if (error) throw DataError(fmt::format("{} is '{}', a link that leads nowhere ({})",
                                          named_by, name, error.message()));
-  if (!model_folder_detail::allowed_target(target, resolved_dir))
-    throw DataError(fmt::format("{} is '{}', a link to {}, outside the model folder {}; refused",
-                                named_by, name, target.string(), resolved_dir.string()));
+  const bool allowed = kind == FolderKind::model ? model_folder_detail::allowed_target(target, resolved_dir)
+                                                 : model_folder_detail::lies_inside(target, resolved_dir);
+  if (!allowed)
+    throw DataError(fmt::format("{} is '{}', a link to {}, outside the {} {}; refused", named_by, name,
+                                target.string(), folder, resolved_dir.string()));
   if (!fs::is_regular_file(target, error))
     throw DataError(fmt::format("{} is '{}', which is not a regular file", named_by, name));
   return path;

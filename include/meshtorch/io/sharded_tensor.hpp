@@ -13,6 +13,7 @@
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/layout/row_block.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::io {
@@ -51,6 +52,16 @@ MESHTORCH_DECL std::optional<Box> intersect(const Box& a, const Box& b);
 
 // `a` minus `b` as disjoint boxes (at most two per dim): what of `a` a piece `b` leaves uncovered.
 MESHTORCH_DECL std::vector<Box> subtract(const Box& a, const Box& b);
+
+// What of `region` none of `pieces` covers, as disjoint boxes; at most `limit` of them (a
+// hostile manifest could split the rest into many), then the first `limit`.
+MESHTORCH_DECL std::vector<Box> uncovered(const Box& region, const std::vector<Box>& pieces,
+                                          std::size_t limit = 64);
+
+// Two of `pieces` (indices) that share an element, or nothing. A sweep along dim 0 over the
+// pieces sorted by offset, testing each against those whose rows it meets: linear for row
+// blocks and TP x FSDP grids, never the all-pairs test.
+MESHTORCH_DECL std::optional<std::pair<std::size_t, std::size_t>> first_overlap(const std::vector<Box>& pieces);
 
 // Chunk `index` of `count` along `dim` of `box`, with torch.chunk's sizes (ceil(size / count)
 // per chunk, the last ones shorter or empty): what TensorParallel keeps of a weight.
@@ -155,18 +166,47 @@ MESHTORCH_DECL std::vector<Box> subtract(const Box& a, const Box& b) {
   return out;
 }
 
+MESHTORCH_DECL std::vector<Box> uncovered(const Box& region, const std::vector<Box>& pieces, std::size_t limit) {
+  std::vector<Box> left;
+  if (!region.empty()) left.push_back(region);
+  for (const auto& piece : pieces) {
+    std::vector<Box> next;
+    for (const auto& part : left)
+      for (auto& rest : subtract(part, piece)) next.push_back(std::move(rest));
+    left = std::move(next);
+    if (left.size() > limit) left.resize(limit);  // reported as "the first `limit`", not an exact list
+  }
+  return left;
+}
+
+MESHTORCH_DECL std::optional<std::pair<std::size_t, std::size_t>> first_overlap(const std::vector<Box>& pieces) {
+  std::vector<std::size_t> order;
+  for (std::size_t i = 0; i < pieces.size(); ++i)
+    if (!pieces[i].empty()) order.push_back(i);
+  if (!order.empty() && pieces[order.front()].dim() == 0)
+    return order.size() > 1 ? std::optional(std::pair(order[0], order[1])) : std::nullopt;
+  std::sort(order.begin(), order.end(),
+            [&](std::size_t a, std::size_t b) { return pieces[a].offsets[0] < pieces[b].offsets[0]; });
+  std::vector<std::size_t> active;  // pieces whose rows reach the current piece's first row
+  for (const auto i : order) {
+    const auto begin = pieces[i].offsets[0];
+    std::erase_if(active, [&](std::size_t a) { return pieces[a].offsets[0] + pieces[a].sizes[0] <= begin; });
+    for (const auto a : active)
+      if (intersect(pieces[a], pieces[i])) return std::pair(a, i);
+    active.push_back(i);
+  }
+  return std::nullopt;
+}
+
 MESHTORCH_DECL Box chunk(const Box& box, std::int64_t dim, std::int64_t index, std::int64_t count) {
   if (dim < 0 || dim >= static_cast<std::int64_t>(box.dim()))
     throw ConfigError(fmt::format("chunk: dim {} is out of range for box {}", dim, to_string(box)));
   if (count < 1 || index < 0 || index >= count)
     throw ConfigError(fmt::format("chunk: index {} of {} chunks is out of range", index, count));
-  const auto size = box.sizes[dim];
-  const auto per_chunk = (size + count - 1) / count;
-  const auto begin = std::min(size, index * per_chunk);
-  const auto end = std::min(size, begin + per_chunk);
+  const auto block = row_block(box.sizes[dim], count, index);
   Box out = box;
-  out.offsets[dim] += begin;
-  out.sizes[dim] = end - begin;
+  out.offsets[dim] += block.first;
+  out.sizes[dim] = block.count;
   return out;
 }
 

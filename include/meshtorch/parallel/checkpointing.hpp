@@ -208,7 +208,7 @@ MESHTORCH_DECL std::optional<train::TrainState> load_training_checkpoint(const s
 
   const auto& dir = *point.checkpoint;
   const auto loaded = load_sharded_checkpoint(dir, tensors, world);
-  auto state = train::read_train_state(nlohmann::json::parse(loaded.state.dump()), (dir / state_file_name).string(), identity);
+  auto state = train::read_train_state(loaded.state, (dir / state_file_name).string(), identity);
   if (loaded.rank_state)
     train::restore_rng_states(io::SafetensorsFile{*loaded.rank_state, {}}, dir / rank_file_name(world.rank()));
   else if (world.rank() == 0)

@@ -64,6 +64,7 @@
 #include <meshtorch/comm/work.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/safetensors.hpp>
+#include <meshtorch/layout/row_block.hpp>
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/copy_in_flight.hpp>
@@ -199,13 +200,11 @@ class FsdpUnit {
     std::vector<std::int64_t> full_shape;
     std::int64_t rows = 0;           // full_shape[0]
     std::int64_t row_numel = 1;      // elements per row
-    std::int64_t rows_per_rank = 0;  // padded: ceil(rows / group size)
-    std::int64_t first_row = 0;      // this rank's first row
-    std::int64_t local_rows = 0;     // this rank's real rows (the last ranks may have fewer, or none)
+    RowBlock block;                  // this rank's rows of the weight (layout/row_block.hpp)
     std::int64_t shard_offset = 0;   // elements into the flat shard buffer
-    std::int64_t full_offset = 0;    // elements into the full storage (rows padded to group size x rows_per_rank)
-    torch::Tensor shard;             // leaf [local_rows, ...]: what the optimizer steps
-    std::int64_t block_numel() const { return rows_per_rank * row_numel; }  // one rank's part, padded
+    std::int64_t full_offset = 0;    // elements into the full storage (rows padded to group size x block rows)
+    torch::Tensor shard;             // leaf [block.count, ...]: what the optimizer steps
+    std::int64_t block_numel() const { return block.rows_per_rank * row_numel; }  // one rank's part, padded
   };
 
   MESHTORCH_DECL FsdpUnit(std::string name, bool is_root,
@@ -221,7 +220,7 @@ class FsdpUnit {
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }
   // Elements of this rank's shard buffer (with padding), of the full weights, and of the
-  // gathered storage (the full weights with each one's rows padded to group size x rows_per_rank).
+  // gathered storage (the full weights with each one's rows padded to group size x rows per rank).
   std::int64_t shard_numel() const { return shard_numel_; }
   std::int64_t full_numel() const { return full_numel_; }
   std::int64_t gathered_numel() const { return group_.size() * shard_numel_; }
@@ -269,7 +268,7 @@ class FsdpUnit {
   }
 
   // Issues the reduce-scatter of the full gradients (one copy into the send buffer for the
-  // unit, each weight's rows padded to group size x rows_per_rank) and frees the full weights.
+  // unit, each weight's rows padded to group size x rows per rank) and frees the full weights.
   MESHTORCH_DECL FsdpReduction start_reduce_scatter(const std::vector<torch::Tensor>& full_grads);
 
   // A finished reduce-scatter's result as one gradient per shard: the mean over the group, in
@@ -657,9 +656,7 @@ MESHTORCH_DECL FsdpUnit::FsdpUnit(std::string name, bool is_root,
     p.full_shape = w.sizes().vec();
     p.rows = w.size(0);
     p.row_numel = w.numel() / std::max<std::int64_t>(p.rows, 1);
-    p.rows_per_rank = (p.rows + world - 1) / world;
-    p.first_row = std::min(p.rows, rank * p.rows_per_rank);
-    p.local_rows = std::clamp<std::int64_t>(p.rows - rank * p.rows_per_rank, 0, p.rows_per_rank);
+    p.block = row_block(p.rows, world, rank);
     p.shard_offset = shard_numel_;
     p.full_offset = world * shard_numel_;
     shard_numel_ += p.block_numel();
@@ -673,10 +670,10 @@ MESHTORCH_DECL FsdpUnit::FsdpUnit(std::string name, bool is_root,
   torch::NoGradGuard no_grad;
   for (auto& p : params_) {
     auto local_shape = p.full_shape;
-    local_shape[0] = p.local_rows;
-    p.shard = shard_flat_.narrow(0, p.shard_offset, p.local_rows * p.row_numel).view(local_shape);
+    local_shape[0] = p.block.count;
+    p.shard = shard_flat_.narrow(0, p.shard_offset, p.block.count * p.row_numel).view(local_shape);
     // A module that already has real weights (not built on the meta device) keeps its values.
-    if (!p.leaf->weight.is_meta()) p.shard.copy_(p.leaf->weight.narrow(0, p.first_row, p.local_rows));
+    if (!p.leaf->weight.is_meta()) p.shard.copy_(p.leaf->weight.narrow(0, p.block.first, p.block.count));
     p.shard.set_requires_grad(true);
   }
   // The full weights: one storage for the unit, freed until a forward needs it. The gather
@@ -784,7 +781,7 @@ MESHTORCH_DECL void FsdpUnit::land_gradients(FsdpGradientCopy& copy) {
 MESHTORCH_DECL std::vector<torch::Tensor> FsdpUnit::shard_views(const torch::Tensor& flat) const {
   std::vector<torch::Tensor> views;
   for (const auto& p : params_)
-    views.push_back(flat.narrow(0, p.shard_offset, p.local_rows * p.row_numel).view(p.shard.sizes()));
+    views.push_back(flat.narrow(0, p.shard_offset, p.block.count * p.row_numel).view(p.shard.sizes()));
   return views;
 }
 
@@ -820,7 +817,7 @@ MESHTORCH_DECL void FullyShardedDataParallel::init_weights() {
       full.fill_(1.0);
     else
       full.normal_(0.0, std);
-    p.shard.copy_(full.narrow(0, p.first_row, p.local_rows));
+    p.shard.copy_(full.narrow(0, p.block.first, p.block.count));
   }
 }
 
@@ -839,7 +836,7 @@ MESHTORCH_DECL void FullyShardedDataParallel::load_full_state_dict(const io::Nam
     if (tensor.sizes().vec() != p->full_shape)
       throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", source, name,
                                   c10::str(tensor.sizes()), c10::str(c10::IntArrayRef(p->full_shape))));
-    p->shard.copy_(tensor.narrow(0, p->first_row, p->local_rows));
+    p->shard.copy_(tensor.narrow(0, p->block.first, p->block.count));
     loaded.insert(name);
   }
   for (const auto& [name, leaf] : all_leaves_)
@@ -849,7 +846,7 @@ MESHTORCH_DECL void FullyShardedDataParallel::load_full_state_dict(const io::Nam
 MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> FullyShardedDataParallel::rows_of(const std::string& name) const {
   const auto* p = find(name);
   if (!p) throw ConfigError(fmt::format("FullyShardedDataParallel: no weight named '{}'", name));
-  return {p->first_row, p->local_rows};
+  return {p->block.first, p->block.count};
 }
 
 MESHTORCH_DECL void FullyShardedDataParallel::load_pretrained_weights(const std::filesystem::path& dir) {

@@ -712,12 +712,12 @@ MESHTORCH_DECL void ParallelLlamaRuntime::load_weights(const std::filesystem::pa
     for (const auto& entry : io::read_safetensors_header(file).entries)
       if (is_loaded(entry.name)) {
         check_shape(entry, file);
-        const auto row_bytes = static_cast<std::int64_t>(io::SafetensorsRowReader::row_bytes(entry));
+        const auto row_bytes = static_cast<std::int64_t>(entry.row_bytes());
         largest_read = std::max(largest_read, rows_read_for(entry).second * row_bytes);
       }
   auto buffer = torch::empty({largest_read}, torch::TensorOptions().dtype(torch::kByte));
   for (const auto& file : files) {
-    io::SafetensorsRowReader reader(file);
+    io::SafetensorsReader reader(file);
     for (const auto& entry : reader.header().entries) {
       const auto& name = entry.name;
       if (!is_loaded(name)) continue;
@@ -761,7 +761,7 @@ MESHTORCH_DECL void ParallelLlamaRuntime::load_weights_through(const std::filesy
 
   std::set<std::string> loaded;
   const auto trained = trained_by_name();
-  std::optional<io::SafetensorsRowReader> file_reader;
+  std::optional<io::SafetensorsReader> file_reader;
   // One buffer for every weight, as big as the largest, read into on the reader and received
   // into on the others (on the CPU the reader's is the one it broadcasts from).
   std::int64_t largest = 0;

@@ -33,7 +33,7 @@
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/safetensors.hpp>
-#include <meshtorch/io/safetensors_reader.hpp>
+#include <meshtorch/io/safetensors_writer.hpp>
 #include <meshtorch/io/sharded_tensor.hpp>
 #include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/adamw.hpp>
@@ -192,7 +192,7 @@ MESHTORCH_DECL ResumePoint find_checkpoint_to_resume(const std::filesystem::path
 
 // What a load returns besides the tensors it filled.
 struct LoadedCheckpoint {
-  nlohmann::ordered_json state;                // state.json
+  nlohmann::json state;                        // state.json
   std::optional<io::NamedTensors> rank_state;  // this rank's, when the world size is the saved one
   std::string rank_state_note;                 // why rank_state is absent
   Manifest manifest;
@@ -297,6 +297,8 @@ MESHTORCH_DECL ConsolidateResult consolidate_sharded_checkpoint(const std::files
 
 #include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/io/atomic_file.hpp>
+#include <meshtorch/io/json_file.hpp>
+#include <meshtorch/io/model_folder.hpp>
 
 namespace meshtorch::parallel {
 
@@ -328,20 +330,17 @@ inline void check_plain_file_name(const std::string& name, const std::string& wh
     throw DataError(fmt::format("{}: '{}' is not a plain file name inside the checkpoint folder", where, name));
 }
 
-inline std::string read_text(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError(fmt::format("{}: cannot open", path.string()));
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+// A file the manifest names, confined to the checkpoint folder as a model folder's files are to
+// theirs: a plain name, and no link leading out of the folder.
+inline std::filesystem::path checkpoint_file(const std::filesystem::path& dir, const std::string& name) {
+  return io::confined_file(dir, name, fmt::format("{}: the manifest's file", dir.string()),
+                           io::FolderKind::checkpoint);
 }
 
-template <class Json = nlohmann::json>
-Json parse_json_file(const std::filesystem::path& path) {
-  if (!std::filesystem::exists(path)) throw DataError(fmt::format("{} is missing", path.string()));
-  try {
-    return Json::parse(read_text(path));
-  } catch (const nlohmann::json::parse_error& e) {
-    throw DataError(fmt::format("{}: not valid JSON ({})", path.string(), e.what()));
-  }
+// Through the one bounded JSON reader (depth, repeated keys, size, numbers in range).
+inline nlohmann::json read_checkpoint_json(const std::filesystem::path& path) {
+  if (!io::present_in_folder(path)) throw DataError(fmt::format("{} is missing", path.string()));
+  return io::read_json_file<DataError>(path);
 }
 
 // Typed access to a JSON field, naming the file and the field when it is missing or mistyped.
@@ -358,7 +357,7 @@ T field(const nlohmann::json& object, const std::string& key, const std::string&
 
 inline torch::ScalarType dtype_field(const nlohmann::json& object, const std::string& where) {
   const auto name = field<std::string>(object, "dtype", where);
-  const auto dtype = io::safetensors_detail::dtype_from_name(name);
+  const auto dtype = io::safetensors_dtype(name);
   if (!dtype) throw DataError(fmt::format("{}: unsupported dtype '{}'", where, name));
   return *dtype;
 }
@@ -389,30 +388,28 @@ inline void check_piece_inside(const PieceRecord& p, const std::vector<std::int6
 }
 
 // Pieces must cover the global tensor exactly once: no region twice (two writers of one
-// replica), none missing (no writer at all).
+// replica), none missing (no writer at all). Near-linear (a sweep, then a count), so that a
+// manifest of 100,000 pieces costs no more than reading it.
 inline void check_exact_cover(const TensorRecord& t, const std::string& where) {
-  for (std::size_t i = 0; i < t.pieces.size(); ++i)
-    for (std::size_t j = i + 1; j < t.pieces.size(); ++j)
-      if (const auto both = io::intersect(t.pieces[i].box, t.pieces[j].box))
-        throw DataError(
-            fmt::format("{}: tensor '{}': region {} is written by rank {} and by rank {}; mark one "
-                        "replica writer and the others not",
-                        where, t.name, io::to_string(*both), t.pieces[i].rank, t.pieces[j].rank));
-  std::vector<io::Box> uncovered{io::whole(t.shape)};
-  for (const auto& p : t.pieces) {
-    std::vector<io::Box> next;
-    for (const auto& region : uncovered)
-      for (auto& rest : io::subtract(region, p.box)) next.push_back(std::move(rest));
-    uncovered = std::move(next);
-  }
-  if (!uncovered.empty()) {
-    std::vector<std::string> regions;
-    for (const auto& b : uncovered) regions.push_back(io::to_string(b));
+  std::vector<io::Box> boxes;
+  boxes.reserve(t.pieces.size());
+  for (const auto& p : t.pieces) boxes.push_back(p.box);
+  if (const auto both = io::first_overlap(boxes))
     throw DataError(
-        fmt::format("{}: tensor '{}' of shape {}: region(s) {} written by no rank (is every replica "
-                    "marked writer = false?)",
-                    where, t.name, shape_string(t.shape), fmt::join(regions, ", ")));
-  }
+        fmt::format("{}: tensor '{}': region {} is written by rank {} and by rank {}; mark one "
+                    "replica writer and the others not",
+                    where, t.name, io::to_string(*io::intersect(boxes[both->first], boxes[both->second])),
+                    t.pieces[both->first].rank, t.pieces[both->second].rank));
+  // Disjoint pieces inside the tensor cover it exactly when their elements add up to its own.
+  std::int64_t covered = 0;
+  for (const auto& b : boxes) covered += b.numel();
+  if (covered == io::whole(t.shape).numel()) return;
+  std::vector<std::string> regions;
+  for (const auto& b : io::uncovered(io::whole(t.shape), boxes)) regions.push_back(io::to_string(b));
+  throw DataError(
+      fmt::format("{}: tensor '{}' of shape {}: region(s) {} written by no rank (is every replica "
+                  "marked writer = false?)",
+                  where, t.name, shape_string(t.shape), fmt::join(regions, ", ")));
 }
 
 inline nlohmann::ordered_json digest_json(const io::FileDigest& d) {
@@ -448,7 +445,7 @@ MESHTORCH_DECL nlohmann::ordered_json to_json(const Manifest& m) {
   auto& tensors = j["tensors"] = nlohmann::ordered_json::object();
   for (const auto& t : m.tensors) {
     auto& entry = tensors[t.name];
-    entry["dtype"] = io::safetensors_detail::dtype_name(t.dtype);
+    entry["dtype"] = io::safetensors_dtype_name(t.dtype);
     entry["shape"] = t.shape;
     entry["pieces"] = nlohmann::ordered_json::array();
     for (const auto& p : t.pieces) entry["pieces"].push_back(sharded_detail::piece_json(p));
@@ -468,7 +465,7 @@ MESHTORCH_DECL Manifest read_manifest(const std::filesystem::path& checkpoint_di
         fmt::format("{} is missing: {} is not a complete sharded checkpoint (was it copied without "
                     "it, or written by an older meshtorch?)",
                     path.string(), checkpoint_dir.string()));
-  const auto j = parse_json_file(path);
+  const auto j = read_checkpoint_json(path);
   const std::string where = path.string();
   if (field<std::string>(j, "format", where) != sharded_checkpoint_format)
     throw DataError(fmt::format("{}: format is not '{}'", where, sharded_checkpoint_format));
@@ -490,14 +487,19 @@ MESHTORCH_DECL Manifest read_manifest(const std::filesystem::path& checkpoint_di
     check_plain_file_name(name, where + ": files");
     m.files[name] = parse_digest(digest, fmt::format("{}: files.{}", where, name));
   }
+  std::set<std::pair<std::string, std::string>> stored;  // (file, key) of every piece
   for (const auto& [name, entry] : tensors_json.items()) {
     const std::string tensor_where = fmt::format("{}: tensors.{}", where, name);
     TensorRecord t;
     t.name = name;
     t.dtype = dtype_field(entry, tensor_where);
     t.shape = field<std::vector<std::int64_t>>(entry, "shape", tensor_where);
-    for (auto s : t.shape)
+    std::int64_t elements = 1;
+    for (auto s : t.shape) {
       if (s < 0) throw DataError(fmt::format("{}: negative size in shape {}", tensor_where, shape_string(t.shape)));
+      if (__builtin_mul_overflow(elements, s, &elements))
+        throw DataError(fmt::format("{}: shape {} has more than 2^63 elements", tensor_where, shape_string(t.shape)));
+    }
     const auto pieces = field<nlohmann::json>(entry, "pieces", tensor_where);
     for (std::size_t i = 0; i < pieces.size(); ++i) {
       const std::string piece_where = fmt::format("{}.pieces[{}]", tensor_where, i);
@@ -505,6 +507,10 @@ MESHTORCH_DECL Manifest read_manifest(const std::filesystem::path& checkpoint_di
       check_piece_inside(p, t.shape, piece_where);
       if (!m.files.contains(p.file))
         throw DataError(fmt::format("{}: file '{}' is not listed under files", piece_where, p.file));
+      // One stored tensor is one piece: pieces sharing it would multiply what a load or an
+      // export writes out of one file's bytes.
+      if (!stored.emplace(p.file, p.key).second)
+        throw DataError(fmt::format("{}: '{}' in '{}' is already another piece", piece_where, p.key, p.file));
       t.pieces.push_back(std::move(p));
     }
     check_exact_cover(t, where);
@@ -542,6 +548,12 @@ MESHTORCH_DECL std::optional<std::string> check_checkpoint_file(const std::files
                                                                 const std::string& name, const io::FileDigest& expected,
                                                                 bool checksum) {
   const auto path = checkpoint_dir / name;
+  if (!io::present_in_folder(path)) return fmt::format("{} is missing", path.string());
+  try {
+    sharded_detail::checkpoint_file(checkpoint_dir, name);
+  } catch (const DataError& e) {  // a verdict, not an exception: the collective load shares it
+    return e.what();
+  }
   std::error_code error;
   const auto size = std::filesystem::file_size(path, error);
   if (error) return fmt::format("{} is missing ({})", path.string(), error.message());
@@ -581,7 +593,7 @@ MESHTORCH_DECL RankWriteResult write_rank_pieces(const std::filesystem::path& pa
   if (rank < 0 || rank >= world_size)
     throw ConfigError(fmt::format("write_rank_pieces: rank {} is outside a world of {}", rank, world_size));
   const auto file = rank_file_name(rank);
-  std::vector<io::TensorEntry> entries;
+  std::vector<io::SafetensorsEntry> entries;
   std::vector<torch::Tensor> data;
   nlohmann::ordered_json pieces = nlohmann::ordered_json::array();
   std::set<std::string> names;
@@ -594,20 +606,20 @@ MESHTORCH_DECL RankWriteResult write_rank_pieces(const std::filesystem::path& pa
     io::sharded(t.name, t.local, t.global_shape, t.box);  // the same checks as building one
     // Every tensor is listed, written or not, so publishing can tell a tensor no rank wrote.
     pieces.push_back({{"name", t.name},
-                      {"dtype", io::safetensors_detail::dtype_name(t.local.scalar_type())},
+                      {"dtype", io::safetensors_dtype_name(t.local.scalar_type())},
                       {"global_shape", t.global_shape},
                       {"written", t.writer},
                       {"key", t.name},
                       {"offsets", t.box.offsets},
                       {"sizes", t.box.sizes}});
     if (!t.writer) continue;
-    entries.push_back({t.name, t.local.scalar_type(), t.box.sizes});
+    entries.push_back(io::SafetensorsEntry{t.name, t.local.scalar_type(), t.box.sizes});
     data.push_back(t.local);
     ++written_pieces;
   }
   std::vector<std::string> state_names;
   for (const auto& [name, tensor] : rank_state) {
-    entries.push_back({rank_state_key(rank, name), tensor.scalar_type(), tensor.sizes().vec()});
+    entries.push_back(io::SafetensorsEntry{rank_state_key(rank, name), tensor.scalar_type(), tensor.sizes().vec()});
     data.push_back(tensor);
     state_names.push_back(name);
   }
@@ -668,7 +680,7 @@ MESHTORCH_DECL Manifest publish_sharded_checkpoint(const std::filesystem::path& 
           fmt::format("{} is missing: rank {} did not finish writing its pieces (it failed or was "
                       "stopped); {} is not published and the previous checkpoint stays",
                       list_path.string(), rank, name));
-    const auto list = parse_json_file(list_path);
+    const auto list = read_checkpoint_json(list_path);
     const std::string where = list_path.string();
     if (field<int>(list, "rank", where) != rank || field<int>(list, "world_size", where) != world_size)
       throw DataError(fmt::format("{}: written by rank {} of {}, expected rank {} of {}", where,
@@ -823,29 +835,25 @@ namespace sharded_detail {
 class Readers {
  public:
   explicit Readers(std::filesystem::path dir) : dir_(std::move(dir)) {}
-  const io::SafetensorsRangeReader& get(const std::string& file) {
+  const io::SafetensorsReader& get(const std::string& file) {
     auto& reader = readers_[file];
-    if (!reader) reader = std::make_unique<io::SafetensorsRangeReader>(dir_ / file);
+    if (!reader) reader = std::make_unique<io::SafetensorsReader>(checkpoint_file(dir_, file));
     return *reader;
   }
 
  private:
   std::filesystem::path dir_;
-  std::map<std::string, std::unique_ptr<io::SafetensorsRangeReader>> readers_;
+  std::map<std::string, std::unique_ptr<io::SafetensorsReader>> readers_;
 };
 
 // Fills `target` (extent `target_box`) from every saved piece of `record` that overlaps it,
 // reading only the rows each overlap needs.
 inline void fill_from_pieces(const TensorRecord& record, torch::Tensor& target, const io::Box& target_box,
                              Readers& readers) {
-  std::vector<io::Box> uncovered;
-  if (!target_box.empty()) uncovered.push_back(target_box);
-  for (const auto& p : record.pieces) {
-    std::vector<io::Box> next;
-    for (const auto& region : uncovered)
-      for (auto& rest : io::subtract(region, p.box)) next.push_back(std::move(rest));
-    uncovered = std::move(next);
-  }
+  std::vector<io::Box> boxes;
+  boxes.reserve(record.pieces.size());
+  for (const auto& p : record.pieces) boxes.push_back(p.box);
+  const auto uncovered = io::uncovered(target_box, boxes);
   if (!uncovered.empty()) {
     std::vector<std::string> regions;
     for (const auto& b : uncovered) regions.push_back(io::to_string(b));
@@ -868,10 +876,10 @@ inline void fill_from_pieces(const TensorRecord& record, torch::Tensor& target, 
     torch::Tensor part;
     io::Box part_box = p.box;
     if (p.box.dim() == 0) {
-      part = reader.read_rows(p.key, 0, 0);
+      part = reader.read(*entry);
     } else {
       const auto first = common->offsets[0] - p.box.offsets[0];
-      part = reader.read_rows(p.key, first, common->sizes[0]);
+      part = reader.read_rows(*entry, first, common->sizes[0]);
       part_box.offsets[0] = common->offsets[0];
       part_box.sizes[0] = common->sizes[0];
     }
@@ -892,7 +900,7 @@ MESHTORCH_DECL void load_checked(const std::filesystem::path& checkpoint_dir, st
   if (!m.files.contains(std::string(state_file_name)))
     throw DataError(fmt::format("{}: {} is not listed under files", (checkpoint_dir / manifest_file_name).string(),
                                 state_file_name));
-  out.state = parse_json_file<nlohmann::ordered_json>(checkpoint_dir / state_file_name);
+  out.state = read_checkpoint_json(checkpoint_file(checkpoint_dir, std::string(state_file_name)));
 
   Readers readers(checkpoint_dir);
   std::set<std::string> requested;
@@ -921,8 +929,10 @@ MESHTORCH_DECL void load_checked(const std::filesystem::path& checkpoint_dir, st
     io::NamedTensors state;
     const auto it = m.rank_state.find(rank);
     if (it != m.rank_state.end())
-      for (const auto& name : it->second)
-        state.emplace_back(name, readers.get(rank_file_name(rank)).read(rank_state_key(rank, name)));
+      for (const auto& name : it->second) {
+        const auto& reader = readers.get(rank_file_name(rank));
+        state.emplace_back(name, reader.read(reader.entry(rank_state_key(rank, name))));
+      }
     out.rank_state = std::move(state);
   }
 }
@@ -986,7 +996,7 @@ MESHTORCH_DECL ConsolidateResult consolidate_sharded_checkpoint(const std::files
   std::vector<std::vector<const TensorRecord*>> shards(1);
   std::uint64_t in_shard = 0, total = 0;
   for (const auto* t : model) {
-    const auto bytes = io::TensorEntry{t->name, t->dtype, t->shape}.bytes();
+    const auto bytes = io::safetensors_bytes(t->dtype, t->shape);
     if (in_shard > 0 && in_shard + bytes > options.max_shard_bytes) {
       shards.emplace_back();
       in_shard = 0;
@@ -1002,8 +1012,8 @@ MESHTORCH_DECL ConsolidateResult consolidate_sharded_checkpoint(const std::files
   for (std::size_t s = 0; s < shards.size(); ++s) {
     const auto file = shards.size() == 1 ? std::string("model.safetensors")
                                          : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
-    std::vector<io::TensorEntry> entries;
-    for (const auto* t : shards[s]) entries.push_back({t->name, t->dtype, t->shape});
+    std::vector<io::SafetensorsEntry> entries;
+    for (const auto* t : shards[s]) entries.push_back(io::SafetensorsEntry{t->name, t->dtype, t->shape});
     io::SafetensorsStreamWriter writer(out_dir / file, std::move(entries), {{"format", "pt"}});
     for (const auto* t : shards[s]) {
       auto full = torch::empty(t->shape, torch::TensorOptions().dtype(t->dtype));
@@ -1024,7 +1034,12 @@ MESHTORCH_DECL ConsolidateResult consolidate_sharded_checkpoint(const std::files
   for (const auto& [file, digest] : m.files) {
     const bool rank_file = file.rfind("rank", 0) == 0 && file.ends_with(".safetensors");
     if (rank_file || file == state_file_name) continue;
-    io::write_file_atomically(out_dir / file, read_text(checkpoint_dir / file));
+    // Small files (config.json, ...) whose size and checksum were verified above.
+    std::ifstream in(checkpoint_file(checkpoint_dir, file), std::ios::binary);
+    std::string contents(digest.bytes, '\0');
+    in.read(contents.data(), static_cast<std::streamsize>(contents.size()));
+    if (!in) throw DataError(fmt::format("{}: could not be read whole", (checkpoint_dir / file).string()));
+    io::write_file_atomically(out_dir / file, contents);
     result.files.push_back(out_dir / file);
   }
   return result;

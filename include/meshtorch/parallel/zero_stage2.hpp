@@ -39,6 +39,7 @@
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/work.hpp>
 #include <meshtorch/error.hpp>
+#include <meshtorch/layout/row_block.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {
@@ -58,9 +59,7 @@ class ZeroStage2 {
     torch::Tensor full;              // the module's parameter: whole on every rank
     std::int64_t rows = 0;           // full.size(0)
     std::int64_t row_numel = 1;
-    std::int64_t rows_per_rank = 0;  // ceil(rows / N)
-    std::int64_t first_row = 0;      // this rank's rows: [first_row, first_row + local_rows)
-    std::int64_t local_rows = 0;
+    RowBlock block;                  // this rank's rows (layout/row_block.hpp)
     std::size_t bucket = 0;
     std::int64_t block_offset = 0;   // elements into its bucket's per-rank block
     torch::Tensor shard;             // a view of this rank's rows of `full`: what the optimizer steps
@@ -115,8 +114,8 @@ class ZeroStage2 {
     torch::Tensor grad_block;         // this rank's block of the mean gradient: the shards' .grad
   };
 
-  static std::int64_t rows_on(const Parameter& p, int rank) {
-    return std::clamp<std::int64_t>(p.rows - rank * p.rows_per_rank, 0, p.rows_per_rank);
+  RowBlock block_of(const Parameter& p, int rank) const {
+    return row_block(p.rows, group_.size(), rank);
   }
 
   // Autograd has accumulated parameter k's gradient of this backward: cut it into the rank
@@ -215,10 +214,8 @@ MESHTORCH_DECL ZeroStage2::ZeroStage2(std::vector<std::pair<std::string, torch::
     p.full = tensor;
     p.rows = tensor.size(0);
     p.row_numel = tensor.numel() / std::max<std::int64_t>(p.rows, 1);
-    p.rows_per_rank = (p.rows + world - 1) / world;
-    p.first_row = std::min(p.rows, rank * p.rows_per_rank);
-    p.local_rows = std::clamp<std::int64_t>(p.rows - rank * p.rows_per_rank, 0, p.rows_per_rank);
-    p.shard = tensor.detach().narrow(0, p.first_row, p.local_rows);
+    p.block = row_block(p.rows, world, rank);
+    p.shard = tensor.detach().narrow(0, p.block.first, p.block.count);
     params_.push_back(std::move(p));
   }
   // Buckets in the reverse of definition order, roughly the order backward produces gradients.
@@ -230,7 +227,7 @@ MESHTORCH_DECL ZeroStage2::ZeroStage2(std::vector<std::pair<std::string, torch::
     auto& bucket = buckets_.back();
     p.bucket = buckets_.size() - 1;
     p.block_offset = bucket.block_numel;
-    bucket.block_numel += p.rows_per_rank * p.row_numel;
+    bucket.block_numel += p.block.rows_per_rank * p.row_numel;
     bucket.bytes += bytes;
     bucket.params.push_back(k);
   }
@@ -255,7 +252,7 @@ MESHTORCH_DECL ZeroStage2::ZeroStage2(std::vector<std::pair<std::string, torch::
 
 MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> ZeroStage2::rows_of(const std::string& name) const {
   for (const auto& p : params_)
-    if (p.name == name) return {p.first_row, p.local_rows};
+    if (p.name == name) return {p.block.first, p.block.count};
   throw ConfigError(fmt::format("ZeroStage2: no parameter '{}'", name));
 }
 
@@ -283,10 +280,10 @@ MESHTORCH_DECL void ZeroStage2::gather_parameters() {
         const auto& p = params_[k];
         const auto full = p.full.detach().view({p.rows, p.row_numel});
         for (int r = 0; r < world; ++r) {
-          const auto rows = rows_on(p, r);
-          if (rows == 0 || r == group_.rank()) continue;  // its own rows are already there
-          full.narrow(0, r * p.rows_per_rank, rows)
-              .copy_(blocks[r].narrow(0, p.block_offset, rows * p.row_numel).view({rows, p.row_numel}));
+          const auto theirs = block_of(p, r);
+          if (theirs.count == 0 || r == group_.rank()) continue;  // its own rows are already there
+          full.narrow(0, theirs.first, theirs.count)
+              .copy_(blocks[r].narrow(0, p.block_offset, theirs.count * p.row_numel).view({theirs.count, p.row_numel}));
         }
       }
     };
@@ -295,7 +292,7 @@ MESHTORCH_DECL void ZeroStage2::gather_parameters() {
       auto block = torch::empty({buckets_[b].block_numel}, params_.front().full.options().requires_grad(false));
       for (const auto k : buckets_[b].params) {
         const auto& p = params_[k];
-        block.narrow(0, p.block_offset, p.local_rows * p.row_numel).copy_(p.shard.reshape({-1}));
+        block.narrow(0, p.block_offset, p.block.count * p.row_numel).copy_(p.shard.reshape({-1}));
       }
       pending.emplace_back(b, comm::all_gather_async(group_, block, 0));
       if (static_cast<int>(pending.size()) > options_.buckets_in_flight) copy_out();
@@ -319,12 +316,13 @@ MESHTORCH_DECL void ZeroStage2::gradient_arrived(std::size_t k) {
   const auto blocks = bucket.send.view({world, bucket.block_numel});
   const auto grad = p.full.grad().reshape({p.rows, p.row_numel});
   for (int r = 0; r < world; ++r) {
-    const auto rows = rows_on(p, r);
-    auto block =
-        blocks[r].narrow(0, p.block_offset, p.rows_per_rank * p.row_numel).view({p.rows_per_rank, p.row_numel});
-    if (rows > 0) block.narrow(0, 0, rows).copy_(grad.narrow(0, r * p.rows_per_rank, rows));
+    const auto theirs = block_of(p, r);
+    auto block = blocks[r]
+                     .narrow(0, p.block_offset, theirs.rows_per_rank * p.row_numel)
+                     .view({theirs.rows_per_rank, p.row_numel});
+    if (theirs.count > 0) block.narrow(0, 0, theirs.count).copy_(grad.narrow(0, theirs.first, theirs.count));
     // Padding rows (the last ranks' when rows do not divide) are summed too: zero, not garbage.
-    if (rows < p.rows_per_rank) block.narrow(0, rows, p.rows_per_rank - rows).zero_();
+    if (theirs.padding() > 0) block.narrow(0, theirs.count, theirs.padding()).zero_();
   }
   p.full.mutable_grad() = torch::Tensor();
   p.arrived = true;
@@ -364,7 +362,7 @@ MESHTORCH_DECL void ZeroStage2::finish_oldest() {
   bucket.grad_block = mine;
   for (const auto k : bucket.params) {
     auto& p = params_[k];
-    p.shard.mutable_grad() = mine.narrow(0, p.block_offset, p.local_rows * p.row_numel).view(p.shard.sizes());
+    p.shard.mutable_grad() = mine.narrow(0, p.block_offset, p.block.count * p.row_numel).view(p.shard.sizes());
   }
 }
 

@@ -19,7 +19,6 @@
 #include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/data/text_tokenizer.hpp>
 #include <meshtorch/data/token_cache.hpp>
-#include <meshtorch/io/safetensors_reader.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/parallel/sharded_checkpoint.hpp>

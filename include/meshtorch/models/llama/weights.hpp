@@ -12,6 +12,7 @@
 
 #include <meshtorch/io/model_folder.hpp>
 #include <meshtorch/io/safetensors.hpp>
+#include <meshtorch/io/safetensors_writer.hpp>
 #include <meshtorch/models/llama/config_json.hpp>
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/separate_compilation.hpp>
