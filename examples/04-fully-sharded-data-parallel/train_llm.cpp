@@ -10,6 +10,7 @@
 // (--prefetch-layers), and reduce-scatters run while backward goes on. --cpu-offload keeps all three in CPU memory and steps the optimizer there;
 // --dtype bfloat16 computes in bf16 while shards and gradient reduction stay fp32. Checkpoints
 // are sharded: one file per rank.
+#include <meshtorch/checkpoint/consolidate.hpp>
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/launch.hpp>
@@ -114,9 +115,9 @@ int main(int argc, char** argv) {
     // The sharded checkpoint as one HF folder that chapter 1 and transformers load.
     return mt::comm::run_recorded([&] {
       const auto exp_dir = std::filesystem::path(args.save_dir) / args.experiment_name;
-      const auto checkpoint = mt::parallel::find_checkpoint_to_resume(exp_dir).checkpoint;
+      const auto checkpoint = mt::checkpoint::find_checkpoint_to_resume(exp_dir).checkpoint;
       if (!checkpoint) throw mt::ConfigError(fmt::format("--consolidate-to: {} holds no checkpoint", exp_dir.string()));
-      const auto written = mt::parallel::consolidate_sharded_checkpoint(*checkpoint, args.consolidate_to);
+      const auto written = mt::checkpoint::consolidate_sharded_checkpoint(*checkpoint, args.consolidate_to);
       fmt::print("wrote {} tensors into {} from {}\n", written.tensors, args.consolidate_to, checkpoint->string());
       return 0;
     });

@@ -1,15 +1,15 @@
 #pragma once
 // The one header users include. The folders show the architecture: layout/ (compile time, no
 // LibTorch), comm/ (process groups and collectives), models/ (Llama, no parallelism), data/ and
-// train/ (the training loop's parts), io/ (files that are never half-written), parallel/ (the
-// wrappers that join them).
+// train/ (the training loop's parts), io/ (files that are never half-written), checkpoint/ (the
+// sharded checkpoint engine), parallel/ (the wrappers that join them).
 //
 // Left out, because few translation units need them and each adds to every one's compile time
 // (docs/code-style.md#what-the-umbrella-header-includes): a program's flags and start-up
 // (train/args.hpp, which pulls in CLI11; comm/init.hpp; parallel/launch.hpp), its training data
 // (parallel/training_data.hpp, the tokenizers: link meshtorch::tokenizers), and the sharded
-// checkpoint engine (parallel/sharded_checkpoint.hpp; its box algebra, io/sharded_tensor.hpp,
-// comes with parallelize.hpp).
+// checkpoint engine (checkpoint/; its box algebra, io/sharded_tensor.hpp, comes with
+// parallelize.hpp).
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/layout.hpp>
 

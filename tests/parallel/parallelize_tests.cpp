@@ -129,7 +129,7 @@ void check_layout_against_one_process(std::vector<int> extents = {}, mt::Paralle
     one_process.push_back(mt::io::replicated(item.key(), item.value(), /*writer=*/true));
   for (auto& piece : mt::parallel::optimizer_state_pieces(restored_optimizer, one_process))
     one_process.push_back(std::move(piece));
-  mt::parallel::load_sharded_checkpoint(saved.folder, one_process);
+  mt::checkpoint::load_sharded_checkpoint(saved.folder, one_process);
   const auto expected_state = reference_optimizer.state();
   std::map<std::string, torch::Tensor> restored_state;
   for (const auto& [name, tensor] : restored_optimizer.state()) restored_state[name] = tensor;

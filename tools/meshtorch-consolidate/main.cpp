@@ -16,15 +16,15 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
-#include <meshtorch/parallel/sharded_checkpoint.hpp>
+#include <meshtorch/checkpoint/consolidate.hpp>
 #include <meshtorch/train/memory.hpp>
 
-namespace parallel = meshtorch::parallel;
+namespace checkpoint = meshtorch::checkpoint;
 
 int main(int argc, char** argv) {
   CLI::App app{"Consolidate a meshtorch sharded checkpoint into a Hugging Face model folder"};
   std::string checkpoint_dir, out_dir;
-  parallel::ConsolidateOptions options;
+  checkpoint::ConsolidateOptions options;
   app.add_option("checkpoint_dir", checkpoint_dir, "ckpt-<step> folder (or the experiment's checkpoint link)")
       ->required()
       ->check(CLI::ExistingDirectory);
@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
   // the first large tensor, so memory would hold several tensors' worth instead of one.
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
   try {
-    const auto result = parallel::consolidate_sharded_checkpoint(checkpoint_dir, out_dir, options);
+    const auto result = checkpoint::consolidate_sharded_checkpoint(checkpoint_dir, out_dir, options);
     std::cout << fmt::format("{} tensors, {:.3f} GB of weights, written to {}:\n", result.tensors,
                              static_cast<double>(result.bytes) / 1e9, out_dir);
     for (const auto& file : result.files) std::cout << "  " << file.filename().string() << "\n";

@@ -1,6 +1,6 @@
 #pragma once
 // How an Experiment (train/experiment.hpp) saves and resumes a model: one path for every layout.
-// Each rank hands the sharded checkpoint (parallel/sharded_checkpoint.hpp) its own pieces of the
+// Each rank hands the sharded checkpoint (checkpoint/) its own pieces of the
 // weights and of AdamW's state, as boxes of the global tensors, plus its RNG states; a load fills
 // this rank's boxes from whatever pieces were saved, so a run resumes on another mesh or world
 // size. No rank gathers a full weight to save; the format is docs/checkpoints.md's.
@@ -19,11 +19,13 @@
 
 #include <meshtorch/torch.hpp>
 
+#include <meshtorch/checkpoint/load.hpp>
+#include <meshtorch/checkpoint/optimizer_state.hpp>
+#include <meshtorch/checkpoint/save.hpp>
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/io/sharded_tensor.hpp>
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/parallel/parallelize.hpp>
-#include <meshtorch/parallel/sharded_checkpoint.hpp>
 #include <meshtorch/parallel/zero.hpp>
 #include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/adamw.hpp>
@@ -44,11 +46,11 @@ MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const ZeroR
 
 // Saves <exp_dir>/ckpt-<step> from every rank's pieces, with this rank's RNG states and
 // state.json. A non-finite running loss is never saved: the previous checkpoint stays the latest.
-MESHTORCH_DECL SavedCheckpoint save_training_checkpoint(const std::filesystem::path& exp_dir,
+MESHTORCH_DECL checkpoint::SavedCheckpoint save_training_checkpoint(const std::filesystem::path& exp_dir,
                                                         const std::vector<io::ShardedTensor>& tensors,
                                                         const train::TrainState& state,
                                                         const train::RunIdentity& identity, const comm::AxisGroup& world,
-                                                        const SaveOptions& options);
+                                                        const checkpoint::SaveOptions& options);
 
 // Fills every rank's pieces from the checkpoint <exp_dir>/checkpoint links to and returns its
 // training state, or nothing for a fresh experiment. All ranks must find the same folder (one
@@ -142,7 +144,7 @@ namespace meshtorch::parallel {
 
 MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const train::AdamW& optimizer,
                                                                      const std::vector<io::ShardedTensor>& weights) {
-  return adamw_state_tensors(optimizer, weights);
+  return checkpoint::adamw_state_tensors(optimizer, weights);
 }
 
 MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const ZeroRedundancyOptimizer& optimizer,
@@ -160,19 +162,19 @@ MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const ZeroR
     piece.writer = true;  // the owner is the one rank of its DP group holding this state
     mine.push_back(std::move(piece));
   }
-  return adamw_state_tensors(optimizer, mine);
+  return checkpoint::adamw_state_tensors(optimizer, mine);
 }
 
-MESHTORCH_DECL SavedCheckpoint save_training_checkpoint(const std::filesystem::path& exp_dir,
+MESHTORCH_DECL checkpoint::SavedCheckpoint save_training_checkpoint(const std::filesystem::path& exp_dir,
                                                         const std::vector<io::ShardedTensor>& tensors,
                                                         const train::TrainState& state,
                                                         const train::RunIdentity& identity, const comm::AxisGroup& world,
-                                                        const SaveOptions& options) {
+                                                        const checkpoint::SaveOptions& options) {
   if (!std::isfinite(state.running_loss))
     throw DataError(fmt::format("not saving the checkpoint of global_step {} into {}: the running loss is {}; the "
                                 "previous checkpoint stays the latest",
                                 state.global_step, exp_dir.string(), state.running_loss));
-  return save_sharded_checkpoint(exp_dir, state.global_step, tensors, train::to_json(state, identity),
+  return checkpoint::save_sharded_checkpoint(exp_dir, state.global_step, tensors, train::to_json(state, identity),
                                  train::capture_rng_states(), world, options);
 }
 
@@ -181,14 +183,14 @@ MESHTORCH_DECL std::optional<train::TrainState> load_training_checkpoint(const s
                                                                          const train::RunIdentity& identity,
                                                                          const comm::AxisGroup& world) {
   const train::Logger log(world.global_rank());
-  ResumePoint point;
+  checkpoint::ResumePoint point;
   std::exception_ptr failure;
   try {
-    point = find_checkpoint_to_resume(exp_dir);
+    point = checkpoint::find_checkpoint_to_resume(exp_dir);
   } catch (...) {
     failure = std::current_exception();
   }
-  const auto failed = sharded_detail::failed_ranks(world, failure != nullptr);
+  const auto failed = checkpoint::detail::failed_ranks(world, failure != nullptr);
   if (failure) std::rethrow_exception(failure);
   if (!failed.empty())
     throw DataError(fmt::format("rank(s) {} could not tell which checkpoint of {} to resume from (see their logs)",
@@ -207,10 +209,10 @@ MESHTORCH_DECL std::optional<train::TrainState> load_training_checkpoint(const s
   if (!point.checkpoint) return std::nullopt;
 
   const auto& dir = *point.checkpoint;
-  const auto loaded = load_sharded_checkpoint(dir, tensors, world);
-  auto state = train::read_train_state(loaded.state, (dir / state_file_name).string(), identity);
+  const auto loaded = checkpoint::load_sharded_checkpoint(dir, tensors, world);
+  auto state = train::read_train_state(loaded.state, (dir / checkpoint::state_file_name).string(), identity);
   if (loaded.rank_state)
-    train::restore_rng_states(io::SafetensorsFile{*loaded.rank_state, {}}, dir / rank_file_name(world.rank()));
+    train::restore_rng_states(io::SafetensorsFile{*loaded.rank_state, {}}, dir / checkpoint::rank_file_name(world.rank()));
   else if (world.rank() == 0)
     log.warning(loaded.rank_state_note);
   if (world.rank() == 0 && loaded.manifest.world_size != world.size())

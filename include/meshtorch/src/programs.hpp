@@ -11,6 +11,10 @@
 #error "one part of meshtorch per source file: <meshtorch/src/programs.hpp> found MESHTORCH_SOURCE already defined"
 #endif
 #define MESHTORCH_SOURCE MESHTORCH_PART_programs
+#include <meshtorch/checkpoint/consolidate.hpp>
+#include <meshtorch/checkpoint/load.hpp>
+#include <meshtorch/checkpoint/manifest.hpp>
+#include <meshtorch/checkpoint/save.hpp>
 #include <meshtorch/comm/backend.hpp>
 #include <meshtorch/comm/hang_analysis.hpp>
 #include <meshtorch/comm/init.hpp>
@@ -21,7 +25,6 @@
 #include <meshtorch/data/token_cache.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/launch.hpp>
-#include <meshtorch/parallel/sharded_checkpoint.hpp>
 #include <meshtorch/train/args.hpp>
 #include <meshtorch/train/caching_host_allocator.hpp>
 #include <meshtorch/train/cpu_allocation_counter.hpp>
