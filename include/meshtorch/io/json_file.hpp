@@ -46,36 +46,75 @@ nlohmann::json read_json_file(const std::filesystem::path& path, std::string_vie
 
 namespace meshtorch::io {
 
+namespace json_detail {
+
+// The checks of a first pass over the text, as SAX events (linear). nlohmann's own callback
+// parser would do them in one pass, but at each object's end it scans the enclosing container,
+// so an array of n objects costs n^2 (a manifest of 120,000 pieces: 4 s instead of 0.1 s).
 template <class Error>
-nlohmann::json parse_json(std::string_view text, const std::string& where, std::string_view document) {
+class BoundsCheck {
+ public:
+  BoundsCheck(const std::string& where, std::string_view document) : where_(where), document_(document) {}
+
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(nlohmann::json::number_integer_t) { return true; }
+  bool number_unsigned(nlohmann::json::number_unsigned_t) { return true; }
+  bool number_float(nlohmann::json::number_float_t, const std::string&) { return true; }
+  bool string(std::string&) { return true; }
+  bool binary(nlohmann::json::binary_t&) { return true; }
+  bool start_object(std::size_t) { return open(true); }
+  bool start_array(std::size_t) { return open(false); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+  bool key(std::string& key) {
+    last_key_ = key;
+    if (!open_.back().keys.insert(key).second)
+      throw Error(fmt::format("{}: {} names '{}' twice", where_, open_.back().name, key));
+    return true;
+  }
+  // parse_error, or out_of_range for a number like 1e999
+  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) {
+    throw Error(fmt::format("{}: not valid JSON ({})", where_, e.what()));
+  }
+
+ private:
   struct Container {
     bool is_object;
     std::string name;  // how messages call it
     std::set<std::string> keys;
   };
-  std::vector<Container> open;
-  std::string last_key;
-  const auto check = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    using Event = nlohmann::json::parse_event_t;
-    if (event == Event::object_start || event == Event::array_start) {
-      if (depth >= max_json_depth)
-        throw Error(fmt::format("{}: nested deeper than {} levels", where, max_json_depth));
-      const std::string name = open.empty()            ? std::string(document)
-                               : open.back().is_object ? fmt::format("'{}'", last_key)
-                                                       : fmt::format("an element of {}", open.back().name);
-      open.push_back({event == Event::object_start, name, {}});
-    } else if (event == Event::object_end || event == Event::array_end) {
-      open.pop_back();
-    } else if (event == Event::key) {
-      last_key = parsed.get<std::string>();
-      if (!open.back().keys.insert(last_key).second)
-        throw Error(fmt::format("{}: {} names '{}' twice", where, open.back().name, last_key));
-    }
+
+  bool open(bool is_object) {
+    if (open_.size() >= static_cast<std::size_t>(max_json_depth))
+      throw Error(fmt::format("{}: nested deeper than {} levels", where_, max_json_depth));
+    std::string name = open_.empty()            ? std::string(document_)
+                       : open_.back().is_object ? fmt::format("'{}'", last_key_)
+                                                : fmt::format("an element of {}", open_.back().name);
+    open_.push_back({is_object, std::move(name), {}});
     return true;
-  };
+  }
+  bool close() {
+    open_.pop_back();
+    return true;
+  }
+
+  const std::string& where_;
+  std::string_view document_;
+  std::vector<Container> open_;
+  std::string last_key_;
+};
+
+}  // namespace json_detail
+
+template <class Error>
+nlohmann::json parse_json(std::string_view text, const std::string& where, std::string_view document) {
+  json_detail::BoundsCheck<Error> check(where, document);
+  nlohmann::json::sax_parse(text.begin(), text.end(), &check);
+  // Checked: no deeper than the limit, no repeated key, valid; the second pass only builds.
   try {
-    return nlohmann::json::parse(text.begin(), text.end(), check);
-  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
+    return nlohmann::json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::exception& e) {
     throw Error(fmt::format("{}: not valid JSON ({})", where, e.what()));
   }
 }
