@@ -236,6 +236,11 @@ class Supervisor {
       listener_ = Listener::open(port, options_.master_addr, /*required=*/false);
     else if (options_.node_rank == 0)
       listener_ = Listener::open(port, options_.master_addr, /*required=*/true);
+    const auto& host = options_.master_addr;
+    if (listener_ && listener_->on_loopback() && host != "localhost" && host != "::1" && host.rfind("127.", 0) != 0)
+      // A host's own name mapped to loopback (Debian's 127.0.1.1): nodes elsewhere could not reach it.
+      throw std::runtime_error("--master-addr " + host + " is a loopback address on this host, which the other nodes "
+                               "cannot reach; give the address they use for it");
     if (listener_) {
       if (shape().elastic)
         say("node 0 of an elastic job of " + std::to_string(shape().min_nodes) + " to " +

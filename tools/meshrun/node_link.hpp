@@ -258,6 +258,17 @@ class Listener {
 
   int fd() const { return socket_.fd(); }
 
+  // Bound to a loopback address (127.0.0.0/8, ::1, or either mapped).
+  bool on_loopback() const {
+    sockaddr_storage address{};
+    socklen_t length = sizeof address;
+    ::getsockname(socket_.fd(), reinterpret_cast<sockaddr*>(&address), &length);
+    if (address.ss_family == AF_INET)
+      return (ntohl(reinterpret_cast<sockaddr_in*>(&address)->sin_addr.s_addr) >> 24) == 127;
+    const auto& v6 = reinterpret_cast<sockaddr_in6*>(&address)->sin6_addr;
+    return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
+  }
+
   // Accepts one connection and reads its hello (waiting at most `handshake_wait` for it). Returns
   // the node, or nothing for a connection that is refused: `refused` says why for one that is not
   // a meshrun of this job (no hello, or not this job's token), `problem` for a meshrun started
