@@ -359,7 +359,7 @@ TEST_CASE("node 0 whose ranks finished does not wait for a frozen node: it exits
   fs::remove_all(dir);
 }
 
-TEST_CASE("--node-timeout must be longer than --heartbeat-interval") {
+TEST_CASE("meshrun refuses a --node-timeout not longer than --heartbeat-interval") {
   auto result = run(meshrun + " --nproc-per-node 1 --heartbeat-interval 2 --node-timeout 1 -- true");
   CHECK(result.exit_code != 0);
   CHECK_THAT(result.output, Catch::Contains("--node-timeout: must be longer than --heartbeat-interval 2"));
