@@ -463,11 +463,11 @@ class Supervisor {
       for (auto& peer : linked_peers()) peer->beat(heartbeat());
       int timeout_ms = node_zero_ && node_zero_->has_line() ? 0 : -1;
       if (timeout_ms != 0 && !linked_peers().empty()) timeout_ms = heartbeat_ms();
-      if (stopping_ && !killed_ && timeout_ms != 0)
+      if (stopping_ && !killed_ && timeout_ms != 0) {
+        const auto to_kill = std::chrono::duration_cast<std::chrono::milliseconds>(kill_deadline_ - Clock::now());
         timeout_ms = std::min(timeout_ms < 0 ? INT_MAX : timeout_ms,
-                              static_cast<int>(std::max<long long>(
-                                  0, std::chrono::duration_cast<std::chrono::milliseconds>(kill_deadline_ - Clock::now())
-                                             .count() + 1)));
+                              static_cast<int>(std::max<long long>(0, to_kill.count() + 1)));
+      }
       ::poll(fds.data(), fds.size(), timeout_ms);
 
       if (stopping_ && !killed_ && Clock::now() >= kill_deadline_) {
