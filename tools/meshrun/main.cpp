@@ -508,7 +508,8 @@ class Supervisor {
   // silence counts at the next rendezvous.
   void check_silence(std::vector<bool>& node_finished) {
     if (node_zero_) {
-      if (auto quiet = silent(*node_zero_, "node 0")) lose_node_zero(*quiet);
+      // A node that is leaving has been let go: node 0 no longer beats on its link.
+      if (auto quiet = leaving_ ? std::nullopt : silent(*node_zero_, "node 0")) lose_node_zero(*quiet);
       return;
     }
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
