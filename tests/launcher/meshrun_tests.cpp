@@ -298,3 +298,115 @@ TEST_CASE("an elastic job with fewer than MIN nodes fails at the rendezvous time
   CHECK_THAT(result.output, Catch::Contains("rendezvous timed out after 1 s: 1 of at least 2 nodes joined"));
   CHECK(result.seconds < 5);
 }
+
+namespace {
+
+// Shell: seconds since the epoch, to time a step of a test.
+const std::string now = "$(date +%s.%N)";
+
+// A meshrun of an elastic job whose nodes beat every 0.2 s and are lost after 1 s of silence.
+std::string beating_node(int port, const std::string& extra, const std::string& program) {
+  return meshrun + " --nnodes 1:2 --nproc-per-node 1 --master-addr 127.0.0.1 --rdzv-timeout 20 --termination-grace 1 " +
+         "--heartbeat-interval 0.2 --node-timeout 1 --master-port " + std::to_string(port) + " " + extra + " -- " +
+         program;
+}
+
+double number_after(const std::string& text, const std::string& label) {
+  auto at = text.find(label);
+  return at == std::string::npos ? -1 : std::atof(text.c_str() + at + label.size());
+}
+
+}  // namespace
+
+TEST_CASE("a frozen node (SIGSTOP) is declared lost after --node-timeout and node 0 restarts without it") {
+  auto dir = scratch_dir("frozen-restart");
+  int port = free_port_guess() + 7000;
+  auto node = beating_node(port, "--rdzv-last-call 1 --max-restarts 1", rank_program + " elastic " + dir.string());
+  // Attempt 0's ranks sleep; node 1's meshrun is stopped, its link stays open but silent.
+  auto result = run(node + " & first=$!; sleep 0.3; " + node + " & second=$!; " + wait_for(dir / "attempt0-rank0.txt") +
+                    wait_for(dir / "attempt0-rank1.txt") + "stopped=" + now + "; kill -STOP $second; wait $first; " +
+                    "echo code $? after $(echo \"" + now + " - $stopped\" | bc); kill -CONT $second; wait $second; " +
+                    "echo node 1 code $?");
+  CHECK_THAT(result.output, Catch::Contains("node 1 (meshrun at 127.0.0.1:"));
+  CHECK_THAT(result.output, Catch::Contains(") sent nothing for 1"));
+  CHECK_THAT(result.output, Catch::Contains(" s (--node-timeout 1): declaring it lost"));
+  CHECK_THAT(result.output, Catch::Contains("restarting all ranks (restart 1 of 1)"));
+  CHECK_THAT(result.output, Catch::Contains("attempt 1 runs on 1 node(s)"));
+  CHECK_THAT(result.output, Catch::Contains("code 0 after"));
+  // Lost within the timeout (1 s), restarted alone and finished well before the 60 s sleep.
+  CHECK(number_after(result.output, "code 0 after ") > 0);
+  CHECK(number_after(result.output, "code 0 after ") < 4);
+  // Woken up, the frozen node finds its link closed and leaves instead of waiting.
+  CHECK_THAT(result.output, Catch::Contains("lost contact with meshrun on node 0"));
+  CHECK_THAT(result.output, Catch::Contains("node 1 code 1"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("node 0 whose ranks finished does not wait for a frozen node: it exits naming it") {
+  auto dir = scratch_dir("frozen-exit");
+  int port = free_port_guess() + 7100;
+  // The ranks end after a second, as training does, while node 1's meshrun is stopped.
+  auto program = "sh -c 'touch " + dir.string() + "/started-$RANK; sleep 1'";
+  auto node = beating_node(port, "--rdzv-last-call 1", program);
+  auto result = run(node + " & first=$!; sleep 0.3; " + node + " & second=$!; " + wait_for(dir / "started-0") +
+                    wait_for(dir / "started-1") + "stopped=" + now + "; kill -STOP $second; wait $first; " +
+                    "echo code $? after $(echo \"" + now + " - $stopped\" | bc); kill -CONT $second; wait $second");
+  CHECK_THAT(result.output, Catch::Contains("sent nothing for 1"));
+  CHECK_THAT(result.output, Catch::Contains("(--node-timeout 1): declaring it lost"));
+  CHECK_THAT(result.output, Catch::Contains("node 1 (meshrun at 127.0.0.1:"));
+  CHECK_THAT(result.output, Catch::Contains("code 1 after"));
+  CHECK(number_after(result.output, "code 1 after ") < 4);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("meshrun refuses a --node-timeout not longer than --heartbeat-interval") {
+  auto result = run(meshrun + " --nproc-per-node 1 --heartbeat-interval 2 --node-timeout 1 -- true");
+  CHECK(result.exit_code != 0);
+  CHECK_THAT(result.output, Catch::Contains("--node-timeout: must be longer than --heartbeat-interval 2"));
+}
+
+TEST_CASE("node 0 refuses a stranger, a meshrun without the job token and one with a wrong token, naming them") {
+  int port = free_port_guess() + 7200;
+  auto node_zero = beating_node(port, "--rdzv-last-call 4 --job-token s3cret", "true");
+  auto node = beating_node(port, "--rdzv-last-call 4", "true");
+  const std::string link = std::to_string(port + 1);
+  // A stranger that sends nothing, one that speaks another protocol: each timed until refused.
+  const std::string stranger =
+      "python3 -c \"import socket, time\nfor data in [b'', b'GET / HTTP/1.0\\\\r\\\\n\\\\r\\\\n']:\n"
+      "  s = socket.create_connection(('127.0.0.1', " + link + ")); t = time.monotonic(); s.sendall(data)\n"
+      "  s.settimeout(5); s.recv(100)\n  print('stranger port', s.getsockname()[1], 'refused after', "
+      "round(time.monotonic() - t, 2))\"; ";
+  auto result = run(node_zero + " & first=$!; sleep 0.3; " + stranger + node +
+                    "; echo no token code $?; MESHTORCH_JOB_TOKEN=wrong " + node + "; echo wrong token code $?; " +
+                    "wait $first; echo node 0 code $?");
+  CHECK_THAT(result.output, Catch::Contains("it sent no hello within 800 ms"));
+  CHECK_THAT(result.output, Catch::Contains("it is not a meshrun of this version (no hello)"));
+  CHECK_THAT(result.output, Catch::Contains("refused a connection from 127.0.0.1:"));
+  CHECK_THAT(result.output, Catch::Contains("it presented no job token (--job-token or MESHTORCH_JOB_TOKEN)"));
+  CHECK_THAT(result.output, Catch::Contains("it presented a wrong job token (--job-token or MESHTORCH_JOB_TOKEN)"));
+  CHECK_THAT(result.output, Catch::Contains("node 0 refused this node: no job token"));
+  CHECK_THAT(result.output, Catch::Contains("no token code 1"));
+  CHECK_THAT(result.output, Catch::Contains("wrong token code 1"));
+  CHECK_THAT(result.output, Catch::Contains("node 0 code 0"));  // strangers do not end the job
+  // Each stranger is named by its address and refused in under a second.
+  for (std::size_t at = 0; (at = result.output.find("stranger port ", at)) != std::string::npos; ++at) {
+    const int stranger_port = std::atoi(result.output.c_str() + at + 14);
+    CHECK_THAT(result.output, Catch::Contains("refused a connection from 127.0.0.1:" + std::to_string(stranger_port)));
+    CHECK(number_after(result.output.substr(at), "refused after ") < 1.0);
+  }
+  CHECK(result.output.find("stranger port ") != std::string::npos);
+}
+
+TEST_CASE("the node link listens on --master-addr only, not on every interface") {
+  int port = free_port_guess() + 7300;
+  auto node = beating_node(port, "--rdzv-last-call 2", "true");
+  const std::string link = std::to_string(port + 1);
+  auto probe = [&](const std::string& host) {
+    return "python3 -c \"import socket\ntry:\n  socket.create_connection(('" + host + "', " + link +
+           "), timeout=1); print('" + host + " accepted')\nexcept OSError as e: print('" + host +
+           " refused', e.errno)\"; ";
+  };
+  auto result = run(node + " & first=$!; sleep 0.3; " + probe("127.0.0.1") + probe("127.0.0.2") + "wait $first");
+  CHECK_THAT(result.output, Catch::Contains("127.0.0.1 accepted"));
+  CHECK_THAT(result.output, Catch::Contains("127.0.0.2 refused 111"));  // ECONNREFUSED: nobody listens there
+}

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -37,6 +39,7 @@ struct Options {
   std::optional<int> redirects;
   bool prefix_output = false;
   int max_restarts = 0;
+  std::string job_token;  // --job-token or MESHTORCH_JOB_TOKEN; empty: none asked
   std::vector<std::string> command;
 };
 
@@ -155,6 +158,25 @@ class Supervisor {
   Clock::time_point rendezvous_deadline() const {
     return Clock::now() + std::chrono::milliseconds(static_cast<long long>(options_.rdzv_timeout_s * 1000));
   }
+  Clock::duration heartbeat() const {
+    return std::chrono::milliseconds(std::max<long long>(1, static_cast<long long>(shape().heartbeat_s * 1000)));
+  }
+  // A poll over node links wakes at least once per heartbeat, to send one and to notice silence.
+  int heartbeat_ms() const {
+    return static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(heartbeat()).count());
+  }
+  // What to say of a link that has been silent for --node-timeout, or nothing while it beats.
+  std::optional<std::string> silent(const Peer& peer, const std::string& who) const {
+    const double quiet = std::chrono::duration<double>(Clock::now() - peer.last_heard()).count();
+    if (quiet < shape().node_timeout_s) return std::nullopt;
+    // Unread bytes are not silence: this meshrun may itself have been stopped, or its poll cut
+    // short by a signal; the caller reads them on its next round.
+    pollfd readable{peer.fd(), POLLIN, 0};
+    if (peer.has_line() || ::poll(&readable, 1, 0) > 0) return std::nullopt;
+    return who + " (meshrun at " + peer.address() + ") sent nothing for " +
+           seconds_text(std::round(quiet * 10) / 10) + " s (--node-timeout " + seconds_text(shape().node_timeout_s) +
+           "): declaring it lost";
+  }
 
   int supervise() {
     connect_nodes();
@@ -211,9 +233,14 @@ class Supervisor {
     if (!shape().elastic && shape().max_nodes == 1) return;
     int port = options_.rdzv_port ? options_.rdzv_port : options_.master_port + 1;
     if (shape().elastic)
-      listener_ = Listener::open(port, options_.master_addr);
+      listener_ = Listener::open(port, options_.master_addr, /*required=*/false);
     else if (options_.node_rank == 0)
-      listener_ = Listener::open(port);
+      listener_ = Listener::open(port, options_.master_addr, /*required=*/true);
+    const auto& host = options_.master_addr;
+    if (listener_ && listener_->on_loopback() && host != "localhost" && host != "::1" && host.rfind("127.", 0) != 0)
+      // A host's own name mapped to loopback (Debian's 127.0.1.1): nodes elsewhere could not reach it.
+      throw std::runtime_error("--master-addr " + host + " is a loopback address on this host, which the other nodes "
+                               "cannot reach; give the address they use for it");
     if (listener_) {
       if (shape().elastic)
         say("node 0 of an elastic job of " + std::to_string(shape().min_nodes) + " to " +
@@ -223,7 +250,8 @@ class Supervisor {
       return;
     }
     coordinator_ = false;
-    node_zero_.emplace(join_node_zero(options_.master_addr, port, options_.node_rank, shape(), rendezvous_deadline()));
+    node_zero_.emplace(join_node_zero(options_.master_addr, port, options_.node_rank, shape(), options_.job_token,
+                                      rendezvous_deadline()));
   }
 
   // Node 0, before each attempt: the nodes that take part. A static job waits for every
@@ -253,22 +281,29 @@ class Supervisor {
       if (Clock::now() >= deadline) throw std::runtime_error(rendezvous_timeout(candidates));
 
       std::vector<pollfd> fds{{signal_pipe[0], POLLIN, 0}, {listener_->fd(), POLLIN, 0}};
-      for (auto& node : candidates) fds.push_back({node.peer.fd(), POLLIN, 0});
+      for (auto& node : candidates) {
+        node.peer.beat(heartbeat());
+        fds.push_back({node.peer.fd(), POLLIN, 0});
+      }
       auto until = last_call ? std::min(deadline, *last_call) : deadline;
       auto wait_ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count() + 1;
+      if (!candidates.empty()) wait_ms = std::min<long long>(wait_ms, heartbeat_ms());
       ::poll(fds.data(), fds.size(), static_cast<int>(std::max<long long>(wait_ms, 0)));
       if (fds[0].revents & POLLIN) handle_signals_between_attempts();
-      // A candidate's link only becomes readable when it closes (it sends nothing before "start").
+      // A candidate sends only heartbeats before "start": it has left when its link closes or
+      // falls silent.
       for (std::size_t i = candidates.size(); i-- > 0;) {
         std::vector<std::string> ignored;
-        if (fds[i + 2].revents && !candidates[i].peer.receive(ignored)) {
-          say("a node left before attempt " + std::to_string(attempt) + " started");
+        auto quiet = silent(candidates[i].peer, "a node");
+        if ((fds[i + 2].revents && !candidates[i].peer.receive(ignored)) || quiet) {
+          say(quiet ? *quiet : "a node left before attempt " + std::to_string(attempt) + " started");
           candidates.erase(candidates.begin() + static_cast<std::ptrdiff_t>(i));
         }
       }
       if (fds[1].revents & POLLIN) {
-        std::string problem;
-        auto joined = listener_->accept(shape(), problem);
+        std::string problem, refused;
+        auto joined = listener_->accept(shape(), options_.job_token, problem, refused);
+        if (!refused.empty()) say(refused);
         if (joined && !shape().elastic)
           for (auto& node : candidates)
             if (node.asked_rank == joined->asked_rank) problem = "two nodes were started with --node-rank " + std::to_string(node.asked_rank);
@@ -333,7 +368,9 @@ class Supervisor {
         if (wait_ms <= 0)
           throw std::runtime_error("node 0 (" + options_.master_addr + ") did not start the next attempt within " +
                                    std::to_string(static_cast<long long>(options_.rdzv_timeout_s)) + " s");
-        ::poll(fds, 2, static_cast<int>(wait_ms));
+        if (auto quiet = silent(*node_zero_, "node 0")) throw std::runtime_error(*quiet);
+        node_zero_->beat(heartbeat());
+        ::poll(fds, 2, static_cast<int>(std::min<long long>(wait_ms, heartbeat_ms())));
         if (fds[0].revents & POLLIN) handle_signals_between_attempts();
         if (fds[1].revents && !node_zero_->receive(lines))
           throw std::runtime_error("lost contact with meshrun on node 0 (" + options_.master_addr +
@@ -423,10 +460,14 @@ class Supervisor {
       if (listener_) fds.push_back({listener_->fd(), POLLIN, 0});
       std::size_t first_waiting_fd = fds.size();
       for (auto& node : waiting_) fds.push_back({node.peer.fd(), POLLIN, 0});
+      for (auto& peer : linked_peers()) peer->beat(heartbeat());
       int timeout_ms = node_zero_ && node_zero_->has_line() ? 0 : -1;
-      if (stopping_ && !killed_ && timeout_ms != 0)
-        timeout_ms = static_cast<int>(std::max<long long>(
-            0, std::chrono::duration_cast<std::chrono::milliseconds>(kill_deadline_ - Clock::now()).count() + 1));
+      if (timeout_ms != 0 && !linked_peers().empty()) timeout_ms = heartbeat_ms();
+      if (stopping_ && !killed_ && timeout_ms != 0) {
+        const auto to_kill = std::chrono::duration_cast<std::chrono::milliseconds>(kill_deadline_ - Clock::now());
+        timeout_ms = std::min(timeout_ms < 0 ? INT_MAX : timeout_ms,
+                              static_cast<int>(std::max<long long>(0, to_kill.count() + 1)));
+      }
       ::poll(fds.data(), fds.size(), timeout_ms);
 
       if (stopping_ && !killed_ && Clock::now() >= kill_deadline_) {
@@ -441,21 +482,75 @@ class Supervisor {
         if (!node_lost_[i] && fds[first_node_fd + i].revents) handle_node(i, node_finished);
       for (std::size_t i = waiting_.size(); i-- > 0;) {
         std::vector<std::string> ignored;
-        if (fds[first_waiting_fd + i].revents && !waiting_[i].peer.receive(ignored))
+        auto quiet = silent(waiting_[i].peer, "a node waiting to join");
+        if (quiet) say(*quiet);
+        if ((fds[first_waiting_fd + i].revents && !waiting_[i].peer.receive(ignored)) || quiet)
           waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
       }
       if (listener_ && (fds[listener_fd].revents & POLLIN)) admit_node_during_attempt();
+      check_silence(node_finished);
     }
     return failure_;
+  }
+
+  // The links this meshrun beats on while an attempt runs.
+  std::vector<Peer*> linked_peers() {
+    std::vector<Peer*> peers;
+    if (node_zero_) peers.push_back(&*node_zero_);
+    for (std::size_t i = 0; i < nodes_.size(); ++i)
+      if (!node_lost_[i]) peers.push_back(&nodes_[i]);
+    for (auto& node : waiting_) peers.push_back(&node.peer);
+    return peers;
+  }
+
+  // A frozen meshrun keeps its link open and says nothing: after --node-timeout it is lost, as
+  // if its link had dropped. A node that has finished this attempt is not waited for: its
+  // silence counts at the next rendezvous.
+  void check_silence(std::vector<bool>& node_finished) {
+    if (node_zero_) {
+      // A node that is leaving has been let go: node 0 no longer beats on its link.
+      if (auto quiet = leaving_ ? std::nullopt : silent(*node_zero_, "node 0")) lose_node_zero(*quiet);
+      return;
+    }
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      if (node_lost_[i] || node_finished[i]) continue;
+      auto quiet = silent(nodes_[i], "node " + std::to_string(nodes_[i].node_rank()));
+      if (!quiet) continue;
+      Failure lost;
+      lost.node_rank = nodes_[i].node_rank();
+      lost.how = *quiet;
+      lose_node(i, node_finished, lost);
+      // Closed, so that the node, if it wakes, finds itself out of the job instead of waiting.
+      nodes_[i] = Peer(-1, lost.node_rank, nodes_[i].address());
+    }
+  }
+
+  void lose_node(std::size_t index, std::vector<bool>& node_finished, Failure failure) {
+    failure.node_left = true;
+    node_finished[index] = true;
+    node_lost_[index] = true;
+    note_failure(failure);
+  }
+
+  // This node cannot take part in a restart without node 0.
+  void lose_node_zero(const std::string& how) {
+    Failure lost;
+    lost.node_rank = group_.settings().node_rank;
+    lost.how = how;
+    note_failure(lost);
+    failure_ = lost;
+    leaving_ = true;
+    node_zero_.reset();
   }
 
   // Node 0, while an attempt runs: a node that joins waits for the next attempt. In an elastic
   // job below MAX nodes, the ranks restart at once to take it in (as torchrun does); a static
   // job only takes back a node rank it lost.
   void admit_node_during_attempt() {
-    std::string problem;
-    auto joined = listener_->accept(shape(), problem);
+    std::string problem, refused;
+    auto joined = listener_->accept(shape(), options_.job_token, problem, refused);
     if (!joined) {
+      if (!refused.empty()) say(refused);
       if (!problem.empty()) say("refused a node: " + problem);
       return;
     }
@@ -566,13 +661,7 @@ class Supervisor {
         node_zero_.reset();
         return true;
       }
-      Failure lost;
-      lost.node_rank = group_.settings().node_rank;
-      lost.how = "lost contact with meshrun on node 0 (" + options_.master_addr + ")";
-      note_failure(lost);
-      failure_ = lost;  // this node cannot take part in a restart
-      leaving_ = true;
-      node_zero_.reset();
+      lose_node_zero("lost contact with meshrun on node 0 (" + options_.master_addr + ")");
       return true;
     }
     bool ended = false;
@@ -600,12 +689,7 @@ class Supervisor {
   void handle_node(std::size_t index, std::vector<bool>& node_finished) {
     std::vector<std::string> lines;
     auto& node = nodes_[index];
-    auto leave = [&](Failure failure) {
-      failure.node_left = true;
-      node_finished[index] = true;
-      node_lost_[index] = true;
-      note_failure(failure);
-    };
+    auto leave = [&](Failure failure) { lose_node(index, node_finished, std::move(failure)); };
     if (!node.receive(lines)) {
       if (node_finished[index] && !failure_) return;
       Failure lost;
@@ -725,6 +809,17 @@ int run(int argc, char** argv) {
   app.add_option("--termination-grace", options.termination_grace_s,
                  "seconds between SIGTERM and SIGKILL when stopping ranks")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--heartbeat-interval", options.shape.heartbeat_s,
+                 "multi-node jobs: seconds between heartbeats on the link between meshruns "
+                 "(default 5)")
+      ->check(CLI::PositiveNumber);
+  auto* node_timeout = app.add_option("--node-timeout", options.shape.node_timeout_s,
+                                      "multi-node jobs: a node whose meshrun sends nothing for this many seconds is "
+                                      "lost (default 6 heartbeats)")
+                           ->check(CLI::PositiveNumber);
+  auto* job_token = app.add_option("--job-token", options.job_token,
+                                   "a secret every node and rank must present to join the job (default: "
+                                   "MESHTORCH_JOB_TOKEN); passed to the ranks as MESHTORCH_JOB_TOKEN");
   app.prefix_command();
   try {
     app.parse(argc, argv);
@@ -733,7 +828,18 @@ int run(int argc, char** argv) {
     options.command = app.remaining();
     if (!options.command.empty() && options.command.front() == "--") options.command.erase(options.command.begin());
     if (options.command.empty()) throw CLI::ValidationError("PROGRAM", "no program to run; put it after --");
+    const JobShape links = options.shape;
     options.shape = parse_nnodes(nnodes);
+    options.shape.heartbeat_s = links.heartbeat_s;
+    options.shape.node_timeout_s = node_timeout->count() ? links.node_timeout_s : 6 * links.heartbeat_s;
+    if (options.shape.node_timeout_s <= options.shape.heartbeat_s)
+      throw CLI::ValidationError("--node-timeout", "must be longer than --heartbeat-interval " +
+                                                       seconds_text(options.shape.heartbeat_s) +
+                                                       " (a few heartbeats: a late one is not a lost node)");
+    if (job_token->count() == 0)
+      if (const char* token = std::getenv("MESHTORCH_JOB_TOKEN")) options.job_token = token;
+    if (options.job_token.find_first_of("\t\n\r") != std::string::npos)
+      throw CLI::ValidationError("--job-token", "must not contain tabs or line breaks");
     options.shape.nproc_per_node = options.nproc_per_node;
     options.shape.max_restarts = options.max_restarts;
     if (options.shape.elastic && node_rank->count() > 0)
@@ -757,6 +863,7 @@ int run(int argc, char** argv) {
   settings.max_restarts = options.max_restarts;
   settings.master_addr = options.master_addr;
   settings.master_port = options.master_port;
+  settings.job_token = options.job_token;
   settings.redirects = options.log_dir.empty() ? 0 : options.redirects.value_or(3);
   settings.prefix_output = options.prefix_output;
   settings.command = options.command;

@@ -65,6 +65,7 @@ struct GroupSettings {
   int nproc_per_node = 1, nnodes = 1, node_rank = 0, max_restarts = 0;
   std::string master_addr;
   int master_port = 0;
+  std::string job_token;  // the ranks present it to rank 0's store; empty: none
   int redirects = 0;  // torchrun's bits: 1 stdout to a file, 2 stderr to a file, 3 both
   bool prefix_output = false;
   fs::path run_dir;   // <run_dir>/<attempt>/<global rank>/{stdout.log,stderr.log,error.json}
@@ -241,6 +242,7 @@ class WorkerGroup {
     variables["GROUP_WORLD_SIZE"] = std::to_string(settings_.nnodes);
     variables["MASTER_ADDR"] = settings_.master_addr;
     variables["MASTER_PORT"] = std::to_string(settings_.master_port);
+    if (!settings_.job_token.empty()) variables["MESHTORCH_JOB_TOKEN"] = settings_.job_token;
     variables["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
     variables["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(settings_.max_restarts);
     variables["TORCHELASTIC_ERROR_FILE"] = w.error_file.string();

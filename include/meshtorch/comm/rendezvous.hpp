@@ -1,11 +1,13 @@
 #pragma once
-// TCPStore rendezvous: rank 0 serves the store at MASTER_ADDR:MASTER_PORT, every rank connects,
-// and nobody waits longer than the timeout for a rank that never comes.
+// TCPStore rendezvous: rank 0 serves the store at MASTER_ADDR:MASTER_PORT (on that address only,
+// and behind the job token's gate when MESHTORCH_JOB_TOKEN is set: comm/store_gate.hpp), every
+// rank connects, and nobody waits longer than the timeout for a rank that never comes.
 #include <chrono>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <meshtorch/comm/env.hpp>
+#include <meshtorch/comm/store_gate.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
@@ -28,13 +30,45 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env,
                                                            std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(env.master_port);
+  // Where this rank's store client connects: rank 0's store, or this rank's relay to its gate.
+  std::string host = env.master_addr;
+  const std::string token = job_token();
+  if (env.rank == 0) {
+    // TCPStore would listen on every interface: it gets a socket bound to MASTER_ADDR instead.
+    int public_fd = -1;
+    try {
+      public_fd = detail::listen_on(env.master_addr, env.master_port, "MASTER_ADDR");
+    } catch (const CommError& e) {
+      throw CommError(fmt::format("rank 0 of {}: {}", env.world_size, e.what()));
+    }
+    // A host name that this host maps to loopback (Debian's 127.0.1.1 for its own name) would
+    // keep out the ranks of other nodes, which reach it at its network address.
+    const bool loopback_name = env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0 ||
+                               env.master_addr == "::1";
+    if (env.local_world_size < env.world_size && !loopback_name && detail::bound_to_loopback(public_fd))
+      throw CommError(fmt::format("rank 0 of {}: MASTER_ADDR={} is a loopback address on this host, which ranks on "
+                                  "other nodes cannot reach; set MASTER_ADDR to the address they use for it",
+                                  env.world_size, env.master_addr));
+    options.masterListenFd = public_fd;
+    if (!token.empty()) {
+      const int store_fd = detail::listen_on("127.0.0.1", 0, "the store's inner address");
+      options.masterListenFd = store_fd;
+      options.port = static_cast<std::uint16_t>(detail::bound_port(store_fd));
+      host = "127.0.0.1";
+      detail::start_store_gate(public_fd, options.port, token, env.rank);
+    }
+  } else if (!token.empty()) {
+    options.port = static_cast<std::uint16_t>(
+        detail::start_store_relay(env.master_addr, env.master_port, token, env.rank, timeout));
+    host = "127.0.0.1";
+  }
   options.isServer = env.rank == 0;
   options.numWorkers = static_cast<std::size_t>(env.world_size);
   // Rank 0 returns only once every rank has connected, or throws after the timeout.
   options.waitWorkers = true;
   options.timeout = timeout;
   try {
-    return c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+    return c10::make_intrusive<c10d::TCPStore>(host, options);
   } catch (const std::exception& e) {
     // c10's message carries a C++ backtrace after its first line; the first line says it all.
     const std::string why = e.what();

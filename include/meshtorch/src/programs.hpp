@@ -20,6 +20,7 @@
 #include <meshtorch/comm/init.hpp>
 #include <meshtorch/comm/rendezvous.hpp>
 #include <meshtorch/comm/stack_dump.hpp>
+#include <meshtorch/comm/store_gate.hpp>
 #include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/data/text_tokenizer.hpp>
 #include <meshtorch/data/token_cache.hpp>
