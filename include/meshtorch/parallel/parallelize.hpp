@@ -53,6 +53,7 @@
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/llama_plan.hpp>
+#include <meshtorch/parallel/parallelize_options.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/zero_stage2.hpp>
 #include <meshtorch/separate_compilation.hpp>
@@ -62,79 +63,6 @@
 #include <meshtorch/train/train_args.hpp>
 
 namespace meshtorch {
-
-// Who reads a model folder's weights (ParallelizeOptions::weights_read_by).
-enum class WeightsReadBy {
-  // Each rank reads, of every weight, only the rows its piece lies in: no traffic, every rank
-  // must see the folder (node-local copies or a shared file system).
-  every_rank,
-  // The guide's way: rank 0 reads each weight whole and broadcasts it over the world; every rank
-  // keeps its piece. Only rank 0 needs the files.
-  rank0,
-  // Local rank 0 of each node reads each weight whole and broadcasts it over its node: for
-  // node-local copies of the folder (the guide's advice to keep $HF_HOME on each node's disk).
-  local_rank0,
-};
-
-// The --weights-read-by spelling of each choice.
-inline constexpr std::array<std::pair<WeightsReadBy, std::string_view>, 3> weights_read_by_names{
-    {{WeightsReadBy::every_rank, "every-rank"}, {WeightsReadBy::rank0, "rank0"}, {WeightsReadBy::local_rank0, "local-rank0"}}};
-
-inline std::string_view to_string(WeightsReadBy read_by) {
-  for (const auto& [value, name] : weights_read_by_names)
-    if (value == read_by) return name;
-  return "?";
-}
-
-inline WeightsReadBy parse_weights_read_by(const std::string& text) {
-  for (const auto& [value, name] : weights_read_by_names)
-    if (text == name) return value;
-  throw ConfigError(fmt::format("--weights-read-by '{}': use every-rank, rank0 or local-rank0", text));
-}
-
-struct ParallelizeOptions {
-  // Where forward and backward compute (the shards live there too unless fsdp.cpu_offload).
-  torch::Device device = torch::kCPU;
-  // An HF model folder whose weights fill this rank's pieces; empty: initialise them as
-  // chapter 1 does (HF's _init_weights from the current seed).
-  std::filesystem::path weights_from;
-  WeightsReadBy weights_read_by = WeightsReadBy::every_rank;
-  // How errors name the model (the -m value): a config the TP plan cannot split is refused
-  // before anything is built.
-  std::string model_name = "model config";
-  // Decoder layers recomputed in backward (after tensor parallel, before FSDP, as torchtitan).
-  ActivationCheckpointing activation_checkpointing;
-  // Positions whose logits the loss computes at once (models/chunked_loss.hpp): -1 automatic.
-  std::int64_t loss_chunk = -1;
-  // For the FSDP axis (device is taken from above).
-  FsdpOptions fsdp;
-  // For the DP axis.
-  DdpOptions ddp;
-  // ZeRO stage 2 over DP instead of DDP (parallel/zero_stage2.hpp): each bucket's gradients are
-  // reduce-scattered, every rank keeps and steps its rows of each weight, and the next forward
-  // all-gathers them. ddp.bucket_cap_mb sizes the buckets. Not with FSDP, which shards more.
-  bool zero_stage2 = false;
-  // Reduce-scatters of ZeRO-2 in flight at once (0: each waited for when issued, no overlap).
-  int zero_stage2_buckets_in_flight = 2;
-};
-
-// A weight of a model folder as the group's reader (its rank 0) lists it: every rank learns its
-// name, shape and dtype, the reader also where it lies.
-struct FolderWeight {
-  std::string name;
-  std::vector<std::int64_t> shape;
-  torch::ScalarType dtype;
-  std::filesystem::path file;  // the reader's only
-  io::SafetensorsEntry entry;  // the reader's only
-};
-
-// The group's reader lists the weights of `dir` that `take(entry, file)` accepts (it returns false
-// to skip one and throws for a bad one) and sends the list, or what is wrong with the folder, to
-// every rank: a bad folder is an error on every rank (over `world` when groups read per node),
-// not a hang in the next broadcast.
-MESHTORCH_DECL std::vector<FolderWeight> list_folder_weights(
-    const std::filesystem::path& dir, const comm::AxisGroup& group, const comm::AxisGroup& world,
-    const std::function<bool(const io::SafetensorsEntry&, const std::filesystem::path&)>& take);
 
 // The groups of a DeviceMesh that ParallelLlama's wrappers use; an axis the mesh type lacks is
 // absent.
@@ -381,36 +309,6 @@ class ParallelLlama : public ParallelLlamaRuntime {
   }
 };
 
-// The folder to read weights from when -m names a model folder that holds weights; empty for a
-// preset or a folder with only a config.json.
-inline std::filesystem::path pretrained_weights_folder(const std::string& model_name_or_dir) {
-  if (std::filesystem::is_directory(model_name_or_dir) && llama::has_pretrained_weights(model_name_or_dir))
-    return model_name_or_dir;
-  return {};
-}
-
-// The options every chapter takes from its flags: the device, -m's weights (and who reads them),
-// activation checkpointing, the loss chunk. A chapter adds its own (fsdp, ddp) to the result.
-inline ParallelizeOptions parallelize_options(const train::TrainArgs& args, torch::Device device) {
-  ParallelizeOptions options;
-  options.device = device;
-  options.weights_from = pretrained_weights_folder(args.model_name);
-  options.weights_read_by = parse_weights_read_by(args.weights_read_by);
-  options.model_name = args.model_name;
-  options.activation_checkpointing = activation_checkpointing(args);
-  options.loss_chunk = args.loss_chunk;
-  return options;
-}
-
-// fully_shard's options from the FSDP chapters' flags: shards and optimizer in fp32 (the dtype
-// the model is built in), compute in `compute_dtype`, gradients reduced in fp32.
-inline FsdpOptions fsdp_options(const train::FsdpArgs& args, torch::ScalarType compute_dtype) {
-  return {.reshard_after_forward = args.reshard_after_forward,
-          .cpu_offload = args.cpu_offload,
-          .mixed_precision = {.param_dtype = compute_dtype, .reduce_dtype = torch::kFloat},
-          .prefetch_layers = args.prefetch_layers};
-}
-
 // Builds the parallel model for the mesh type M from a model on the meta device.
 template <llama::LlamaStyles Styles, MeshType M>
 ParallelLlama<M, Styles> parallelize(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh,
@@ -427,6 +325,8 @@ ParallelLlama<M> parallelize(llama::LlamaForCausalLM model, const comm::DeviceMe
 
 #if MESHTORCH_DEFINES(core)
 #include <nlohmann/json.hpp>
+
+#include <meshtorch/parallel/parallel_llama_weights.hpp>
 
 namespace meshtorch {
 
@@ -677,175 +577,6 @@ MESHTORCH_DECL void ParallelLlamaRuntime::initialise(torch::ScalarType dtype) {
       full.normal_(0.0, std);
     keep_piece(trained, name, piece_of(name, full), "initialisation");
   }
-}
-
-namespace parallelize_detail {
-
-inline std::vector<std::int64_t> rows_shape(std::vector<std::int64_t> shape, std::int64_t rows) {
-  shape[0] = rows;
-  return shape;
-}
-
-// `buffer`'s first bytes as a tensor of `shape` and `dtype`: the one buffer each weight is read
-// (or received) into in turn, so that loading leaves no buffer per weight behind for glibc's
-// heap to keep (measured: with one per weight, a rank's resident set peaked up to 99 MiB
-// higher in some runs and not in others).
-inline torch::Tensor view_of_buffer(torch::Tensor& buffer, const std::vector<std::int64_t>& shape,
-                                    torch::ScalarType dtype) {
-  const auto bytes = c10::multiply_integers(shape) * static_cast<std::int64_t>(c10::elementSize(dtype));
-  if (buffer.numel() < bytes) buffer = torch::empty({bytes}, buffer.options());
-  return buffer.narrow(0, 0, bytes).view(dtype).view(shape);
-}
-
-}  // namespace parallelize_detail
-
-MESHTORCH_DECL void ParallelLlamaRuntime::load_weights(const std::filesystem::path& dir) {
-  using parallelize_detail::rows_shape;
-  using parallelize_detail::view_of_buffer;
-  std::set<std::string> loaded;
-  const auto trained = trained_by_name();
-  const auto files = llama::weight_files(dir);
-  // Every header first: a wrong shape stops the load before anything is read, and the read
-  // buffer is sized once, for the largest piece.
-  std::int64_t largest_read = 0;
-  for (const auto& file : files)
-    for (const auto& entry : io::read_safetensors_header(file).entries)
-      if (is_loaded(entry.name)) {
-        check_shape(entry, file);
-        const auto row_bytes = static_cast<std::int64_t>(entry.row_bytes());
-        largest_read = std::max(largest_read, rows_read_for(entry).second * row_bytes);
-      }
-  auto buffer = torch::empty({largest_read}, torch::TensorOptions().dtype(torch::kByte));
-  for (const auto& file : files) {
-    io::SafetensorsReader reader(file);
-    for (const auto& entry : reader.header().entries) {
-      const auto& name = entry.name;
-      if (!is_loaded(name)) continue;
-      check_shape(entry, file);
-      // The rows the piece lies in, whole; then the piece's columns of them (TP's dim-1 chunks).
-      const auto box = piece_box(name, entry.shape);
-      const auto read_box = entry.shape.empty() ? box : io::rows(io::whole(entry.shape), box.offsets[0],
-                                                                 box.offsets[0] + box.sizes[0]);
-      const auto [first_row, row_count] = rows_read_for(entry);
-      auto read = view_of_buffer(buffer, entry.shape.empty() ? entry.shape : rows_shape(entry.shape, row_count),
-                                 entry.dtype);
-      reader.read_rows_into(entry, first_row, row_count, read);
-      const auto rows = read.to(options_.device);
-      read_elements_ += rows.numel();
-      keep_piece(trained, name, io::view_of(rows, read_box, box), file.string());
-      loaded.insert(name);
-    }
-  }
-  for (const auto& [name, shape] : global_shapes_)
-    if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", dir.string(), name));
-}
-
-MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> ParallelLlamaRuntime::rows_read_for(
-    const io::SafetensorsEntry& entry) const {
-  if (entry.shape.empty()) return {0, 1};
-  const auto box = piece_box(entry.name, entry.shape);
-  return {box.offsets[0], box.sizes[0]};
-}
-
-MESHTORCH_DECL void ParallelLlamaRuntime::load_weights_through(const std::filesystem::path& dir,
-                                                               const comm::AxisGroup& group) {
-  using parallelize_detail::view_of_buffer;
-  const bool reader_rank = group.rank() == 0;
-  const int reader = group.global_rank_of(0);
-  const auto listing = list_folder_weights(dir, group, world_, [&](const io::SafetensorsEntry& entry,
-                                                                   const std::filesystem::path& file) {
-    if (!is_loaded(entry.name)) return false;
-    check_shape(entry, file);
-    return true;
-  });
-
-  std::set<std::string> loaded;
-  const auto trained = trained_by_name();
-  std::optional<io::SafetensorsReader> file_reader;
-  // One buffer for every weight, as big as the largest, read into on the reader and received
-  // into on the others (on the CPU the reader's is the one it broadcasts from).
-  std::int64_t largest = 0;
-  for (const auto& weight : listing)
-    largest = std::max(largest, c10::multiply_integers(weight.shape) *
-                                    static_cast<std::int64_t>(c10::elementSize(weight.dtype)));
-  auto read_buffer = torch::empty({reader_rank ? largest : 0}, torch::TensorOptions().dtype(torch::kByte));
-  auto receive_buffer = torch::empty({reader_rank && options_.device.is_cpu() ? 0 : largest},
-                                     torch::TensorOptions().dtype(torch::kByte).device(options_.device));
-  for (const auto& [name, shape, dtype, file, entry] : listing) {
-    torch::Tensor full;
-    if (reader_rank) {
-      if (!file_reader || file_reader->path() != file) file_reader.emplace(file);
-      auto read = view_of_buffer(read_buffer, shape, dtype);
-      file_reader->read_rows_into(entry, 0, shape.empty() ? 0 : shape[0], read);
-      full = options_.device.is_cpu() ? read : view_of_buffer(receive_buffer, shape, dtype).copy_(read);
-      read_elements_ += full.numel();
-    } else {
-      full = view_of_buffer(receive_buffer, shape, dtype);
-    }
-    full = comm::broadcast(group, full, 0);
-    keep_piece(trained, name, piece_of(name, full), fmt::format("rank {}'s {}", reader, dir.string()));
-    loaded.insert(name);
-  }
-  for (const auto& [name, shape] : global_shapes_)
-    if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", dir.string(), name));
-}
-
-MESHTORCH_DECL bool ParallelLlamaRuntime::is_loaded(const std::string& name) const {
-  if (name.find("rotary_emb.inv_freq") != std::string::npos) return false;
-  return !(name == "lm_head.weight" && model_->config.tie_word_embeddings);
-}
-
-MESHTORCH_DECL void ParallelLlamaRuntime::check_shape(const io::SafetensorsEntry& entry,
-                                                      const std::filesystem::path& file) const {
-  const auto* shape = shape_of(entry.name);
-  if (!shape)
-    throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", file.string(), entry.name));
-  if (entry.shape != *shape)
-    throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", file.string(), entry.name,
-                                c10::str(c10::IntArrayRef(entry.shape)), c10::str(c10::IntArrayRef(*shape))));
-}
-
-MESHTORCH_DECL const std::vector<std::int64_t>* ParallelLlamaRuntime::shape_of(const std::string& name) const {
-  for (const auto& [n, shape] : global_shapes_)
-    if (n == name) return &shape;
-  return nullptr;
-}
-
-MESHTORCH_DECL std::vector<FolderWeight> list_folder_weights(
-    const std::filesystem::path& dir, const comm::AxisGroup& group, const comm::AxisGroup& world,
-    const std::function<bool(const io::SafetensorsEntry&, const std::filesystem::path&)>& take) {
-  const bool reader_rank = group.rank() == 0;
-  std::vector<FolderWeight> listed;
-  nlohmann::json listing = nlohmann::json::object();
-  if (reader_rank) {
-    try {
-      auto weights = nlohmann::json::array();
-      for (const auto& file : llama::weight_files(dir))
-        for (const auto& entry : io::read_safetensors_header(file).entries) {
-          if (!take(entry, file)) continue;
-          weights.push_back({{"name", entry.name}, {"shape", entry.shape}, {"dtype", static_cast<int>(entry.dtype)}});
-          listed.push_back({entry.name, entry.shape, entry.dtype, file, entry});
-        }
-      listing["weights"] = std::move(weights);
-    } catch (const std::exception& e) {
-      listing["error"] = e.what();
-    }
-  }
-  const int reader = group.global_rank_of(0);
-  listing = nlohmann::json::parse(comm::all_gather_object(group, reader_rank ? listing.dump() : "").front());
-  const std::string error = listing.contains("error") ? listing["error"].get<std::string>() : "";
-  // Each node's reader decides for its node: the others learn of a failure here, not in a hang.
-  const std::string reader_error =
-      error.empty() ? "" : fmt::format("rank {}, reading {} for its ranks: {}", reader, dir.string(), error);
-  if (group.size() < world.size())
-    comm::raise_first_error(world, reader_error);
-  else if (!reader_error.empty())
-    throw DataError(reader_error);
-  if (reader_rank) return listed;
-  for (const auto& weight : listing["weights"])
-    listed.push_back({weight["name"].get<std::string>(), weight["shape"].get<std::vector<std::int64_t>>(),
-                      static_cast<torch::ScalarType>(weight["dtype"].get<int>()), {}, {}});
-  return listed;
 }
 
 }  // namespace meshtorch
