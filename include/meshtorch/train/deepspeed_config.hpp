@@ -75,6 +75,7 @@ struct DeepSpeedConfig {
 #if MESHTORCH_DEFINES(programs)
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <set>
 #include <utility>
@@ -365,16 +366,30 @@ MESHTORCH_DECL DeepSpeedConfig DeepSpeedConfig::parse(const nlohmann::json& json
 }
 
 MESHTORCH_DECL void DeepSpeedConfig::resolve_batch(std::int64_t data_parallel) {
+  // Each field may be up to 2^63 - 1 on its own: a product that wrapped (to 0 for 4 x 2^62) would
+  // be divided by below and by the sampler, so one that overflows is refused naming its factors.
+  auto product = [&](std::initializer_list<std::int64_t> factors, const char* names) {
+    std::int64_t out = 1;
+    for (const auto factor : factors)
+      if (__builtin_mul_overflow(out, factor, &out))
+        throw ConfigError(fmt::format("{}: {} = {} overflows a 64-bit integer (at most {}); no data set holds that "
+                                      "many samples",
+                                      file, names, fmt::join(factors, " x "),
+                                      std::numeric_limits<std::int64_t>::max()));
+    return out;
+  };
   if (micro_batch_per_gpu && gradient_accumulation_steps) {
-    const auto product = *micro_batch_per_gpu * *gradient_accumulation_steps * data_parallel;
-    if (train_batch_size && *train_batch_size != product)
+    const auto total = product({*micro_batch_per_gpu, *gradient_accumulation_steps, data_parallel},
+                               "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel ranks");
+    if (train_batch_size && *train_batch_size != total)
       throw ConfigError(fmt::format("{}: train_batch_size {} is not train_micro_batch_size_per_gpu {} x "
                                     "gradient_accumulation_steps {} x {} data-parallel ranks = {}",
                                     file, *train_batch_size, *micro_batch_per_gpu, *gradient_accumulation_steps,
-                                    data_parallel, product));
-    train_batch_size = product;
+                                    data_parallel, total));
+    train_batch_size = total;
   } else if (micro_batch_per_gpu && train_batch_size) {
-    const auto per_step = *micro_batch_per_gpu * data_parallel;
+    const auto per_step =
+        product({*micro_batch_per_gpu, data_parallel}, "train_micro_batch_size_per_gpu x data-parallel ranks");
     if (*train_batch_size % per_step != 0)
       throw ConfigError(fmt::format("{}: train_batch_size {} is not a multiple of train_micro_batch_size_per_gpu {} "
                                     "x {} data-parallel ranks = {}",
@@ -382,15 +397,18 @@ MESHTORCH_DECL void DeepSpeedConfig::resolve_batch(std::int64_t data_parallel) {
     gradient_accumulation_steps = *train_batch_size / per_step;
   } else if (micro_batch_per_gpu) {
     gradient_accumulation_steps = 1;
-    train_batch_size = *micro_batch_per_gpu * data_parallel;
+    train_batch_size =
+        product({*micro_batch_per_gpu, data_parallel}, "train_micro_batch_size_per_gpu x data-parallel ranks");
   } else {
     const auto accumulation = gradient_accumulation_steps.value_or(1);
-    if (*train_batch_size % (accumulation * data_parallel) != 0)
+    const auto per_micro_batch =
+        product({accumulation, data_parallel}, "gradient_accumulation_steps x data-parallel ranks");
+    if (*train_batch_size % per_micro_batch != 0)
       throw ConfigError(fmt::format("{}: train_batch_size {} is not a multiple of gradient_accumulation_steps {} x "
                                     "{} data-parallel ranks",
                                     file, *train_batch_size, accumulation, data_parallel));
     gradient_accumulation_steps = accumulation;
-    micro_batch_per_gpu = *train_batch_size / (accumulation * data_parallel);
+    micro_batch_per_gpu = *train_batch_size / per_micro_batch;
   }
 }
 
