@@ -101,9 +101,26 @@ inline std::string type_of(const nlohmann::json& value) {
   return "null";
 }
 
+// JSON's own escapes (\u0000, \n, \") and U+FFFD for bytes that are not UTF-8: a message keeps
+// what follows a NUL, and printing a key or value never throws.
+inline std::string escaped(const nlohmann::json& value) {
+  return value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 inline std::string quoted(const nlohmann::json& value) {
-  const auto text = value.dump();
+  const auto text = escaped(value);
   return text.size() > 60 ? text.substr(0, 57) + "..." : text;
+}
+
+// A key as messages print it: as written, or JSON-escaped (without quotes) if it holds a control
+// character, a quote or a backslash.
+inline std::string printable_key(const std::string& key) {
+  const bool plain = std::ranges::none_of(key, [](char c) {
+    return static_cast<unsigned char>(c) < 0x20 || c == 0x7f || c == '"' || c == '\\';
+  });
+  if (plain) return key;
+  const auto text = escaped(nlohmann::json(key));
+  return text.substr(1, text.size() - 2);
 }
 
 // One JSON object of the config: typed reads by key, each error naming "<file>: <path>.<key>",
@@ -117,7 +134,9 @@ class ConfigObject {
                                     quoted(value_)));
   }
 
-  std::string key_path(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
+  std::string key_path(const std::string& key) const {
+    return path_.empty() ? printable_key(key) : path_ + "." + printable_key(key);
+  }
   bool has(const std::string& key) const { return value_.contains(key); }
 
   std::optional<std::int64_t> integer(const std::string& key, std::int64_t least, std::int64_t most) {
@@ -131,6 +150,10 @@ class ConfigObject {
     if (!whole || value->is_boolean())
       throw ConfigError(fmt::format("{}: {}: expected an integer {}, got {} ({})", file_, key_path(key),
                                     range(least, most), quoted(*value), type_of(*value)));
+    // Above 2^63 - 1 (nlohmann keeps it unsigned): print it as written, not wrapped to negative.
+    if (value->is_number_unsigned() && value->get<std::uint64_t>() > static_cast<std::uint64_t>(most))
+      throw ConfigError(fmt::format("{}: {}: {} is out of range; expected an integer {}", file_, key_path(key),
+                                    value->get<std::uint64_t>(), range(least, most)));
     const auto n = value->is_number_integer() ? value->get<std::int64_t>()
                                               : static_cast<std::int64_t>(value->get<double>());
     if (n < least || n > most)
@@ -231,7 +254,7 @@ MESHTORCH_DECL DeepSpeedConfig DeepSpeedConfig::parse(const nlohmann::json& json
   using deepspeed_detail::ConfigObject;
   DeepSpeedConfig c;
   c.file = file;
-  c.canonical = json.dump();
+  c.canonical = deepspeed_detail::escaped(json);
   ConfigObject top(json, "", file);
   constexpr auto any = std::numeric_limits<std::int64_t>::max();
   c.train_batch_size = top.integer("train_batch_size", 1, any);
