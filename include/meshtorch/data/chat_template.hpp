@@ -213,8 +213,8 @@ class RenderBudget final : public minja::RenderLimits {
     if (++calls_ % 256 != 0) return;
     const std::chrono::duration<double> spent = std::chrono::steady_clock::now() - start_;
     if (spent.count() > limits_.max_seconds)
-      fail(fmt::format("runs longer than {} s in one render; the limit is MESHTORCH_CHAT_TEMPLATE_MAX_SECONDS",
-                       limits_.max_seconds));
+      fail(fmt::format("{} longer than {} s; the limit is MESHTORCH_CHAT_TEMPLATE_MAX_SECONDS",
+                       parsing_ ? "takes" : "runs", limits_.max_seconds));
   }
   [[noreturn]] void fail(std::string what) {
     failure_ = fmt::format("{} {}", origin_, what);
