@@ -176,7 +176,10 @@ TEST_CASE("a chat template's text is bounded before it is built", "[chat][limits
            {"replace", "{{ ('x' * 1000).replace('x', 'y' * 1000000) }}"},
            {"join", "{{ range(100000) | join('y' * 10000) }}"},
            {"indent", "{{ ('a\\n' * 100000) | indent(100000) }}"},
-           {"tojson", "{{ [[[[1]]]] | tojson(indent=100000000) }}"}}) {
+           {"tojson", "{{ [[[[1]]]] | tojson(indent=100000000) }}"},
+           // A list shared 100,000 times costs nothing to build, but printing it copies its text.
+           {"shared", "{% set inner = ['x' * 10000000] %}{% set l = [] %}{% for i in range(100000) %}"
+                      "{% set _ = l.append(inner) %}{% endfor %}{{ l }}"}}) {
     INFO(name);
     CHECK_THAT(render_error(name, source),
                Catch::Contains(" builds more than 268435456 bytes") && Catch::EndsWith(limit));
