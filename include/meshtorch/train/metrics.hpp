@@ -105,6 +105,8 @@ class LogWindow {
 
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/io/json_file.hpp>
+
 namespace meshtorch::train {
 
 MESHTORCH_DECL MetricsFile::MetricsFile(const std::filesystem::path& path) : path_(path) {
@@ -130,7 +132,12 @@ MESHTORCH_DECL MetricsFile::MetricsFile(const std::filesystem::path& path) : pat
       in.seekg(static_cast<std::streamoff>(start));
       in.read(torn.data(), static_cast<std::streamsize>(torn.size()));
       in.close();
-      if (nlohmann::json::parse(torn, nullptr, /*allow_exceptions=*/false).is_object()) {
+      bool whole = false;
+      try {
+        whole = io::parse_json<DataError>(torn, path_.string(), "a metrics line").is_object();
+      } catch (const DataError&) {
+      }
+      if (whole) {
         write_file(path_, "\n", std::ios::app);
       } else {
         write_file(path_.parent_path() / discarded_name, torn + "\n", std::ios::app);
