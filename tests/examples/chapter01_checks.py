@@ -235,11 +235,29 @@ def bad_input(binary):
             (["-d", f"{tmp}/missing.txt"], "neither 'builtin', an existing file or folder"),
             (["-d", tmp, "--dataset-subset", "nope"], "has no such subfolder"),
             (["-b", "100000"], "do not fill one global batch"),
+            # 4 x 2^62 wrapped to 0, which the sampler divided by (SIGFPE).
+            (["-b", "4", "--grad-accum", "4611686018427387904"],
+             "the global batch -b/--batch-size 4 x 1 data-parallel rank(s) x --grad-accum 4611686018427387904 "
+             "overflows a 64-bit integer"),
         ]
         config_dir = pathlib.Path(tmp) / "model"
         config_dir.mkdir()
         (config_dir / "config.json").write_text('{"hidden_size": 64, "num_hidden_layers": 2}')
         cases.append((["-m", str(config_dir)], "'intermediate_size' is missing"))
+        # A chat template that calls itself without end (SIGSEGV before), stopped by name.
+        fixture = pathlib.Path(__file__).resolve().parent.parent / "data" / "fixtures" / "bpe"
+        chat_dir = pathlib.Path(tmp) / "chat-model"
+        chat_dir.mkdir()
+        (chat_dir / "tokenizer.json").write_bytes((fixture / "tokenizer.json").read_bytes())
+        (chat_dir / "config.json").write_text(json.dumps({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 256, "tie_word_embeddings": False}))
+        (chat_dir / "chat_template.jinja").write_text("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")
+        (pathlib.Path(tmp) / "conv.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+        cases.append((["-m", str(chat_dir), "-d", f"{tmp}/conv.jsonl"],
+                      f"conv.jsonl:1: the chat template {chat_dir / 'chat_template.jinja'} nests deeper than 256 "
+                      "levels"))
         for args, message in cases:
             proc = run(binary, *args, "--max-steps", "1", expect_ok=False)
             assert proc.returncode != 0, args

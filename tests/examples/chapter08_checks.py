@@ -131,6 +131,14 @@ def config_errors(tools):
              "zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3"),
             ({"optimizer": {"type": "Lamb"}}, "optimizer.type: expected one of AdamW, Adam, got \"Lamb\""),
             ({"fp16": {"enabled": True}}, "fp16.enabled: fp16 with loss scaling is not implemented"),
+            # 2 x 2^62 x 2 wrapped to 0, which the sampler divided by (SIGFPE).
+            ({"gradient_accumulation_steps": 4611686018427387904},
+             "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel ranks = 2 x "
+             "4611686018427387904 x 2 overflows a 64-bit integer"),
+            # Printed wrapped ("-1 is out of range") and cut at the NUL before.
+            ({"zero_optimization": {"stage": 18446744073709551615}},
+             "zero_optimization.stage: 18446744073709551615 is out of range; expected an integer 0-3"),
+            ({"a\u0000b": 1}, "a\\u0000b: not a key meshtorch implements"),
         ]
         for i, (change, message) in enumerate(cases):
             ds = config(f"{tmp}/bad{i}.json", 0, **change)

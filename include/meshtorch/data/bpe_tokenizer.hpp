@@ -110,6 +110,9 @@ class BpeTokenizer final : public TextTokenizer {
   void resize_ids(std::int32_t count);
   void set_id(std::int32_t id, std::string bytes);
 
+  // `id` of `what` (a JSON path and token) as an id below id_bound_, or an error naming both.
+  std::int32_t checked_id(const nlohmann::json& id, const std::string& what) const;
+
   static std::uint64_t pair_key(std::int32_t left, std::int32_t right) {
     return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(left)) << 32) | static_cast<std::uint32_t>(right);
   }
@@ -145,6 +148,10 @@ class BpeTokenizer final : public TextTokenizer {
   std::array<std::array<std::vector<std::size_t>, 256>, 2> added_by_first_byte_;  // [normalized][first byte]
   std::vector<std::string> id_bytes_;  // what decode writes for each id
   std::vector<bool> id_known_;
+  // Ids index id_bytes_, so they are bounded by what the file defines before anything is
+  // allocated: a 22 KB file with the id 300,000,000 would otherwise ask for 10 GB.
+  static constexpr std::int64_t id_gap_allowance = 65536;
+  std::int64_t id_bound_ = 0;
 };
 
 }  // namespace meshtorch::data
@@ -377,6 +384,14 @@ MESHTORCH_DECL BpeTokenizer BpeTokenizer::from_file(const std::filesystem::path&
 
 MESHTORCH_DECL BpeTokenizer::BpeTokenizer(const nlohmann::json& j, std::string source) : source_(std::move(source)) {
   if (!j.is_object()) throw ConfigError(fmt::format("{}: expected a JSON object at the top level", source_));
+  // Real files number their tokens densely (vocab, then added tokens); the allowance leaves room
+  // for gaps far larger than any seen.
+  id_bound_ = id_gap_allowance;
+  if (const auto model = j.find("model"); model != j.end() && model->is_object())
+    if (const auto vocab = model->find("vocab"); vocab != model->end() && vocab->is_object())
+      id_bound_ += static_cast<std::int64_t>(vocab->size());
+  if (const auto added = j.find("added_tokens"); added != j.end() && added->is_array())
+    id_bound_ += static_cast<std::int64_t>(added->size());
   read_model(field(j, "model"));
   if (auto n = j.find("normalizer"); n != j.end() && !n->is_null())
     throw ConfigError(fmt::format("{} is {}; only byte-level BPE without a normalizer is supported (null)",
@@ -466,11 +481,11 @@ MESHTORCH_DECL void BpeTokenizer::read_model(const nlohmann::json& model) {
                                                         where("model.vocab")));
   std::int32_t max_id = -1;
   for (const auto& [token, id] : vocab.items()) {
-    if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() > std::numeric_limits<std::int32_t>::max())
-      throw ConfigError(fmt::format("{} gives token {} the id {}",
-                                    where("model.vocab"), nlohmann::json(token).dump(), id.dump()));
-    vocab_.emplace(token, id.get<std::int32_t>());
-    max_id = std::max(max_id, id.get<std::int32_t>());
+    const auto checked = checked_id(
+        id, fmt::format("{} gives token {}", where("model.vocab"),
+                        nlohmann::json(token).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)));
+    vocab_.emplace(token, checked);
+    max_id = std::max(max_id, checked);
   }
   resize_ids(max_id + 1);
   for (const auto& [token, id] : vocab_) {
@@ -586,10 +601,8 @@ MESHTORCH_DECL void BpeTokenizer::read_added_tokens(const nlohmann::json& added)
     if (flag(a, "single_word", false, path))
       throw ConfigError(fmt::format("{} is true for {}; single-word added tokens are not supported",
                                     where(path + "single_word"), field(a, "content", path).dump()));
-    const auto id = field(a, "id", path).get<std::int64_t>();
-    if (id < 0 || id > std::numeric_limits<std::int32_t>::max())
-      throw ConfigError(fmt::format("{} is {}", where(path + "id"), id));
-    AddedToken token{static_cast<std::int32_t>(id), field(a, "content", path).get<std::string>(),
+    const auto id = checked_id(field(a, "id", path), where(path + "id") + " gives");
+    AddedToken token{id, field(a, "content", path).get<std::string>(),
                      flag(a, "special", false, path), flag(a, "lstrip", false, path), flag(a, "rstrip", false, path),
                      flag(a, "normalized", !flag(a, "special", false, path), path)};
     if (token.content.empty()) throw ConfigError(fmt::format("{} is empty", where(path + "content")));
@@ -603,6 +616,19 @@ MESHTORCH_DECL void BpeTokenizer::read_added_tokens(const nlohmann::json& added)
     for (auto& candidates : table)
       std::sort(candidates.begin(), candidates.end(),
               [&](std::size_t a, std::size_t b) { return added_[a].content.size() > added_[b].content.size(); });
+}
+
+MESHTORCH_DECL std::int32_t BpeTokenizer::checked_id(const nlohmann::json& id, const std::string& what) const {
+  // Compared as written (unsigned, or beyond 64 bits as a float), never after a wrapping cast.
+  const bool in_bound = id.is_number_unsigned() ? id.get<std::uint64_t>() < static_cast<std::uint64_t>(id_bound_)
+                        : id.is_number_integer() ? id.get<std::int64_t>() >= 0 && id.get<std::int64_t>() < id_bound_
+                                                 : false;
+  if (!in_bound)
+    throw ConfigError(fmt::format("{} the id {}; ids must be integers from 0 to {} (the file's {} vocab entries and "
+                                  "added tokens, plus {} for gaps)",
+                                  what, id.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+                                  id_bound_ - 1, id_bound_ - id_gap_allowance, id_gap_allowance));
+  return static_cast<std::int32_t>(id.get<std::int64_t>());
 }
 
 MESHTORCH_DECL void BpeTokenizer::resize_ids(std::int32_t count) {

@@ -11,8 +11,15 @@
 // Jinja is minja's (one header, MIT): Debian packages no C++ Jinja engine, and one written here
 // would be a second, less tested copy of what minja does for exactly these templates.
 //
+// A template is code from a downloaded folder, so each render runs under limits (ChatTemplateLimits):
+// nesting depth, loop iterations, bytes of text built and wall time, each an error naming the
+// template and the environment variable that raises it. minja has no such bounds, and a recursive
+// macro overflows the stack from inside it, so scripts/minja-limits.patch (applied by scripts/setup)
+// adds one hook that minja calls before each level, iteration and string it makes.
+//
 // Link requirements: minja's header (fetched by scripts/setup), PCRE2 and libsentencepiece (the
 // folder's tokenizer files are read by folder_tokenizer.hpp's helpers): CMake target meshtorch::tokenizers.
+#include <cstddef>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -31,6 +38,19 @@ class TemplateNode;
 }  // namespace minja
 
 namespace meshtorch::data {
+
+// What one render may do. A real template renders a conversation in well under a millisecond,
+// 16 levels deep at most, with a few iterations per message: the defaults are far above that.
+struct ChatTemplateLimits {
+  std::size_t max_depth = 256;               // MESHTORCH_CHAT_TEMPLATE_MAX_DEPTH: nodes, expressions, values
+  std::size_t max_iterations = 1'000'000;    // MESHTORCH_CHAT_TEMPLATE_MAX_ITERATIONS: loop runs and list items
+  std::size_t max_bytes = std::size_t{256} << 20;  // MESHTORCH_CHAT_TEMPLATE_MAX_BYTES: all text built, output included
+  double max_seconds = 10;                   // MESHTORCH_CHAT_TEMPLATE_MAX_SECONDS: wall time
+
+  // The defaults, each replaced by its environment variable where set (a positive number, or a
+  // ConfigError naming the variable).
+  static ChatTemplateLimits from_environment();
+};
 
 class ChatTemplate {
  public:
@@ -53,6 +73,10 @@ class ChatTemplate {
 
   const std::string& origin() const { return origin_; }
 
+  // Set from the environment at construction (ChatTemplateLimits::from_environment).
+  const ChatTemplateLimits& limits() const { return limits_; }
+  void set_limits(const ChatTemplateLimits& limits) { limits_ = limits; }
+
  private:
   static std::string read_template_file(const std::filesystem::path& path);
 
@@ -68,6 +92,7 @@ class ChatTemplate {
   static std::string local_time_as(const std::string& format);
 
   std::string origin_;
+  ChatTemplateLimits limits_;
   std::shared_ptr<minja::TemplateNode> root_;
   std::shared_ptr<minja::Context> globals_;
 };
@@ -75,16 +100,148 @@ class ChatTemplate {
 }  // namespace meshtorch::data
 
 #if MESHTORCH_DEFINES(tokenizers)
+#include <pthread.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstdint>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <iterator>
+#include <limits>
+#include <stdexcept>
+#include <type_traits>
 
 #include <fmt/format.h>
 #include <minja/minja.hpp>
 #include <nlohmann/json.hpp>
 
+#ifndef MINJA_RENDER_LIMITS
+// A minja without scripts/minja-limits.patch would render templates without any bound.
+#error "this minja.hpp has no render limits: apply scripts/minja-limits.patch (scripts/setup does)"
+#endif
+
 namespace meshtorch::data {
+
+namespace chat_detail {
+
+// Reads one limit from the environment: unset or empty keeps `fallback`.
+template <class T>
+T limit_from_env(const char* name, T fallback) {
+  const char* text = std::getenv(name);
+  if (!text || !*text) return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const double value = std::strtod(text, &end);
+  const bool whole = std::is_floating_point_v<T> || value == static_cast<double>(static_cast<long long>(value));
+  if (errno != 0 || end == text || *end != '\0' || !(value > 0) || !whole ||
+      value > static_cast<double>(std::numeric_limits<std::int64_t>::max()))
+    throw ConfigError(fmt::format("{}={}: expected a positive {}", name, text,
+                                  std::is_floating_point_v<T> ? "number of seconds" : "integer"));
+  return static_cast<T>(value);
+}
+
+// What one render has used, told by minja's hook (scripts/minja-limits.patch) before each level,
+// iteration or string. The first limit passed is kept and thrown again at every later call, so
+// that no catch inside minja (to_int swallows everything) can carry the render on.
+class RenderBudget final : public minja::RenderLimits {
+ public:
+  // `parsing`: the template is being parsed, where nesting is brackets and blocks, not calls.
+  RenderBudget(const ChatTemplateLimits& limits, const std::string& origin, bool parsing = false)
+      : limits_(limits), origin_(origin), parsing_(parsing), start_(std::chrono::steady_clock::now()) {
+    // The stack this thread has left: a depth limit alone cannot know how large a thread's stack
+    // is, and a level of minja's costs about 1 KiB of it.
+    char here = 0;
+    stack_top_ = reinterpret_cast<std::uintptr_t>(&here);
+    pthread_attr_t attributes;
+    void* base = nullptr;
+    std::size_t size = 0;
+    if (pthread_getattr_np(pthread_self(), &attributes) == 0) {
+      pthread_attr_getstack(&attributes, &base, &size);
+      pthread_attr_destroy(&attributes);
+    }
+    const auto left = base ? stack_top_ - reinterpret_cast<std::uintptr_t>(base) : std::size_t{8} << 20;
+    stack_budget_ = left > stack_reserve ? left - stack_reserve : 0;
+    previous_ = minja::render_limits;
+    minja::render_limits = this;
+  }
+  ~RenderBudget() override { minja::render_limits = previous_; }
+  RenderBudget(const RenderBudget&) = delete;
+  RenderBudget& operator=(const RenderBudget&) = delete;
+
+  void enter() override {
+    check_time();
+    if (depth_ + 1 > limits_.max_depth)
+      fail(fmt::format("nests deeper than {} levels ({}); the limit is MESHTORCH_CHAT_TEMPLATE_MAX_DEPTH",
+                       limits_.max_depth,
+                       parsing_ ? "brackets, 'not's or blocks in its text" : "a macro that calls itself without end?"));
+    char here = 0;
+    const auto used = stack_top_ - reinterpret_cast<std::uintptr_t>(&here);
+    if (used > stack_budget_)
+      fail(fmt::format("nests {} levels deep and would use more than the {} KiB of stack this thread has left; "
+                       "the limit is MESHTORCH_CHAT_TEMPLATE_MAX_DEPTH, or a thread with a larger stack",
+                       depth_, stack_budget_ >> 10));
+    ++depth_;
+  }
+  void leave() noexcept override { --depth_; }
+  void items(std::size_t count) override {
+    check_time();
+    iterations_ = count > limits_.max_iterations - iterations_ ? limits_.max_iterations + 1 : iterations_ + count;
+    if (iterations_ > limits_.max_iterations)
+      fail(fmt::format("runs more than {} loop iterations and list items in one render; the limit is "
+                       "MESHTORCH_CHAT_TEMPLATE_MAX_ITERATIONS",
+                       limits_.max_iterations));
+  }
+  void text(std::size_t bytes) override {
+    check_time();
+    if (bytes > limits_.max_bytes - bytes_)
+      fail(fmt::format("builds more than {} bytes of text in one render (a string of {} bytes after {}); the limit "
+                       "is MESHTORCH_CHAT_TEMPLATE_MAX_BYTES",
+                       limits_.max_bytes, bytes, bytes_));
+    bytes_ += bytes;
+  }
+
+  const std::optional<std::string>& failure() const { return failure_; }
+
+ private:
+  // Kept below the deepest level allowed for minja's frames, the exception and its message.
+  static constexpr std::size_t stack_reserve = std::size_t{256} << 10;
+
+  void check_time() {
+    if (failure_) throw minja::RenderLimitError(*failure_);
+    if (++calls_ % 256 != 0) return;
+    const std::chrono::duration<double> spent = std::chrono::steady_clock::now() - start_;
+    if (spent.count() > limits_.max_seconds)
+      fail(fmt::format("{} longer than {} s; the limit is MESHTORCH_CHAT_TEMPLATE_MAX_SECONDS",
+                       parsing_ ? "takes" : "runs", limits_.max_seconds));
+  }
+  [[noreturn]] void fail(std::string what) {
+    failure_ = fmt::format("{} {}", origin_, what);
+    throw minja::RenderLimitError(*failure_);
+  }
+
+  const ChatTemplateLimits& limits_;
+  const std::string& origin_;
+  bool parsing_;
+  std::chrono::steady_clock::time_point start_;
+  std::uintptr_t stack_top_ = 0;
+  std::size_t stack_budget_ = 0;
+  std::size_t depth_ = 0, iterations_ = 0, bytes_ = 0, calls_ = 0;
+  std::optional<std::string> failure_;
+  minja::RenderLimits* previous_ = nullptr;
+};
+
+}  // namespace chat_detail
+
+MESHTORCH_DECL ChatTemplateLimits ChatTemplateLimits::from_environment() {
+  ChatTemplateLimits limits;
+  limits.max_depth = chat_detail::limit_from_env("MESHTORCH_CHAT_TEMPLATE_MAX_DEPTH", limits.max_depth);
+  limits.max_iterations = chat_detail::limit_from_env("MESHTORCH_CHAT_TEMPLATE_MAX_ITERATIONS", limits.max_iterations);
+  limits.max_bytes = chat_detail::limit_from_env("MESHTORCH_CHAT_TEMPLATE_MAX_BYTES", limits.max_bytes);
+  limits.max_seconds = chat_detail::limit_from_env("MESHTORCH_CHAT_TEMPLATE_MAX_SECONDS", limits.max_seconds);
+  return limits;
+}
 
 MESHTORCH_DECL std::optional<ChatTemplate> ChatTemplate::from_folder(const std::filesystem::path& dir) {
   std::string source, origin;
@@ -108,10 +265,13 @@ MESHTORCH_DECL std::optional<ChatTemplate> ChatTemplate::from_folder(const std::
 
 MESHTORCH_DECL ChatTemplate::ChatTemplate(const std::string& source, std::string origin,
                                           const nlohmann::ordered_json& special_tokens)
-    : origin_(std::move(origin)) {
+    : origin_(std::move(origin)), limits_(ChatTemplateLimits::from_environment()) {
+  // minja's parser recurses once per bracket and block: 100,000 '(' overflowed the stack.
+  chat_detail::RenderBudget budget(limits_, origin_, /*parsing=*/true);
   try {
     root_ = minja::Parser::parse(source, {.trim_blocks = true, .lstrip_blocks = true, .keep_trailing_newline = false});
   } catch (const std::exception& e) {
+    if (budget.failure()) throw ConfigError(fmt::format("the chat template {}", *budget.failure()));
     throw ConfigError(fmt::format("{}: the chat template is not valid Jinja: {}", origin_, e.what()));
   }
   globals_ = minja::Context::make(minja::Value(special_tokens));
@@ -133,9 +293,11 @@ MESHTORCH_DECL std::string ChatTemplate::render(const nlohmann::ordered_json& me
                                                 const std::string& where) const {
   nlohmann::ordered_json values = {{"messages", messages}, {"add_generation_prompt", add_generation_prompt}};
   values["tools"] = tools;
+  chat_detail::RenderBudget budget(limits_, origin_);
   try {
     return root_->render(minja::Context::make(minja::Value(values), globals_));
   } catch (const std::exception& e) {
+    if (budget.failure()) throw DataError(fmt::format("{}: the chat template {}", where, *budget.failure()));
     throw DataError(fmt::format("{}: the chat template ({}) failed: {}", where, origin_, e.what()));
   }
 }

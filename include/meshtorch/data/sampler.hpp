@@ -62,6 +62,14 @@ MESHTORCH_DECL DpInvariantSampler::DpInvariantSampler(const SamplerOptions& opti
   if (o_.grad_accum <= 0) throw ConfigError("--grad-accum must be positive");
   if (o_.dp_size <= 0 || o_.dp_rank < 0 || o_.dp_rank >= o_.dp_size)
     throw ConfigError(fmt::format("data-parallel rank {} is outside [0, {})", o_.dp_rank, o_.dp_size));
+  // The global batch divides the data set below: a product that wraps (to 0 for 4 x 2^62) would
+  // divide by zero. No data set holds 2^63 blocks, so an overflow is simply too large.
+  std::int64_t global = 0;
+  if (__builtin_mul_overflow(o_.batch_size, o_.dp_size, &global) ||
+      __builtin_mul_overflow(global, o_.grad_accum, &global))
+    throw ConfigError(fmt::format("the global batch -b/--batch-size {} x {} data-parallel rank(s) x --grad-accum {} "
+                                  "overflows a 64-bit integer; it must be at most the dataset's {} blocks",
+                                  o_.batch_size, o_.dp_size, o_.grad_accum, o_.num_samples));
   if (steps_per_epoch() == 0)
     throw ConfigError(fmt::format("the dataset's {} blocks do not fill one global batch of {} (batch x "
                                   "data-parallel size x grad-accum); use a smaller -b/--batch-size or "

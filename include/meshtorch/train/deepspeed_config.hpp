@@ -75,6 +75,7 @@ struct DeepSpeedConfig {
 #if MESHTORCH_DEFINES(programs)
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <set>
 #include <utility>
@@ -100,9 +101,26 @@ inline std::string type_of(const nlohmann::json& value) {
   return "null";
 }
 
+// JSON's own escapes (\u0000, \n, \") and U+FFFD for bytes that are not UTF-8: a message keeps
+// what follows a NUL, and printing a key or value never throws.
+inline std::string escaped(const nlohmann::json& value) {
+  return value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 inline std::string quoted(const nlohmann::json& value) {
-  const auto text = value.dump();
+  const auto text = escaped(value);
   return text.size() > 60 ? text.substr(0, 57) + "..." : text;
+}
+
+// A key as messages print it: as written, or JSON-escaped (without quotes) if it holds a control
+// character, a quote or a backslash.
+inline std::string printable_key(const std::string& key) {
+  const bool plain = std::ranges::none_of(key, [](char c) {
+    return static_cast<unsigned char>(c) < 0x20 || c == 0x7f || c == '"' || c == '\\';
+  });
+  if (plain) return key;
+  const auto text = escaped(nlohmann::json(key));
+  return text.substr(1, text.size() - 2);
 }
 
 // One JSON object of the config: typed reads by key, each error naming "<file>: <path>.<key>",
@@ -116,7 +134,9 @@ class ConfigObject {
                                     quoted(value_)));
   }
 
-  std::string key_path(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
+  std::string key_path(const std::string& key) const {
+    return path_.empty() ? printable_key(key) : path_ + "." + printable_key(key);
+  }
   bool has(const std::string& key) const { return value_.contains(key); }
 
   std::optional<std::int64_t> integer(const std::string& key, std::int64_t least, std::int64_t most) {
@@ -130,6 +150,10 @@ class ConfigObject {
     if (!whole || value->is_boolean())
       throw ConfigError(fmt::format("{}: {}: expected an integer {}, got {} ({})", file_, key_path(key),
                                     range(least, most), quoted(*value), type_of(*value)));
+    // Above 2^63 - 1 (nlohmann keeps it unsigned): print it as written, not wrapped to negative.
+    if (value->is_number_unsigned() && value->get<std::uint64_t>() > static_cast<std::uint64_t>(most))
+      throw ConfigError(fmt::format("{}: {}: {} is out of range; expected an integer {}", file_, key_path(key),
+                                    value->get<std::uint64_t>(), range(least, most)));
     const auto n = value->is_number_integer() ? value->get<std::int64_t>()
                                               : static_cast<std::int64_t>(value->get<double>());
     if (n < least || n > most)
@@ -230,7 +254,7 @@ MESHTORCH_DECL DeepSpeedConfig DeepSpeedConfig::parse(const nlohmann::json& json
   using deepspeed_detail::ConfigObject;
   DeepSpeedConfig c;
   c.file = file;
-  c.canonical = json.dump();
+  c.canonical = deepspeed_detail::escaped(json);
   ConfigObject top(json, "", file);
   constexpr auto any = std::numeric_limits<std::int64_t>::max();
   c.train_batch_size = top.integer("train_batch_size", 1, any);
@@ -365,16 +389,30 @@ MESHTORCH_DECL DeepSpeedConfig DeepSpeedConfig::parse(const nlohmann::json& json
 }
 
 MESHTORCH_DECL void DeepSpeedConfig::resolve_batch(std::int64_t data_parallel) {
+  // Each field may be up to 2^63 - 1 on its own: a product that wrapped (to 0 for 4 x 2^62) would
+  // be divided by below and by the sampler, so one that overflows is refused naming its factors.
+  auto product = [&](std::initializer_list<std::int64_t> factors, const char* names) {
+    std::int64_t out = 1;
+    for (const auto factor : factors)
+      if (__builtin_mul_overflow(out, factor, &out))
+        throw ConfigError(fmt::format("{}: {} = {} overflows a 64-bit integer (at most {}); no data set holds that "
+                                      "many samples",
+                                      file, names, fmt::join(factors, " x "),
+                                      std::numeric_limits<std::int64_t>::max()));
+    return out;
+  };
   if (micro_batch_per_gpu && gradient_accumulation_steps) {
-    const auto product = *micro_batch_per_gpu * *gradient_accumulation_steps * data_parallel;
-    if (train_batch_size && *train_batch_size != product)
+    const auto total = product({*micro_batch_per_gpu, *gradient_accumulation_steps, data_parallel},
+                               "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel ranks");
+    if (train_batch_size && *train_batch_size != total)
       throw ConfigError(fmt::format("{}: train_batch_size {} is not train_micro_batch_size_per_gpu {} x "
                                     "gradient_accumulation_steps {} x {} data-parallel ranks = {}",
                                     file, *train_batch_size, *micro_batch_per_gpu, *gradient_accumulation_steps,
-                                    data_parallel, product));
-    train_batch_size = product;
+                                    data_parallel, total));
+    train_batch_size = total;
   } else if (micro_batch_per_gpu && train_batch_size) {
-    const auto per_step = *micro_batch_per_gpu * data_parallel;
+    const auto per_step =
+        product({*micro_batch_per_gpu, data_parallel}, "train_micro_batch_size_per_gpu x data-parallel ranks");
     if (*train_batch_size % per_step != 0)
       throw ConfigError(fmt::format("{}: train_batch_size {} is not a multiple of train_micro_batch_size_per_gpu {} "
                                     "x {} data-parallel ranks = {}",
@@ -382,15 +420,18 @@ MESHTORCH_DECL void DeepSpeedConfig::resolve_batch(std::int64_t data_parallel) {
     gradient_accumulation_steps = *train_batch_size / per_step;
   } else if (micro_batch_per_gpu) {
     gradient_accumulation_steps = 1;
-    train_batch_size = *micro_batch_per_gpu * data_parallel;
+    train_batch_size =
+        product({*micro_batch_per_gpu, data_parallel}, "train_micro_batch_size_per_gpu x data-parallel ranks");
   } else {
     const auto accumulation = gradient_accumulation_steps.value_or(1);
-    if (*train_batch_size % (accumulation * data_parallel) != 0)
+    const auto per_micro_batch =
+        product({accumulation, data_parallel}, "gradient_accumulation_steps x data-parallel ranks");
+    if (*train_batch_size % per_micro_batch != 0)
       throw ConfigError(fmt::format("{}: train_batch_size {} is not a multiple of gradient_accumulation_steps {} x "
                                     "{} data-parallel ranks",
                                     file, *train_batch_size, accumulation, data_parallel));
     gradient_accumulation_steps = accumulation;
-    micro_batch_per_gpu = *train_batch_size / (accumulation * data_parallel);
+    micro_batch_per_gpu = *train_batch_size / per_micro_batch;
   }
 }
 

@@ -153,6 +153,7 @@ class Experiment {
 
 #if MESHTORCH_DEFINES(core)
 #include <cmath>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
@@ -167,6 +168,21 @@ MESHTORCH_DECL RunIdentity run_identity(const TrainArgs& args, std::int64_t glob
   return {args.seed, args.seq_length, global_batch, dataset, args.model_name};
 }
 
+namespace experiment_detail {
+
+// The tokens of one optimizer step, for tokens_per_s: a global batch from a DeepSpeed config may
+// be up to 2^63 - 1 before any sampler has compared it with the data set.
+inline std::int64_t tokens_per_step(std::int64_t global_batch, std::int64_t seq_length) {
+  std::int64_t tokens = 0;
+  if (__builtin_mul_overflow(global_batch, seq_length, &tokens))
+    throw ConfigError(fmt::format("a global batch of {} sequences x -s/--seq-length {} overflows a 64-bit integer "
+                                  "(at most {} tokens per step)",
+                                  global_batch, seq_length, std::numeric_limits<std::int64_t>::max()));
+  return tokens;
+}
+
+}  // namespace experiment_detail
+
 MESHTORCH_DECL Experiment::Experiment(const TrainArgs& args, int rank, std::int64_t global_batch, torch::Device device,
                                       std::unique_ptr<MetricsTracker> tracker)
     : log_(rank),
@@ -176,7 +192,7 @@ MESHTORCH_DECL Experiment::Experiment(const TrainArgs& args, int rank, std::int6
       max_steps_(args.max_steps),
       num_epochs_(args.num_epochs),
       no_resume_(args.no_resume),
-      window_(device, /*tokens_per_step=*/global_batch * args.seq_length),
+      window_(device, /*tokens_per_step=*/experiment_detail::tokens_per_step(global_batch, args.seq_length)),
       tracker_(std::move(tracker)) {
   // A program that builds its Experiment without a tracker would ignore the flag: say so.
   if (args.tensorboard && !tracker_)

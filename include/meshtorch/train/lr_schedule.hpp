@@ -119,6 +119,8 @@ inline LrSchedule lr_schedule(const TrainArgs& args, std::int64_t steps_per_epoc
 }  // namespace meshtorch::train
 
 #if MESHTORCH_DEFINES(core)
+#include <limits>
+
 #include <fmt/format.h>
 
 namespace meshtorch::train {
@@ -157,9 +159,13 @@ MESHTORCH_DECL LrSchedule lr_schedule(const TrainArgs& args, std::int64_t steps_
     throw ConfigError(fmt::format("--warmup-steps and --lr-decay-steps shape --lr-schedule warmup-cosine or "
                                   "warmup-decay; {} has no warmup and no end",
                                   where));
+  // Every epoch's steps, saturated: --num-epochs 2^62 is a run that never ends, not a wrapped total.
+  std::int64_t all_epochs = 0;
+  if (__builtin_mul_overflow(steps_per_epoch, args.num_epochs, &all_epochs))
+    all_epochs = std::numeric_limits<std::int64_t>::max();
   const std::int64_t total = args.lr_decay_steps > 0 ? args.lr_decay_steps
                              : args.max_steps > 0    ? args.max_steps
-                                                     : steps_per_epoch * args.num_epochs;
+                                                     : all_epochs;
   const auto type = parse_warmup_type(args.warmup_type, "--warmup-type");
   if (args.lr_schedule == "cosine") return LrSchedule(CosineSchedule(base_lr), where);
   if (args.lr_schedule == "constant") return LrSchedule(ConstantSchedule{base_lr}, where);

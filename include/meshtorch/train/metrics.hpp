@@ -33,9 +33,10 @@ struct MetricsTracker {
 class MetricsFile {
  public:
   MetricsFile() = default;
-  explicit MetricsFile(const std::filesystem::path& path) : path_(path), out_(path, std::ios::app) {
-    if (!out_) throw DataError(fmt::format("{}: cannot open for appending metrics", path.string()));
-  }
+  // A last line without its newline (a run that ended on a full disk mid-line) is completed first,
+  // so the next record starts a line of its own: kept with a newline added when it is a whole
+  // JSON object, else moved to metrics.discarded.jsonl and cut from the file.
+  MESHTORCH_DECL explicit MetricsFile(const std::filesystem::path& path);
   // A line that cannot be written (disk full, quota) is an error, never a silent gap.
   MESHTORCH_DECL void append(const nlohmann::ordered_json& record);
 
@@ -99,9 +100,54 @@ class LogWindow {
 }  // namespace meshtorch::train
 
 #if MESHTORCH_DEFINES(core)
+#include <algorithm>
+#include <system_error>
+
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/io/json_file.hpp>
+
 namespace meshtorch::train {
+
+MESHTORCH_DECL MetricsFile::MetricsFile(const std::filesystem::path& path) : path_(path) {
+  std::error_code error;
+  const auto size = std::filesystem::is_regular_file(path_, error) ? std::filesystem::file_size(path_, error) : 0;
+  if (!error && size > 0) {
+    std::ifstream in(path_, std::ios::binary);
+    // Back from the end, a block at a time, to the last newline.
+    std::uintmax_t start = size;
+    std::string block;
+    for (bool found = false; start > 0 && !found;) {
+      const auto length = std::min<std::uintmax_t>(start, 1 << 16);
+      block.resize(static_cast<std::size_t>(length));
+      in.seekg(static_cast<std::streamoff>(start - length));
+      in.read(block.data(), static_cast<std::streamsize>(length));
+      if (!in) throw DataError(fmt::format("{}: could not be read ({})", path_.string(), std::strerror(errno)));
+      const auto newline = block.rfind('\n');
+      found = newline != std::string::npos;
+      start -= found ? length - newline - 1 : length;
+    }
+    if (start < size) {
+      std::string torn(static_cast<std::size_t>(size - start), '\0');
+      in.seekg(static_cast<std::streamoff>(start));
+      in.read(torn.data(), static_cast<std::streamsize>(torn.size()));
+      in.close();
+      bool whole = false;
+      try {
+        whole = io::parse_json<DataError>(torn, path_.string(), "a metrics line").is_object();
+      } catch (const DataError&) {
+      }
+      if (whole) {
+        write_file(path_, "\n", std::ios::app);
+      } else {
+        write_file(path_.parent_path() / discarded_name, torn + "\n", std::ios::app);
+        std::filesystem::resize_file(path_, start);
+      }
+    }
+  }
+  out_.open(path_, std::ios::app);
+  if (!out_) throw DataError(fmt::format("{}: cannot open for appending metrics", path_.string()));
+}
 
 MESHTORCH_DECL void MetricsFile::append(const nlohmann::ordered_json& record) {
   if (!out_.is_open()) return;
