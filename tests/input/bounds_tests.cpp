@@ -13,6 +13,7 @@
 
 #include <meshtorch/data/sampler.hpp>
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/training_data.hpp>
 #include <meshtorch/train/deepspeed_config.hpp>
 #include <meshtorch/train/lr_schedule.hpp>
 #include <meshtorch/train/metrics.hpp>
@@ -144,4 +145,15 @@ TEST_CASE("a metrics line torn by a full disk is completed before the next recor
   }
   CHECK(bounds_tests::read_text(path) == next.dump() + "\n");
   CHECK(bounds_tests::read_text(dir / "metrics.discarded.jsonl") == long_torn + "\n");
+}
+
+TEST_CASE("--global-batch-size over a micro-batch that overflows 64 bits is refused, not divided by", "[bounds]") {
+  mt::train::TrainArgs args;
+  args.global_batch_size = 8;
+  args.batch_size = std::int64_t{1} << 62;  // x 4 ranks wraps to 0, which the step's micro-batches divided by
+  CHECK(error_of([&] { mt::micro_batches_per_step(args, 4); }) ==
+        "-b 4611686018427387904 x 4 data-parallel rank(s) overflows a 64-bit integer or is not positive; "
+        "--global-batch-size 8 needs a micro-batch between 1 and itself");
+  args.batch_size = 2;
+  CHECK(mt::micro_batches_per_step(args, 4) == 1);
 }

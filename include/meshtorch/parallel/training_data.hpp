@@ -61,7 +61,11 @@ namespace meshtorch {
 
 MESHTORCH_DECL std::int64_t micro_batches_per_step(const train::TrainArgs& args, std::int64_t dp_size) {
   if (args.global_batch_size == 0) return args.grad_accum;
-  const std::int64_t per_micro_batch = args.batch_size * dp_size;
+  std::int64_t per_micro_batch = 0;
+  if (__builtin_mul_overflow(args.batch_size, dp_size, &per_micro_batch) || per_micro_batch <= 0)
+    throw ConfigError(fmt::format("-b {} x {} data-parallel rank(s) overflows a 64-bit integer or is not positive; "
+                                  "--global-batch-size {} needs a micro-batch between 1 and itself",
+                                  args.batch_size, dp_size, args.global_batch_size));
   if (args.global_batch_size % per_micro_batch != 0)
     throw ConfigError(fmt::format(
         "--global-batch-size {} is not a multiple of -b {} x {} data-parallel rank(s) = {}: choose a -b that divides "
