@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <numbers>
 #include <set>
 
@@ -456,7 +457,7 @@ TEST_CASE("a checkpoint restores weights, optimizer state, RNG and train state",
   optimizer.step();
   const mt::train::TrainState state{.epoch = 1, .global_step = 20, .epoch_step = 3, .running_loss = 2.5, .running_steps = 1};
   const mt::train::RunIdentity identity{.seed = 4, .seq_length = 8, .global_batch = 2, .dataset = "builtin", .model = "m"};
-  PlainCheckpointing::save(dir, model, optimizer, state, identity);
+  PlainCheckpointing::save(dir, model, optimizer, state, identity, 2);
   const auto rng_after_save = torch::rand({3});
 
   torch::manual_seed(99);
@@ -473,10 +474,17 @@ TEST_CASE("a checkpoint restores weights, optimizer state, RNG and train state",
   const auto sa = optimizer.state(), sb = restored_optimizer.state();
   for (std::size_t i = 0; i < sa.size(); ++i) CHECK(torch::equal(sa[i].second, sb[i].second));
 
-  // A second save replaces the first; the link always points to a complete folder.
-  PlainCheckpointing::save(dir, model, optimizer, {.global_step = 40}, identity);
+  // Later saves move the link; the newest two complete checkpoints stay (--keep-checkpoints 2).
+  PlainCheckpointing::save(dir, model, optimizer, {.global_step = 40}, identity, 2);
   CHECK(fs::read_symlink(dir / "checkpoint") == "ckpt-00000040");
+  CHECK(fs::exists(dir / "ckpt-00000020"));
+  PlainCheckpointing::save(dir, model, optimizer, {.global_step = 60}, identity, 2);
+  CHECK(fs::read_symlink(dir / "checkpoint") == "ckpt-00000060");
   CHECK_FALSE(fs::exists(dir / "ckpt-00000020"));
+  CHECK(fs::exists(dir / "ckpt-00000040"));
+  PlainCheckpointing::save(dir, model, optimizer, {.global_step = 80}, identity, 1);
+  CHECK_FALSE(fs::exists(dir / "ckpt-00000040"));
+  CHECK_FALSE(fs::exists(dir / "ckpt-00000060"));
 
   auto other = identity;
   other.seed = 5;
@@ -489,7 +497,7 @@ TEST_CASE("a save that dies half-way leaves the previous checkpoint loadable", "
   const auto dir = fresh_dir("ckpt-crash");
   auto [model, optimizer] = OneLayerTraining();
   const mt::train::RunIdentity identity{.seed = 0, .seq_length = 8, .global_batch = 2, .dataset = "d", .model = "m"};
-  PlainCheckpointing::save(dir, model, optimizer, {.global_step = 10}, identity);
+  PlainCheckpointing::save(dir, model, optimizer, {.global_step = 10}, identity, 2);
 
   // A crash after the new folder's files were partly written: the folder stays ".partial"
   // and the link still names step 10.
@@ -509,7 +517,7 @@ TEST_CASE("a checkpoint that lost a file or its link is an error, never a fresh 
   const auto dir = fresh_dir("ckpt-damaged");
   auto [model, optimizer] = OneLayerTraining();
   const mt::train::RunIdentity identity{.seed = 0, .seq_length = 8, .global_batch = 2, .dataset = "d", .model = "m"};
-  PlainCheckpointing::save(dir, model, optimizer, {.global_step = 10, .running_loss = 1.0}, identity);
+  PlainCheckpointing::save(dir, model, optimizer, {.global_step = 10, .running_loss = 1.0}, identity, 2);
 
   // Without state.json (the defect: the next run started from step 1 and deleted this folder).
   fs::rename(dir / "ckpt-00000010" / "state.json", dir / "state.json.away");
@@ -527,10 +535,25 @@ TEST_CASE("a checkpoint that lost a file or its link is an error, never a fresh 
   // A non-finite running loss is not saved: the step-10 checkpoint stays the latest.
   CHECK_THAT(error_of([&] {
                PlainCheckpointing::save(dir, model, optimizer,
-                                        {.global_step = 20, .running_loss = std::nan(""), .running_steps = 1}, identity);
+                                        {.global_step = 20, .running_loss = std::nan(""), .running_steps = 1}, identity, 2);
              }),
              Catch::Contains("global_step 20") && Catch::Contains("nan") && Catch::Contains("stays"));
   CHECK(fs::read_symlink(dir / "checkpoint") == "ckpt-00000010");
+
+  // Nor weights a finite loss came with: steps of --lr 1e30 had finite losses and NaN weights,
+  // were saved, and deleted the last good checkpoint.
+  {
+    torch::NoGradGuard no_grad;
+    model->parameters()[1].view(-1)[3] = std::numeric_limits<float>::infinity();
+  }
+  CHECK_THAT(error_of([&] {
+               PlainCheckpointing::save(dir, model, optimizer, {.global_step = 30, .running_loss = 1.0}, identity, 2);
+             }),
+             Catch::Contains("not saving global_step 30: rank 0's piece of '") &&
+                 Catch::Contains("holds 1 non-finite value(s)") && Catch::Contains("the previous checkpoint stays"));
+  CHECK(fs::read_symlink(dir / "checkpoint") == "ckpt-00000010");
+  CHECK_FALSE(fs::exists(dir / "ckpt-00000030"));
+  CHECK_FALSE(fs::exists(dir / "ckpt-00000030.partial"));
   fs::remove_all(dir);
 }
 

@@ -5,7 +5,11 @@ usage: chapter01_checks.py BINARY CONSOLIDATE {loss-falls|resume|run-ends|determ
 
 CONSOLIDATE is the meshtorch-consolidate tool, which turns a checkpoint into an HF folder.
 """
+import array
 import json
+import math
+import os
+import re
 import pathlib
 import subprocess
 import sys
@@ -270,6 +274,30 @@ def bad_input(binary):
         assert proc.returncode != 0 and "the loss of global_step 2 is nan" in proc.stderr, proc.stderr
         assert not list((pathlib.Path(tmp) / "nan").glob("ckpt-*")), list((pathlib.Path(tmp) / "nan").iterdir())
         print(f"--lr nan -> {proc.stderr.strip().splitlines()[-1]}")
+        # Finite losses do not make finite weights: with --lr 1e30 steps were saved whose weights
+        # were all non-finite, and the good checkpoint before them was deleted. Now the save is
+        # refused naming the step, and the last checkpoint saved resumes with finite weights.
+        exp = pathlib.Path(tmp) / "huge-lr"
+        run(binary, "-e", "huge-lr", "--save-dir", tmp, "--max-steps", "2", "--ckpt-freq", "2")
+        proc = run(binary, "--lr", "1e30", "-e", "huge-lr", "--save-dir", tmp, "--max-steps", "10", "--ckpt-freq", "1",
+                   expect_ok=False)
+        assert proc.returncode != 0 and "non-finite value(s)" in proc.stderr, proc.stderr
+        refused = re.search(r"not saving global_step (\d+)", proc.stderr)
+        assert refused, proc.stderr
+        kept = os.readlink(exp / "checkpoint")
+        assert int(kept.split("-")[1]) < int(refused.group(1)), (kept, refused.group(1))
+        # Every float it holds is finite, and it loads (a run that stops at its step only resumes).
+        data = (exp / kept / "rank0.safetensors").read_bytes()
+        header_length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + header_length])
+        floats = array.array("f")
+        for name, entry in header.items():
+            if name != "__metadata__" and entry["dtype"] == "F32":
+                begin, end = entry["data_offsets"]
+                floats.frombytes(data[8 + header_length + begin:8 + header_length + end])
+        assert len(floats) > 0 and all(math.isfinite(x) for x in floats), kept
+        run(binary, "-e", "huge-lr", "--save-dir", tmp, "--max-steps", kept.split("-")[1].lstrip("0"))
+        print(f"--lr 1e30 -> {refused.group(0)}; {kept} kept: {len(floats)} finite floats, resumes")
 
 
 def schedules(binary):

@@ -35,6 +35,13 @@ struct SaveOptions {
   // This rank's place in the mesh ("DP 0, FSDP 1, TP 0"), recorded per rank in the manifest so
   // a file can be traced to the rank that wrote it; each rank passes its own.
   std::string coordinate;
+  // Complete checkpoints kept in the experiment folder, the newest ones (--keep-checkpoints):
+  // older ones are deleted only once the new one is published, and more than one survives a
+  // step whose save is refused.
+  int keep = 2;
+  // Refuse to save a floating-point piece or per-rank state that holds NaN or infinity: a
+  // finite loss does not make finite weights, and such a checkpoint cannot be resumed.
+  bool require_finite = true;
 };
 
 // Returned by write_rank_pieces: the file this rank wrote and what it cost.
@@ -55,8 +62,10 @@ MESHTORCH_DECL RankWriteResult write_rank_pieces(const std::filesystem::path& pa
                                                  const std::string& coordinate = "");
 
 // Moves <exp>/<name>.partial to <exp>/<name>, swaps <exp>/checkpoint to it with rename(2), and
-// only then removes older checkpoints and stale .partial folders.
-MESHTORCH_DECL void publish_checkpoint_folder(const std::filesystem::path& exp_dir, const std::string& name);
+// only then removes stale .partial folders and the complete checkpoints beyond the newest `keep`
+// (<name> always stays).
+MESHTORCH_DECL void publish_checkpoint_folder(const std::filesystem::path& exp_dir, const std::string& name,
+                                              int keep = 2);
 
 // Step 2 of a save, on rank 0 after every rank's step 1, no communication: reads every rank's
 // piece list, re-checks each file's size and checksum, checks that the pieces cover every tensor
@@ -94,7 +103,9 @@ MESHTORCH_DECL SavedCheckpoint save_sharded_checkpoint(const std::filesystem::pa
 }  // namespace meshtorch::checkpoint
 
 #if MESHTORCH_DEFINES(programs)
+#include <algorithm>
 #include <exception>
+#include <functional>
 #include <set>
 
 #include <fmt/format.h>
@@ -160,7 +171,9 @@ MESHTORCH_DECL RankWriteResult write_rank_pieces(const std::filesystem::path& pa
   return result;
 }
 
-MESHTORCH_DECL void publish_checkpoint_folder(const std::filesystem::path& exp_dir, const std::string& name) {
+MESHTORCH_DECL void publish_checkpoint_folder(const std::filesystem::path& exp_dir, const std::string& name,
+                                              int keep) {
+  if (keep < 1) throw ConfigError(fmt::format("--keep-checkpoints {}: keep at least the checkpoint just saved", keep));
   const std::filesystem::path final_dir = exp_dir / name;
   const std::filesystem::path partial_dir = exp_dir / (name + ".partial");
   const std::filesystem::path replaced = exp_dir / (name + ".replaced");
@@ -175,10 +188,19 @@ MESHTORCH_DECL void publish_checkpoint_folder(const std::filesystem::path& exp_d
   std::filesystem::create_directory_symlink(name, temporary_link);
   std::filesystem::rename(temporary_link, link);
   io::fsync_path(exp_dir);
+  // ckpt-<step> names sort by step (8 digits, zero-padded).
+  std::vector<std::string> complete;
   for (const auto& entry : std::filesystem::directory_iterator(exp_dir)) {
     const auto file = entry.path().filename().string();
-    if (file.rfind("ckpt-", 0) == 0 && file != name) std::filesystem::remove_all(entry.path());
+    if (file.rfind("ckpt-", 0) != 0 || file == name) continue;
+    if (file.ends_with(".partial") || file.ends_with(".replaced"))
+      std::filesystem::remove_all(entry.path());
+    else
+      complete.push_back(file);
   }
+  std::sort(complete.begin(), complete.end(), std::greater<>());
+  for (std::size_t i = 0; i < complete.size(); ++i)
+    if (static_cast<int>(i) + 1 >= keep) std::filesystem::remove_all(exp_dir / complete[i]);
 }
 
 MESHTORCH_DECL Manifest publish_sharded_checkpoint(const std::filesystem::path& exp_dir, std::int64_t global_step,
@@ -250,7 +272,7 @@ MESHTORCH_DECL Manifest publish_sharded_checkpoint(const std::filesystem::path& 
   for (const auto& [file, contents] : options.extra_files) write_small(file, contents);
   for (int rank = 0; rank < world_size; ++rank) std::filesystem::remove(partial_dir / rank_piece_list_name(rank));
   io::write_file_atomically(partial_dir / manifest_file_name, to_json(m).dump(1) + "\n");
-  publish_checkpoint_folder(exp_dir, name);
+  publish_checkpoint_folder(exp_dir, name, options.keep);
   return m;
 }
 
@@ -267,6 +289,29 @@ MESHTORCH_DECL std::vector<int> failed_ranks(const comm::AxisGroup& group, bool 
   for (int r = 0; r < group.size(); ++r)
     if (all[r].item<int>() != 0) out.push_back(group.global_rank_of(r));
   return out;
+}
+
+}  // namespace detail
+
+namespace detail {
+
+// Every floating-point piece this rank writes, and its per-rank state, holds only finite values;
+// else a DataError naming the first that does not.
+inline void require_finite(const std::vector<io::ShardedTensor>& tensors, const io::NamedTensors& rank_state,
+                           int rank, std::int64_t global_step) {
+  const auto check = [&](const std::string& name, const torch::Tensor& t) {
+    if (!t.defined() || !t.is_floating_point() || t.numel() == 0) return;
+    const auto bad = (~torch::isfinite(t)).sum().item<std::int64_t>();
+    if (bad > 0)
+      throw DataError(fmt::format("not saving global_step {}: rank {}'s piece of '{}' holds {} non-finite value(s) "
+                                  "of {} (NaN or infinity), which no run could resume from; the previous checkpoint "
+                                  "stays the latest",
+                                  global_step, rank, name, bad, t.numel()));
+  };
+  torch::NoGradGuard no_grad;
+  for (const auto& t : tensors)
+    if (t.writer) check(t.name, t.local);
+  for (const auto& [name, t] : rank_state) check(name, t);
 }
 
 }  // namespace detail
@@ -293,6 +338,8 @@ MESHTORCH_DECL SavedCheckpoint save_sharded_checkpoint(const std::filesystem::pa
                       "stays",
                       (exp_dir / name).string(), fmt::join(failed, ", "), what));
   };
+  if (options.require_finite)
+    collective_step("hold only finite values", [&] { detail::require_finite(tensors, rank_state, group.rank(), global_step); });
   collective_step("create the folder", [&] {
     if (group.rank() != 0) return;
     std::filesystem::remove_all(partial_dir);

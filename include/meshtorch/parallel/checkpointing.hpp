@@ -74,13 +74,14 @@ struct Checkpointing<llama::LlamaForCausalLM> {
 
   template <class Optimizer>
   static void save(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model, const Optimizer& optimizer,
-                   const TrainState& state, const RunIdentity& identity) {
+                   const TrainState& state, const RunIdentity& identity, int keep_checkpoints) {
     auto tensors = weights(model);
     for (auto& piece : parallel::optimizer_state_pieces(optimizer, tensors)) tensors.push_back(std::move(piece));
     parallel::save_training_checkpoint(
         exp_dir, tensors, state, identity, comm::single_process_group(),
         {.layout = "one process",
-         .extra_files = parallel::config_file(model->config, model->parameters().front().scalar_type())});
+         .extra_files = parallel::config_file(model->config, model->parameters().front().scalar_type()),
+         .keep = keep_checkpoints});
   }
 
   template <class Optimizer>
@@ -106,12 +107,13 @@ struct Checkpointing<ParallelLlama<M, Styles>> {
 
   template <class Optimizer>
   static void save(const std::filesystem::path& exp_dir, Model& model, const Optimizer& optimizer,
-                   const TrainState& state, const RunIdentity& identity) {
+                   const TrainState& state, const RunIdentity& identity, int keep_checkpoints) {
     const auto dtype = model.named_parameters().front().second.scalar_type();
     parallel::save_training_checkpoint(exp_dir, pieces(model, optimizer), state, identity, model.world(),
                                        {.layout = model.layout(),
                                         .extra_files = parallel::config_file(model.module()->config, dtype),
-                                        .coordinate = model.coordinate()});
+                                        .coordinate = model.coordinate(),
+                                        .keep = keep_checkpoints});
   }
 
   template <class Optimizer>

@@ -88,6 +88,10 @@ MESHTORCH_DECL void TrainArgs::add_to(CLI::App& app) {
   app.add_option("--ckpt-freq", ckpt_freq, "checkpoint every N optimizer steps")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--keep-checkpoints", keep_checkpoints,
+                 "complete checkpoints kept, the newest (older ones are deleted once a newer one is saved)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("-s,--seq-length", seq_length)->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--max-steps", max_steps, "stop when the global step reaches N (0: no limit)")
       ->capture_default_str()

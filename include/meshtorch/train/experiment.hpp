@@ -36,7 +36,7 @@ namespace meshtorch::train {
 
 // Saving and resuming one kind of model with its optimizer. Specialisations provide
 //   static void save(const std::filesystem::path& exp_dir, Model&, const Optimizer&, const TrainState&,
-//                    const RunIdentity&);
+//                    const RunIdentity&, int keep_checkpoints);
 //   static std::optional<TrainState> load(const std::filesystem::path& exp_dir, Model&, Optimizer&,
 //                                         const RunIdentity&);
 template <class Model>
@@ -131,7 +131,7 @@ class Experiment {
   void save(const TrainState& state, Model& model, const Optimizer& optimizer) {
     if (!dir_) return;
     const auto start = std::chrono::steady_clock::now();
-    Checkpointing<Model>::save(*dir_, model, optimizer, state, identity_);
+    Checkpointing<Model>::save(*dir_, model, optimizer, state, identity_, keep_checkpoints_);
     log_.info(fmt::format("saved checkpoint at global_step {}", state.global_step));
     window_.exclude(std::chrono::steady_clock::now() - start);
   }
@@ -141,6 +141,7 @@ class Experiment {
   int rank_;
   RunIdentity identity_;
   std::int64_t ckpt_freq_, max_steps_, num_epochs_;
+  int keep_checkpoints_;
   bool no_resume_;
   std::optional<std::filesystem::path> resume_from_;
   std::optional<std::filesystem::path> dir_;
@@ -191,6 +192,7 @@ MESHTORCH_DECL Experiment::Experiment(const TrainArgs& args, int rank, std::int6
       ckpt_freq_(args.ckpt_freq),
       max_steps_(args.max_steps),
       num_epochs_(args.num_epochs),
+      keep_checkpoints_(args.keep_checkpoints),
       no_resume_(args.no_resume),
       window_(device, /*tokens_per_step=*/experiment_detail::tokens_per_step(global_batch, args.seq_length)),
       tracker_(std::move(tracker)) {

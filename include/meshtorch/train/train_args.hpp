@@ -29,6 +29,7 @@ struct TrainArgs {
   std::int64_t batch_size = 8;
   std::int64_t log_freq = 10;
   std::int64_t ckpt_freq = 500;
+  int keep_checkpoints = 2;  // the newest complete checkpoints an experiment keeps
   std::int64_t seq_length = 256;
   std::int64_t max_steps = 0;  // 0: until num_epochs are done
   std::string device = "auto";
