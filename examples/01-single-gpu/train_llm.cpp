@@ -28,7 +28,7 @@ int train(const mt::train::TrainArgs& args) {
   mt::llama::materialize(model, torch::TensorOptions().device(device).dtype(dtype));
   mt::llama::load_pretrained_weights_if_present(model, args.model_name);
   mt::checkpoint_activations(model, mt::activation_checkpointing(args));  // --activation-checkpointing
-  model->loss_chunk = args.loss_chunk;                                     // --loss-chunk
+  model->loss_chunk = args.loss_chunk;                                    // --loss-chunk
 
   // The data: tokenised once, packed into seq_length blocks, shuffled per epoch from the seed.
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size);
@@ -40,8 +40,8 @@ int train(const mt::train::TrainArgs& args) {
   mt::train::Experiment experiment(args, /*rank=*/0, sampler.global_batch(), device,
                                    mt::train::tensorboard_tracker(args, /*rank=*/0));
   experiment.log().info(fmt::format("model {}: {} parameters, {} on {}; {} blocks of {} tokens, {} steps per epoch",
-                                    args.model_name, config.num_parameters(), mt::llama::dtype_name(dtype), device.str(),
-                                    blocks.size(), args.seq_length, sampler.steps_per_epoch()));
+                                    args.model_name, config.num_parameters(), mt::llama::dtype_name(dtype),
+                                    device.str(), blocks.size(), args.seq_length, sampler.steps_per_epoch()));
   auto state = experiment.resume(model, optimizer);
   mt::train::PhaseTimers timers(device);
 

@@ -7,7 +7,8 @@
 // it runs and frees them after (--reshard-after-forward); backward gathers them again and
 // reduce-scatters the gradients, so each rank keeps only its shard of weights, gradients and
 // AdamW state; the next layer's all-gather is on the wire while a layer computes
-// (--prefetch-layers), and reduce-scatters run while backward goes on. --cpu-offload keeps all three in CPU memory and steps the optimizer there;
+// (--prefetch-layers), and reduce-scatters run while backward goes on. --cpu-offload keeps all three in CPU memory and
+// steps the optimizer there;
 // --dtype bfloat16 computes in bf16 while shards and gradient reduction stay fp32. Checkpoints
 // are sharded: one file per rank.
 #include <meshtorch/checkpoint/consolidate.hpp>
@@ -45,11 +46,11 @@ int train(const Chapter4Args& args) {
       mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(torch::kFloat)), mesh,
       options);
   const auto& fsdp = *model.fully_sharded();
-  log.info(fmt::format("model {}: {} parameters in {} units; this rank holds {} (with padding); the largest unit "
-                       "gathers {}; compute {}, shards float32{}",
-                       args.model_name, config.num_parameters(), fsdp.units().size(), fsdp.local_numel(),
-                       fsdp.largest_unit_numel(), mt::llama::dtype_name(compute_dtype),
-                       args.cpu_offload ? " in CPU memory" : ""));
+  log.info(fmt::format(
+      "model {}: {} parameters in {} units; this rank holds {} (with padding); the largest unit "
+      "gathers {}; compute {}, shards float32{}",
+      args.model_name, config.num_parameters(), fsdp.units().size(), fsdp.local_numel(), fsdp.largest_unit_numel(),
+      mt::llama::dtype_name(compute_dtype), args.cpu_offload ? " in CPU memory" : ""));
 
   // Sharding is data parallelism: each rank trains on its part of the global batch.
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);

@@ -59,13 +59,14 @@ int train(const Chapter5Args& args) {
       mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(torch::kFloat)), mesh,
       options);
   const auto& fsdp = *model.fully_sharded();
-  log.info(fmt::format("model {}: {} parameters in {} units; this rank holds {}; the largest unit gathers {}; "
-                       "checkpointed layers: {}; prefetch {} layer(s); shards{}",
-                       args.model_name, config.num_parameters(), fsdp.units().size(), fsdp.local_numel(),
-                       fsdp.largest_unit_numel(), args.activation_checkpointing, args.prefetch_layers,
-                       args.cpu_offload         ? " in CPU memory"
-                       : args.optimizer_offload ? " on the device, AdamW's state in host memory"
-                                                : " on the device"));
+  log.info(
+      fmt::format("model {}: {} parameters in {} units; this rank holds {}; the largest unit gathers {}; "
+                  "checkpointed layers: {}; prefetch {} layer(s); shards{}",
+                  args.model_name, config.num_parameters(), fsdp.units().size(), fsdp.local_numel(),
+                  fsdp.largest_unit_numel(), args.activation_checkpointing, args.prefetch_layers,
+                  args.cpu_offload         ? " in CPU memory"
+                  : args.optimizer_offload ? " on the device, AdamW's state in host memory"
+                                           : " on the device"));
   if (!options.weights_from.empty()) log.info(model.load_report());
 
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);

@@ -34,8 +34,9 @@ int train(const Chapter6Args& args) {
 
   // The model on the meta device; each rank materialises only its piece of every matrix.
   const auto config = mt::llama::resolve_model(args.model_name);
-  auto model = mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
-                               mesh, mt::parallelize_options(args, device));
+  auto model =
+      mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
+                      mesh, mt::parallelize_options(args, device));
   log.info(model.summary());
 
   // The DP ranks split the global batch; all TP ranks of a DP coordinate read the same samples.

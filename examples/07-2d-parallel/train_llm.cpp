@@ -35,7 +35,8 @@ struct Chapter7Args : mt::train::TrainArgs, mt::train::FsdpArgs {
 
 int train(const Chapter7Args& args) {
   using Plan = mt::llama::Plan<Mesh>;  // the guide's plan: sequence parallel + loss parallel
-  auto [env, device, dtype, mesh, log] = mt::launch<Mesh>(args, {args.dp, mt::from_world_size, args.tp}, Plan::describe());
+  auto [env, device, dtype, mesh, log] =
+      mt::launch<Mesh>(args, {args.dp, mt::from_world_size, args.tp}, Plan::describe());
 
   // The model on the meta device, then the parallel model the mesh type describes.
   const auto config = mt::llama::resolve_model(args.model_name);

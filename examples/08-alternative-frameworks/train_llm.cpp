@@ -47,8 +47,8 @@ int main(int argc, char** argv) {
 
     // deepspeed.initialize: the mesh, the parallel model, AdamW and the schedule, from the config.
     return mt::initialize(args, config, [&](auto& engine) {
-      const auto [blocks, sampler] = mt::load_training_data(engine.args(), engine.model().module()->config.vocab_size,
-                                                            engine.model());
+      const auto [blocks, sampler] =
+          mt::load_training_data(engine.args(), engine.model().module()->config.vocab_size, engine.model());
       engine.set_steps_per_epoch(sampler.steps_per_epoch());
       auto& timers = engine.timers();
 
@@ -64,8 +64,8 @@ int main(int argc, char** argv) {
             input_ids = loader.next()->input_ids.to(engine.device(), /*non_blocking=*/true);
           }
           auto loss = engine.loss(input_ids, /*labels=*/input_ids);  // one micro-batch
-          engine.backward(loss);                                      // gradients reduced as the stage says
-          if (!engine.step(state, progress)) continue;                // not an accumulation boundary yet
+          engine.backward(loss);                                     // gradients reduced as the stage says
+          if (!engine.step(state, progress)) continue;               // not an accumulation boundary yet
           if (engine.checkpoint_due(state)) engine.save_checkpoint(state);
         }
       }

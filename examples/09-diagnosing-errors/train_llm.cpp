@@ -38,7 +38,9 @@ struct Chapter9Args : mt::train::TrainArgs {
     app.add_option("--fault", fault, "the failure to cause: none, hang, desync, crash, nan, slow")
         ->capture_default_str()
         ->check(CLI::IsMember({"none", "hang", "desync", "crash", "nan", "slow"}));
-    app.add_option("--fault-rank", fault_rank, "the rank that fails")->capture_default_str()->check(CLI::NonNegativeNumber);
+    app.add_option("--fault-rank", fault_rank, "the rank that fails")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
     app.add_option("--fault-step", fault_step, "the optimizer step at which it fails")
         ->capture_default_str()
         ->check(CLI::PositiveNumber);
@@ -77,11 +79,12 @@ int train(const Chapter9Args& args) {
     throw mt::ConfigError(
         "--grad-accum / --global-batch-size: chapter 9 runs one micro-batch per step (chapter 2 shows accumulation)");
   if (args.fault_rank >= mesh.world_size())
-    throw mt::ConfigError(fmt::format("--fault-rank {} is not a rank of this {}-rank run", args.fault_rank,
-                                      mesh.world_size()));
+    throw mt::ConfigError(
+        fmt::format("--fault-rank {} is not a rank of this {}-rank run", args.fault_rank, mesh.world_size()));
   const auto config = mt::llama::resolve_model(args.model_name);
-  auto model = mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
-                               mesh, mt::parallelize_options(args, device));
+  auto model =
+      mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
+                      mesh, mt::parallelize_options(args, device));
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
   const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());
@@ -120,7 +123,8 @@ int train(const Chapter9Args& args) {
         optimizer.step();
         optimizer.zero_grad();
       }
-      experiment.end_step(state, model.mean_over_data_parallel(loss.detach().to(torch::kDouble)).item<double>(), progress);
+      experiment.end_step(state, model.mean_over_data_parallel(loss.detach().to(torch::kDouble)).item<double>(),
+                          progress);
       if (state.global_step % args.log_freq == 0)
         experiment.log_metrics(state, sampler.steps_per_epoch(), schedule.lr_at(state.global_step), timers);
       if (experiment.checkpoint_due(state, sampler.steps_per_epoch())) experiment.save(state, model, optimizer);

@@ -10,29 +10,25 @@
 // (parallel/training_data.hpp, the tokenizers: link meshtorch::tokenizers), and the sharded
 // checkpoint engine (checkpoint/; its box algebra, io/sharded_tensor.hpp, comes with
 // parallelize.hpp).
-#include <meshtorch/error.hpp>
-#include <meshtorch/layout/layout.hpp>
-
 #include <meshtorch/comm/comm.hpp>
 #include <meshtorch/comm/error_file.hpp>
-
-#include <meshtorch/io/atomic_file.hpp>
-#include <meshtorch/io/file_digest.hpp>
-#include <meshtorch/io/safetensors.hpp>
-#include <meshtorch/io/safetensors_writer.hpp>
-
-#include <meshtorch/models/llama/config.hpp>
-#include <meshtorch/models/llama/config_json.hpp>
-#include <meshtorch/models/llama/layers.hpp>
-#include <meshtorch/models/llama/model.hpp>
-#include <meshtorch/models/llama/weights.hpp>
-
 #include <meshtorch/data/builtin_corpus.hpp>
 #include <meshtorch/data/dataset.hpp>
 #include <meshtorch/data/loader.hpp>
 #include <meshtorch/data/sampler.hpp>
 #include <meshtorch/data/tokenizer.hpp>
-
+#include <meshtorch/error.hpp>
+#include <meshtorch/io/atomic_file.hpp>
+#include <meshtorch/io/file_digest.hpp>
+#include <meshtorch/io/safetensors.hpp>
+#include <meshtorch/io/safetensors_writer.hpp>
+#include <meshtorch/layout/layout.hpp>
+#include <meshtorch/models/llama/config.hpp>
+#include <meshtorch/models/llama/config_json.hpp>
+#include <meshtorch/models/llama/layers.hpp>
+#include <meshtorch/models/llama/model.hpp>
+#include <meshtorch/models/llama/weights.hpp>
+#include <meshtorch/parallel/parallel.hpp>
 #include <meshtorch/train/adamw.hpp>
 #include <meshtorch/train/checkpoint.hpp>
 #include <meshtorch/train/device.hpp>
@@ -44,5 +40,3 @@
 #include <meshtorch/train/rng.hpp>
 #include <meshtorch/train/state.hpp>
 #include <meshtorch/train/timers.hpp>
-
-#include <meshtorch/parallel/parallel.hpp>

@@ -2,8 +2,6 @@
 // simulated rank, then rank 0's publish) and reload into other layouts; multi-process tests save
 // on 4 ranks (FSDP 2 x TP 2 boxes) and load on 4, 2 and 1 through the collective API. Every
 // value is a function of its global index, so a piece loaded from anywhere is checked exactly.
-#include <catch2/catch.hpp>
-
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -17,22 +15,23 @@
 #include <string>
 #include <vector>
 
+#include <catch2/catch.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <meshtorch/checkpoint/consolidate.hpp>
+#include <meshtorch/checkpoint/load.hpp>
+#include <meshtorch/checkpoint/optimizer_state.hpp>
+#include <meshtorch/checkpoint/save.hpp>
 #include <meshtorch/comm/comm.hpp>
 #include <meshtorch/comm/init.hpp>
 #include <meshtorch/io/file_digest.hpp>
 #include <meshtorch/io/safetensors.hpp>
 #include <meshtorch/io/safetensors_writer.hpp>
-#include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/io/sharded_tensor.hpp>
 #include <meshtorch/layout/layout.hpp>
-#include <meshtorch/checkpoint/consolidate.hpp>
-#include <meshtorch/checkpoint/load.hpp>
-#include <meshtorch/checkpoint/optimizer_state.hpp>
-#include <meshtorch/checkpoint/save.hpp>
+#include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/train/adamw.hpp>
 
 #include "../comm/multiprocess.hpp"
@@ -141,7 +140,7 @@ fs::path save_simulated(const fs::path& exp, std::int64_t step, int fsdp, int tp
       const Layout l{fsdp, f, tp, t};
       const io::NamedTensors rank_state{{"rng.cpu", torch::full({3}, l.rank(), torch::kByte)}};
       const auto written = checkpoint::write_rank_pieces(partial, l.rank(), fsdp * tp, pieces(l, true), rank_state,
-                                                       fmt::format("FSDP {}, TP {}", f, t));
+                                                         fmt::format("FSDP {}, TP {}", f, t));
       REQUIRE(written.largest_staging_numel == 0);  // CPU, contiguous: written from the pieces themselves
     }
   checkpoint::publish_sharded_checkpoint(exp, step, fsdp * tp, state_of(step), options);
@@ -232,7 +231,8 @@ TEST_CASE("saving copies nothing of CPU pieces and stages a non-contiguous piece
   const auto full_shape = std::vector<std::int64_t>{8, 6};
   const auto box = io::chunk(full_shape, 1, 0, 2);
   auto transposed = values_of(1, full_shape, box).t().contiguous().t();  // [8, 3], column-major
-  const auto written = checkpoint::write_rank_pieces(partial, 0, 1, {io::sharded("w", transposed, full_shape, box)}, {});
+  const auto written =
+      checkpoint::write_rank_pieces(partial, 0, 1, {io::sharded("w", transposed, full_shape, box)}, {});
   CHECK(written.largest_staging_numel == box.numel());
   CHECK(written.largest_staging_numel < 8 * 6);
   fs::remove_all(exp);
@@ -382,8 +382,8 @@ TEST_CASE("model folders and checkpoints refuse the same hostile safetensors hea
        R"({"a": {"dtype": "U8", "shape": [4611686018427387904, 4], "data_offsets": [0, 0]}})", 0,
        "shape [4611686018427387904,4] holds more than 2^64 bytes"},
       {"a shape whose strides overflow",
-       R"({"a": {"dtype": "F32", "shape": [0, 4611686018427387904, 4611686018427387904], "data_offsets": [0, 0]}})",
-       0, "its strides overflow 64 bits"},
+       R"({"a": {"dtype": "F32", "shape": [0, 4611686018427387904, 4611686018427387904], "data_offsets": [0, 0]}})", 0,
+       "its strides overflow 64 bits"},
       {"offsets outside the data", R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 4,
        "lie outside the data section of 4 bytes"},
       {"bytes that do not match the shape", R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", 8,
@@ -494,8 +494,8 @@ TEST_CASE("a hostile manifest's pieces are checked in linear time and may not sh
   const std::int64_t pieces_at_most = 120'000;
   auto with_extra = [&](bool shared_key, bool skip_one, std::int64_t count) {
     auto manifest = original;
-    auto& pieces = manifest["tensors"]["extra"] =
-        {{"dtype", "F32"}, {"shape", {count}}, {"pieces", nlohmann::json::array()}};
+    auto& pieces =
+        manifest["tensors"]["extra"] = {{"dtype", "F32"}, {"shape", {count}}, {"pieces", nlohmann::json::array()}};
     for (std::int64_t i = 0; i < count; ++i) {
       if (skip_one && i == count / 2) continue;
       pieces["pieces"].push_back({{"file", "rank0.safetensors"},
@@ -689,7 +689,8 @@ TEST_CASE("measure: save, load and consolidate 512 MiB as FSDP 2 x TP 2", "[.mea
     write_s += seconds_since(rank_start);
   }
   auto start = std::chrono::steady_clock::now();
-  checkpoint::publish_sharded_checkpoint(exp, 1, 4, state_of(1), {.layout = "", .extra_files = {{"config.json", "{}"}}});
+  checkpoint::publish_sharded_checkpoint(exp, 1, 4, state_of(1),
+                                         {.layout = "", .extra_files = {{"config.json", "{}"}}});
   const double publish_s = seconds_since(start);
   start = std::chrono::steady_clock::now();
   for (int r = 0; r < 2; ++r) {
@@ -788,11 +789,11 @@ TEST_CASE("rank body: save as FSDP 2 x TP 2", "[.rank_save_fsdp2_tp2]") {
   auto tensors = rank_pieces(2, 2, group.rank(), true, adamw);
   torch::manual_seed(1000 + group.rank());
   const io::NamedTensors rng{{"rng.cpu", at::detail::getDefaultCPUGenerator().get_state()}};
-  const auto saved = checkpoint::save_sharded_checkpoint(shared_dir(), 20, tensors, state_of(20), rng, group,
-                                                       {.layout = "Mesh<FSDP<2>, TP<2>>",
-                                                        .extra_files = {},
-                                                        .coordinate = fmt::format("FSDP {}, TP {}", group.rank() / 2,
-                                                                                  group.rank() % 2)});
+  const auto saved = checkpoint::save_sharded_checkpoint(
+      shared_dir(), 20, tensors, state_of(20), rng, group,
+      {.layout = "Mesh<FSDP<2>, TP<2>>",
+       .extra_files = {},
+       .coordinate = fmt::format("FSDP {}, TP {}", group.rank() / 2, group.rank() % 2)});
   CHECK(saved.folder == shared_dir() / "ckpt-00000020");
   // No rank holds or copies a full weight while saving: it writes its pieces from their own memory.
   CHECK(saved.written.largest_staging_numel == 0);

@@ -1,9 +1,9 @@
 // Multi-process tests: each starts N ranks of this program on one rank body (rank_bodies.cpp)
 // and requires every rank to succeed in time. A failure prints every rank's output.
-#include <catch2/catch.hpp>
-
 #include <chrono>
 #include <string>
+
+#include <catch2/catch.hpp>
 
 #include "multiprocess.hpp"
 
@@ -34,22 +34,20 @@ TEST_CASE("groups of a 3-d mesh hold their slices on 4 ranks", "[multiprocess][c
   require_ranks_succeed(4, "[rank_collectives_3d]");
 }
 
-TEST_CASE("a mesh with every extent dynamic takes them from init and the world size", "[multiprocess][collectives_3d]") {
+TEST_CASE("a mesh with every extent dynamic takes them from init and the world size",
+          "[multiprocess][collectives_3d]") {
   require_ranks_succeed(4, "[rank_collectives_flexible]");
 }
 
-TEST_CASE("differentiable collectives have the adjoint gradients on 4 ranks",
-          "[multiprocess][differentiable_4]") {
+TEST_CASE("differentiable collectives have the adjoint gradients on 4 ranks", "[multiprocess][differentiable_4]") {
   require_ranks_succeed(4, "[rank_differentiable]");
 }
 
-TEST_CASE("differentiable collectives have the adjoint gradients on 2 ranks",
-          "[multiprocess][differentiable_2]") {
+TEST_CASE("differentiable collectives have the adjoint gradients on 2 ranks", "[multiprocess][differentiable_2]") {
   require_ranks_succeed(2, "[rank_differentiable]");
 }
 
-TEST_CASE("a rank with another mesh type fails init on every rank without a hang",
-          "[multiprocess][mesh_mismatch]") {
+TEST_CASE("a rank with another mesh type fails init on every rank without a hang", "[multiprocess][mesh_mismatch]") {
   const auto outcome = run_ranks(4, "[rank_mesh_mismatch]", 30s);
   INFO(outcome.report());
   REQUIRE(outcome.all_succeeded());
@@ -63,12 +61,10 @@ TEST_CASE("a rank with other flags fails init on every rank", "[multiprocess][fl
   require_ranks_succeed(2, "[rank_flags_mismatch]", 30s);
 }
 
-TEST_CASE("a world size that does not fit the mesh fails init on every rank",
-          "[multiprocess][world_mismatch]") {
+TEST_CASE("a world size that does not fit the mesh fails init on every rank", "[multiprocess][world_mismatch]") {
   require_ranks_succeed(2, "[rank_world_mismatch]", 30s);
 }
 
-TEST_CASE("a collective that a peer never joins fails after its timeout",
-          "[multiprocess][timeout]") {
+TEST_CASE("a collective that a peer never joins fails after its timeout", "[multiprocess][timeout]") {
   require_ranks_succeed(2, "[rank_timeout]", 30s);
 }

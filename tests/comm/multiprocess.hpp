@@ -91,9 +91,9 @@ inline RanksOutcome run_ranks(int nprocs, const std::string& test_spec,
   for (char** e = environ; *e; ++e) {
     const std::string entry(*e);
     const std::string name = entry.substr(0, entry.find('='));
-    if (name != "RANK" && name != "WORLD_SIZE" && name != "LOCAL_RANK" &&
-        name != "LOCAL_WORLD_SIZE" && name != "MASTER_ADDR" && name != "MASTER_PORT" &&
-        name != "OMP_NUM_THREADS" && name.rfind("SLURM_", 0) != 0 && name.rfind("OMPI_", 0) != 0)
+    if (name != "RANK" && name != "WORLD_SIZE" && name != "LOCAL_RANK" && name != "LOCAL_WORLD_SIZE" &&
+        name != "MASTER_ADDR" && name != "MASTER_PORT" && name != "OMP_NUM_THREADS" && name.rfind("SLURM_", 0) != 0 &&
+        name.rfind("OMPI_", 0) != 0)
       base_env.push_back(entry);
   }
 
@@ -119,11 +119,9 @@ inline RanksOutcome run_ranks(int nprocs, const std::string& test_spec,
     const std::string log = (logs / ("rank" + std::to_string(rank) + ".log")).string();
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
-                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-    const int error = posix_spawn(&pids[rank], program.c_str(), &actions, nullptr, argv.data(),
-                                  envp.data());
+    const int error = posix_spawn(&pids[rank], program.c_str(), &actions, nullptr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
     if (error != 0) throw std::runtime_error("run_ranks: cannot start " + program);
   }

@@ -1,7 +1,5 @@
 // What each rank runs in the multi-process tests (hidden test cases, started by drivers.cpp or
 // by any launcher that sets the torchrun variables), and single-process checks.
-#include <catch2/catch.hpp>
-
 #include <chrono>
 #include <iostream>
 #include <numeric>
@@ -10,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
@@ -59,11 +58,10 @@ void check_collectives(const AxisGroup& group) {
   const double sum_plus_one = std::accumulate(plus_one.begin(), plus_one.end(), 0.0);
 
   // The group really holds the ranks it claims, in coordinate order.
-  expect_equal(all_gather(group, torch::full({1}, rank, f64)), ranks_tensor(group.ranks()),
-               "membership");
+  expect_equal(all_gather(group, torch::full({1}, rank, f64)), ranks_tensor(group.ranks()), "membership");
 
-  expect_equal(all_reduce(group, torch::full({2, 3}, rank + 1.0, f64)),
-               torch::full({2, 3}, sum_plus_one, f64), "all_reduce sum");
+  expect_equal(all_reduce(group, torch::full({2, 3}, rank + 1.0, f64)), torch::full({2, 3}, sum_plus_one, f64),
+               "all_reduce sum");
   expect_equal(all_reduce(group, torch::full({2}, rank + 1.0, f64), ReduceOp::avg),
                torch::full({2}, sum_plus_one / n, f64), "all_reduce avg");
   expect_equal(all_reduce(group, torch::full({2}, rank, f64), ReduceOp::max),
@@ -72,27 +70,24 @@ void check_collectives(const AxisGroup& group) {
                torch::full({2}, group.ranks().front(), f64), "all_reduce min");
   torch::Tensor transposed = torch::full({3, 2}, rank + 1.0, f64).t();
   all_reduce(group, transposed);
-  expect_equal(transposed, torch::full({2, 3}, sum_plus_one, f64),
-               "all_reduce in place on a non-contiguous tensor");
+  expect_equal(transposed, torch::full({2, 3}, sum_plus_one, f64), "all_reduce in place on a non-contiguous tensor");
 
   std::vector<torch::Tensor> rows, columns;
   for (int r : group.ranks()) {
     rows.push_back(torch::full({1, 2}, r, f64));
     columns.push_back(torch::full({2, 1}, r, f64));
   }
-  expect_equal(all_gather(group, torch::full({1, 2}, rank, f64), 0), torch::cat(rows, 0),
-               "all_gather dim 0");
-  expect_equal(all_gather(group, torch::full({2, 1}, rank, f64), -1), torch::cat(columns, 1),
-               "all_gather dim -1");
+  expect_equal(all_gather(group, torch::full({1, 2}, rank, f64), 0), torch::cat(rows, 0), "all_gather dim 0");
+  expect_equal(all_gather(group, torch::full({2, 1}, rank, f64), -1), torch::cat(columns, 1), "all_gather dim -1");
 
   const torch::Tensor base = torch::arange(n * 2 * 3, f64).view({n * 2, 3});
-  expect_equal(reduce_scatter(group, base * (rank + 1), 0),
-               base.chunk(n, 0)[me] * sum_plus_one, "reduce_scatter sum dim 0");
+  expect_equal(reduce_scatter(group, base * (rank + 1), 0), base.chunk(n, 0)[me] * sum_plus_one,
+               "reduce_scatter sum dim 0");
   expect_equal(reduce_scatter(group, base.t() * (rank + 1), 1, ReduceOp::avg),
                base.t().chunk(n, 1)[me] * (sum_plus_one / n), "reduce_scatter avg dim 1");
 
-  expect_equal(broadcast(group, torch::full({3}, rank, f64), n - 1),
-               torch::full({3}, group.ranks().back(), f64), "broadcast from the last group rank");
+  expect_equal(broadcast(group, torch::full({3}, rank, f64), n - 1), torch::full({3}, group.ranks().back(), f64),
+               "broadcast from the last group rank");
 
   // Rank r holds [100 r + j]; piece j (columns 2j, 2j+1) goes to group rank j.
   const torch::Tensor mine = torch::arange(2 * n, f64).repeat({2, 1}) + 100.0 * rank;
@@ -110,26 +105,22 @@ void check_collectives(const AxisGroup& group) {
   expect_equal(reduced.wait(), torch::full({4}, static_cast<double>(n), f64), "all_reduce_async");
   CHECK(reduced.is_completed());
 
-  auto coalesced = all_reduce_coalesced(
-      group, {torch::full({2, 2}, rank + 1.0, f64), torch::full({3}, 2.0 * (rank + 1), f64)});
+  auto coalesced =
+      all_reduce_coalesced(group, {torch::full({2, 2}, rank + 1.0, f64), torch::full({3}, 2.0 * (rank + 1), f64)});
   expect_equal(coalesced[0], torch::full({2, 2}, sum_plus_one, f64), "all_reduce_coalesced [0]");
   expect_equal(coalesced[1], torch::full({3}, 2 * sum_plus_one, f64), "all_reduce_coalesced [1]");
 
-  auto gathered_many =
-      all_gather_coalesced(group, {torch::full({1, 2}, rank, f64), torch::full({1}, -rank, f64)});
+  auto gathered_many = all_gather_coalesced(group, {torch::full({1, 2}, rank, f64), torch::full({1}, -rank, f64)});
   expect_equal(gathered_many[0], torch::cat(rows, 0), "all_gather_coalesced [0]");
   expect_equal(gathered_many[1], -ranks_tensor(group.ranks()), "all_gather_coalesced [1]");
 
-  auto scattered_many = reduce_scatter_coalesced(
-      group, {base * (rank + 1), torch::arange(2 * n, f64) * (rank + 1)});
+  auto scattered_many = reduce_scatter_coalesced(group, {base * (rank + 1), torch::arange(2 * n, f64) * (rank + 1)});
   expect_equal(scattered_many[0], base.chunk(n, 0)[me] * sum_plus_one, "reduce_scatter_coalesced [0]");
   expect_equal(scattered_many[1], torch::arange(2 * n, f64).chunk(n, 0)[me] * sum_plus_one,
                "reduce_scatter_coalesced [1]");
 
-  auto broadcast_many =
-      broadcast_coalesced(group, {torch::full({2}, rank, f64), torch::full({1, 3}, rank, f64)}, 0);
-  expect_equal(broadcast_many[1], torch::full({1, 3}, group.ranks().front(), f64),
-               "broadcast_coalesced");
+  auto broadcast_many = broadcast_coalesced(group, {torch::full({2}, rank, f64), torch::full({1, 3}, rank, f64)}, 0);
+  expect_equal(broadcast_many[1], torch::full({1, 3}, group.ranks().front(), f64), "broadcast_coalesced");
 
   // Metadata over the group's CPU side: strings of different lengths, values of several types.
   std::vector<std::string> names;
@@ -151,19 +142,15 @@ void check_redistribute(const AxisGroup& group) {
   const torch::Tensor addend = full * (me + 1);
 
   expect_equal(redistribute<Replicate, Shard<0>>(full, group), row_shard, "Replicate -> Shard<0>");
-  expect_equal(redistribute<Replicate, Shard<-1>>(full, group), column_shard,
-               "Replicate -> Shard<-1>");
+  expect_equal(redistribute<Replicate, Shard<-1>>(full, group), column_shard, "Replicate -> Shard<-1>");
   expect_equal(redistribute<Shard<0>, Replicate>(row_shard, group), full, "Shard<0> -> Replicate");
   expect_equal(redistribute<Shard<1>, Replicate>(column_shard, group), full, "Shard<1> -> Replicate");
-  expect_equal(redistribute<Shard<0>, Shard<1>>(row_shard, group), column_shard,
-               "Shard<0> -> Shard<1>");
-  expect_equal(redistribute<Shard<1>, Shard<0>>(column_shard, group), row_shard,
-               "Shard<1> -> Shard<0>");
+  expect_equal(redistribute<Shard<0>, Shard<1>>(row_shard, group), column_shard, "Shard<0> -> Shard<1>");
+  expect_equal(redistribute<Shard<1>, Shard<0>>(column_shard, group), row_shard, "Shard<1> -> Shard<0>");
   expect_equal(redistribute<Shard<-1>, Shard<1>>(column_shard, group), column_shard,
                "Shard<-1> -> Shard<1> moves nothing");
   expect_equal(redistribute<Partial, Replicate>(addend, group), full * scale, "Partial -> Replicate");
-  expect_equal(redistribute<Partial, Shard<1>>(addend, group), column_shard * scale,
-               "Partial -> Shard<1>");
+  expect_equal(redistribute<Partial, Shard<1>>(addend, group), column_shard * scale, "Partial -> Shard<1>");
   expect_equal(redistribute<Partial, Partial>(addend, group), addend, "Partial -> Partial");
   expect_equal(redistribute<Replicate, Replicate>(full, group), full, "Replicate -> Replicate");
 }
@@ -353,16 +340,14 @@ TEST_CASE("rank body: the last rank starts with other flags", "[.rank_flags_mism
     FAIL("init succeeded although the last rank has other flags");
   } catch (const CommError& e) {
     std::cout << "rank " << env.rank << " caught: " << e.what() << "\n";
-    CHECK_THAT(std::string(e.what()),
-               Catch::Contains("was started with 'tp=4' but rank 0 with 'tp=2'"));
+    CHECK_THAT(std::string(e.what()), Catch::Contains("was started with 'tp=4' but rank 0 with 'tp=2'"));
   }
 }
 
 TEST_CASE("rank body: a world size that does not fit the mesh", "[.rank_world_mismatch]") {
   using TooWide = Mesh<DP<dynamic>, TP<3>>;
   CHECK_THROWS_WITH(init<TooWide>(test_options()),
-                    Catch::Contains("is not a multiple of 3") &&
-                        Catch::Contains("Mesh<DP<dynamic>, TP<3>>"));
+                    Catch::Contains("is not a multiple of 3") && Catch::Contains("Mesh<DP<dynamic>, TP<3>>"));
 }
 
 TEST_CASE("rank body: a collective a peer never joins times out", "[.rank_timeout]") {
@@ -409,8 +394,7 @@ TEST_CASE("a cuda mesh in a CPU build is a ConfigError naming the fix", "[comm][
 #endif
 }
 
-TEST_CASE("a collective refuses a tensor on another device than its group's, naming both",
-          "[comm][single]") {
+TEST_CASE("a collective refuses a tensor on another device than its group's, naming both", "[comm][single]") {
   LaunchEnv env;
   env.master_port = 0;
   auto options = test_options(10s);
@@ -421,7 +405,8 @@ TEST_CASE("a collective refuses a tensor on another device than its group's, nam
   // Checked in a group of one rank too, where nothing is sent: a CPU tensor on an NCCL group
   // would otherwise pass every single-process run and fail on the first multi-GPU one.
   const auto refused = [](const std::string& collective) {
-    return Catch::Contains(collective + " over the DP group [0] on rank 0 failed: it was handed a tensor on "
+    return Catch::Contains(collective +
+                           " over the DP group [0] on rank 0 failed: it was handed a tensor on "
                            "meta but the group moves cpu tensors");
   };
   CHECK_THROWS_AS(all_reduce(dp, on_meta), CommError);

@@ -1,9 +1,9 @@
 // The Llama model, its config and its weight files.
-#include <catch2/catch.hpp>
-
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+
+#include <catch2/catch.hpp>
 
 #include <meshtorch/meshtorch.hpp>
 
@@ -41,8 +41,7 @@ torch::Tensor reference_logits(mt::llama::LlamaForCausalLM& lm, const torch::Ten
   };
   auto angles = torch::empty({S, D / 2}, torch::kDouble);
   for (int64_t s = 0; s < S; ++s)
-    for (int64_t i = 0; i < D / 2; ++i)
-      angles[s][i] = static_cast<double>(s) / std::pow(c.rope_theta, 2.0 * i / D);
+    for (int64_t i = 0; i < D / 2; ++i) angles[s][i] = static_cast<double>(s) / std::pow(c.rope_theta, 2.0 * i / D);
   auto rotate = [&](const torch::Tensor& x) {  // x: [B, h, S, D]
     auto a = x.narrow(-1, 0, D / 2), b = x.narrow(-1, D / 2, D / 2);
     auto cos = angles.cos(), sin = angles.sin();
@@ -92,7 +91,8 @@ TEST_CASE("the chunked loss equals the plain one, with its gradients, and chunks
     return out;
   };
   const auto plain = run(0);
-  CHECK(plain[0].item<double>() == Approx(([&] {
+  CHECK(plain[0].item<double>() ==
+        Approx(([&] {
           torch::manual_seed(4);
           mt::llama::LlamaForCausalLM lm(c);
           mt::llama::init_weights(lm);
@@ -100,7 +100,8 @@ TEST_CASE("the chunked loss equals the plain one, with its gradients, and chunks
           auto labels = ids.clone();
           labels.index_put_({0, torch::indexing::Slice(0, 4)}, -100);
           return mt::llama::LlamaForCausalLMImpl::causal_lm_loss(lm->forward(ids), labels).item<double>();
-        })()).epsilon(1e-6));
+        })())
+            .epsilon(1e-6));
   for (std::int64_t chunk : {1, 7, 29, 30, 1000}) {
     INFO("chunk " << chunk);
     const auto chunked = run(chunk);
@@ -188,7 +189,7 @@ TEST_CASE("llama3 rope scaling keeps high frequencies and divides low ones by th
   plain_config.rope_scaling = {};
   auto plain = mt::llama::Rotary(plain_config).inverse_frequencies(torch::kCPU);
   REQUIRE(scaled.size(0) == 64);
-  CHECK(scaled[0].item<float>() == plain[0].item<float>());            // wavelength 2*pi: untouched
+  CHECK(scaled[0].item<float>() == plain[0].item<float>());                // wavelength 2*pi: untouched
   CHECK(scaled[63].item<float>() == Approx(plain[63].item<float>() / 8));  // longest wavelength: / factor
   const auto between = scaled.gt(plain / 8).logical_and(scaled.lt(plain));
   CHECK(between.any().item<bool>());  // a smooth band in the middle
@@ -327,7 +328,8 @@ TEST_CASE("malformed safetensors files give an error naming the file and tensor"
   with_header(R"({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}})", 8);
   CHECK_THAT(error(), Catch::Contains("unsupported dtype 'Q4'"));
   with_header(R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                  "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12);
+                  "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
+              12);
   CHECK_THAT(error(), Catch::Contains("overlap"));
   with_header("{not json", 0);
   CHECK_THAT(error(), Catch::Contains("not valid JSON"));

@@ -1,6 +1,4 @@
 // The training loop's parts: data, sampler, loader, optimizer, schedule, checkpoints.
-#include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -9,6 +7,7 @@
 #include <numbers>
 #include <set>
 
+#include <catch2/catch.hpp>
 #include <google/protobuf/compiler/parser.h>
 #include <google/protobuf/descriptor.pb.h>
 #include <google/protobuf/dynamic_message.h>
@@ -21,8 +20,8 @@
 #include <torch/optim/adamw.h>
 
 #include <meshtorch/meshtorch.hpp>
-#include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
+#include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/grad_clipping.hpp>
 #include <meshtorch/parallel/memory_plan.hpp>
 #include <meshtorch/train/caching_host_allocator.hpp>
@@ -121,13 +120,18 @@ TEST_CASE("documents are packed into full blocks and the remainder dropped", "[d
   CHECK(first[0][1].item<int64_t>() == 'h');
   CHECK(first[1][0].item<int64_t>() == 'l');
 
-  std::ofstream(dir / "b.jsonl") << R"({"text": "abc"})" << "\n"
-                                 << R"({"instruction": "add", "input": "", "output": "4"})" << "\n";
+  std::ofstream(dir / "b.jsonl") << R"({"text": "abc"})"
+                                 << "\n"
+                                 << R"({"instruction": "add", "input": "", "output": "4"})"
+                                 << "\n";
   auto jsonl = mt::data::load_dataset((dir / "b.jsonl").string(), 2);
   const auto alpaca = mt::data::format_alpaca("add", "", "4");
   CHECK(jsonl.size() == static_cast<std::int64_t>((5 + alpaca.size() + 2) / 2));
 
-  std::ofstream(dir / "bad.jsonl") << R"({"text": "ok"})" << "\n" << R"({"txt": "no"})" << "\n";
+  std::ofstream(dir / "bad.jsonl") << R"({"text": "ok"})"
+                                   << "\n"
+                                   << R"({"txt": "no"})"
+                                   << "\n";
   CHECK_THAT(error_of([&] { mt::data::load_dataset((dir / "bad.jsonl").string(), 2); }),
              Catch::Contains("bad.jsonl:2") && Catch::Contains("'text'"));
   std::ofstream(dir / "broken.jsonl") << "{\"text\": \n";
@@ -281,9 +285,10 @@ TEST_CASE("AdamW with offload steps host copies and gives the weights and state 
   }
 }
 
-TEST_CASE("the memory estimate's activations and loss are what autograd holds, with and without checkpointing and "
-          "a chunked loss",
-          "[memory]") {
+TEST_CASE(
+    "the memory estimate's activations and loss are what autograd holds, with and without checkpointing and "
+    "a chunked loss",
+    "[memory]") {
   auto& counter = mt::train::CpuAllocationCounter::install();
   auto config = mt::llama::presets::llama_tiny;
   config.vocab_size = 1024;
@@ -344,25 +349,29 @@ TEST_CASE("the warmup schedules follow DeepSpeed's WarmupCosineLR and WarmupDeca
       .base_lr = 1e-3, .total_steps = 100, .warmup_steps = 10, .warmup_min_ratio = 0.1});
   CHECK(log_cosine.lr_at(0) == Approx(1e-4));
   CHECK(log_cosine.lr_at(5) == Approx(0.0008003361253452792));
-  const mt::train::LrSchedule decay(mt::train::WarmupDecaySchedule{.base_lr = 1e-3, .total_steps = 100, .warmup_steps = 10});
+  const mt::train::LrSchedule decay(
+      mt::train::WarmupDecaySchedule{.base_lr = 1e-3, .total_steps = 100, .warmup_steps = 10});
   CHECK(decay.lr_at(0) == 0.0);
   CHECK(decay.lr_at(4) == Approx(0.0006989700043360188));
   CHECK(decay.lr_at(10) == Approx(1e-3));
   CHECK(decay.lr_at(55) == Approx(5e-4));
   CHECK(decay.lr_at(120) == 0.0);
-  const mt::train::LrSchedule linear_decay(mt::train::WarmupDecaySchedule{
-      .base_lr = 1e-3, .total_steps = 100, .warmup_steps = 10, .warmup_min_lr = 1e-5, .warmup_type = WarmupType::linear});
+  const mt::train::LrSchedule linear_decay(mt::train::WarmupDecaySchedule{.base_lr = 1e-3,
+                                                                          .total_steps = 100,
+                                                                          .warmup_steps = 10,
+                                                                          .warmup_min_lr = 1e-5,
+                                                                          .warmup_type = WarmupType::linear});
   CHECK(linear_decay.lr_at(4) == Approx(0.000406));
   CHECK(linear_decay.lr_at(100) == Approx(1e-5));
 
   // Settings that would give NaN or infinite rates are refused, naming where they came from.
-  CHECK_THROWS_WITH(mt::train::LrSchedule(mt::train::WarmupCosineSchedule{.base_lr = 1e-3, .total_steps = 10,
-                                                                          .warmup_steps = 10},
-                                          "--lr-schedule warmup-cosine"),
-                    Catch::Contains("--lr-schedule warmup-cosine: 10 total steps leave nothing after 10 warmup steps"));
-  CHECK_THROWS_WITH(mt::train::LrSchedule(mt::train::WarmupDecaySchedule{.base_lr = 1e-3, .total_steps = 10,
-                                                                         .warmup_steps = 1}),
-                    Catch::Contains("a log warmup needs at least 2 warmup steps"));
+  CHECK_THROWS_WITH(
+      mt::train::LrSchedule(mt::train::WarmupCosineSchedule{.base_lr = 1e-3, .total_steps = 10, .warmup_steps = 10},
+                            "--lr-schedule warmup-cosine"),
+      Catch::Contains("--lr-schedule warmup-cosine: 10 total steps leave nothing after 10 warmup steps"));
+  CHECK_THROWS_WITH(
+      mt::train::LrSchedule(mt::train::WarmupDecaySchedule{.base_lr = 1e-3, .total_steps = 10, .warmup_steps = 1}),
+      Catch::Contains("a log warmup needs at least 2 warmup steps"));
   mt::train::TrainArgs args;
   args.warmup_steps = 5;
   CHECK_THROWS_WITH(mt::train::lr_schedule(args, 100), Catch::Contains("--lr-schedule cosine has no warmup"));
@@ -455,8 +464,10 @@ TEST_CASE("a checkpoint restores weights, optimizer state, RNG and train state",
   const auto ids = torch::randint(0, 256, {2, 8}, torch::kLong);
   model->loss(ids, ids).backward();
   optimizer.step();
-  const mt::train::TrainState state{.epoch = 1, .global_step = 20, .epoch_step = 3, .running_loss = 2.5, .running_steps = 1};
-  const mt::train::RunIdentity identity{.seed = 4, .seq_length = 8, .global_batch = 2, .dataset = "builtin", .model = "m"};
+  const mt::train::TrainState state{
+      .epoch = 1, .global_step = 20, .epoch_step = 3, .running_loss = 2.5, .running_steps = 1};
+  const mt::train::RunIdentity identity{
+      .seed = 4, .seq_length = 8, .global_batch = 2, .dataset = "builtin", .model = "m"};
   PlainCheckpointing::save(dir, model, optimizer, state, identity, 2);
   const auto rng_after_save = torch::rand({3});
 
@@ -535,7 +546,8 @@ TEST_CASE("a checkpoint that lost a file or its link is an error, never a fresh 
   // A non-finite running loss is not saved: the step-10 checkpoint stays the latest.
   CHECK_THAT(error_of([&] {
                PlainCheckpointing::save(dir, model, optimizer,
-                                        {.global_step = 20, .running_loss = std::nan(""), .running_steps = 1}, identity, 2);
+                                        {.global_step = 20, .running_loss = std::nan(""), .running_steps = 1}, identity,
+                                        2);
              }),
              Catch::Contains("global_step 20") && Catch::Contains("nan") && Catch::Contains("stays"));
   CHECK(fs::read_symlink(dir / "checkpoint") == "ckpt-00000010");
@@ -645,11 +657,11 @@ TEST_CASE("TensorBoard event files: TFRecord framing with masked CRC-32C, Event 
   for (const auto& data : records) events.push_back(decoder.decode(data));
   CHECK_THAT(events[0], Catch::Contains("file_version: \"brain.Event:2\"") && Catch::Contains("wall_time: "));
   CHECK_THAT(events[1], Catch::Contains("tag: \"flags\"") && Catch::Contains("plugin_name: \"text\"") &&
-                                   Catch::Contains("dtype: DT_STRING") && Catch::Contains("seed=3\\nlr=0.001"));
+                            Catch::Contains("dtype: DT_STRING") && Catch::Contains("seed=3\\nlr=0.001"));
   CHECK_THAT(events[2], Catch::Contains("step: 20") && Catch::Contains("status: START"));
   CHECK_THAT(events[3], Catch::Contains("step: 30") && Catch::Contains("tag: \"lr\"") &&
-                                   Catch::Contains("simple_value: 0.001") && Catch::Contains("tag: \"running_loss\"") &&
-                                   Catch::Contains("simple_value: 2.5") && !Catch::Contains("note"));
+                            Catch::Contains("simple_value: 0.001") && Catch::Contains("tag: \"running_loss\"") &&
+                            Catch::Contains("simple_value: 2.5") && !Catch::Contains("note"));
 
   // The three modes' run folders on rank 3 of 4, two ranks per node.
   using mt::train::TrackingRanks;
@@ -665,8 +677,7 @@ TEST_CASE("TensorBoard event files: TFRecord framing with masked CRC-32C, Event 
   mt::train::TrainArgs args;
   args.tensorboard = true;
   CHECK_THAT(error_of([&] { mt::train::tensorboard_tracker(args, 0); }), Catch::Contains("give -e"));
-  CHECK_THAT(error_of([&] { mt::train::Experiment(args, 0, 8, torch::kCPU); }),
-             Catch::Contains("without a tracker"));
+  CHECK_THAT(error_of([&] { mt::train::Experiment(args, 0, 8, torch::kCPU); }), Catch::Contains("without a tracker"));
   fs::remove_all(dir);
 }
 

@@ -2,13 +2,12 @@
 // NCCL groups bound to the rank's GPU, the device check, metadata over the CPU companion, CUDA RNG
 // states in checkpoints, the CUDA memory figures, AdamW offloaded from a GPU, FSDP with CPU
 // offload under gradient clipping, and the flight recorder's completion of a stream's wait.
-#include <catch2/catch.hpp>
-
 #include <chrono>
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
 #include <meshtorch/comm/init.hpp>
@@ -36,9 +35,11 @@ TEST_CASE("a CUDA mesh's groups are NCCL groups bound to the rank's GPU, with a 
   auto mesh = mt::comm::init<mt::Mesh<mt::DP<mt::dynamic>, mt::TP<1>>>(one_rank_cuda());
   const auto& dp = mesh.group<mt::DP>();
   CHECK(dp.cuda_device() == mt::comm::local_cuda_device(0));
-  CHECK(dp.backend()->getBoundDeviceId() == torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dp.cuda_device())));
+  CHECK(dp.backend()->getBoundDeviceId() ==
+        torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dp.cuda_device())));
   CHECK(dp.metadata().device() == mt::comm::Device::cpu);
-  CHECK(mt::train::resolve_device("cuda", 0) == torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dp.cuda_device())));
+  CHECK(mt::train::resolve_device("cuda", 0) ==
+        torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dp.cuda_device())));
 
   const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(dp.cuda_device()));
   const auto reduced = mt::comm::all_reduce(dp, torch::full({4}, 3.0, torch::TensorOptions().device(gpu)));
@@ -78,7 +79,8 @@ TEST_CASE("CUDA memory figures follow the caching allocator, peaks since the las
   mt::train::reset_peak_memory(gpu);
   const auto before = mt::train::memory_figures(gpu);
   {
-    auto block = torch::empty({static_cast<std::int64_t>(gib / 2)}, torch::TensorOptions().device(gpu).dtype(torch::kUInt8));
+    auto block =
+        torch::empty({static_cast<std::int64_t>(gib / 2)}, torch::TensorOptions().device(gpu).dtype(torch::kUInt8));
     const auto during = mt::train::memory_figures(gpu);
     CHECK(during.at("curr_alloc_gb") - before.at("curr_alloc_gb") == Approx(0.5).margin(0.01));
     CHECK(during.at("curr_resv_gb") >= during.at("curr_alloc_gb"));

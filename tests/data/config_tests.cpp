@@ -36,8 +36,11 @@ json transformers4_config() {
   j.erase("rope_parameters");
   j.erase("dtype");
   j["rope_theta"] = 50000.0;
-  j["rope_scaling"] = {{"factor", 8.0}, {"high_freq_factor", 4.0}, {"low_freq_factor", 1.0},
-                       {"original_max_position_embeddings", 64}, {"rope_type", "llama3"}};
+  j["rope_scaling"] = {{"factor", 8.0},
+                       {"high_freq_factor", 4.0},
+                       {"low_freq_factor", 1.0},
+                       {"original_max_position_embeddings", 64},
+                       {"rope_type", "llama3"}};
   j["torch_dtype"] = "bfloat16";
   j["transformers_version"] = "4.46.0";
   return j;
@@ -125,7 +128,8 @@ TEST_CASE("each field that would change the computation and is not implemented i
   CHECK_THAT(with("pretraining_tp", 2), Catch::Contains("field 'pretraining_tp' is 2"));
   CHECK_THAT(with("attention_dropout", 0.1), Catch::Contains("field 'attention_dropout'"));
   CHECK_THAT(with("partial_rotary_factor", 0.5), Catch::Contains("field 'partial_rotary_factor'"));
-  CHECK_THAT(with("quantization_config", {{"quant_method", "bitsandbytes"}}), Catch::Contains("field 'quantization_config'"));
+  CHECK_THAT(with("quantization_config", {{"quant_method", "bitsandbytes"}}),
+             Catch::Contains("field 'quantization_config'"));
   CHECK_THAT(with("dtype", "int8"), Catch::Contains("field 'dtype' is 'int8'"));
   for (const char* type : {"linear", "dynamic", "yarn", "longrope"}) {
     INFO(type);
@@ -172,8 +176,9 @@ TEST_CASE("unknown fields that do not change the computation are listed once", "
   CHECK(ignored == file.ignored_fields);
   // The line the Experiment logs once on rank 0; none for a preset.
   CHECK(mt::llama::unread_config_fields_note(dir.string()) ==
-        dir.string() + ": 3 field(s) not read, as they do not change the computation: "
-                       "rope_parameters.attention_factor, my_custom_note, output_attentions");
+        dir.string() +
+            ": 3 field(s) not read, as they do not change the computation: "
+            "rope_parameters.attention_factor, my_custom_note, output_attentions");
   CHECK(mt::llama::unread_config_fields_note("llama-tiny").empty());
   std::filesystem::remove_all(dir);
 }

@@ -20,8 +20,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-using mt::testing::fixtures;
 using mt::testing::error_of;
+using mt::testing::fixtures;
 using mt::testing::fresh_dir;
 
 std::vector<std::int32_t> all_tokens(const mt::data::TokenBlocks& blocks) {
@@ -115,12 +115,14 @@ TEST_CASE("the dtype of a folder's pretrained weights is what --dtype auto train
   fs::remove_all(dir);
 }
 
-TEST_CASE("a data set is a file or a folder (with --dataset-subset) or a pattern and other files are listed", "[dataset][files]") {
+TEST_CASE("a data set is a file or a folder (with --dataset-subset) or a pattern and other files are listed",
+          "[dataset][files]") {
   const auto dir = fresh_dir("files");
   fs::create_directories(dir / "set" / "train" / "nested");
   fs::create_directories(dir / "set" / "valid");
   fs::create_directories(dir / "set" / "train" / ".meshtorch-cache");
-  std::ofstream(dir / "set" / "train" / "b.jsonl") << R"({"text": "b"})" << "\n";
+  std::ofstream(dir / "set" / "train" / "b.jsonl") << R"({"text": "b"})"
+                                                   << "\n";
   std::ofstream(dir / "set" / "train" / "nested" / "a.txt") << "a\n";
   std::ofstream(dir / "set" / "train" / "README.md") << "not data\n";
   std::ofstream(dir / "set" / "train" / ".hidden.txt") << "hidden\n";
@@ -160,7 +162,10 @@ TEST_CASE("the token cache is written once, mapped after, and replaced when a fi
   std::ofstream(data / "a.txt") << "first document\n\nsecond document\n";
   {
     std::ofstream out(data / "b.jsonl");
-    out << R"({"text": "third"})" << "\n\n" << R"({"instruction": "add", "input": "", "output": "4"})" << "\n";
+    out << R"({"text": "third"})"
+        << "\n\n"
+        << R"({"instruction": "add", "input": "", "output": "4"})"
+        << "\n";
   }
   const mt::data::DatasetRequest request{.name = data.string(), .model = "llama-tiny"};
   mt::data::CachedDataset dataset(request, 2);
@@ -280,10 +285,12 @@ TEST_CASE("conversations are written in the folder's chat template and keep the 
     std::ofstream out(data / "chat.jsonl");
     out << R"({"messages": [{"role": "user", "content": " Hi 🙂 "}, {"role": "assistant", "content": "Hello."}]})"
         << "\n"
-        << R"({"text": "plain text between"})" << "\n";
+        << R"({"text": "plain text between"})"
+        << "\n";
   }
   const auto tokenizer = mt::data::load_tokenizer(model);
-  std::vector<std::int32_t> want = tokenizer->encode("<|begin_of_text|>user: Hi 🙂<|eot_id|>assistant: Hello.<|eot_id|>");
+  std::vector<std::int32_t> want =
+      tokenizer->encode("<|begin_of_text|>user: Hi 🙂<|eot_id|>assistant: Hello.<|eot_id|>");
   const std::vector<std::string> plain{"plain text between"};
   const auto framed = tokenizer->encode_documents(plain, 1);
   want.insert(want.end(), framed.begin(), framed.end());
@@ -325,7 +332,8 @@ TEST_CASE("conversations are written in the folder's chat template and keep the 
              Catch::Contains("'tools' must be a list"));
 
   // A conversation without a template (the byte tokenizer, or a folder without one) names the fix.
-  std::ofstream(data / "chat.jsonl") << R"({"messages": [{"role": "user", "content": "x"}]})" << "\n";
+  std::ofstream(data / "chat.jsonl") << R"({"messages": [{"role": "user", "content": "x"}]})"
+                                     << "\n";
   CHECK_THAT(error_of([&] { mt::data::CachedDataset({.name = data.string(), .model = "llama-tiny"}).build(); }),
              Catch::Contains((data / "chat.jsonl").string() + ":1") &&
                  Catch::Contains("-m must name a model folder with chat_template.jinja"));

@@ -104,11 +104,13 @@ TEST_CASE("a chat template that recurses without end is stopped by name, not a s
   for (const auto& [name, source] : std::vector<std::pair<std::string, std::string>>{
            {"parens", "{{ " + std::string(1'000, '(') + "1" + std::string(1'000, ')') + " }}"},
            {"lists", "{{ " + std::string(1'000, '[') + std::string(1'000, ']') + " }}"},
-           {"nots", "{{ " + [] {
-              std::string nots;
-              for (int i = 0; i < 100'000; ++i) nots += "not ";
-              return nots;
-            }() + "x }}"},
+           {"nots", "{{ " +
+                        [] {
+                          std::string nots;
+                          for (int i = 0; i < 100'000; ++i) nots += "not ";
+                          return nots;
+                        }() +
+                        "x }}"},
            {"blocks", [] {
               std::string blocks;
               for (int i = 0; i < 300; ++i) blocks += "{% if true %}";
@@ -125,13 +127,15 @@ TEST_CASE("a chat template that recurses without end is stopped by name, not a s
   }
 
   // A real template's depth is far below the limit.
-  CHECK(render_error("nested-ok", "{% for m in messages %}{% if m.role == 'user' %}{{ m.content | trim }}"
-                                  "{% endif %}{% endfor %}") == "rendered 2 bytes");
+  CHECK(render_error("nested-ok",
+                     "{% for m in messages %}{% if m.role == 'user' %}{{ m.content | trim }}"
+                     "{% endif %}{% endfor %}") == "rendered 2 bytes");
 }
 
 TEST_CASE("a chat template's loops and lists are bounded by name", "[chat][limits]") {
-  const std::string limit = " runs more than 1000000 loop iterations and list items in one render; the limit is "
-                            "MESHTORCH_CHAT_TEMPLATE_MAX_ITERATIONS";
+  const std::string limit =
+      " runs more than 1000000 loop iterations and list items in one render; the limit is "
+      "MESHTORCH_CHAT_TEMPLATE_MAX_ITERATIONS";
   CHECK(render_error("range", "{% for i in range(100000000) %}x{% endfor %}") ==
         "conv.jsonl:1: the chat template " + origin("range") + limit);
   CHECK(render_error("range-huge", "{{ range(10000000000) | length }}") ==
@@ -165,21 +169,24 @@ TEST_CASE("a chat template's text is bounded before it is built", "[chat][limits
         "conv.jsonl:1: the chat template " + origin("repeat") +
             " builds more than 268435456 bytes of text in one render (a string of 4000000000 bytes after 0)" + limit);
   // Doubling a string 40 times.
-  CHECK_THAT(render_error("doubling", "{% set ns = namespace(s='x') %}{% for i in range(40) %}"
-                                      "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s | length }}"),
+  CHECK_THAT(render_error("doubling",
+                          "{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+                          "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s | length }}"),
              Catch::StartsWith("conv.jsonl:1: the chat template " + origin("doubling") + " builds more than") &&
                  Catch::EndsWith(limit));
   // Copies of one string kept in a list, grown by replace, joined with a large separator, indented.
   for (const auto& [name, source] : std::vector<std::pair<std::string, std::string>>{
-           {"copies", "{% set s = 'x' * 10000000 %}{% set l = [] %}{% for i in range(100000) %}"
-                      "{% set _ = l.append(s) %}{% endfor %}"},
+           {"copies",
+            "{% set s = 'x' * 10000000 %}{% set l = [] %}{% for i in range(100000) %}"
+            "{% set _ = l.append(s) %}{% endfor %}"},
            {"replace", "{{ ('x' * 1000).replace('x', 'y' * 1000000) }}"},
            {"join", "{{ range(100000) | join('y' * 10000) }}"},
            {"indent", "{{ ('a\\n' * 100000) | indent(100000) }}"},
            {"tojson", "{{ [[[[1]]]] | tojson(indent=100000000) }}"},
            // A list shared 100,000 times costs nothing to build, but printing it copies its text.
-           {"shared", "{% set inner = ['x' * 10000000] %}{% set l = [] %}{% for i in range(100000) %}"
-                      "{% set _ = l.append(inner) %}{% endfor %}{{ l }}"}}) {
+           {"shared",
+            "{% set inner = ['x' * 10000000] %}{% set l = [] %}{% for i in range(100000) %}"
+            "{% set _ = l.append(inner) %}{% endfor %}{{ l }}"}}) {
     INFO(name);
     CHECK_THAT(render_error(name, source),
                Catch::Contains(" builds more than 268435456 bytes") && Catch::EndsWith(limit));
@@ -207,9 +214,10 @@ TEST_CASE("tokenizer.json ids are bounded by the file before anything is allocat
   // The edits below add one vocab entry, or change an added token's id.
   const auto entries = base["model"]["vocab"].size() + base["added_tokens"].size();
   auto tail = [&](std::size_t defined) {
-    return fmt::format("; ids must be integers from 0 to {} (the file's {} vocab entries and added tokens, plus "
-                       "65536 for gaps)",
-                       defined + 65536 - 1, defined);
+    return fmt::format(
+        "; ids must be integers from 0 to {} (the file's {} vocab entries and added tokens, plus "
+        "65536 for gaps)",
+        defined + 65536 - 1, defined);
   };
   auto error_with = [&](auto edit) {
     auto j = base;

@@ -21,8 +21,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-using mt::testing::fixtures;
 using mt::testing::error_of;
+using mt::testing::fixtures;
 using mt::testing::fresh_dir;
 
 std::vector<nlohmann::json> read_jsonl(const fs::path& path) {
@@ -80,7 +80,9 @@ TEST_CASE("byte-level BPE decodes its ids back to the text", "[tokenizer]") {
       CHECK(tokenizer.decode(ids) == stripped);
     }
   }
-  CHECK_THAT(error_of([&] { tokenizer.decode(std::vector<std::int32_t>{5, 9999}); }),
+  CHECK_THAT(error_of([&] {
+               tokenizer.decode(std::vector<std::int32_t>{5, 9999});
+             }),
              Catch::Contains("token id 9999 is not in the vocabulary"));
 }
 
@@ -101,8 +103,13 @@ TEST_CASE("special tokens are split off before normalized added tokens, as HF do
   // With a special token "TE:", HF finds it inside "NOTE:" before looking for the added token
   // "NOTE:" (ids from the tokenizers package on the same file).
   auto j = fixture_tokenizer_json();
-  j["added_tokens"].push_back({{"id", 602}, {"content", "TE:"}, {"single_word", false}, {"lstrip", false},
-                               {"rstrip", false}, {"normalized", false}, {"special", true}});
+  j["added_tokens"].push_back({{"id", 602},
+                               {"content", "TE:"},
+                               {"single_word", false},
+                               {"lstrip", false},
+                               {"rstrip", false},
+                               {"normalized", false},
+                               {"special", true}});
   const mt::data::BpeTokenizer tokenizer(j, "tokenizer.json");
   CHECK(tokenizer.encode("a NOTE: b") == std::vector<std::int32_t>{67, 223, 48, 49, 602, 317});
   const auto plain = mt::data::BpeTokenizer::from_file(fixtures / "bpe" / "tokenizer.json");
@@ -159,7 +166,9 @@ TEST_CASE("tokenizer.json settings that would change the ids are refused by name
     return error_of([&] { mt::data::BpeTokenizer(j, "tokenizer.json"); });
   };
   CHECK(error_with([](nlohmann::json&) {}) == "no error");
-  CHECK_THAT(error_with([](nlohmann::json& j) { j["normalizer"] = {{"type", "NFC"}}; }),
+  CHECK_THAT(error_with([](nlohmann::json& j) {
+               j["normalizer"] = {{"type", "NFC"}};
+             }),
              Catch::Contains("field 'normalizer' is 'NFC'"));
   CHECK_THAT(error_with([](nlohmann::json& j) { j["model"]["byte_fallback"] = true; }),
              Catch::Contains("'model.byte_fallback'"));
@@ -171,13 +180,20 @@ TEST_CASE("tokenizer.json settings that would change the ids are refused by name
              Catch::Contains("'added_tokens[0].single_word'"));
   CHECK_THAT(error_with([](nlohmann::json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"; }),
              Catch::Contains("'pre_tokenizer.pretokenizers[0].behavior'"));
-  CHECK_THAT(error_with([](nlohmann::json& j) { j["pre_tokenizer"] = {{"type", "Whitespace"}}; }),
+  CHECK_THAT(error_with([](nlohmann::json& j) {
+               j["pre_tokenizer"] = {{"type", "Whitespace"}};
+             }),
              Catch::Contains("'pre_tokenizer.type' is 'Whitespace'"));
-  CHECK_THAT(error_with([](nlohmann::json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed"; }),
-             Catch::Contains("'pre_tokenizer.pretokenizers[0].pattern'") && Catch::Contains("does not compile"));
-  CHECK_THAT(error_with([](nlohmann::json& j) { j["decoder"] = {{"type", "Metaspace"}}; }),
+  CHECK_THAT(
+      error_with([](nlohmann::json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed"; }),
+      Catch::Contains("'pre_tokenizer.pretokenizers[0].pattern'") && Catch::Contains("does not compile"));
+  CHECK_THAT(error_with([](nlohmann::json& j) {
+               j["decoder"] = {{"type", "Metaspace"}};
+             }),
              Catch::Contains("'decoder' is 'Metaspace'"));
-  CHECK_THAT(error_with([](nlohmann::json& j) { j["model"]["merges"][3] = {"nosuchtoken", "x"}; }),
+  CHECK_THAT(error_with([](nlohmann::json& j) {
+               j["model"]["merges"][3] = {"nosuchtoken", "x"};
+             }),
              Catch::Contains("'model.merges[3]'"));
 }
 
@@ -227,7 +243,8 @@ TEST_CASE("a model folder's tokenizer files are read only inside it", "[tokenize
 TEST_CASE("the folder's files choose the tokenizer and its bos/eos", "[tokenizer]") {
   const auto dir = fresh_dir("chooser");
   CHECK_FALSE(mt::data::folder_has_tokenizer(dir));
-  CHECK_THAT(error_of([&] { mt::data::load_tokenizer(dir); }), Catch::Contains("holds no tokenizer.json or tokenizer.model"));
+  CHECK_THAT(error_of([&] { mt::data::load_tokenizer(dir); }),
+             Catch::Contains("holds no tokenizer.json or tokenizer.model"));
 
   // tokenizer.json with tokenizer_config.json naming bos/eos.
   fs::copy_file(fixtures / "bpe" / "tokenizer.json", dir / "tokenizer.json");
@@ -237,7 +254,8 @@ TEST_CASE("the folder's files choose the tokenizer and its bos/eos", "[tokenizer
   CHECK(dynamic_cast<mt::data::BpeTokenizer*>(tokenizer.get()));
   CHECK(tokenizer->bos_id == 0);
   CHECK(tokenizer->eos_id == 1);
-  CHECK_THAT(note, Catch::Contains("bos 0 from tokenizer_config.json") && Catch::Contains("eos 1 from tokenizer_config.json"));
+  CHECK_THAT(
+      note, Catch::Contains("bos 0 from tokenizer_config.json") && Catch::Contains("eos 1 from tokenizer_config.json"));
 
   // generation_config.json alone (eos as a list, the first is used); tokenizer_config.json wins over it.
   write(dir / "generation_config.json", R"({"bos_token_id": 2, "eos_token_id": [2, 1]})");
@@ -255,7 +273,8 @@ TEST_CASE("the folder's files choose the tokenizer and its bos/eos", "[tokenizer
   write(dir / "tokenizer_config.json", R"({"eos_token": "<|eot_id|>", "add_bos_token": false})");
   CHECK_FALSE(mt::data::load_tokenizer(dir)->bos_id.has_value());
   write(dir / "generation_config.json", R"({"eos_token_id": 70000})");
-  CHECK_THAT(error_of([&] { mt::data::load_tokenizer(dir); }), Catch::Contains("generation_config.json: field 'eos_token_id'"));
+  CHECK_THAT(error_of([&] { mt::data::load_tokenizer(dir); }),
+             Catch::Contains("generation_config.json: field 'eos_token_id'"));
   fs::remove(dir / "generation_config.json");
 
   // A tokenizer.json that is not byte-level BPE beside a tokenizer.model: the SentencePiece model.

@@ -1,7 +1,5 @@
 // The flight recorder and the hang analysis on synthetic dumps: what the watchdog and
 // meshtorch-diagnose conclude for a stopped rank, a desync, and a rank blocked by another.
-#include <catch2/catch.hpp>
-
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include <catch2/catch.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -43,9 +42,12 @@ void run(FlightRecorder& recorder, const void* backend, const std::string& axis,
 }
 
 json dump_of(int rank, int world_size, const FlightRecorder& recorder, json peers = nullptr) {
-  json out = {{"format", "meshtorch-flight-recorder"}, {"version", 1},
-              {"rank", rank}, {"world_size", world_size},
-              {"progress", recorder.progress()}, {"entries", recorder.entries()}};
+  json out = {{"format", "meshtorch-flight-recorder"},
+              {"version", 1},
+              {"rank", rank},
+              {"world_size", world_size},
+              {"progress", recorder.progress()},
+              {"entries", recorder.entries()}};
   if (!peers.is_null()) out["peers"] = peers;
   return out;
 }
@@ -268,7 +270,8 @@ TEST_CASE("a desync of shapes or dtypes under the same collective names the rank
       FlightRecorder recorder(16);
       run(recorder, &group, "world", ranks, "all_reduce", 4);
       const bool odd = r == 2;
-      run(recorder, &group, "world", ranks, "all_reduce", 1, 1, odd && !dtype_differs ? std::vector<std::int64_t>{4, 16} : shape,
+      run(recorder, &group, "world", ranks, "all_reduce", 1, 1,
+          odd && !dtype_differs ? std::vector<std::int64_t>{4, 16} : shape,
           odd && dtype_differs ? "BFloat16" : "Float");
       // As the watchdog sees them: progress only, no ring.
       reports[r] = rank_report_from_progress(r, recorder.progress());
@@ -276,11 +279,12 @@ TEST_CASE("a desync of shapes or dtypes under the same collective names the rank
     const auto verdict = analyse_hang(reports);
     INFO(verdict.text());
     CHECK(verdict.culprits == std::vector<int>{2});
-    CHECK_THAT(verdict.summary, Catch::StartsWith("desync: ranks issued a collective on tensors of different shapes or dtypes"));
     CHECK_THAT(verdict.summary,
-               Catch::Contains(fmt::format("rank 2 is in all_reduce #5 over the world group [0, 1, 2] (gloo) on {} while "
-                                           "ranks 0, 1 are in all_reduce #5 on Float[4, 8]",
-                                           dtype_differs ? "BFloat16[4, 8]" : "Float[4, 16]")));
+               Catch::StartsWith("desync: ranks issued a collective on tensors of different shapes or dtypes"));
+    CHECK_THAT(verdict.summary, Catch::Contains(fmt::format(
+                                    "rank 2 is in all_reduce #5 over the world group [0, 1, 2] (gloo) on {} while "
+                                    "ranks 0, 1 are in all_reduce #5 on Float[4, 8]",
+                                    dtype_differs ? "BFloat16[4, 8]" : "Float[4, 16]")));
   }
   // The same tensors everywhere: no desync, a collective nobody completed.
   std::map<int, RankReport> agreeing;
@@ -305,13 +309,15 @@ TEST_CASE("a rank waiting for a stopped one is not blamed: the wait is followed 
   run(r3, &fsdp13, "FSDP", {1, 3}, "all_gather", 9);
   run(r3, &tp23, "TP", {2, 3}, "all_reduce", 19);
   const json peers = {{"3", {{"responsive", false}, {"progress", r3.progress()}}}};
-  const auto verdict = analyse_hang(rank_reports_from_dumps(
-      {dump_of(0, 4, r0, peers), dump_of(1, 4, r1, peers), dump_of(2, 4, r2, peers)}));
+  const auto verdict = analyse_hang(
+      rank_reports_from_dumps({dump_of(0, 4, r0, peers), dump_of(1, 4, r1, peers), dump_of(2, 4, r2, peers)}));
   INFO(verdict.text());
   CHECK(verdict.culprits == std::vector<int>{3});
-  CHECK_THAT(verdict.summary, Catch::Contains("rank 3 did not arrive at all_gather #10 over the FSDP group [1, 3] (gloo), "
-                                              "where rank 1 is waiting"));
-  CHECK_THAT(verdict.summary, Catch::Contains("nor at all_reduce #20 over the TP group [2, 3] (gloo), where rank 2 is waiting"));
+  CHECK_THAT(verdict.summary,
+             Catch::Contains("rank 3 did not arrive at all_gather #10 over the FSDP group [1, 3] (gloo), "
+                             "where rank 1 is waiting"));
+  CHECK_THAT(verdict.summary,
+             Catch::Contains("nor at all_reduce #20 over the TP group [2, 3] (gloo), where rank 2 is waiting"));
   CHECK_THAT(verdict.text(), Catch::Contains("rank 0 waits in all_gather #10 over the FSDP group [0, 2] (gloo)"));
 }
 
@@ -324,7 +330,8 @@ TEST_CASE("a rank that died of a signal is the culprit, not the peer it was wait
   const auto verdict = analyse_hang(rank_reports_from_dumps({dump}));
   INFO(verdict.text());
   CHECK(verdict.culprits == std::vector<int>{1});
-  CHECK(verdict.summary == "rank 1 ended on a fatal signal SIGSEGV; it was in all_reduce #12 over the DP group [0, 1] (gloo)");
+  CHECK(verdict.summary ==
+        "rank 1 ended on a fatal signal SIGSEGV; it was in all_reduce #12 over the DP group [0, 1] (gloo)");
 }
 
 TEST_CASE("a collective every member reached but none completed blames no rank", "[analysis]") {
@@ -335,7 +342,8 @@ TEST_CASE("a collective every member reached but none completed blames no rank",
   const auto verdict = analyse_hang(rank_reports_from_dumps({dump_of(0, 2, zero), dump_of(1, 2, one)}));
   INFO(verdict.text());
   CHECK(verdict.culprits.empty());
-  CHECK_THAT(verdict.summary, Catch::StartsWith("no rank is missing from all_reduce #5 over the world group [0, 1] (gloo)"));
+  CHECK_THAT(verdict.summary,
+             Catch::StartsWith("no rank is missing from all_reduce #5 over the world group [0, 1] (gloo)"));
 }
 
 TEST_CASE("meshtorch-diagnose says when there is nothing to read", "[analysis]") {
@@ -355,7 +363,8 @@ TEST_CASE("the timeout comes from the flag, else MESHTORCH_TIMEOUT, else 600 s",
   CHECK(collective_timeout() == milliseconds(2'500));
   CHECK(collective_timeout(20) == milliseconds(20'000));  // the flag wins
   ::setenv("MESHTORCH_TIMEOUT", "soon", 1);
-  CHECK_THROWS_WITH(collective_timeout(), Catch::Contains("MESHTORCH_TIMEOUT='soon' is not a positive number of seconds"));
+  CHECK_THROWS_WITH(collective_timeout(),
+                    Catch::Contains("MESHTORCH_TIMEOUT='soon' is not a positive number of seconds"));
   ::setenv("MESHTORCH_TIMEOUT", "0", 1);
   CHECK_THROWS_AS(collective_timeout(), meshtorch::EnvError);
   ::unsetenv("MESHTORCH_TIMEOUT");

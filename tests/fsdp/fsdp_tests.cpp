@@ -1,12 +1,12 @@
 // FullyShardedDataParallel. Every test case is a rank body run on 2 ranks by launch.py (see
 // CMakeLists.txt): each rank runs it and must pass. The reference is one full model per rank
 // trained on the whole global batch; the sharded model sees its rank's half.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <thread>
+
+#include <catch2/catch.hpp>
 
 #include <meshtorch/comm/comm.hpp>
 #include <meshtorch/comm/init.hpp>
@@ -112,7 +112,8 @@ void check_parity(mt::FsdpOptions options, int micro_batches, bool tied, double 
       local_loss += sharded_loss.item<double>();
     }
     const double global_loss =
-        mt::comm::all_reduce(group, torch::tensor({local_loss}, torch::kDouble), mt::comm::ReduceOp::avg).item<double>();
+        mt::comm::all_reduce(group, torch::tensor({local_loss}, torch::kDouble), mt::comm::ReduceOp::avg)
+            .item<double>();
     const double rel = std::abs(global_loss - reference_loss) / reference_loss;
     INFO("step " << step << ": reference " << reference_loss << ", sharded " << global_loss);
     CHECK(rel <= loss_rtol);
@@ -133,7 +134,8 @@ TEST_CASE("fsdp losses and parameters equal one full model on the same global ba
   check_parity({.reshard_after_forward = true}, 1, /*tied=*/false, 1e-5, 1e-4);
 }
 
-TEST_CASE("fsdp without resharding after forward equals one full model, tied embeddings too", "[.][parity_no_reshard]") {
+TEST_CASE("fsdp without resharding after forward equals one full model, tied embeddings too",
+          "[.][parity_no_reshard]") {
   check_parity({.reshard_after_forward = false}, 1, /*tied=*/true, 1e-5, 1e-4);
 }
 
@@ -153,9 +155,10 @@ TEST_CASE("fsdp with no prefetch and every reduce-scatter waited for at once equ
                /*tied=*/false, 1e-5, 1e-4);
 }
 
-TEST_CASE("fsdp issues the next unit's all-gather before the current unit computes, and backward ends with every "
-          "gradient in .grad",
-          "[.][overlap]") {
+TEST_CASE(
+    "fsdp issues the next unit's all-gather before the current unit computes, and backward ends with every "
+    "gradient in .grad",
+    "[.][overlap]") {
   auto mesh = mt::comm::init<FsdpMesh>();
   const auto config = odd_tiny();
   for (const std::int64_t prefetch : {0, 1}) {
@@ -226,7 +229,8 @@ TEST_CASE("fsdp frees each layer's full weights after forward and every unit's a
 
     // Each rank holds its rows only: 263 vocabulary rows split 132 + 131.
     auto named = sharded.fsdp->named_parameters();
-    const auto embedding = std::find_if(named.begin(), named.end(), [](auto& p) { return p.first == "model.embed_tokens.weight"; });
+    const auto embedding =
+        std::find_if(named.begin(), named.end(), [](auto& p) { return p.first == "model.embed_tokens.weight"; });
     REQUIRE(embedding != named.end());
     CHECK(embedding->second.size(0) == (group.rank() == 0 ? 132 : 131));
     CHECK(embedding->second.is_leaf());
@@ -255,9 +259,10 @@ TEST_CASE("fsdp frees each layer's full weights after forward and every unit's a
   }
 }
 
-TEST_CASE("fsdp stepping AdamW in backward as each unit's gradients arrive equals stepping after backward, "
-          "bit for bit, and never holds two units' gradients",
-          "[.][optimizer_in_backward]") {
+TEST_CASE(
+    "fsdp stepping AdamW in backward as each unit's gradients arrive equals stepping after backward, "
+    "bit for bit, and never holds two units' gradients",
+    "[.][optimizer_in_backward]") {
   auto mesh = mt::comm::init<FsdpMesh>();
   const auto& group = mesh.group<mt::FSDP>();
   const auto config = odd_tiny(/*tied=*/true);
@@ -317,9 +322,10 @@ TEST_CASE("fsdp stepping AdamW in backward as each unit's gradients arrive equal
                         Catch::Contains("rank " + std::to_string(group.global_rank())));
 }
 
-TEST_CASE("fsdp with cpu_offload, whose gradients land in .grad after later units' reduce-scatters, gives the "
-          "gradients and weights of shards on the device bit for bit, over micro-batches and into kept gradients",
-          "[.][offload]") {
+TEST_CASE(
+    "fsdp with cpu_offload, whose gradients land in .grad after later units' reduce-scatters, gives the "
+    "gradients and weights of shards on the device bit for bit, over micro-batches and into kept gradients",
+    "[.][offload]") {
   auto mesh = mt::comm::init<FsdpMesh>();
   const auto& group = mesh.group<mt::FSDP>();
   const auto config = odd_tiny(/*tied=*/true);
@@ -388,10 +394,11 @@ TEST_CASE("fsdp misuse is a clear error naming the module, tensor or rank", "[.]
 
 // One test case per tag: each initialises the mesh once, and a second init in the same process
 // races the first one's store.
-TEST_CASE("fsdp's collectives on the CPU allocate no buffer of the unit's size: the reduce-scatter sums "
-          "each rank's block in the send buffer and gives it back when the sums arrive, the all-gather "
-          "writes each rank's block straight into the output",
-          "[.][collectives_in_place]") {
+TEST_CASE(
+    "fsdp's collectives on the CPU allocate no buffer of the unit's size: the reduce-scatter sums "
+    "each rank's block in the send buffer and gives it back when the sums arrive, the all-gather "
+    "writes each rank's block straight into the output",
+    "[.][collectives_in_place]") {
   auto mesh = mt::comm::init<FsdpMesh>();
   const auto& group = mesh.group<mt::FSDP>();
   auto& counter = mt::train::CpuAllocationCounter::install();
@@ -415,7 +422,7 @@ TEST_CASE("fsdp's collectives on the CPU allocate no buffer of the unit's size: 
   work.wait();
   CHECK(send.storage().nbytes() == 0);
   INFO("allocated while the collective ran: " << counter.peak() - before << " bytes; the send buffer was "
-                                               << send_bytes);
+                                              << send_bytes);
   CHECK(counter.peak() - before < send_bytes / 8);
   // Over ranks: size x position + (1 + 2 + ... + size), on this rank's block of positions.
   const auto positions = torch::arange(group.rank() * block, (group.rank() + 1) * block, torch::kFloat);
@@ -431,7 +438,7 @@ TEST_CASE("fsdp's collectives on the CPU allocate no buffer of the unit's size: 
   mt::fsdp_detail::start_all_gather_flat(group, gathered, input, "test all_gather").wait();
   const auto gathered_bytes = static_cast<std::int64_t>(gathered.nbytes());
   INFO("allocated while the all-gather ran: " << counter.peak() - before_gather << " bytes; the output is "
-                                               << gathered_bytes);
+                                              << gathered_bytes);
   CHECK(counter.peak() - before_gather < gathered_bytes / 8);
   CHECK(torch::equal(gathered, torch::arange(group.size() * block, torch::kFloat)));
   // Gloo's own call, counted the same way, allocates the output's size on its thread: what the
@@ -454,9 +461,10 @@ TEST_CASE("fsdp's all-gather on the CPU that a rank never joins fails within the
     auto input = torch::ones({1024});
     auto output = torch::empty({group.size() * 1024});
     const auto start = std::chrono::steady_clock::now();
-    CHECK_THROWS_WITH(mt::fsdp_detail::start_all_gather_flat(group, output, input, "FSDP all_gather of 'layers.0'").wait(),
-                      Catch::Contains("FSDP all_gather of 'layers.0' over the FSDP group [0, 1] on rank 0 failed") &&
-                          Catch::Contains("timeout 1000 ms"));
+    CHECK_THROWS_WITH(
+        mt::fsdp_detail::start_all_gather_flat(group, output, input, "FSDP all_gather of 'layers.0'").wait(),
+        Catch::Contains("FSDP all_gather of 'layers.0' over the FSDP group [0, 1] on rank 0 failed") &&
+            Catch::Contains("timeout 1000 ms"));
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(3));
   } else {
     std::this_thread::sleep_for(std::chrono::seconds(2));

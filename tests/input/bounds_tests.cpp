@@ -1,14 +1,13 @@
 // User-given integers that overflow where they are multiplied, DeepSpeed config messages that
 // must keep what follows a NUL and print values as written, and a metrics file torn by a full
 // disk. Each failed before its fix (SIGFPE, a message cut short or wrapped, two records on a line).
-#include <catch2/catch.hpp>
-
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 
+#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
 #include <meshtorch/data/sampler.hpp>
@@ -39,14 +38,20 @@ inline std::string read_text(const fs::path& path) {
 
 TEST_CASE("a global batch that overflows 64 bits is refused naming the flags, not a division by zero", "[bounds]") {
   // 4 x 2^62 wraps to 0, which the sampler divided by (SIGFPE).
-  CHECK(error_of([] { mt::data::DpInvariantSampler({1000, 4, 1, 0, std::int64_t{1} << 62, 0}); }) ==
+  CHECK(error_of([] {
+          mt::data::DpInvariantSampler({1000, 4, 1, 0, std::int64_t{1} << 62, 0});
+        }) ==
         "the global batch -b/--batch-size 4 x 1 data-parallel rank(s) x --grad-accum 4611686018427387904 overflows a "
         "64-bit integer; it must be at most the dataset's 1000 blocks");
-  CHECK_THAT(error_of([] { mt::data::DpInvariantSampler({1000, std::int64_t{1} << 62, 4, 0, 1, 0}); }),
+  CHECK_THAT(error_of([] {
+               mt::data::DpInvariantSampler({1000, std::int64_t{1} << 62, 4, 0, 1, 0});
+             }),
              Catch::Contains("-b/--batch-size 4611686018427387904 x 4 data-parallel rank(s) x --grad-accum 1 "
                              "overflows"));
   // Large but not overflowing: the data set's size is the bound.
-  CHECK_THAT(error_of([] { mt::data::DpInvariantSampler({1000, 4, 1, 0, std::int64_t{1} << 40, 0}); }),
+  CHECK_THAT(error_of([] {
+               mt::data::DpInvariantSampler({1000, 4, 1, 0, std::int64_t{1} << 40, 0});
+             }),
              Catch::Contains("do not fill one global batch of 4398046511104"));
 
   // Chapter 8's DeepSpeed fields: the same product, named by its keys.
@@ -100,8 +105,9 @@ TEST_CASE("DeepSpeed config messages keep what follows a NUL and print numbers a
   CHECK(error_of([] {
           mt::train::DeepSpeedConfig::parse(
               nlohmann::json::parse(R"({"train_micro_batch_size_per_gpu": 9223372036854775808})"), "ds_config.json");
-        }) == "ds_config.json: train_micro_batch_size_per_gpu: 9223372036854775808 is out of range; expected an "
-              "integer >= 1");
+        }) ==
+        "ds_config.json: train_micro_batch_size_per_gpu: 9223372036854775808 is out of range; expected an "
+        "integer >= 1");
   // A value that is not UTF-8 is printed with U+FFFD, not a raw nlohmann exception.
   CHECK_THAT(error_of([] {
                mt::train::DeepSpeedConfig::parse(
@@ -124,7 +130,8 @@ TEST_CASE("a metrics line torn by a full disk is completed before the next recor
     metrics.append(next);
   }
   CHECK(bounds_tests::read_text(path) == first + "\n" + next.dump() + "\n");
-  CHECK(bounds_tests::read_text(dir / "metrics.discarded.jsonl") == R"({"global_step":2,"l)" "\n");
+  CHECK(bounds_tests::read_text(dir / "metrics.discarded.jsonl") == R"({"global_step":2,"l)"
+                                                                    "\n");
 
   // A whole record that only lost its newline is kept.
   fs::remove(dir / "metrics.discarded.jsonl");
@@ -133,7 +140,10 @@ TEST_CASE("a metrics line torn by a full disk is completed before the next recor
     mt::train::MetricsFile metrics(path);
     metrics.append(next);
   }
-  CHECK(bounds_tests::read_text(path) == first + "\n" + R"({"global_step":2})" "\n" + next.dump() + "\n");
+  CHECK(bounds_tests::read_text(path) == first + "\n" +
+                                             R"({"global_step":2})"
+                                             "\n" +
+                                             next.dump() + "\n");
   CHECK(!fs::exists(dir / "metrics.discarded.jsonl"));
 
   // No newline at all, longer than the 64 KiB block read back at a time.

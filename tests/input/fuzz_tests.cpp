@@ -5,8 +5,6 @@
 // takes over 10 s fails it too).
 //   MESHTORCH_FUZZ_ITERATIONS  inputs per parser (default 100); docs/reliability.md has a longer run
 //   MESHTORCH_FUZZ_SEED        seed of the mutations (default 1); the same seed gives the same inputs
-#include <catch2/catch.hpp>
-
 #include <sys/stat.h>
 
 #include <chrono>
@@ -20,6 +18,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
 #include <meshtorch/io/json_file.hpp>

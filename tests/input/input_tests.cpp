@@ -1,12 +1,11 @@
 // Bad input gives a named error: each case here was found by feeding meshtorch malformed or
 // hostile files (model folders, configs, state.json, datasets), and each failed before its fix.
-#include <catch2/catch.hpp>
-
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <string>
 
+#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
 #include <meshtorch/io/json_file.hpp>
@@ -207,14 +206,16 @@ TEST_CASE("safetensors shapes are checked before allocation, without overflow", 
   CHECK_THAT(error_of([&] { mt::io::load_safetensors(path); }),
              Catch::Contains("must be a list of non-negative 64-bit integers"));
   // No bytes, but strides of 2^124: LibTorch threw its own error (found by the longer fuzz run).
-  write_safetensors_with_header(path, R"({"w": {"dtype": "F32", "shape": [0, 4611686018427387904, )"
-                                      R"(4611686018427387904], "data_offsets": [0, 0]}})",
+  write_safetensors_with_header(path,
+                                R"({"w": {"dtype": "F32", "shape": [0, 4611686018427387904, )"
+                                R"(4611686018427387904], "data_offsets": [0, 0]}})",
                                 0);
   CHECK_THAT(error_of([&] { mt::io::load_safetensors(path); }),
              Catch::Contains("tensor 'w': shape [0,4611686018427387904,4611686018427387904] is too large: its strides "
                              "overflow 64 bits"));
-  write_safetensors_with_header(path, R"({"w": {"dtype": "F32", "shape": [0, 4611686018427387904], )"
-                                      R"("data_offsets": [0, 0]}})",
+  write_safetensors_with_header(path,
+                                R"({"w": {"dtype": "F32", "shape": [0, 4611686018427387904], )"
+                                R"("data_offsets": [0, 0]}})",
                                 0);
   CHECK(mt::io::load_safetensors(path).tensors.at(0).second.size(1) == 4611686018427387904);
   // A directory where a file belongs names the path (before: a raw filesystem_error).

@@ -1,7 +1,7 @@
-#include <catch2/catch.hpp>
-
 #include <map>
 #include <string>
+
+#include <catch2/catch.hpp>
 
 #include <meshtorch/comm/env.hpp>
 #include <meshtorch/comm/error_file.hpp>
@@ -23,9 +23,8 @@ LaunchEnv env_from(const Variables& variables) {
 
 void check_env(const LaunchEnv& env, int rank, int world, int local_rank, int local_world, const std::string& addr,
                int port, const std::string& launcher) {
-  INFO("rank " << env.rank << " world " << env.world_size << " local " << env.local_rank << "/"
-               << env.local_world_size << " master " << env.master_addr << ":" << env.master_port << " launcher "
-               << env.launcher);
+  INFO("rank " << env.rank << " world " << env.world_size << " local " << env.local_rank << "/" << env.local_world_size
+               << " master " << env.master_addr << ":" << env.master_port << " launcher " << env.launcher);
   CHECK(env.rank == rank);
   CHECK(env.world_size == world);
   CHECK(env.local_rank == local_rank);
@@ -42,13 +41,20 @@ TEST_CASE("no launcher variables mean one process on its own") {
 }
 
 TEST_CASE("torchrun variables give rank, world, local rank and master") {
-  check_env(env_from({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"},
-                      {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "1234"}}),
+  check_env(env_from({{"RANK", "5"},
+                      {"WORLD_SIZE", "8"},
+                      {"LOCAL_RANK", "1"},
+                      {"LOCAL_WORLD_SIZE", "4"},
+                      {"MASTER_ADDR", "node7"},
+                      {"MASTER_PORT", "1234"}}),
             5, 8, 1, 4, "node7", 1234, "torchrun");
 }
 
 TEST_CASE("torchrun variables win over Slurm's and OpenMPI's") {
-  check_env(env_from({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"},
+  check_env(env_from({{"RANK", "1"},
+                      {"WORLD_SIZE", "2"},
+                      {"SLURM_PROCID", "0"},
+                      {"SLURM_NTASKS", "1"},
                       {"OMPI_COMM_WORLD_RANK", "0"}}),
             1, 2, 1, 2, "127.0.0.1", 29500, "torchrun");
 }
@@ -58,9 +64,12 @@ TEST_CASE("RANK and WORLD_SIZE alone mean every rank is on this host") {
 }
 
 TEST_CASE("Slurm variables give the rank and the first host of the node list as master") {
-  Variables slurm{{"SLURM_PROCID", "6"},       {"SLURM_NTASKS", "8"},
-                  {"SLURM_LOCALID", "2"},      {"SLURM_NTASKS_PER_NODE", "4"},
-                  {"SLURM_JOB_NODELIST", "gpu[07-08]"}, {"SLURM_JOB_ID", "123456"}};
+  Variables slurm{{"SLURM_PROCID", "6"},
+                  {"SLURM_NTASKS", "8"},
+                  {"SLURM_LOCALID", "2"},
+                  {"SLURM_NTASKS_PER_NODE", "4"},
+                  {"SLURM_JOB_NODELIST", "gpu[07-08]"},
+                  {"SLURM_JOB_ID", "123456"}};
   check_env(env_from(slurm), 6, 8, 2, 4, "gpu07", 10000 + 123456 % 20000, "slurm");
   slurm["MASTER_PORT"] = "4000";
   slurm["MASTER_ADDR"] = "head";
@@ -87,8 +96,10 @@ TEST_CASE("Slurm node lists expand ranges, lists and zero padding") {
 }
 
 TEST_CASE("OpenMPI variables give the rank; MASTER_ADDR defaults only on one node") {
-  Variables mpi{{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
-                {"OMPI_COMM_WORLD_LOCAL_RANK", "3"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}};
+  Variables mpi{{"OMPI_COMM_WORLD_RANK", "3"},
+                {"OMPI_COMM_WORLD_SIZE", "4"},
+                {"OMPI_COMM_WORLD_LOCAL_RANK", "3"},
+                {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}};
   check_env(env_from(mpi), 3, 4, 3, 4, "127.0.0.1", 29500, "openmpi");
   mpi["OMPI_COMM_WORLD_LOCAL_RANK"] = "1";
   mpi["OMPI_COMM_WORLD_LOCAL_SIZE"] = "2";
@@ -113,9 +124,9 @@ TEST_CASE("missing or contradictory variables name the variable and its value") 
   throws_naming({{"RANK", "x1"}, {"WORLD_SIZE", "2"}}, "RANK='x1' is not an integer");
   throws_naming({{"RANK", "0"}, {"WORLD_SIZE", "0"}}, "WORLD_SIZE=0 is out of range");
   throws_naming({{"RANK", "-1"}, {"WORLD_SIZE", "2"}}, "RANK=-1 is out of range");
-  throws_naming({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"},
-                 {"MASTER_ADDR", "h"}},
-                "LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2");
+  throws_naming(
+      {{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}},
+      "LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2");
   throws_naming({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "4"}},
                 "LOCAL_WORLD_SIZE=4 exceeds WORLD_SIZE=2");
   throws_naming({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "2"}},
@@ -129,7 +140,9 @@ TEST_CASE("missing or contradictory variables name the variable and its value") 
   throws_naming({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}, {"SLURM_NTASKS_PER_NODE", "1"}},
                 "SLURM_PROCID=3 is not below SLURM_NTASKS=2");
   throws_naming({{"OMPI_COMM_WORLD_SIZE", "2"}}, "OMPI_COMM_WORLD_RANK is not set");
-  throws_naming({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
+  throws_naming({{"OMPI_COMM_WORLD_RANK", "0"},
+                 {"OMPI_COMM_WORLD_SIZE", "2"},
+                 {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
                  {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}},
                 "OMPI_COMM_WORLD_LOCAL_RANK=2 is not below OMPI_COMM_WORLD_LOCAL_SIZE=2");
 }

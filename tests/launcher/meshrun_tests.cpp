@@ -1,16 +1,15 @@
-#include <catch2/catch.hpp>
-
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 
+#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
 namespace fs = std::filesystem;
@@ -51,7 +50,8 @@ Run run(const std::string& command) {
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   UNSCOPED_INFO("command: " << command << "\nexit code " << result.exit_code << " after " << result.seconds
-                            << " s, output:\n" << result.output);
+                            << " s, output:\n"
+                            << result.output);
   return result;
 }
 
@@ -77,11 +77,12 @@ int free_port_guess() { return 30000 + static_cast<int>(::getpid() % 2000) * 2; 
 
 TEST_CASE("every rank sees its rank, world size, local rank and master in the environment") {
   auto dir = scratch_dir("env");
-  auto result = run("env -u OMP_NUM_THREADS " + meshrun + " --nproc-per-node 3 --master-port 4321 -- " +
-                    rank_program + " env " + dir.string());
+  auto result = run("env -u OMP_NUM_THREADS " + meshrun + " --nproc-per-node 3 --master-port 4321 -- " + rank_program +
+                    " env " + dir.string());
   REQUIRE(result.exit_code == 0);
   for (int rank = 0; rank < 3; ++rank) {
-    auto expected = std::to_string(rank) + " 3 " + std::to_string(rank) + " 3 127.0.0.1 4321 torchrun 0 0 1 error-file\n";
+    auto expected =
+        std::to_string(rank) + " 3 " + std::to_string(rank) + " 3 127.0.0.1 4321 torchrun 0 0 1 error-file\n";
     CHECK(read_text(dir / ("rank" + std::to_string(rank) + ".txt")) == expected);
   }
   CHECK_THAT(result.output, Catch::Contains("OMP_NUM_THREADS is not set"));
@@ -93,18 +94,21 @@ TEST_CASE("a rank exiting with code 3 stops the sleeping ranks and meshrun exits
   auto result = run(meshrun + " --nproc-per-node 3 -- " + rank_program + " exit-on-rank 1 3");
   CHECK(result.exit_code == 3);
   CHECK(result.seconds < 5);
-  CHECK_THAT(result.output, Catch::Contains("rank 1 (node 0, local rank 1, attempt 0) failed first: it exited with code 3"));
+  CHECK_THAT(result.output,
+             Catch::Contains("rank 1 (node 0, local rank 1, attempt 0) failed first: it exited with code 3"));
 }
 
 TEST_CASE("a rank killed by SIGKILL stops the others and meshrun exits 128 + 9") {
   auto result = run(meshrun + " --nproc-per-node 2 -- " + rank_program + " kill-on-rank 0");
   CHECK(result.exit_code == 137);
   CHECK(result.seconds < 5);
-  CHECK_THAT(result.output, Catch::Contains("rank 0 (node 0, local rank 0, attempt 0) failed first: it was killed by SIGKILL"));
+  CHECK_THAT(result.output,
+             Catch::Contains("rank 0 (node 0, local rank 0, attempt 0) failed first: it was killed by SIGKILL"));
 }
 
 TEST_CASE("a rank that ignores SIGTERM is killed after the grace period") {
-  auto result = run(meshrun + " --nproc-per-node 2 --termination-grace 1 -- sh -c "
+  auto result = run(meshrun +
+                    " --nproc-per-node 2 --termination-grace 1 -- sh -c "
                     "'if [ $RANK = 1 ]; then sleep 0.2; exit 4; fi; trap \"\" TERM; sleep 30'");
   CHECK(result.exit_code == 4);
   CHECK(result.seconds > 1);
@@ -130,8 +134,8 @@ TEST_CASE("without restarts left the first failure is final") {
 
 TEST_CASE("with --log-dir meshrun writes each rank's stdout and stderr to its own files") {
   auto dir = scratch_dir("logs");
-  auto result = run(meshrun + " --nproc-per-node 2 --log-dir " + dir.string() +
-                    " -- sh -c 'echo out $RANK; echo err $RANK >&2'");
+  auto result =
+      run(meshrun + " --nproc-per-node 2 --log-dir " + dir.string() + " -- sh -c 'echo out $RANK; echo err $RANK >&2'");
   REQUIRE(result.exit_code == 0);
   for (int rank = 0; rank < 2; ++rank) {
     auto rank_dir = dir / "0" / std::to_string(rank);
@@ -152,7 +156,8 @@ TEST_CASE("an uncaught exception writes the error file and meshrun prints its me
   auto json = nlohmann::json::parse(read_text(error_file));
   CHECK(json["message"]["message"] == "std::runtime_error: disk on fire");
   CHECK(json["message"]["extraInfo"]["timestamp"].is_string());
-  CHECK_THAT(result.output, Catch::Contains("error file " + error_file.string() + ": std::runtime_error: disk on fire"));
+  CHECK_THAT(result.output,
+             Catch::Contains("error file " + error_file.string() + ": std::runtime_error: disk on fire"));
   CHECK_THAT(result.output, Catch::Contains("its stderr: " + (dir / "0" / "1" / "stderr.log").string()));
   fs::remove_all(dir);
 }
@@ -373,7 +378,9 @@ TEST_CASE("node 0 refuses a stranger, a meshrun without the job token and one wi
   // A stranger that sends nothing, one that speaks another protocol: each timed until refused.
   const std::string stranger =
       "python3 -c \"import socket, time\nfor data in [b'', b'GET / HTTP/1.0\\\\r\\\\n\\\\r\\\\n']:\n"
-      "  s = socket.create_connection(('127.0.0.1', " + link + ")); t = time.monotonic(); s.sendall(data)\n"
+      "  s = socket.create_connection(('127.0.0.1', " +
+      link +
+      ")); t = time.monotonic(); s.sendall(data)\n"
       "  s.settimeout(5); s.recv(100)\n  print('stranger port', s.getsockname()[1], 'refused after', "
       "round(time.monotonic() - t, 2))\"; ";
   auto result = run(node_zero + " & first=$!; sleep 0.3; " + stranger + node +

@@ -45,10 +45,9 @@ int main(int argc, char** argv) {
                                                    "-rank" + std::to_string(env.rank);
       std::ofstream out(argument(2) + "/" + name + ".txt");
       out << env.rank << ' ' << env.world_size << ' ' << env.local_rank << ' ' << env.local_world_size << ' '
-          << env.master_addr << ' ' << env.master_port << ' ' << env.launcher << ' '
-          << variable("GROUP_RANK") << ' ' << variable("TORCHELASTIC_RESTART_COUNT") << ' '
-          << variable("OMP_NUM_THREADS") << ' ' << (std::getenv("TORCHELASTIC_ERROR_FILE") ? "error-file" : "none")
-          << '\n';
+          << env.master_addr << ' ' << env.master_port << ' ' << env.launcher << ' ' << variable("GROUP_RANK") << ' '
+          << variable("TORCHELASTIC_RESTART_COUNT") << ' ' << variable("OMP_NUM_THREADS") << ' '
+          << (std::getenv("TORCHELASTIC_ERROR_FILE") ? "error-file" : "none") << '\n';
       out.close();
       return mode == "elastic" && variable("TORCHELASTIC_RESTART_COUNT") == 0 ? sleep_long() : 0;
     }

@@ -1,10 +1,10 @@
 // Rank <-> coordinate maps and axis slices of static and dynamic meshes, checked against tables
 // written out by hand. Most checks are static_asserts: they run when this file compiles.
-#include <catch2/catch.hpp>
-
 #include <array>
 #include <string>
 #include <vector>
+
+#include <catch2/catch.hpp>
 
 #include <meshtorch/layout/layout.hpp>
 
@@ -56,8 +56,8 @@ static_assert(Mesh2D::mask_of<TP, DP> == 3u && Mesh2D::mask_of<TP> == 2u);
 using Mesh3D = Mesh<DP<2>, FSDP<2>, TP<2>>;
 constexpr MeshShape<Mesh3D> shape3d;
 static_assert(Mesh3D::size == 8 && Mesh3D::name == "Mesh<DP<2>, FSDP<2>, TP<2>>");
-constexpr std::array<std::array<int, 3>, 8> coords3d{{{0, 0, 0}, {0, 0, 1}, {0, 1, 0}, {0, 1, 1},
-                                                      {1, 0, 0}, {1, 0, 1}, {1, 1, 0}, {1, 1, 1}}};
+constexpr std::array<std::array<int, 3>, 8> coords3d{
+    {{0, 0, 0}, {0, 0, 1}, {0, 1, 0}, {0, 1, 1}, {1, 0, 0}, {1, 0, 1}, {1, 1, 0}, {1, 1, 1}}};
 static_assert([] {
   for (int r = 0; r < 8; ++r)
     if (shape3d.coord_of(r) != coords3d[r] || shape3d.rank_of(coords3d[r]) != r) return false;
@@ -72,8 +72,7 @@ static_assert(same_slices(shape3d.slices<DP>(),
 static_assert(shape3d.slice_ranks<FSDP>(5) == std::vector{5, 7});
 static_assert(shape3d.slice_ranks<DP>(6) == std::vector{2, 6});
 // The data-parallel group of 3D: the ranks at the same TP coordinate, DP-major.
-static_assert(same_slices(shape3d.slices<DP, FSDP>(),
-                          std::array{std::array{0, 2, 4, 6}, std::array{1, 3, 5, 7}}));
+static_assert(same_slices(shape3d.slices<DP, FSDP>(), std::array{std::array{0, 2, 4, 6}, std::array{1, 3, 5, 7}}));
 static_assert(shape3d.slice_ranks<DP, FSDP>(5) == std::vector{1, 3, 5, 7});
 static_assert(shape3d.size(Mesh3D::mask_of<DP, FSDP>) == 4);
 
@@ -96,7 +95,9 @@ static_assert(!DynamicDP::is_static && DynamicDP::dynamic_count == 1);
 static_assert(DynamicDP::static_product == 2 && DynamicDP::static_extent<DP> == dynamic);
 static_assert(DynamicDP::name == "Mesh<DP<dynamic>, TP<2>>");
 template <class M>
-concept HasStaticSize = requires { M::size; };
+concept HasStaticSize = requires {
+  M::size;
+};
 static_assert(!HasStaticSize<DynamicDP> && HasStaticSize<Mesh2D>);
 
 constexpr auto dp4tp2 = MeshShape<DynamicDP>::resolve(8);
@@ -104,13 +105,12 @@ static_assert(dp4tp2.extents() == std::array{4, 2} && dp4tp2.size() == 8);
 static_assert(dp4tp2.extent<DP>() == 4 && dp4tp2.extent<TP>() == 2);
 static_assert(dp4tp2.coord_of(7) == std::array{3, 1} && dp4tp2.coord<DP>(5) == 2);
 static_assert(dp4tp2.slice_ranks<DP>(3) == std::vector{1, 3, 5, 7});
-static_assert(same_slices(dp4tp2.slices<TP>(), std::array{std::array{0, 1}, std::array{2, 3},
-                                                          std::array{4, 5}, std::array{6, 7}}));
+static_assert(same_slices(dp4tp2.slices<TP>(),
+                          std::array{std::array{0, 1}, std::array{2, 3}, std::array{4, 5}, std::array{6, 7}}));
 
 constexpr auto fsdp2tp3 = MeshShape<Mesh<FSDP<2>, TP<dynamic>>>::resolve(6);
 static_assert(fsdp2tp3.extents() == std::array{2, 3});
-static_assert(same_slices(fsdp2tp3.slices<FSDP>(),
-                          std::array{std::array{0, 3}, std::array{1, 4}, std::array{2, 5}}));
+static_assert(same_slices(fsdp2tp3.slices<FSDP>(), std::array{std::array{0, 3}, std::array{1, 4}, std::array{2, 5}}));
 
 // A static mesh's shape needs no world size.
 static_assert(MeshShape<Mesh3D>{}.slice_ranks<FSDP>(5) == std::vector{5, 7});
@@ -126,10 +126,8 @@ static_assert(axis<TP>.name == "TP");
 
 TEST_CASE("a dynamic extent is the world size over the static extents") {
   CHECK(MeshShape<Mesh<DP<dynamic>>>::resolve(5).extents() == std::array{5});
-  CHECK(MeshShape<Mesh<DP<2>, FSDP<dynamic>, TP<2>>>::resolve(12).extents() ==
-        std::array{2, 3, 2});
-  CHECK(MeshShape<Mesh<DP<2>, FSDP<dynamic>, TP<2>>>::resolve(12).to_string() ==
-        "Mesh<DP=2, FSDP=3, TP=2>");
+  CHECK(MeshShape<Mesh<DP<2>, FSDP<dynamic>, TP<2>>>::resolve(12).extents() == std::array{2, 3, 2});
+  CHECK(MeshShape<Mesh<DP<2>, FSDP<dynamic>, TP<2>>>::resolve(12).to_string() == "Mesh<DP=2, FSDP=3, TP=2>");
 }
 
 TEST_CASE("several axes may be dynamic: the extents given at init, one left to the world size") {

@@ -19,7 +19,9 @@ static_assert(collective_for<Partial, Shard<0>> == Collective::reduce_scatter);
 static_assert(collective_for<Partial, Partial> == Collective::none);
 
 template <class From, class To>
-concept Redistributable = requires { collective_for<From, To>; };
+concept Redistributable = requires {
+  collective_for<From, To>;
+};
 static_assert(!Redistributable<int, Replicate>);
 
 static_assert(Placement<Replicate> && Placement<Shard<-2>> && Placement<Partial>);

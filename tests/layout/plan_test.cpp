@@ -26,7 +26,8 @@ static_assert(Recipe405b::memory({.batch = 1, .seq = 4096, .cpu_offload = true})
 // Llama-3.1-8B the root: embedding, head and final norm, 1,050,677,248 parameters), over 8 ranks.
 using Fsdp8b = llama::Plan<mt::Mesh<mt::FSDP<8>>, llama::presets::llama_3_1_8b>;
 static_assert(Fsdp8b::memory({.state_bytes = 4, .optimizer_in_backward = true}).gradients == 1050677248.0 * 4 / 8);
-static_assert(Fsdp8b::memory({.state_bytes = 4}).gradients > 7 * Fsdp8b::memory({.state_bytes = 4, .optimizer_in_backward = true}).gradients);
+static_assert(Fsdp8b::memory({.state_bytes = 4}).gradients >
+              7 * Fsdp8b::memory({.state_bytes = 4, .optimizer_in_backward = true}).gradients);
 // Optimizer offload alone: the AdamW state leaves the device for the host, where a copy of the
 // shards and their gradients joins it; the device keeps the shards and gradients.
 constexpr mt::RunShape fp32_state{.state_bytes = 4}, offloaded_optimizer{.state_bytes = 4, .optimizer_offload = true};
@@ -35,7 +36,8 @@ static_assert(Fsdp8b::memory(offloaded_optimizer).host == 2 * Fsdp8b::memory(fp3
 static_assert(Fsdp8b::memory(offloaded_optimizer).weights == Fsdp8b::memory(fp32_state).weights &&
               Fsdp8b::memory(offloaded_optimizer).gradients == Fsdp8b::memory(fp32_state).gradients);
 constexpr double peak_saved = Fsdp8b::peak_bytes(fp32_state) - Fsdp8b::peak_bytes(offloaded_optimizer);
-static_assert(peak_saved > Fsdp8b::memory(fp32_state).optimizer - 1 && peak_saved < Fsdp8b::memory(fp32_state).optimizer + 1);
+static_assert(peak_saved > Fsdp8b::memory(fp32_state).optimizer - 1 &&
+              peak_saved < Fsdp8b::memory(fp32_state).optimizer + 1);
 // 2D: the TP extent divides what a rank holds and computes.
 static_assert(Plan405b::memory(recipe).gathered < Recipe405b::memory(recipe).gathered / 4);
 
@@ -53,7 +55,7 @@ static_assert(mt::ColwiseParallel<mt::Shard<1>, mt::Shard<-1>>::name == "Colwise
 // Each style's collectives, forward and backward, as Megatron-LM pairs them.
 static_assert(mt::ColwiseParallel<mt::Shard<1>>::enter::forward == mt::Collective::all_gather);
 static_assert(mt::ColwiseParallel<mt::Shard<1>>::enter::backward == mt::Collective::reduce_scatter);
-static_assert(mt::ColwiseParallel<>::enter::forward == mt::Collective::none);       // f ...
+static_assert(mt::ColwiseParallel<>::enter::forward == mt::Collective::none);         // f ...
 static_assert(mt::ColwiseParallel<>::enter::backward == mt::Collective::all_reduce);  // ... its all-reduce
 static_assert(mt::ColwiseParallel<mt::Replicate, mt::Replicate>::leave::forward == mt::Collective::all_gather);
 static_assert(mt::ColwiseParallel<mt::Replicate, mt::Replicate>::leave::backward == mt::Collective::local_chunk);
@@ -78,14 +80,16 @@ TEST_CASE("a run-time config is checked against the plan at the resolved TP size
   using Plan = llama::Plan<mt::Mesh<mt::DP<mt::dynamic>, mt::TP<2>>>;
   auto config = llama::presets::llama_tiny;
   CHECK_NOTHROW(Plan::validate(config, 2));
-  CHECK_THROWS_WITH(Plan::validate(config, 8, "tiny/config.json"),
-                    "tiny/config.json: num_key_value_heads is not divisible by the TP size (8) of Mesh<DP<dynamic>, TP<2>>");
+  CHECK_THROWS_WITH(
+      Plan::validate(config, 8, "tiny/config.json"),
+      "tiny/config.json: num_key_value_heads is not divisible by the TP size (8) of Mesh<DP<dynamic>, TP<2>>");
   config.intermediate_size = 385;
   CHECK_THROWS_WITH(Plan::validate(config, 2), Catch::Contains("intermediate_size is not divisible"));
   config = llama::presets::llama_tiny;
   config.vocab_size = 263;
   CHECK_THROWS_WITH(Plan::validate(config, 2), Catch::Contains("vocab_size is not divisible"));
   CHECK_NOTHROW(Plan::validate(config, 1));
-  CHECK_THROWS_WITH(Plan::validate_sequence(63, 2), Catch::Contains("--seq-length 63 is not divisible by the TP size 2"));
+  CHECK_THROWS_WITH(Plan::validate_sequence(63, 2),
+                    Catch::Contains("--seq-length 63 is not divisible by the TP size 2"));
   CHECK_NOTHROW(Plan::validate_sequence(64, 2));
 }

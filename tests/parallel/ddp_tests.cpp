@@ -1,11 +1,10 @@
 // DistributedDataParallel and ZeroRedundancyOptimizer. Tests tagged [single] run in one process;
 // the others are rank bodies run on 2 ranks by launch.py (see CMakeLists.txt): every rank runs
 // the same test case and must pass.
-#include <catch2/catch.hpp>
-
 #include <chrono>
 #include <mutex>
 
+#include <catch2/catch.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/nn/modules/linear.h>  // the tests' small models
 
@@ -46,7 +45,9 @@ class RecordingHook : public c10d::CommHookInterface {
     tensors[0].div_(group_->getSize());
     return group_->allreduce(tensors)->getFuture();
   }
-  at::Tensor parseHookResult(const c10::IValue& result) override { return c10d::detail::parseCppCommHookResult(result); }
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    return c10d::detail::parseCppCommHookResult(result);
+  }
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
@@ -120,8 +121,8 @@ TEST_CASE("ddp broadcasts rank 0's parameters at wrap and keeps replicas equal",
   const auto& dp = mesh.group<mt::DP>();
   torch::manual_seed(100 + mesh.rank());  // each rank initialises differently
   auto model = tiny_llama();
-  const auto before = gathered(dp, model->named_parameters()["model.norm.weight"] +
-                                       model->named_parameters()["lm_head.weight"].sum());
+  const auto before =
+      gathered(dp, model->named_parameters()["model.norm.weight"] + model->named_parameters()["lm_head.weight"].sum());
   mt::DistributedDataParallel ddp(model, dp);
   for (const auto& item : model->named_parameters()) {
     const auto all = gathered(dp, item.value());
@@ -143,9 +144,7 @@ TEST_CASE("no_sync accumulates locally and the next synchronised backward averag
     reference->bias.copy_(net->bias);
   }
   mt::DistributedDataParallel ddp(net, dp);
-  auto input = [](int rank, int micro) {
-    return torch::arange(8, torch::kFloat).view({2, 4}) * (rank + 1) + micro;
-  };
+  auto input = [](int rank, int micro) { return torch::arange(8, torch::kFloat).view({2, 4}) * (rank + 1) + micro; };
   {
     auto guard = ddp.no_sync();
     CHECK_FALSE(ddp.require_sync());

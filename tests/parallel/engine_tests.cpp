@@ -92,23 +92,28 @@ TEST_CASE("a DeepSpeed config refuses wrong types, unknown keys and impossible c
         "train_micro_batch_size_per_gpu: expected an integer >= 1, got 2.5 (a number)");
   fails(R"({"train_micro_batch_size_per_gpu": true})", "train_micro_batch_size_per_gpu: expected an integer");
   fails(R"({"train_micro_batch_size_per_gpu": 2, "bf16": true})", "bf16: expected an object, got a boolean");
-  fails(R"({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "amsgrad": true}}})",
-        "optimizer.params.amsgrad: not a key meshtorch implements");
+  fails(
+      R"({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "amsgrad": true}}})",
+      "optimizer.params.amsgrad: not a key meshtorch implements");
   fails(R"({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}})",
         "optimizer.params.betas: expected two numbers [a, b], got [0.9]");
-  fails(R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})",
-        "zero_optimization.offload_optimizer: offload_param without it is not implemented");
-  fails(R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})",
-        "zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3, as in DeepSpeed; stage is 0");
+  fails(
+      R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})",
+      "zero_optimization.offload_optimizer: offload_param without it is not implemented");
+  fails(
+      R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})",
+      "zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3, as in DeepSpeed; stage is 0");
   fails(R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1, "overlap_comm": true}})",
         "zero_optimization.overlap_comm applies to stage 2 here");
   fails(R"({"train_micro_batch_size_per_gpu": 2, "scheduler": {"type": "WarmupCosineLR", "params": {}}})",
         "scheduler.params.total_num_steps is required for WarmupCosineLR");
   fails(R"({"gradient_accumulation_steps": 2})", "train_micro_batch_size_per_gpu (or train_batch_size) is required");
-  fails(R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})",
-        "zero_optimization.offload_optimizer.device: nvme offload is not implemented");
+  fails(
+      R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})",
+      "zero_optimization.offload_optimizer.device: nvme offload is not implemented");
 
-  auto inconsistent = parse(R"({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2})");
+  auto inconsistent =
+      parse(R"({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2})");
   CHECK_THROWS_WITH(inconsistent.resolve_batch(2),
                     Catch::Contains("train_batch_size 10 is not train_micro_batch_size_per_gpu 2 x "
                                     "gradient_accumulation_steps 2 x 2 data-parallel ranks = 8"));

@@ -6,7 +6,6 @@
 #include <array>
 
 #include <catch2/catch.hpp>
-
 #include <torch/nn/utils/clip_grad.h>  // the reference norm
 
 #include <meshtorch/comm/comm.hpp>
@@ -90,7 +89,8 @@ void check_layout_against_one_process(std::vector<int> extents = {}, mt::Paralle
     CHECK(difference < 2e-3);
     worst_weight = std::max(worst_weight, difference);
   }
-  WARN(mesh.shape().to_string() << ": largest relative weight difference after " << steps << " steps: " << worst_weight);
+  WARN(mesh.shape().to_string() << ": largest relative weight difference after " << steps
+                                << " steps: " << worst_weight);
   std::int64_t whole = 0;
   for (const auto& p : reference->parameters()) whole += p.numel();
   if (M::template has<mt::TP> || M::template has<mt::FSDP> || options.zero_stage2) {
@@ -103,7 +103,8 @@ void check_layout_against_one_process(std::vector<int> extents = {}, mt::Paralle
   // Saved, each rank writes only its own pieces, straight from the tensors it trains: no rank
   // copies anything (the peak of elements held during the save is what training holds), and in
   // a sharded layout no rank writes a whole weight matrix.
-  const auto dir = std::filesystem::temp_directory_path() / fmt::format("meshtorch-parallelize-{}", mesh.env().master_port);
+  const auto dir =
+      std::filesystem::temp_directory_path() / fmt::format("meshtorch-parallelize-{}", mesh.env().master_port);
   if (mesh.rank() == 0) std::filesystem::remove_all(dir);
   mt::comm::barrier(mesh.world());
   auto pieces = parallel.sharded_parameters();
@@ -141,8 +142,9 @@ void check_layout_against_one_process(std::vector<int> extents = {}, mt::Paralle
   const auto restored_weights = restored->named_parameters();
   for (const auto& item : reference_weights) {
     INFO(item.key());
-    CHECK(((restored_weights[item.key()] - item.value()).abs().max() / item.value().abs().max()).template item<double>() <
-          2e-3);
+    CHECK(
+        ((restored_weights[item.key()] - item.value()).abs().max() / item.value().abs().max()).template item<double>() <
+        2e-3);
   }
   mt::comm::barrier(mesh.world());
   if (mesh.rank() == 0) std::filesystem::remove_all(dir);
@@ -184,8 +186,7 @@ TEST_CASE("rank body: ZeRO-2 with gradient clipping equals one process", "[.][ze
     auto expected = reference->loss(ids, ids);
     expected.backward();
     // The reference's norm over the whole gradient; the layout's over its reduced shards.
-    const double expected_norm =
-        torch::nn::utils::clip_grad_norm_(reference->parameters(), /*max_norm=*/0.5);
+    const double expected_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), /*max_norm=*/0.5);
     reference_optimizer.step();
     reference_optimizer.zero_grad();
     const auto local = ids.narrow(0, parallel.data_parallel_rank() * local_batch, local_batch);
@@ -196,8 +197,8 @@ TEST_CASE("rank body: ZeRO-2 with gradient clipping equals one process", "[.][ze
     optimizer.zero_grad();
     INFO("step " << step);
     CHECK(relative_difference(norm, expected_norm) < 1e-5);
-    CHECK(relative_difference(parallel.mean_over_data_parallel(loss.detach()).item<double>(),
-                              expected.item<double>()) < 1e-5);
+    CHECK(relative_difference(parallel.mean_over_data_parallel(loss.detach()).item<double>(), expected.item<double>()) <
+          1e-5);
   }
   // Gradients of a step live only in this rank's shards: half the model's elements or fewer.
   std::int64_t whole = 0;
@@ -253,8 +254,9 @@ void check_folder_load(mt::WeightsReadBy read_by) {
   }
   auto mesh = mt::comm::init<M>({.timeout = std::chrono::seconds(60), .env = env, .extents = {mt::from_world_size, 2}});
   const int first_of_node = read_by == mt::WeightsReadBy::local_rank0 ? mesh.rank() - mesh.rank() % 2 : 0;
-  CHECK(mesh.node().ranks() == (read_by == mt::WeightsReadBy::local_rank0 ? std::vector<int>{first_of_node, first_of_node + 1}
-                                                                          : mesh.world().ranks()));
+  CHECK(mesh.node().ranks() == (read_by == mt::WeightsReadBy::local_rank0
+                                    ? std::vector<int>{first_of_node, first_of_node + 1}
+                                    : mesh.world().ranks()));
   const auto config = llama::presets::llama_tiny;
   torch::manual_seed(5);
   llama::LlamaForCausalLM reference(config, torch::TensorOptions().device(torch::kMeta));
@@ -274,8 +276,9 @@ void check_folder_load(mt::WeightsReadBy read_by) {
     for (int file = 0; file < 2; ++file)
       mt::io::save_safetensors(dir / fmt::format("model-0000{}-of-00002.safetensors", file + 1), files[file],
                                {{"format", "pt"}});
-    mt::io::write_file_atomically(dir / "model.safetensors.index.json",
-                                  nlohmann::json{{"metadata", nlohmann::json::object()}, {"weight_map", weight_map}}.dump());
+    mt::io::write_file_atomically(
+        dir / "model.safetensors.index.json",
+        nlohmann::json{{"metadata", nlohmann::json::object()}, {"weight_map", weight_map}}.dump());
     mt::io::write_file_atomically(dir / "config.json", llama::config_to_json(config, "bfloat16").dump(2));
   }
   mt::comm::barrier(mesh.world());
@@ -285,7 +288,8 @@ void check_folder_load(mt::WeightsReadBy read_by) {
   auto reference_weights = reference->named_parameters();
   for (const auto& [name, piece] : parallel.named_parameters()) {
     INFO(name);
-    const auto expected = parallel.piece_of(name, reference_weights[name].detach().to(torch::kBFloat16).to(torch::kFloat));
+    const auto expected =
+        parallel.piece_of(name, reference_weights[name].detach().to(torch::kBFloat16).to(torch::kFloat));
     REQUIRE(piece.sizes() == expected.sizes());
     CHECK(torch::equal(piece.detach(), expected));
   }

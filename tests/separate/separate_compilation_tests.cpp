@@ -82,8 +82,9 @@ TEST_CASE("state.json and metrics.jsonl through the separately compiled function
   CHECK(read.running_loss == 2.5);
   auto other = identity;
   other.seed = 2;
-  CHECK(error_of_type<mt::ConfigError>([&] { mt::train::read_train_state(dir, other); })
-            .find("written with seed = 1, this run has 2") != std::string::npos);
+  CHECK(error_of_type<mt::ConfigError>([&] {
+          mt::train::read_train_state(dir, other);
+        }).find("written with seed = 1, this run has 2") != std::string::npos);
 
   mt::train::MetricsFile metrics(dir / "metrics.jsonl");
   for (int step = 1; step <= 3; ++step) metrics.append(nlohmann::ordered_json{{"global_step", step}, {"loss", 0.5}});
@@ -104,15 +105,19 @@ TEST_CASE("JSONL documents through the separately compiled reader") {
   write_file(dir / "data.jsonl", "{\"text\": \"one\"}\n\n{\"instruction\": \"add\", \"output\": \"2\"}\n");
   std::vector<std::string> texts;
   mt::data::TokenStreamStats stats;
-  mt::data::for_each_jsonl_document(dir / "data.jsonl", [&](std::string&& text, bool) { texts.push_back(text); },
-                                    stats);
+  mt::data::for_each_jsonl_document(
+      dir / "data.jsonl", [&](std::string&& text, bool) { texts.push_back(text); }, stats);
   REQUIRE(texts.size() == 2);
   CHECK(texts[0] == "one");
   CHECK(texts[1] == mt::data::format_alpaca("add", "", "2"));
   CHECK(stats.skipped_lines == 1);
   write_file(dir / "bad.jsonl", "{\"messages\": 3}\n");
-  const auto bad = [&] { mt::data::for_each_jsonl_document(dir / "bad.jsonl", [](std::string&&, bool) {}, stats); };
-  CHECK(error_of_type<mt::DataError>(bad).find("bad.jsonl:1: 'messages' must be a non-empty list") != std::string::npos);
+  const auto bad = [&] {
+    mt::data::for_each_jsonl_document(
+        dir / "bad.jsonl", [](std::string&&, bool) {}, stats);
+  };
+  CHECK(error_of_type<mt::DataError>(bad).find("bad.jsonl:1: 'messages' must be a non-empty list") !=
+        std::string::npos);
 }
 
 // parallelize() on `mesh` against the plain model drawn from the same seed: equal losses, and

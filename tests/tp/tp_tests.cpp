@@ -5,8 +5,8 @@
 #include <catch2/catch.hpp>
 
 #include <meshtorch/comm/comm.hpp>
-#include <meshtorch/comm/init.hpp>
 #include <meshtorch/comm/flight_recorder.hpp>
+#include <meshtorch/comm/init.hpp>
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 
@@ -28,8 +28,11 @@ llama::Config tied_gqa_config() {
   auto config = llama::presets::llama_tiny;
   config.num_key_value_heads = 2;
   config.tie_word_embeddings = true;
-  config.rope_scaling = {.kind = llama::RopeScalingKind::llama3, .factor = 8.0, .low_freq_factor = 1.0,
-                         .high_freq_factor = 4.0, .original_max_position_embeddings = 64};
+  config.rope_scaling = {.kind = llama::RopeScalingKind::llama3,
+                         .factor = 8.0,
+                         .low_freq_factor = 1.0,
+                         .high_freq_factor = 4.0,
+                         .original_max_position_embeddings = 64};
   return config;
 }
 
@@ -101,19 +104,21 @@ TEST_CASE("sequence-parallel plan with loss parallel matches one process", "[.][
 }
 
 TEST_CASE("Megatron plan without sequence parallel matches one process", "[.][tp_megatron]") {
-  check_parity<llama::Plan<Tp2, llama::presets::llama_tiny, llama::TensorParallelStyles>>(llama::presets::llama_tiny, 3);
+  check_parity<llama::Plan<Tp2, llama::presets::llama_tiny, llama::TensorParallelStyles>>(llama::presets::llama_tiny,
+                                                                                          3);
 }
 
 TEST_CASE("GQA, llama3 rope and tied embeddings under sequence parallel match one process", "[.][tp_tied]") {
   check_parity<llama::Plan<Tp2>>(tied_gqa_config(), 2);
 }
 
-TEST_CASE("the chunked loss under TP (loss parallel, and Megatron's gathered logits) matches one process", "[.][tp_chunked]") {
+TEST_CASE("the chunked loss under TP (loss parallel, and Megatron's gathered logits) matches one process",
+          "[.][tp_chunked]") {
   // 7 positions per chunk: 64 positions in 10 chunks, the last one short.
   auto mesh = mt::comm::init<Tp2>();
   check_parity<llama::Plan<Tp2>>(mesh, tied_gqa_config(), 2, 7);
-  check_parity<llama::Plan<Tp2, llama::presets::llama_tiny, llama::TensorParallelStyles>>(mesh, llama::presets::llama_tiny,
-                                                                                           2, 7);
+  check_parity<llama::Plan<Tp2, llama::presets::llama_tiny, llama::TensorParallelStyles>>(
+      mesh, llama::presets::llama_tiny, 2, 7);
 }
 
 // What one backward of the sequence-parallel plan issues over TP as all-reduces: the flight
@@ -130,7 +135,8 @@ std::uint64_t last_recorded_id() {
   return entries.empty() ? 0 : entries.back()["id"].get<std::uint64_t>();
 }
 
-TEST_CASE("sequence-parallel norm gradients are summed over TP in one all-reduce per backward", "[.][tp_sp_coalesced]") {
+TEST_CASE("sequence-parallel norm gradients are summed over TP in one all-reduce per backward",
+          "[.][tp_sp_coalesced]") {
   auto mesh = mt::comm::init<Tp2>();
   const auto config = llama::presets::llama_tiny;
   auto model = seeded_llama(config, 7);
@@ -143,8 +149,7 @@ TEST_CASE("sequence-parallel norm gradients are summed over TP in one all-reduce
     loss.backward();
     const auto reduces = all_reduces_after(before);
     REQUIRE(reduces.size() == 1);  // not one per norm: 2 per layer and the final norm
-    CHECK(reduces[0]["shape"] ==
-          std::vector<std::int64_t>{(2 * config.num_hidden_layers + 1) * config.hidden_size});
+    CHECK(reduces[0]["shape"] == std::vector<std::int64_t>{(2 * config.num_hidden_layers + 1) * config.hidden_size});
   }
   // The norms' gradients are twice one micro-batch's, summed over the ranks: the same on both.
   const auto norm = model->named_parameters()["model.layers.1.post_attention_layernorm.weight"].grad();
@@ -155,8 +160,8 @@ TEST_CASE("sequence-parallel norm gradients are summed over TP in one all-reduce
   // at the first norm it reaches, the final one.
   model->zero_grad();
   auto plain = model->loss(ids, ids);
-  CHECK_THROWS_WITH(plain.backward(), Catch::Contains("did not start at TensorParallel::loss") &&
-                                          Catch::Contains("'model.norm.weight'"));
+  CHECK_THROWS_WITH(plain.backward(),
+                    Catch::Contains("did not start at TensorParallel::loss") && Catch::Contains("'model.norm.weight'"));
 }
 
 TEST_CASE("vocab-parallel cross entropy equals cross entropy over the whole vocabulary", "[.][tp_loss]") {
@@ -169,8 +174,9 @@ TEST_CASE("vocab-parallel cross entropy equals cross entropy over the whole voca
   expected.backward();
   auto local = logits.detach().chunk(2, -1)[tp.rank()].clone().requires_grad_(true);
   const auto targets = llama::LlamaForCausalLMImpl::next_token_targets(labels).reshape({-1});
-  auto actual = mt::TensorParallel<llama::Plan<Tp2>>::vocab_parallel_cross_entropy_sum(local.reshape({-1, 132}), targets, tp) /
-                targets.ne(-100).sum();
+  auto actual =
+      mt::TensorParallel<llama::Plan<Tp2>>::vocab_parallel_cross_entropy_sum(local.reshape({-1, 132}), targets, tp) /
+      targets.ne(-100).sum();
   actual.backward();
   CHECK(actual.item<double>() == Approx(expected.item<double>()).epsilon(1e-6));
   CHECK(max_relative_error(local.grad(), logits.grad().chunk(2, -1)[tp.rank()]) < 1e-5);

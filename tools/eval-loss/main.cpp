@@ -30,17 +30,19 @@ int main(int argc, char** argv) {
     const auto logits = model->forward(ids);
     const double loss = mt::llama::LlamaForCausalLMImpl::causal_lm_loss(logits, ids).item<double>();
     // Each position's next-token loss too: a mean can hide errors that cancel.
-    const auto token_losses =
-        torch::nn::functional::cross_entropy(logits.narrow(1, 0, seq - 1).to(torch::kFloat).reshape({-1, logits.size(-1)}),
-                                             ids.narrow(1, 1, seq - 1).reshape({-1}),
-                                             torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone))
-            .view({batch, seq - 1})
-            .to(torch::kDouble)
-            .contiguous();
-    nlohmann::json record{{"loss", loss}, {"tokens", nlohmann::json::array()}, {"token_losses", nlohmann::json::array()}};
+    const auto token_losses = torch::nn::functional::cross_entropy(
+                                  logits.narrow(1, 0, seq - 1).to(torch::kFloat).reshape({-1, logits.size(-1)}),
+                                  ids.narrow(1, 1, seq - 1).reshape({-1}),
+                                  torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone))
+                                  .view({batch, seq - 1})
+                                  .to(torch::kDouble)
+                                  .contiguous();
+    nlohmann::json record{
+        {"loss", loss}, {"tokens", nlohmann::json::array()}, {"token_losses", nlohmann::json::array()}};
     for (std::int64_t b = 0; b < batch; ++b) {
       const auto row = ids[b].contiguous();
-      record["tokens"].push_back(std::vector<std::int64_t>(row.data_ptr<std::int64_t>(), row.data_ptr<std::int64_t>() + seq));
+      record["tokens"].push_back(
+          std::vector<std::int64_t>(row.data_ptr<std::int64_t>(), row.data_ptr<std::int64_t>() + seq));
       const auto losses = token_losses[b];
       record["token_losses"].push_back(
           std::vector<double>(losses.data_ptr<double>(), losses.data_ptr<double>() + (seq - 1)));

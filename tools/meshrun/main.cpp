@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <stdlib.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,14 +13,15 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <iterator>
 #include <iostream>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <stdlib.h>
 
 #include "node_link.hpp"
 #include "worker_group.hpp"
@@ -133,15 +133,13 @@ JobShape parse_nnodes(const std::string& text) {
   shape.elastic = true;
   shape.min_nodes = number(std::string_view(text).substr(0, colon));
   shape.max_nodes = number(std::string_view(text).substr(colon + 1));
-  if (shape.min_nodes > shape.max_nodes)
-    throw CLI::ValidationError("--nnodes", "'" + text + "': MIN is above MAX");
+  if (shape.min_nodes > shape.max_nodes) throw CLI::ValidationError("--nnodes", "'" + text + "': MIN is above MAX");
   return shape;
 }
 
 class Supervisor {
  public:
-  Supervisor(Options options, GroupSettings settings)
-      : options_(std::move(options)), group_(std::move(settings)) {}
+  Supervisor(Options options, GroupSettings settings) : options_(std::move(options)), group_(std::move(settings)) {}
 
   int run() {
     try {
@@ -173,9 +171,8 @@ class Supervisor {
     // short by a signal; the caller reads them on its next round.
     pollfd readable{peer.fd(), POLLIN, 0};
     if (peer.has_line() || ::poll(&readable, 1, 0) > 0) return std::nullopt;
-    return who + " (meshrun at " + peer.address() + ") sent nothing for " +
-           seconds_text(std::round(quiet * 10) / 10) + " s (--node-timeout " + seconds_text(shape().node_timeout_s) +
-           "): declaring it lost";
+    return who + " (meshrun at " + peer.address() + ") sent nothing for " + seconds_text(std::round(quiet * 10) / 10) +
+           " s (--node-timeout " + seconds_text(shape().node_timeout_s) + "): declaring it lost";
   }
 
   int supervise() {
@@ -239,7 +236,8 @@ class Supervisor {
     const auto& host = options_.master_addr;
     if (listener_ && listener_->on_loopback() && host != "localhost" && host != "::1" && host.rfind("127.", 0) != 0)
       // A host's own name mapped to loopback (Debian's 127.0.1.1): nodes elsewhere could not reach it.
-      throw std::runtime_error("--master-addr " + host + " is a loopback address on this host, which the other nodes "
+      throw std::runtime_error("--master-addr " + host +
+                               " is a loopback address on this host, which the other nodes "
                                "cannot reach; give the address they use for it");
     if (listener_) {
       if (shape().elastic)
@@ -306,7 +304,8 @@ class Supervisor {
         if (!refused.empty()) say(refused);
         if (joined && !shape().elastic)
           for (auto& node : candidates)
-            if (node.asked_rank == joined->asked_rank) problem = "two nodes were started with --node-rank " + std::to_string(node.asked_rank);
+            if (node.asked_rank == joined->asked_rank)
+              problem = "two nodes were started with --node-rank " + std::to_string(node.asked_rank);
         if (!problem.empty()) {
           if (joined) joined->peer.send("error\t" + problem);
           if (attempt == 0) throw std::runtime_error(problem);  // a job started wrongly fails at once
@@ -335,11 +334,11 @@ class Supervisor {
 
   std::string rendezvous_timeout(const std::vector<JoinedNode>& candidates) const {
     const int count = static_cast<int>(candidates.size()) + 1;
-    std::string text = "rendezvous timed out after " + std::to_string(static_cast<long long>(options_.rdzv_timeout_s)) +
-                       " s: " + std::to_string(count) + " of " +
-                       (shape().elastic ? "at least " + std::to_string(shape().min_nodes)
-                                        : std::to_string(shape().max_nodes)) +
-                       " nodes joined";
+    std::string text =
+        "rendezvous timed out after " + std::to_string(static_cast<long long>(options_.rdzv_timeout_s)) +
+        " s: " + std::to_string(count) + " of " +
+        (shape().elastic ? "at least " + std::to_string(shape().min_nodes) : std::to_string(shape().max_nodes)) +
+        " nodes joined";
     if (!shape().elastic) {
       std::string missing;
       for (int rank = 1; rank < shape().max_nodes; ++rank)
@@ -577,8 +576,8 @@ class Supervisor {
       Failure joining;
       joining.exit_code = 1;
       joining.membership_change = true;
-      joining.how = "a node joined the job: stopping every rank to restart with " + std::to_string(present + 1) +
-                    " nodes";
+      joining.how =
+          "a node joined the job: stopping every rank to restart with " + std::to_string(present + 1) + " nodes";
       note_failure(joining);
     } else {
       say("a node joined; it takes part from the next attempt");
@@ -586,7 +585,9 @@ class Supervisor {
   }
 
   void begin_stop(int signo) {
-    if (!stopping_) kill_deadline_ = Clock::now() + std::chrono::milliseconds(static_cast<long long>(options_.termination_grace_s * 1000));
+    if (!stopping_)
+      kill_deadline_ =
+          Clock::now() + std::chrono::milliseconds(static_cast<long long>(options_.termination_grace_s * 1000));
     stopping_ = true;
     group_.signal_all(signo);
     // A stopped rank (SIGSTOP, a debugger's stop) acts on no signal but SIGKILL until continued.
@@ -628,7 +629,8 @@ class Supervisor {
         Failure interrupted;
         interrupted.exit_code = 128 + signo;
         interrupted.node_rank = group_.settings().node_rank;
-        interrupted.how = "meshrun on node " + std::to_string(interrupted.node_rank) + " received " + signal_name(signo);
+        interrupted.how =
+            "meshrun on node " + std::to_string(interrupted.node_rank) + " received " + signal_name(signo);
         if (failure_) {
           begin_stop(signo);
         } else {
@@ -718,12 +720,12 @@ class Supervisor {
 
   Options options_;
   WorkerGroup group_;
-  bool coordinator_ = true;         // node 0 (also a single-node job)
+  bool coordinator_ = true;  // node 0 (also a single-node job)
   std::optional<Listener> listener_;
-  std::vector<Peer> nodes_;         // on node 0: the other nodes of this attempt
+  std::vector<Peer> nodes_;  // on node 0: the other nodes of this attempt
   std::vector<bool> node_lost_;
   std::vector<JoinedNode> waiting_;  // on node 0: nodes that joined during this attempt
-  std::optional<Peer> node_zero_;   // on the other nodes
+  std::optional<Peer> node_zero_;    // on the other nodes
   std::optional<Failure> failure_;
   int job_exit_code_ = 1;
   bool stopping_ = false, killed_ = false;
@@ -770,9 +772,11 @@ int dump_stacks(pid_t only) {
 
 int run(int argc, char** argv) {
   Options options;
-  CLI::App app{"meshrun --nproc-per-node N [options] -- PROGRAM [ARGS...]\n\nStarts PROGRAM once per rank of this node with torchrun's environment (RANK, WORLD_SIZE, "
-               "LOCAL_RANK, MASTER_ADDR, ...), and stops every rank as soon as one fails.",
-               "meshrun"};
+  CLI::App app{
+      "meshrun --nproc-per-node N [options] -- PROGRAM [ARGS...]\n\nStarts PROGRAM once per rank of this node with "
+      "torchrun's environment (RANK, WORLD_SIZE, "
+      "LOCAL_RANK, MASTER_ADDR, ...), and stops every rank as soon as one fails.",
+      "meshrun"};
   bool dump_stacks_only = false;
   app.add_flag("--dump-stacks", dump_stacks_only,
                "do not start a job: have the ranks of every meshrun on this node write the stacks of their threads "
@@ -871,7 +875,8 @@ int run(int argc, char** argv) {
   if (temporary_run_dir) {
     // Error files need a home even without --log-dir; kept after a failure for inspection.
     auto pattern = (fs::temp_directory_path() / "meshrun-XXXXXX").string();
-    if (!::mkdtemp(pattern.data())) throw std::runtime_error("cannot create a temporary folder in " + fs::temp_directory_path().string());
+    if (!::mkdtemp(pattern.data()))
+      throw std::runtime_error("cannot create a temporary folder in " + fs::temp_directory_path().string());
     settings.run_dir = pattern;
   } else {
     settings.run_dir = options.log_dir;

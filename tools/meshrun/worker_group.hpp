@@ -66,9 +66,9 @@ struct GroupSettings {
   std::string master_addr;
   int master_port = 0;
   std::string job_token;  // the ranks present it to rank 0's store; empty: none
-  int redirects = 0;  // torchrun's bits: 1 stdout to a file, 2 stderr to a file, 3 both
+  int redirects = 0;      // torchrun's bits: 1 stdout to a file, 2 stderr to a file, 3 both
   bool prefix_output = false;
-  fs::path run_dir;   // <run_dir>/<attempt>/<global rank>/{stdout.log,stderr.log,error.json}
+  fs::path run_dir;  // <run_dir>/<attempt>/<global rank>/{stdout.log,stderr.log,error.json}
   bool set_omp_num_threads = false;
   std::vector<std::string> command;
 };
@@ -248,7 +248,8 @@ class WorkerGroup {
     variables["TORCHELASTIC_ERROR_FILE"] = w.error_file.string();
     // Where meshtorch ranks write their flight recorder on a timeout, beside their logs.
     if (!variables.count("MESHTORCH_FLIGHT_RECORDER_DIR"))
-      variables["MESHTORCH_FLIGHT_RECORDER_DIR"] = (settings_.run_dir / std::to_string(attempt) / "flight_recorder").string();
+      variables["MESHTORCH_FLIGHT_RECORDER_DIR"] =
+          (settings_.run_dir / std::to_string(attempt) / "flight_recorder").string();
     if (settings_.set_omp_num_threads) variables["OMP_NUM_THREADS"] = "1";
     std::vector<std::string> result;
     for (auto& [name, value] : variables) result.push_back(name + "=" + value);

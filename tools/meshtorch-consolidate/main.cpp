@@ -6,8 +6,6 @@
 //
 // Every file of the checkpoint is verified against its manifest first; one full tensor at a time
 // is held in memory. Optimizer state is left out unless --include-optimizer.
-#include <malloc.h>
-
 #include <cstdint>
 #include <exception>
 #include <iostream>
@@ -15,6 +13,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <malloc.h>
 
 #include <meshtorch/checkpoint/consolidate.hpp>
 #include <meshtorch/train/memory.hpp>

@@ -55,8 +55,8 @@ std::string describe(const nlohmann::json& entry) {
   std::string tensor;
   if (entry.contains("shape") && entry["shape"].is_array())
     tensor = fmt::format(" {} {}", entry["shape"].dump(), entry.value("dtype", ""));
-  return fmt::format("{} #{} over the {}{} ({}){}", entry.value("op", "?"), entry.value("seq", 0), entry.value("group", "?"),
-                     tensor, entry.value("state", "?"), detail.empty() ? "" : ": " + detail);
+  return fmt::format("{} #{} over the {}{} ({}){}", entry.value("op", "?"), entry.value("seq", 0),
+                     entry.value("group", "?"), tensor, entry.value("state", "?"), detail.empty() ? "" : ": " + detail);
 }
 
 }  // namespace

@@ -59,10 +59,14 @@ struct Finding {
 
 std::string tag(Level level) {
   switch (level) {
-    case Level::ok: return "[ok]  ";
-    case Level::info: return "[info]";
-    case Level::warn: return "[warn]";
-    case Level::fail: return "[FAIL]";
+    case Level::ok:
+      return "[ok]  ";
+    case Level::info:
+      return "[info]";
+    case Level::warn:
+      return "[warn]";
+    case Level::fail:
+      return "[FAIL]";
   }
   return "";
 }
@@ -135,7 +139,8 @@ double clock_spread_ms(const mt::comm::AxisGroup& world) {
   double best = 1e300;
   for (int round = 0; round < 5; ++round) {
     mt::comm::barrier(world);
-    const auto now = std::chrono::duration<double, std::milli>(std::chrono::system_clock::now().time_since_epoch()).count();
+    const auto now =
+        std::chrono::duration<double, std::milli>(std::chrono::system_clock::now().time_since_epoch()).count();
     const auto all = mt::comm::all_gather(world, torch::tensor({now}, torch::kDouble), 0);
     best = std::min(best, (all.max() - all.min()).item<double>());
   }
@@ -218,10 +223,10 @@ std::vector<Finding> examine(const mt::train::TrainArgs& args, const std::string
     int threads = 0;
     for (int r : ranks) threads += facts[r]["threads"].get<int>();
     const int cpus = facts[ranks.front()]["cpus"].get<int>();
-    out.push_back({threads > cpus ? Level::warn : Level::ok, "threads",
-                   fmt::format("{}: {} rank(s) with {} intra-op threads in all, on {} CPUs{}", host, ranks.size(),
-                               threads, cpus,
-                               threads > cpus ? "; oversubscribed: set OMP_NUM_THREADS or --threads to CPUs / ranks" : "")});
+    out.push_back(
+        {threads > cpus ? Level::warn : Level::ok, "threads",
+         fmt::format("{}: {} rank(s) with {} intra-op threads in all, on {} CPUs{}", host, ranks.size(), threads, cpus,
+                     threads > cpus ? "; oversubscribed: set OMP_NUM_THREADS or --threads to CPUs / ranks" : "")});
   }
 
   if (!not_sharing.empty()) {
@@ -242,8 +247,8 @@ std::vector<Finding> examine(const mt::train::TrainArgs& args, const std::string
       // Weights and AdamW's two moments; while a save runs the previous checkpoint still exists.
       const double checkpoint =
           static_cast<double>(config.num_parameters()) * 3 * static_cast<double>(torch::elementSize(dtype));
-      need_text = fmt::format("; a checkpoint of {} with AdamW takes {}, and a save needs room for two", args.model_name,
-                              gigabytes(checkpoint));
+      need_text = fmt::format("; a checkpoint of {} with AdamW takes {}, and a save needs room for two",
+                              args.model_name, gigabytes(checkpoint));
       if (least < 2 * checkpoint) level = Level::fail;
     } catch (const std::exception& e) {
       need_text = fmt::format("; -m {}: {}", args.model_name, e.what());
@@ -271,11 +276,11 @@ std::vector<Finding> examine(const mt::train::TrainArgs& args, const std::string
       for (std::size_t b = 0; b < peers.size(); ++b)
         if (!peers[a][b].get<bool>()) missing.push_back(fmt::format("{}->{}", a, b));
     out.push_back({missing.empty() ? Level::ok : Level::warn, "GPUs",
-                   missing.empty() ? fmt::format("{}: {} GPUs, each reaches every other directly (peer access)", host,
-                                                 peers.size())
-                                   : fmt::format("{}: {} GPUs; no peer access {} (collectives go through host memory: "
-                                                 "check nvidia-smi topo -m)",
-                                                 host, peers.size(), fmt::join(missing, " "))});
+                   missing.empty()
+                       ? fmt::format("{}: {} GPUs, each reaches every other directly (peer access)", host, peers.size())
+                       : fmt::format("{}: {} GPUs; no peer access {} (collectives go through host memory: "
+                                     "check nvidia-smi topo -m)",
+                                     host, peers.size(), fmt::join(missing, " "))});
   }
 
   fs::path metrics = metrics_flag;
@@ -288,10 +293,11 @@ std::vector<Finding> examine(const mt::train::TrainArgs& args, const std::string
                                timeout_s)});
   } else {
     const double ratio = timeout_s * 1000 / slowest;
-    out.push_back({ratio < 10 ? Level::warn : Level::ok, "timeout",
-                   fmt::format("{:.0f} s is {:.0f}x the slowest step in {} ({:.0f} ms){}", timeout_s, ratio,
-                               metrics.string(), slowest,
-                               ratio < 10 ? "; a slow step or a checkpoint save may end the run: raise --timeout" : "")});
+    out.push_back(
+        {ratio < 10 ? Level::warn : Level::ok, "timeout",
+         fmt::format("{:.0f} s is {:.0f}x the slowest step in {} ({:.0f} ms){}", timeout_s, ratio, metrics.string(),
+                     slowest,
+                     ratio < 10 ? "; a slow step or a checkpoint save may end the run: raise --timeout" : "")});
   }
   return out;
 }
@@ -300,8 +306,9 @@ std::vector<Finding> examine(const mt::train::TrainArgs& args, const std::string
 
 int main(int argc, char** argv) {
   const auto started = Clock::now();
-  CLI::App app{"meshtorch-doctor: the checklist of a job that hangs or fails to start, as checks. Start it with the "
-               "training run's launcher and flags."};
+  CLI::App app{
+      "meshtorch-doctor: the checklist of a job that hangs or fails to start, as checks. Start it with the "
+      "training run's launcher and flags."};
   mt::train::TrainArgs args;
   args.add_to(app);
   std::string metrics;

@@ -64,7 +64,9 @@ int main(int argc, char** argv) {
   app.add_option("-m,--model-name", model, "a preset (llama-tiny, llama-3.1-8b, ...) or a folder with config.json")
       ->capture_default_str();
   app.add_option("--world", world, "ranks in the job")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--tp", tp, "tensor-parallel size (divides --world)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--tp", tp, "tensor-parallel size (divides --world)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--data-parallel", data_parallel,
                  "what the other world/tp ranks do: ddp (ZeRO stage 0), zero (stage 1: AdamW state sharded), zero2 "
                  "(stage 2: gradients too) or fsdp (stage 3: weights too)")
@@ -75,7 +77,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"float32", "bfloat16"}));
   app.add_option("--compute-dtype", compute_dtype, "forward and backward dtype (default: --dtype)")
       ->check(CLI::IsMember({"float32", "bfloat16"}));
-  app.add_option("-s,--seq-length", run.seq, "positions per sequence")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("-s,--seq-length", run.seq, "positions per sequence")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("-b,--batch-size", run.batch, "sequences per data-parallel rank and micro-batch")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -106,8 +110,8 @@ int main(int argc, char** argv) {
       throw mt::ConfigError(model + ": " + std::string(*problem) + " (" + std::to_string(tp) + ")");
     const std::int64_t dp = world / tp;
     const double bytes = dtype == "bfloat16" ? 2 : 4;
-    const auto kind = data_parallel == "ddp"    ? mt::DataParallelKind::ddp
-                      : data_parallel == "zero" ? mt::DataParallelKind::zero1
+    const auto kind = data_parallel == "ddp"     ? mt::DataParallelKind::ddp
+                      : data_parallel == "zero"  ? mt::DataParallelKind::zero1
                       : data_parallel == "zero2" ? mt::DataParallelKind::zero2
                                                  : mt::DataParallelKind::fsdp;
     if (run.cpu_offload && kind != mt::DataParallelKind::fsdp)
@@ -117,14 +121,16 @@ int main(int argc, char** argv) {
     run.state_bytes = static_cast<std::int64_t>(bytes);
     run.compute_bytes = (compute_dtype.empty() ? dtype : compute_dtype) == "bfloat16" ? 2 : 4;
     run.checkpoint_every = mt::parse_activation_checkpointing(checkpointing).every;
-    const auto estimate = mt::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, run);
+    const auto estimate =
+        mt::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, run);
     const auto sizes = tp_rank_sizes(config, tp);
     const double root = static_cast<double>(sizes.root());
     const double largest = std::max(static_cast<double>(sizes.layer), root);
     // The trained state wherever it lives: the same amounts on the host with --cpu-offload.
     auto on_device = run;
     on_device.cpu_offload = on_device.optimizer_offload = false;
-    const auto state = mt::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, on_device);
+    const auto state =
+        mt::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, on_device);
     const double held = state.weights / bytes;
 
     if (json) {
@@ -154,8 +160,7 @@ int main(int argc, char** argv) {
                 static_cast<long long>(config.vocab_size), config.tie_word_embeddings ? ", tied head" : "");
     std::printf("mesh: %d ranks = %lld %s x %d TP\n", world, static_cast<long long>(dp),
                 data_parallel == "fsdp" ? "FSDP" : "DP", tp);
-    if (tp > 1)
-      std::printf("plan: %s\n", llama::Plan<mt::Mesh<mt::TP<2>>>::describe_styles().c_str());
+    if (tp > 1) std::printf("plan: %s\n", llama::Plan<mt::Mesh<mt::TP<2>>>::describe_styles().c_str());
 
     // The trained state, wherever it lives (the host with --cpu-offload).
     const double weights = state.weights, grads = state.gradients, moments = state.optimizer;
@@ -163,16 +168,18 @@ int main(int argc, char** argv) {
     std::printf("  %-22s %14s\n", "parameters held", human(held, "").c_str());
     std::printf("  %-22s %14s\n", "weights", gigabytes(weights).c_str());
     std::printf("  %-22s %14s\n", "gradients", gigabytes(grads).c_str());
-    std::printf("  %-22s %14s%s\n", "AdamW state", gigabytes(moments).c_str(),
-                run.optimizer_offload ? "  (in host memory, with a copy of the weights and gradients: twice this)" : "");
+    std::printf(
+        "  %-22s %14s%s\n", "AdamW state", gigabytes(moments).c_str(),
+        run.optimizer_offload ? "  (in host memory, with a copy of the weights and gradients: twice this)" : "");
     std::printf("  %-22s %14s\n", "total", gigabytes(weights + grads + moments).c_str());
     if (data_parallel == "fsdp" && dp > 1)
       std::printf("  %-22s %14s  (%s, whole over FSDP: its weights and their gradients)\n", "largest gathered unit",
                   gigabytes(2 * largest * bytes).c_str(), largest == root ? "the root" : "one decoder layer");
 
-    std::printf("\ndevice memory per rank at the step's peak (batch %lld x sequence %lld, compute %s, checkpointing %s):\n",
-                static_cast<long long>(run.batch), static_cast<long long>(run.seq),
-                run.compute_bytes == 2 ? "bfloat16" : "float32", checkpointing.c_str());
+    std::printf(
+        "\ndevice memory per rank at the step's peak (batch %lld x sequence %lld, compute %s, checkpointing %s):\n",
+        static_cast<long long>(run.batch), static_cast<long long>(run.seq),
+        run.compute_bytes == 2 ? "bfloat16" : "float32", checkpointing.c_str());
     std::printf("  %-28s %14s\n", "weights, gradients, AdamW", gigabytes(estimate.trained_state()).c_str());
     if (kind == mt::DataParallelKind::fsdp) {
       std::printf("  %-28s %14s\n", "gathered units", gigabytes(estimate.gathered).c_str());
@@ -182,8 +189,9 @@ int main(int argc, char** argv) {
     std::printf("  %-28s %14s\n", "loss", gigabytes(estimate.loss).c_str());
     std::printf("  %-28s %14s\n", "backward's extra at once", gigabytes(estimate.backward_peak).c_str());
     std::printf("  %-28s %14s\n", "peak", gigabytes(estimate.peak()).c_str());
-    std::printf("\nNot counted: the allocator's rounding and caching (reserved beyond allocated), communication\n"
-                "staging, LibTorch's workspace.\n");
+    std::printf(
+        "\nNot counted: the allocator's rounding and caching (reserved beyond allocated), communication\n"
+        "staging, LibTorch's workspace.\n");
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "meshtorch-plan: %s\n", e.what());

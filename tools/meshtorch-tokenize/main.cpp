@@ -65,7 +65,11 @@ void benchmark(const mt::data::TextTokenizer& tokenizer, unsigned threads) {
   const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
   std::size_t tokens = 0;
   for (const auto& row : ids) tokens += row.size();
-  std::cout << nlohmann::json{{"lines", lines.size()}, {"bytes", bytes}, {"tokens", tokens}, {"seconds", seconds.count()}}.dump()
+  std::cout << nlohmann::json{{"lines", lines.size()},
+                              {"bytes", bytes},
+                              {"tokens", tokens},
+                              {"seconds", seconds.count()}}
+                   .dump()
             << '\n';
 }
 
@@ -90,9 +94,10 @@ void decode_lines(const mt::data::TextTokenizer& tokenizer, bool json) {
 void chat_lines(const mt::data::TextTokenizer& tokenizer, const std::filesystem::path& model_dir, bool text_only) {
   const auto chat = mt::data::ChatTemplate::from_folder(model_dir);
   if (!chat)
-    throw mt::ConfigError(fmt::format("{}: holds no chat template (chat_template.jinja or tokenizer_config.json "
-                                      "'chat_template')",
-                                      model_dir.string()));
+    throw mt::ConfigError(
+        fmt::format("{}: holds no chat template (chat_template.jinja or tokenizer_config.json "
+                    "'chat_template')",
+                    model_dir.string()));
   const auto render = chat->for_training();
   std::string line;
   for (std::size_t number = 1; std::getline(std::cin, line); ++number) {

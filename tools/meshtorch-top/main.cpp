@@ -65,13 +65,20 @@ struct RankProcess {
 
 std::string state_name(char state) {
   switch (state) {
-    case 'R': return "running";
-    case 'S': return "sleeping";
-    case 'D': return "disk wait";
-    case 'T': return "stopped";
-    case 't': return "traced";
-    case 'Z': return "zombie";
-    default: return std::string(1, state);
+    case 'R':
+      return "running";
+    case 'S':
+      return "sleeping";
+    case 'D':
+      return "disk wait";
+    case 'T':
+      return "stopped";
+    case 't':
+      return "traced";
+    case 'Z':
+      return "zombie";
+    default:
+      return std::string(1, state);
   }
 }
 
@@ -107,12 +114,15 @@ std::vector<RankProcess> rank_processes() {
     std::istringstream fields(stat_text.substr(close + 2));
     std::vector<std::string> f{std::istream_iterator<std::string>(fields), std::istream_iterator<std::string>()};
     if (f.size() < 22) continue;
-    std::string local_rank = env.count("LOCAL_RANK") ? env["LOCAL_RANK"] : env.count("SLURM_LOCALID") ? env["SLURM_LOCALID"] : "";
+    std::string local_rank = env.count("LOCAL_RANK")      ? env["LOCAL_RANK"]
+                             : env.count("SLURM_LOCALID") ? env["SLURM_LOCALID"]
+                                                          : "";
     out.push_back({std::atol(name.c_str()), rank, local_rank, state_name(f[0][0]),
                    stat_text.substr(stat_text.find('(') + 1, close - stat_text.find('(') - 1),
                    std::stod(f[11]) + std::stod(f[12]), std::stod(f[21]) * static_cast<double>(page)});
   }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return std::atoi(a.rank.c_str()) < std::atoi(b.rank.c_str()); });
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return std::atoi(a.rank.c_str()) < std::atoi(b.rank.c_str()); });
   return out;
 }
 
@@ -120,8 +130,12 @@ std::vector<RankProcess> rank_processes() {
 // points used are declared here as nvml.h declares them.
 struct Nvml {
   using Device = void*;
-  struct Utilization { unsigned gpu, memory; };
-  struct Memory { unsigned long long total, free, used; };
+  struct Utilization {
+    unsigned gpu, memory;
+  };
+  struct Memory {
+    unsigned long long total, free, used;
+  };
   int (*init)() = nullptr;
   int (*count)(unsigned*) = nullptr;
   int (*handle)(unsigned, Device*) = nullptr;
@@ -130,14 +144,15 @@ struct Nvml {
   int (*power)(Device, unsigned*) = nullptr;
 
   static const Nvml* load() {
-    static const Nvml* loaded = [] () -> const Nvml* {
+    static const Nvml* loaded = []() -> const Nvml* {
       void* library = ::dlopen("libnvidia-ml.so.1", RTLD_NOW);
       if (!library) return nullptr;
       static Nvml nvml;
       nvml.init = reinterpret_cast<int (*)()>(::dlsym(library, "nvmlInit_v2"));
       nvml.count = reinterpret_cast<int (*)(unsigned*)>(::dlsym(library, "nvmlDeviceGetCount_v2"));
       nvml.handle = reinterpret_cast<int (*)(unsigned, Device*)>(::dlsym(library, "nvmlDeviceGetHandleByIndex_v2"));
-      nvml.utilization = reinterpret_cast<int (*)(Device, Utilization*)>(::dlsym(library, "nvmlDeviceGetUtilizationRates"));
+      nvml.utilization =
+          reinterpret_cast<int (*)(Device, Utilization*)>(::dlsym(library, "nvmlDeviceGetUtilizationRates"));
       nvml.memory = reinterpret_cast<int (*)(Device, Memory*)>(::dlsym(library, "nvmlDeviceGetMemoryInfo"));
       nvml.power = reinterpret_cast<int (*)(Device, unsigned*)>(::dlsym(library, "nvmlDeviceGetPowerUsage"));
       if (!nvml.init || !nvml.count || !nvml.handle || !nvml.utilization || !nvml.memory || !nvml.power ||
@@ -163,8 +178,11 @@ json gpus() {
     nvml->utilization(device, &use);
     nvml->memory(device, &memory);
     nvml->power(device, &milliwatts);
-    out.push_back({{"index", i}, {"util_percent", use.gpu}, {"memory_used_bytes", memory.used},
-                   {"memory_total_bytes", memory.total}, {"power_watts", milliwatts / 1000.0}});
+    out.push_back({{"index", i},
+                   {"util_percent", use.gpu},
+                   {"memory_used_bytes", memory.used},
+                   {"memory_total_bytes", memory.total},
+                   {"power_watts", milliwatts / 1000.0}});
   }
   return out;
 }
@@ -181,8 +199,12 @@ json sample_local(std::chrono::milliseconds interval) {
   json ranks = json::array();
   for (const auto& p : rank_processes()) {
     const double used = ticks0.count(p.pid) ? p.cpu_ticks - ticks0[p.pid] : 0;
-    ranks.push_back({{"pid", p.pid}, {"rank", p.rank}, {"local_rank", p.local_rank}, {"state", p.state},
-                     {"command", p.command}, {"cpu_percent", 100 * used / ticks_per_s / seconds},
+    ranks.push_back({{"pid", p.pid},
+                     {"rank", p.rank},
+                     {"local_rank", p.local_rank},
+                     {"state", p.state},
+                     {"command", p.command},
+                     {"cpu_percent", 100 * used / ticks_per_s / seconds},
                      {"rss_bytes", p.rss_bytes}});
   }
   double mem_total = 0, mem_available = 0;
@@ -205,8 +227,9 @@ json sample_local(std::chrono::milliseconds interval) {
 
 // One host's sample over ssh (the same tool, --local --json --once, on the same path there).
 json sample_remote(const std::string& host, const std::string& self, double interval_s) {
-  const std::string command = fmt::format("ssh -o BatchMode=yes -o ConnectTimeout=5 {} '{} --local --json --once --interval {}' 2>&1",
-                                          host, self, interval_s);
+  const std::string command =
+      fmt::format("ssh -o BatchMode=yes -o ConnectTimeout=5 {} '{} --local --json --once --interval {}' 2>&1", host,
+                  self, interval_s);
   std::string output;
   if (FILE* pipe = ::popen(command.c_str(), "r")) {
     char buffer[4096];
@@ -238,8 +261,8 @@ std::string render(const std::vector<json>& nodes) {
     for (const auto& r : node["ranks"])
       out += fmt::format("  rank {:>4} (local {:>2}) pid {:>7} {:<9} cpu {:>5.0f}%  rss {:>7}  {}\n",
                          r["rank"].get<std::string>(), r["local_rank"].get<std::string>(), r["pid"].get<long>(),
-                         r["state"].get<std::string>(), r["cpu_percent"].get<double>(), gb(r["rss_bytes"].get<double>()),
-                         r["command"].get<std::string>());
+                         r["state"].get<std::string>(), r["cpu_percent"].get<double>(),
+                         gb(r["rss_bytes"].get<double>()), r["command"].get<std::string>());
   }
   return out;
 }
@@ -264,11 +287,14 @@ int main(int argc, char** argv) {
   std::string hosts_file;
   bool local = false, as_json = false, once = false;
   double interval_s = 2;
-  auto* hosts_option = app.add_option("--hosts", hosts_file, "a hosts file (one host per line, as for mpirun or the launch scripts)");
+  auto* hosts_option =
+      app.add_option("--hosts", hosts_file, "a hosts file (one host per line, as for mpirun or the launch scripts)");
   app.add_flag("--local", local, "this node only")->excludes(hosts_option);
   app.add_flag("--json", as_json, "print JSON instead of the table");
   app.add_flag("--once", once, "one sample, then exit");
-  app.add_option("--interval", interval_s, "seconds per sample")->check(CLI::Range(0.05, 3600.0))->capture_default_str();
+  app.add_option("--interval", interval_s, "seconds per sample")
+      ->check(CLI::Range(0.05, 3600.0))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (!local && hosts_file.empty()) {
     std::cerr << "meshtorch-top: give --local or --hosts FILE\n";

@@ -159,8 +159,7 @@ inline void check_plain_file_name(const std::string& name, const std::string& wh
 // A file the manifest names, confined to the checkpoint folder as a model folder's files are to
 // theirs: a plain name, and no link leading out of the folder.
 inline std::filesystem::path checkpoint_file(const std::filesystem::path& dir, const std::string& name) {
-  return io::confined_file(dir, name, fmt::format("{}: the manifest's file", dir.string()),
-                           io::FolderKind::checkpoint);
+  return io::confined_file(dir, name, fmt::format("{}: the manifest's file", dir.string()), io::FolderKind::checkpoint);
 }
 
 // Through the one bounded JSON reader (depth, repeated keys, size, numbers in range).

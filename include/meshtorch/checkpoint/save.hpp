@@ -171,8 +171,7 @@ MESHTORCH_DECL RankWriteResult write_rank_pieces(const std::filesystem::path& pa
   return result;
 }
 
-MESHTORCH_DECL void publish_checkpoint_folder(const std::filesystem::path& exp_dir, const std::string& name,
-                                              int keep) {
+MESHTORCH_DECL void publish_checkpoint_folder(const std::filesystem::path& exp_dir, const std::string& name, int keep) {
   if (keep < 1) throw ConfigError(fmt::format("--keep-checkpoints {}: keep at least the checkpoint just saved", keep));
   const std::filesystem::path final_dir = exp_dir / name;
   const std::filesystem::path partial_dir = exp_dir / (name + ".partial");
@@ -297,16 +296,17 @@ namespace detail {
 
 // Every floating-point piece this rank writes, and its per-rank state, holds only finite values;
 // else a DataError naming the first that does not.
-inline void require_finite(const std::vector<io::ShardedTensor>& tensors, const io::NamedTensors& rank_state,
-                           int rank, std::int64_t global_step) {
+inline void require_finite(const std::vector<io::ShardedTensor>& tensors, const io::NamedTensors& rank_state, int rank,
+                           std::int64_t global_step) {
   const auto check = [&](const std::string& name, const torch::Tensor& t) {
     if (!t.defined() || !t.is_floating_point() || t.numel() == 0) return;
     const auto bad = (~torch::isfinite(t)).sum().item<std::int64_t>();
     if (bad > 0)
-      throw DataError(fmt::format("not saving global_step {}: rank {}'s piece of '{}' holds {} non-finite value(s) "
-                                  "of {} (NaN or infinity), which no run could resume from; the previous checkpoint "
-                                  "stays the latest",
-                                  global_step, rank, name, bad, t.numel()));
+      throw DataError(
+          fmt::format("not saving global_step {}: rank {}'s piece of '{}' holds {} non-finite value(s) "
+                      "of {} (NaN or infinity), which no run could resume from; the previous checkpoint "
+                      "stays the latest",
+                      global_step, rank, name, bad, t.numel()));
   };
   torch::NoGradGuard no_grad;
   for (const auto& t : tensors)
@@ -339,7 +339,8 @@ MESHTORCH_DECL SavedCheckpoint save_sharded_checkpoint(const std::filesystem::pa
                       (exp_dir / name).string(), fmt::join(failed, ", "), what));
   };
   if (options.require_finite)
-    collective_step("hold only finite values", [&] { detail::require_finite(tensors, rank_state, group.rank(), global_step); });
+    collective_step("hold only finite values",
+                    [&] { detail::require_finite(tensors, rank_state, group.rank(), global_step); });
   collective_step("create the folder", [&] {
     if (group.rank() != 0) return;
     std::filesystem::remove_all(partial_dir);

@@ -23,9 +23,8 @@ class AxisGroup {
  public:
   AxisGroup() = default;
   MESHTORCH_DECL AxisGroup(std::string axis_name, std::vector<int> ranks, int global_rank,
-                           c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout,
-                           Device device, c10::intrusive_ptr<c10d::Backend> metadata_backend = {},
-                           int cuda_device = -1);
+                           c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout, Device device,
+                           c10::intrusive_ptr<c10d::Backend> metadata_backend = {}, int cuda_device = -1);
 
   // "TP", "DP", ... or "world".
   const std::string& axis_name() const { return axis_name_; }
@@ -85,8 +84,7 @@ namespace meshtorch::comm {
 
 MESHTORCH_DECL AxisGroup::AxisGroup(std::string axis_name, std::vector<int> ranks, int global_rank,
                                     c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout,
-                                    Device device, c10::intrusive_ptr<c10d::Backend> metadata_backend,
-                                    int cuda_device)
+                                    Device device, c10::intrusive_ptr<c10d::Backend> metadata_backend, int cuda_device)
     : axis_name_(std::move(axis_name)),
       ranks_(std::move(ranks)),
       global_rank_(global_rank),
@@ -106,9 +104,10 @@ MESHTORCH_DECL std::string AxisGroup::device_name() const {
 MESHTORCH_DECL AxisGroup AxisGroup::metadata() const {
   if (device_ == Device::cpu) return *this;
   if (!metadata_backend_ && size() > 1)
-    throw CommError(fmt::format("the {} has no CPU companion group for metadata; create the group with "
-                                "comm::init, which makes one beside every NCCL group",
-                                describe()));
+    throw CommError(
+        fmt::format("the {} has no CPU companion group for metadata; create the group with "
+                    "comm::init, which makes one beside every NCCL group",
+                    describe()));
   AxisGroup copy = *this;
   copy.backend_ = metadata_backend_;
   copy.metadata_backend_ = {};

@@ -28,7 +28,7 @@ struct BackendRequest {
   int size = 1;
   std::chrono::milliseconds timeout{600'000};
   std::shared_ptr<::gloo::transport::Device> gloo_device;  // shared by all Gloo groups
-  int cuda_device = -1;  // the rank's GPU, for an NCCL backend
+  int cuda_device = -1;                                    // the rank's GPU, for an NCCL backend
 };
 
 MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_backend(const BackendRequest& request);
@@ -67,19 +67,18 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_backend(const BackendReque
     // One thread per group: every rank is a process with one compute thread (OMP_NUM_THREADS=1
     // in tests), and meshes create several groups.
     options->threads = 1;
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(request.store, request.rank, request.size,
-                                                       options);
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(request.store, request.rank, request.size, options);
   }
 #if defined(MESHTORCH_WITH_CUDA)
   if (request.cuda_device < 0)
-    throw ConfigError("an NCCL group needs the rank's GPU (BackendRequest::cuda_device); comm::init "
-                      "sets it from comm::local_cuda_device");
+    throw ConfigError(
+        "an NCCL group needs the rank's GPU (BackendRequest::cuda_device); comm::init "
+        "sets it from comm::local_cuda_device");
   const at::Device gpu(at::kCUDA, static_cast<c10::DeviceIndex>(request.cuda_device));
   auto options = c10d::ProcessGroupNCCL::Options::create();
   // The watchdog's limit: a collective that does not finish in time aborts the communicator.
   options->timeout = request.timeout;
-  auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(request.store, request.rank, request.size,
-                                                          options);
+  auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(request.store, request.rank, request.size, options);
   nccl->setBoundDeviceId(gpu);
   nccl->eagerConnectSingleDevice(gpu);
   return nccl;

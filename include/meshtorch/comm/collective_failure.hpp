@@ -16,8 +16,7 @@ namespace meshtorch::comm {
 // `record` is the flight recorder's id of the collective, `collective` what it was and over
 // which group, `what` the backend's message. Returns if the process is to go on (the caller
 // throws); does not return if the handler ends the process.
-using CollectiveFailureHandler = void (*)(std::uint64_t record, const std::string& collective,
-                                          const std::string& what);
+using CollectiveFailureHandler = void (*)(std::uint64_t record, const std::string& collective, const std::string& what);
 
 namespace detail {
 inline std::atomic<CollectiveFailureHandler> collective_failure_handler{nullptr};

@@ -46,9 +46,12 @@ namespace detail {
 
 inline c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
-    case ReduceOp::max: return c10d::ReduceOp::MAX;
-    case ReduceOp::min: return c10d::ReduceOp::MIN;
-    default: return c10d::ReduceOp::SUM;  // avg is a sum divided afterwards: Gloo has no AVG
+    case ReduceOp::max:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::min:
+      return c10d::ReduceOp::MIN;
+    default:
+      return c10d::ReduceOp::SUM;  // avg is a sum divided afterwards: Gloo has no AVG
   }
 }
 
@@ -94,35 +97,41 @@ MESHTORCH_DECL void barrier(const AxisGroup& group);
 // Coalesced forms: one flat message instead of one per tensor, which matters for the many small
 // tensors of a model (norm weights, biases).
 
-MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_reduce_coalesced_async(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, ReduceOp op = ReduceOp::sum);
-MESHTORCH_DECL std::vector<torch::Tensor> all_reduce_coalesced(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, ReduceOp op = ReduceOp::sum);
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_reduce_coalesced_async(const AxisGroup& group,
+                                                                           std::vector<torch::Tensor> tensors,
+                                                                           ReduceOp op = ReduceOp::sum);
+MESHTORCH_DECL std::vector<torch::Tensor> all_reduce_coalesced(const AxisGroup& group,
+                                                               std::vector<torch::Tensor> tensors,
+                                                               ReduceOp op = ReduceOp::sum);
 
-MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_gather_coalesced_async(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim = 0);
-MESHTORCH_DECL std::vector<torch::Tensor> all_gather_coalesced(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim = 0);
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_gather_coalesced_async(const AxisGroup& group,
+                                                                           std::vector<torch::Tensor> tensors,
+                                                                           int64_t dim = 0);
+MESHTORCH_DECL std::vector<torch::Tensor> all_gather_coalesced(const AxisGroup& group,
+                                                               std::vector<torch::Tensor> tensors, int64_t dim = 0);
 
-MESHTORCH_DECL Work<std::vector<torch::Tensor>> reduce_scatter_coalesced_async(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim = 0, ReduceOp op = ReduceOp::sum);
-MESHTORCH_DECL std::vector<torch::Tensor> reduce_scatter_coalesced(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim = 0, ReduceOp op = ReduceOp::sum);
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> reduce_scatter_coalesced_async(const AxisGroup& group,
+                                                                               std::vector<torch::Tensor> tensors,
+                                                                               int64_t dim = 0,
+                                                                               ReduceOp op = ReduceOp::sum);
+MESHTORCH_DECL std::vector<torch::Tensor> reduce_scatter_coalesced(const AxisGroup& group,
+                                                                   std::vector<torch::Tensor> tensors, int64_t dim = 0,
+                                                                   ReduceOp op = ReduceOp::sum);
 
-MESHTORCH_DECL Work<std::vector<torch::Tensor>> broadcast_coalesced_async(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int source = 0);
-MESHTORCH_DECL std::vector<torch::Tensor> broadcast_coalesced(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int source = 0);
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> broadcast_coalesced_async(const AxisGroup& group,
+                                                                          std::vector<torch::Tensor> tensors,
+                                                                          int source = 0);
+MESHTORCH_DECL std::vector<torch::Tensor> broadcast_coalesced(const AxisGroup& group,
+                                                              std::vector<torch::Tensor> tensors, int source = 0);
 
 // Metadata collectives: CPU values exchanged over the group's CPU companion (AxisGroup::metadata),
 // whatever the group's device, as torch's broadcast_object_list and all_gather_object do.
 
 // `value` of the group rank `source`, on every rank of the group.
 template <class T>
-  requires std::is_arithmetic_v<T>
-T broadcast_value(const AxisGroup& group, T value, int source = 0) {
+requires std::is_arithmetic_v<T> T broadcast_value(const AxisGroup& group, T value, int source = 0) {
   torch::Tensor buffer = std::is_integral_v<T> ? torch::tensor({static_cast<std::int64_t>(value)}, torch::kLong)
-                                                : torch::tensor({static_cast<double>(value)}, torch::kDouble);
+                                               : torch::tensor({static_cast<double>(value)}, torch::kDouble);
   broadcast(group.metadata(), buffer, source);
   return buffer.item().to<T>();
 }
@@ -140,11 +149,11 @@ void raise_first_error(const AxisGroup& group, const std::string& error) {
 }
 
 // The same collectives addressed by mesh and axis kind: all_reduce(mesh, axis<TP>, t).
-#define MESHTORCH_AXIS_FORM(collective)                                                  \
-  template <class M, template <std::size_t> class Kind, class... Args>                   \
-    requires HasAxisGroup<M, Kind>                                                       \
-  auto collective(const M& mesh, AxisKey<Kind>, Args&&... args) {                        \
-    return collective(mesh.template group<Kind>(), std::forward<Args>(args)...);         \
+#define MESHTORCH_AXIS_FORM(collective)                                          \
+  template <class M, template <std::size_t> class Kind, class... Args>           \
+  requires HasAxisGroup<M, Kind>                                                 \
+  auto collective(const M& mesh, AxisKey<Kind>, Args&&... args) {                \
+    return collective(mesh.template group<Kind>(), std::forward<Args>(args)...); \
   }
 MESHTORCH_AXIS_FORM(all_reduce)
 MESHTORCH_AXIS_FORM(all_reduce_async)
@@ -239,8 +248,7 @@ MESHTORCH_DECL Work<torch::Tensor> all_reduce_async(const AxisGroup& group, torc
   c10d::AllreduceOptions options;
   options.reduceOp = detail::to_c10d(op);
   options.timeout = group.timeout();
-  auto work = detail::issue("all_reduce", group, buffer,
-                            [&] { return group.backend()->allreduce(buffers, options); });
+  auto work = detail::issue("all_reduce", group, buffer, [&] { return group.backend()->allreduce(buffers, options); });
   return {work,
           [tensor, buffer, op, n = group.size()]() mutable {
             if (op == ReduceOp::avg) buffer.div_(n);
@@ -264,10 +272,9 @@ MESHTORCH_DECL Work<torch::Tensor> all_gather_async(const AxisGroup& group, cons
   std::vector<torch::Tensor> inputs{input};
   c10d::AllgatherOptions options;
   options.timeout = group.timeout();
-  auto work = detail::issue("all_gather", group, input,
-                            [&] { return group.backend()->allgather(outputs, inputs, options); });
-  return {work, [pieces = outputs[0], input, d] { return torch::cat(pieces, d); }, "all_gather",
-          group};
+  auto work =
+      detail::issue("all_gather", group, input, [&] { return group.backend()->allgather(outputs, inputs, options); });
+  return {work, [pieces = outputs[0], input, d] { return torch::cat(pieces, d); }, "all_gather", group};
 }
 
 MESHTORCH_DECL torch::Tensor all_gather(const AxisGroup& group, const torch::Tensor& tensor, int64_t dim) {
@@ -286,9 +293,8 @@ MESHTORCH_DECL Work<torch::Tensor> reduce_scatter_async(const AxisGroup& group, 
   c10d::ReduceScatterOptions options;
   options.reduceOp = detail::to_c10d(op);
   options.timeout = group.timeout();
-  auto work = detail::issue("reduce_scatter", group, tensor, [&] {
-    return group.backend()->reduce_scatter(outputs, inputs, options);
-  });
+  auto work = detail::issue("reduce_scatter", group, tensor,
+                            [&] { return group.backend()->reduce_scatter(outputs, inputs, options); });
   return {work,
           [output = outputs[0], pieces = inputs[0], op, n = group.size()]() mutable {
             if (op == ReduceOp::avg) output.div_(n);
@@ -305,17 +311,15 @@ MESHTORCH_DECL torch::Tensor reduce_scatter(const AxisGroup& group, const torch:
 MESHTORCH_DECL Work<torch::Tensor> broadcast_async(const AxisGroup& group, torch::Tensor tensor, int source) {
   detail::check_device("broadcast", group, tensor);
   if (source < 0 || source >= group.size())
-    throw detail::collective_error("broadcast", group,
-                                   fmt::format("source {} is not a rank of the group (0 to {})", source,
-                                               group.size() - 1));
+    throw detail::collective_error(
+        "broadcast", group, fmt::format("source {} is not a rank of the group (0 to {})", source, group.size() - 1));
   if (group.size() == 1) return Work<torch::Tensor>::ready(tensor);
   torch::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
   std::vector<torch::Tensor> buffers{buffer};
   c10d::BroadcastOptions options;
   options.rootRank = source;
   options.timeout = group.timeout();
-  auto work = detail::issue("broadcast", group, buffer,
-                            [&] { return group.backend()->broadcast(buffers, options); });
+  auto work = detail::issue("broadcast", group, buffer, [&] { return group.backend()->broadcast(buffers, options); });
   return {work,
           [tensor, buffer]() mutable {
             if (!buffer.is_same(tensor)) tensor.copy_(buffer);
@@ -345,8 +349,7 @@ MESHTORCH_DECL Work<torch::Tensor> all_to_all_async(const AxisGroup& group, cons
   auto work = detail::issue("all_to_all", group, input, [&] {
     return group.backend()->alltoall_base(output, input, equal_splits, equal_splits, options);
   });
-  return {work, [output, input, concat] { return torch::cat(output.unbind(0), concat); },
-          "all_to_all", group};
+  return {work, [output, input, concat] { return torch::cat(output.unbind(0), concat); }, "all_to_all", group};
 }
 
 MESHTORCH_DECL torch::Tensor all_to_all(const AxisGroup& group, const torch::Tensor& tensor, int64_t split_dim,
@@ -364,8 +367,9 @@ MESHTORCH_DECL Work<std::monostate> barrier_async(const AxisGroup& group) {
 
 MESHTORCH_DECL void barrier(const AxisGroup& group) { barrier_async(group).wait(); }
 
-MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_reduce_coalesced_async(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, ReduceOp op) {
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_reduce_coalesced_async(const AxisGroup& group,
+                                                                           std::vector<torch::Tensor> tensors,
+                                                                           ReduceOp op) {
   if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
   detail::check_same_kind("all_reduce_coalesced", group, tensors);
   detail::check_device("all_reduce_coalesced", group, tensors.front());
@@ -383,13 +387,14 @@ MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_reduce_coalesced_async(
           "all_reduce_coalesced", group};
 }
 
-MESHTORCH_DECL std::vector<torch::Tensor> all_reduce_coalesced(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, ReduceOp op) {
+MESHTORCH_DECL std::vector<torch::Tensor> all_reduce_coalesced(const AxisGroup& group,
+                                                               std::vector<torch::Tensor> tensors, ReduceOp op) {
   return all_reduce_coalesced_async(group, std::move(tensors), op).wait();
 }
 
-MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_gather_coalesced_async(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim) {
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_gather_coalesced_async(const AxisGroup& group,
+                                                                           std::vector<torch::Tensor> tensors,
+                                                                           int64_t dim) {
   if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
   detail::check_same_kind("all_gather_coalesced", group, tensors);
   detail::check_device("all_gather_coalesced", group, tensors.front());
@@ -414,13 +419,14 @@ MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_gather_coalesced_async(
           "all_gather_coalesced", group};
 }
 
-MESHTORCH_DECL std::vector<torch::Tensor> all_gather_coalesced(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim) {
+MESHTORCH_DECL std::vector<torch::Tensor> all_gather_coalesced(const AxisGroup& group,
+                                                               std::vector<torch::Tensor> tensors, int64_t dim) {
   return all_gather_coalesced_async(group, std::move(tensors), dim).wait();
 }
 
-MESHTORCH_DECL Work<std::vector<torch::Tensor>> reduce_scatter_coalesced_async(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim, ReduceOp op) {
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> reduce_scatter_coalesced_async(const AxisGroup& group,
+                                                                               std::vector<torch::Tensor> tensors,
+                                                                               int64_t dim, ReduceOp op) {
   if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
   detail::check_same_kind("reduce_scatter_coalesced", group, tensors);
   detail::check_device("reduce_scatter_coalesced", group, tensors.front());
@@ -456,13 +462,15 @@ MESHTORCH_DECL Work<std::vector<torch::Tensor>> reduce_scatter_coalesced_async(
           "reduce_scatter_coalesced", group};
 }
 
-MESHTORCH_DECL std::vector<torch::Tensor> reduce_scatter_coalesced(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int64_t dim, ReduceOp op) {
+MESHTORCH_DECL std::vector<torch::Tensor> reduce_scatter_coalesced(const AxisGroup& group,
+                                                                   std::vector<torch::Tensor> tensors, int64_t dim,
+                                                                   ReduceOp op) {
   return reduce_scatter_coalesced_async(group, std::move(tensors), dim, op).wait();
 }
 
-MESHTORCH_DECL Work<std::vector<torch::Tensor>> broadcast_coalesced_async(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int source) {
+MESHTORCH_DECL Work<std::vector<torch::Tensor>> broadcast_coalesced_async(const AxisGroup& group,
+                                                                          std::vector<torch::Tensor> tensors,
+                                                                          int source) {
   if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
   detail::check_same_kind("broadcast_coalesced", group, tensors);
   detail::check_device("broadcast_coalesced", group, tensors.front());
@@ -480,8 +488,8 @@ MESHTORCH_DECL Work<std::vector<torch::Tensor>> broadcast_coalesced_async(
           "broadcast_coalesced", group};
 }
 
-MESHTORCH_DECL std::vector<torch::Tensor> broadcast_coalesced(
-    const AxisGroup& group, std::vector<torch::Tensor> tensors, int source) {
+MESHTORCH_DECL std::vector<torch::Tensor> broadcast_coalesced(const AxisGroup& group,
+                                                              std::vector<torch::Tensor> tensors, int source) {
   return broadcast_coalesced_async(group, std::move(tensors), source).wait();
 }
 

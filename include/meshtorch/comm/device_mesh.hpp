@@ -100,16 +100,12 @@ class DeviceMesh {
   }
 
   template <template <std::size_t> class Kind>
-    requires MeshWithAxis<M, Kind>
-  int coord() const {
-    return shape_.template coord<Kind>(rank());
-  }
+  requires MeshWithAxis<M, Kind>
+  int coord() const { return shape_.template coord<Kind>(rank()); }
 
   template <template <std::size_t> class Kind>
-    requires MeshWithAxis<M, Kind>
-  int size() const {
-    return shape_.template extent<Kind>();
-  }
+  requires MeshWithAxis<M, Kind>
+  int size() const { return shape_.template extent<Kind>(); }
 
   // The group along one axis, or along several merged axes: group<DP, FSDP>() holds the ranks
   // that share this rank's other coordinates, ordered row-major over DP and FSDP.
@@ -172,10 +168,11 @@ MESHTORCH_DECL void throw_no_axes(unsigned axis_mask, std::string_view mesh_name
 }
 
 MESHTORCH_DECL void throw_no_node_group(const LaunchEnv& env) {
-  throw ConfigError(fmt::format("rank {}: no node group: LOCAL_WORLD_SIZE {} does not divide the world size {} "
-                                "into nodes of consecutive ranks (rank {} is local rank {}); start the same "
-                                "number of ranks on every node",
-                                env.rank, env.local_world_size, env.world_size, env.rank, env.local_rank));
+  throw ConfigError(
+      fmt::format("rank {}: no node group: LOCAL_WORLD_SIZE {} does not divide the world size {} "
+                  "into nodes of consecutive ranks (rank {} is local rank {}); start the same "
+                  "number of ranks on every node",
+                  env.rank, env.local_world_size, env.world_size, env.rank, env.local_rank));
 }
 
 }  // namespace meshtorch::comm::detail

@@ -109,8 +109,7 @@ MESHTORCH_DECL std::optional<long long> parse_integer(std::string_view text) {
 MESHTORCH_DECL int integer_variable(std::string_view name, const std::string& text, long long min_value,
                                     long long max_value) {
   auto value = parse_integer(text);
-  if (!value)
-    throw EnvError(fmt::format("{}='{}' is not an integer", name, text));
+  if (!value) throw EnvError(fmt::format("{}='{}' is not an integer", name, text));
   if (*value < min_value || *value > max_value)
     throw EnvError(fmt::format("{}={} is out of range [{}, {}]", name, text, min_value, max_value));
   return static_cast<int>(*value);
@@ -199,20 +198,21 @@ MESHTORCH_DECL void check_consistent(const LaunchEnv& env, std::string_view rank
   if (env.rank >= env.world_size)
     throw EnvError(fmt::format("{} is not below {}", say(rank_name, env.rank), say(world_name, env.world_size)));
   if (env.local_rank >= env.local_world_size)
-    throw EnvError(fmt::format("{} is not below {}",
-                               say(local_rank_name, env.local_rank), say(local_world_name, env.local_world_size)));
+    throw EnvError(fmt::format("{} is not below {}", say(local_rank_name, env.local_rank),
+                               say(local_world_name, env.local_world_size)));
   if (env.local_world_size > env.world_size)
-    throw EnvError(fmt::format("{} exceeds {}",
-                               say(local_world_name, env.local_world_size), say(world_name, env.world_size)));
+    throw EnvError(
+        fmt::format("{} exceeds {}", say(local_world_name, env.local_world_size), say(world_name, env.world_size)));
 }
 
 MESHTORCH_DECL void read_master(const EnvLookup& lookup, LaunchEnv& env, std::string_view launcher_variables) {
   if (auto addr = lookup("MASTER_ADDR"))
     env.master_addr = *addr;
   else if (env.local_world_size != env.world_size)
-    throw EnvError(fmt::format("MASTER_ADDR is not set, but {} place ranks on more than one node; set it to the host "
-                               "of rank 0",
-                               launcher_variables));
+    throw EnvError(
+        fmt::format("MASTER_ADDR is not set, but {} place ranks on more than one node; set it to the host "
+                    "of rank 0",
+                    launcher_variables));
   if (auto port = lookup("MASTER_PORT")) env.master_port = integer_variable("MASTER_PORT", *port, 1, 65535);
 }
 

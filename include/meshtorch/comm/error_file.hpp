@@ -86,11 +86,21 @@ MESHTORCH_DECL std::string json_string(std::string_view text) {
   std::string out = "\"";
   for (unsigned char c : text) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           char escaped[8];
@@ -126,8 +136,8 @@ MESHTORCH_DECL void describe_exception_chain(const std::exception_ptr& error, st
 MESHTORCH_DECL std::string error_file_json(const std::exception_ptr& error) {
   std::string message, chain;
   detail::describe_exception_chain(error, message, chain);
-  auto seconds = std::chrono::duration_cast<std::chrono::seconds>(
-                     std::chrono::system_clock::now().time_since_epoch()).count();
+  auto seconds =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   return "{\"message\": {\"message\": " + detail::json_string(message) +
          ", \"extraInfo\": {\"py_callstack\": " + detail::json_string(chain) +
          ", \"timestamp\": " + detail::json_string(std::to_string(seconds)) + "}}}\n";

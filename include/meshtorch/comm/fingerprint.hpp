@@ -22,17 +22,13 @@ namespace meshtorch::comm {
 namespace detail {
 
 inline std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), text.end()}; }
-inline std::string from_bytes(const std::vector<uint8_t>& bytes) {
-  return {bytes.begin(), bytes.end()};
-}
+inline std::string from_bytes(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
 
 // The first line on which two fingerprints differ ("lr=0.001" against "lr=0.0003"), so that a
 // flag mismatch names the flag and both values, not two pages of flags.
 MESHTORCH_DECL std::pair<std::string, std::string> first_differing_lines(const std::string& a, const std::string& b);
 
-inline std::string fingerprint_key(int rank) {
-  return "meshtorch/fingerprint/" + std::to_string(rank);
-}
+inline std::string fingerprint_key(int rank) { return "meshtorch/fingerprint/" + std::to_string(rank); }
 
 }  // namespace detail
 
@@ -80,14 +76,16 @@ MESHTORCH_DECL void check_fingerprints(c10d::Store& store, int rank, int world_s
         const std::string theirs = detail::from_bytes(store.get(detail::fingerprint_key(other)));
         if (theirs != fingerprint) {
           const auto [their_line, our_line] = detail::first_differing_lines(theirs, fingerprint);
-          verdict = fmt::format("rank {} was started with '{}' but rank 0 with '{}'; start every rank with the same "
-                                "program, mesh and flags",
-                                other, their_line, our_line);
+          verdict = fmt::format(
+              "rank {} was started with '{}' but rank 0 with '{}'; start every rank with the same "
+              "program, mesh and flags",
+              other, their_line, our_line);
         }
       } catch (const std::exception&) {
-        verdict = fmt::format("rank {} did not report its fingerprint within {} ms; check that it started and did "
-                              "not fail",
-                              other, timeout.count());
+        verdict = fmt::format(
+            "rank {} did not report its fingerprint within {} ms; check that it started and did "
+            "not fail",
+            other, timeout.count());
       }
     }
     store.set(verdict_key, detail::to_bytes(verdict.empty() ? "ok" : verdict));
@@ -101,20 +99,20 @@ MESHTORCH_DECL void check_fingerprints(c10d::Store& store, int rank, int world_s
     }
     if (!verdict.empty()) throw CommError(fmt::format("mesh init on rank 0: {}", verdict));
     if (!all_read)
-      throw CommError(fmt::format("mesh init on rank 0: not every rank read the fingerprint verdict within {} ms; "
-                                  "check that no rank failed",
-                                  timeout.count()));
+      throw CommError(
+          fmt::format("mesh init on rank 0: not every rank read the fingerprint verdict within {} ms; "
+                      "check that no rank failed",
+                      timeout.count()));
     return;
   }
   try {
     verdict = detail::from_bytes(store.get(verdict_key));
   } catch (const std::exception& e) {
-    throw CommError(fmt::format("mesh init on rank {}: rank 0 gave no fingerprint verdict within {} ms: {}",
-                                rank, timeout.count(), e.what()));
+    throw CommError(fmt::format("mesh init on rank {}: rank 0 gave no fingerprint verdict within {} ms: {}", rank,
+                                timeout.count(), e.what()));
   }
   if (store.add(readers_key, 1) == world_size - 1) store.set(read_key, detail::to_bytes("1"));
-  if (verdict != "ok")
-    throw CommError(fmt::format("mesh init on rank {}: {}", rank, verdict));
+  if (verdict != "ok") throw CommError(fmt::format("mesh init on rank {}: {}", rank, verdict));
 }
 
 }  // namespace meshtorch::comm

@@ -33,10 +33,14 @@ enum class CollectiveState { scheduled, waiting, completed, failed };
 
 inline const char* to_string(CollectiveState state) {
   switch (state) {
-    case CollectiveState::scheduled: return "scheduled";
-    case CollectiveState::waiting: return "waiting";
-    case CollectiveState::completed: return "completed";
-    default: return "failed";
+    case CollectiveState::scheduled:
+      return "scheduled";
+    case CollectiveState::waiting:
+      return "waiting";
+    case CollectiveState::completed:
+      return "completed";
+    default:
+      return "failed";
   }
 }
 
@@ -134,8 +138,7 @@ class FlightRecorder {
     if (const FlightEntry* last = find(last_)) out["last"] = brief<Json>(*last);
     const FlightEntry* oldest = nullptr;
     for (const auto& entry : ring_)
-      if (entry.id && entry.state == CollectiveState::waiting && (!oldest || entry.id < oldest->id))
-        oldest = &entry;
+      if (entry.id && entry.state == CollectiveState::waiting && (!oldest || entry.id < oldest->id)) oldest = &entry;
     if (oldest) {
       out["waiting"] = brief<Json>(*oldest);
       out["waiting"]["seconds"] = std::chrono::duration<double>(Clock::now() - oldest->wait_started).count();
@@ -180,7 +183,7 @@ class FlightRecorder {
   // With the tensor's shape and dtype, so that a desync of sizes or types is named too.
   template <class Json>
   static Json brief(const FlightEntry& e) {
-    return {{"group", e.group->name}, {"seq", e.seq},     {"op", e.op},
+    return {{"group", e.group->name},      {"seq", e.seq},     {"op", e.op},
             {"state", to_string(e.state)}, {"shape", e.shape}, {"dtype", e.dtype}};
   }
 
@@ -225,9 +228,9 @@ MESHTORCH_DECL FlightRecorder& FlightRecorder::instance() {
 }
 
 MESHTORCH_DECL std::uint64_t FlightRecorder::record(const void* backend, std::string_view axis,
-                                                   const std::vector<int>& ranks, std::string_view backend_name,
-                                                   std::string_view op, std::span<const std::int64_t> shape,
-                                                   const char* dtype) {
+                                                    const std::vector<int>& ranks, std::string_view backend_name,
+                                                    std::string_view op, std::span<const std::int64_t> shape,
+                                                    const char* dtype) {
   if (ring_.empty()) return 0;
   const auto now = Clock::now();
   std::lock_guard lock(mutex_);
@@ -313,8 +316,7 @@ MESHTORCH_DECL RecordedGroup& FlightRecorder::group_of(const void* backend, std:
                                                        const std::vector<int>& ranks, std::string_view backend_name) {
   auto found = by_backend_.find(backend);
   // A backend freed and another allocated at its address is a new group.
-  if (found != by_backend_.end() && found->second->axis == axis && found->second->ranks == ranks)
-    return *found->second;
+  if (found != by_backend_.end() && found->second->axis == axis && found->second->ranks == ranks) return *found->second;
   std::string name = std::string(axis) + " group [";
   for (std::size_t i = 0; i < ranks.size(); ++i) name += (i ? ", " : "") + std::to_string(ranks[i]);
   name += "]";

@@ -176,7 +176,8 @@ MESHTORCH_DECL std::map<int, RankReport> rank_reports_from_dumps(const std::vect
     if (rank < 0) continue;
     RankReport report = rank_report_from_progress(rank, dump.value("progress", nlohmann::json::object()));
     report.dumped = true;
-    if (const std::string reason = dump.value("reason", ""); reason.rfind("fatal signal", 0) == 0) report.fatal = reason;
+    if (const std::string reason = dump.value("reason", ""); reason.rfind("fatal signal", 0) == 0)
+      report.fatal = reason;
     add_ring(report, dump.value("entries", nlohmann::json::array()));
     reports[rank] = std::move(report);
   }
@@ -257,11 +258,11 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
       for (auto it = by_op.begin(); it != by_op.end(); ++it) {
         if (it == majority) continue;
         verdict.culprits.insert(verdict.culprits.end(), it->second.begin(), it->second.end());
-        verdict.details.push_back(fmt::format(
-            "{} {} in {} #{} over the {}{} while {} {} in {} #{}{}", ranks_phrase(it->second),
-            it->second.size() == 1 ? "is" : "are", it->first.first, seq, name, on(it->first.second),
-            ranks_phrase(majority->second), majority->second.size() == 1 ? "is" : "are", majority->first.first, seq,
-            on(majority->first.second)));
+        verdict.details.push_back(
+            fmt::format("{} {} in {} #{} over the {}{} while {} {} in {} #{}{}", ranks_phrase(it->second),
+                        it->second.size() == 1 ? "is" : "are", it->first.first, seq, name, on(it->first.second),
+                        ranks_phrase(majority->second), majority->second.size() == 1 ? "is" : "are",
+                        majority->first.first, seq, on(majority->first.second)));
       }
       break;
     }
@@ -282,7 +283,7 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
     std::vector<int> waiters;
     double seconds = -1;
   };
-  std::map<int, std::vector<int>> blocked_by;  // waiter -> ranks it waits for
+  std::map<int, std::vector<int>> blocked_by;        // waiter -> ranks it waits for
   std::map<int, std::vector<Blocked>> missing_from;  // a rank that has not arrived -> where
   for (const auto& [rank, report] : reports) {
     if (!report.waiting) continue;
@@ -324,7 +325,7 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
       state = "it answers but is in no collective (busy in computation, I/O or a store wait)";
     else
       state = "it waits in " + describe_collective(report->second.waiting->op, report->second.waiting->seq,
-                                                 report->second.waiting->group);
+                                                   report->second.waiting->group);
     // Its last collective: what it published, or later what the waiters completed with it.
     std::optional<CollectiveRef> last;
     if (report != reports.end()) last = report->second.last;
@@ -332,8 +333,7 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
     if (where != missing_from.end() && where->second.front().seq > 1) {
       const auto& w = where->second.front();
       const std::uint64_t reached = w.seq - 1;
-      const bool published_behind =
-          report == reports.end() || detail::issued_on(report->second, w.group) < reached;
+      const bool published_behind = report == reports.end() || detail::issued_on(report->second, w.group) < reached;
       if (published_behind || !last) {
         std::optional<std::string> op;
         for (int waiter : w.waiters)
@@ -352,7 +352,8 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
         places.push_back(fmt::format("{}, where {} {} waiting{}", describe_collective(w.op, w.seq, w.group),
                                      ranks_phrase(w.waiters), w.waiters.size() == 1 ? "is" : "are",
                                      w.seconds >= 0 ? fmt::format(" for {:.1f} s", w.seconds) : ""));
-      line = fmt::format("rank {} did not arrive at {}; {}; {}", root, fmt::join(places, ", nor at "), state, last_text);
+      line =
+          fmt::format("rank {} did not arrive at {}; {}; {}", root, fmt::join(places, ", nor at "), state, last_text);
     } else {
       line = fmt::format("rank {}: {}; {}", root, state, last_text);
     }
@@ -364,18 +365,21 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
   // Ranks that wait only because of a culprit, for the record.
   for (const auto& [rank, report] : reports)
     if (report.waiting && !roots.count(rank))
-      verdict.details.push_back(fmt::format(
-          "rank {} waits in {}{}", rank, describe_collective(report.waiting->op, report.waiting->seq, report.waiting->group),
-          report.waiting->seconds >= 0 ? fmt::format(" ({:.1f} s)", report.waiting->seconds) : ""));
+      verdict.details.push_back(
+          fmt::format("rank {} waits in {}{}", rank,
+                      describe_collective(report.waiting->op, report.waiting->seq, report.waiting->group),
+                      report.waiting->seconds >= 0 ? fmt::format(" ({:.1f} s)", report.waiting->seconds) : ""));
   if (verdict.summary.empty()) {
-    auto waiter = std::find_if(reports.begin(), reports.end(), [](const auto& r) { return r.second.waiting.has_value(); });
+    auto waiter =
+        std::find_if(reports.begin(), reports.end(), [](const auto& r) { return r.second.waiting.has_value(); });
     verdict.summary =
         waiter == reports.end()
             ? "no culprit found: every rank reported progress and none waits for a missing peer"
-            : fmt::format("no rank is missing from {}, yet it has not completed: the network or a member's backend is "
-                          "stuck (every member answers and has issued it)",
-                          describe_collective(waiter->second.waiting->op, waiter->second.waiting->seq,
-                                              waiter->second.waiting->group));
+            : fmt::format(
+                  "no rank is missing from {}, yet it has not completed: the network or a member's backend is "
+                  "stuck (every member answers and has issued it)",
+                  describe_collective(waiter->second.waiting->op, waiter->second.waiting->seq,
+                                      waiter->second.waiting->group));
   }
   return verdict;
 }

@@ -70,17 +70,13 @@ DeviceMesh<M> MeshStartUp<Deferred>::start(InitOptions options) {
   const bool single_node = env.local_world_size == env.world_size;
   // Gloo serves CPU meshes and, on CUDA meshes, each group's CPU companion for metadata.
   auto gloo_device = make_gloo_device(single_node);
-  auto make_group = [&](const std::string& axis_name, const std::string& prefix,
-                        std::vector<int> ranks) {
+  auto make_group = [&](const std::string& axis_name, const std::string& prefix, std::vector<int> ranks) {
     int group_rank = 0;
     for (std::size_t i = 0; i < ranks.size(); ++i)
       if (ranks[i] == env.rank) group_rank = static_cast<int>(i);
-    BackendRequest request{options.device,
-                           c10::make_intrusive<c10d::PrefixStore>(prefix, store),
-                           group_rank,
-                           static_cast<int>(ranks.size()),
-                           options.timeout,
-                           gloo_device,
+    BackendRequest request{options.device,  c10::make_intrusive<c10d::PrefixStore>(prefix, store),
+                           group_rank,      static_cast<int>(ranks.size()),
+                           options.timeout, gloo_device,
                            cuda_device};
     try {
       c10::intrusive_ptr<c10d::Backend> metadata_backend;
@@ -90,13 +86,13 @@ DeviceMesh<M> MeshStartUp<Deferred>::start(InitOptions options) {
         metadata_request.store = c10::make_intrusive<c10d::PrefixStore>(prefix + "metadata/", store);
         metadata_backend = make_backend(metadata_request);
       }
-      return AxisGroup(axis_name, std::move(ranks), env.rank, make_backend(request),
-                       options.timeout, options.device, std::move(metadata_backend), cuda_device);
+      return AxisGroup(axis_name, std::move(ranks), env.rank, make_backend(request), options.timeout, options.device,
+                       std::move(metadata_backend), cuda_device);
     } catch (const ConfigError&) {
       throw;
     } catch (const std::exception& e) {
-      throw CommError(fmt::format("rank {}: creating its {} group of {} failed: {}",
-                                  env.rank, axis_name, M::name, e.what()));
+      throw CommError(
+          fmt::format("rank {}: creating its {} group of {} failed: {}", env.rank, axis_name, M::name, e.what()));
     }
   };
 

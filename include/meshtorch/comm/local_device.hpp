@@ -25,8 +25,7 @@ inline constexpr bool built_with_cuda =
 // collective ("Duplicate GPU detected"): a ConfigError at start-up instead. With one visible GPU
 // the launcher may be showing each rank its own, so every rank takes it.
 inline int cuda_device_for(int local_rank, int visible, const std::string& asked_by = "--device cuda") {
-  if (local_rank < 0)
-    throw ConfigError(fmt::format("{}: local rank {} is negative", asked_by, local_rank));
+  if (local_rank < 0) throw ConfigError(fmt::format("{}: local rank {} is negative", asked_by, local_rank));
   if (visible > 1 && local_rank >= visible)
     throw ConfigError(fmt::format(
         "{}: local rank {} on a node where this process sees {} GPUs (cuda:0 to cuda:{}): one GPU per rank allows "
@@ -40,15 +39,17 @@ inline int cuda_device_for(int local_rank, int visible, const std::string& asked
 // program cannot use a GPU.
 inline int local_cuda_device(int local_rank, const std::string& asked_by = "--device cuda") {
   if (!built_with_cuda)
-    throw ConfigError(fmt::format("{}: this program was built without CUDA; build it with scripts/setup on a machine "
-                                  "with a GPU and a CUDA LibTorch (or configure with -DMESHTORCH_CUDA=ON), or use "
-                                  "--device cpu",
-                                  asked_by));
+    throw ConfigError(
+        fmt::format("{}: this program was built without CUDA; build it with scripts/setup on a machine "
+                    "with a GPU and a CUDA LibTorch (or configure with -DMESHTORCH_CUDA=ON), or use "
+                    "--device cpu",
+                    asked_by));
   const auto count = static_cast<int>(torch::cuda::device_count());
   if (count == 0)
-    throw ConfigError(fmt::format("{}: no CUDA device is visible to this process (nvidia-smi lists the GPUs; check "
-                                  "CUDA_VISIBLE_DEVICES and the driver), or use --device cpu",
-                                  asked_by));
+    throw ConfigError(
+        fmt::format("{}: no CUDA device is visible to this process (nvidia-smi lists the GPUs; check "
+                    "CUDA_VISIBLE_DEVICES and the driver), or use --device cpu",
+                    asked_by));
   return cuda_device_for(local_rank, count, asked_by);
 }
 

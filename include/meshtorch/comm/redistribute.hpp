@@ -57,8 +57,7 @@ torch::Tensor redistribute(const torch::Tensor& tensor, const AxisGroup& group) 
 }
 
 template <Placement From, Placement To, class M, template <std::size_t> class Kind>
-  requires HasAxisGroup<M, Kind>
-torch::Tensor redistribute(const torch::Tensor& tensor, const M& mesh, AxisKey<Kind>) {
+requires HasAxisGroup<M, Kind> torch::Tensor redistribute(const torch::Tensor& tensor, const M& mesh, AxisKey<Kind>) {
   return redistribute<From, To>(tensor, mesh.template group<Kind>());
 }
 

@@ -26,8 +26,7 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env, 
 
 namespace meshtorch::comm {
 
-MESHTORCH_DECL c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env,
-                                                           std::chrono::milliseconds timeout) {
+MESHTORCH_DECL c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env, std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(env.master_port);
   // Where this rank's store client connects: rank 0's store, or this rank's relay to its gate.
@@ -43,12 +42,13 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env,
     }
     // A host name that this host maps to loopback (Debian's 127.0.1.1 for its own name) would
     // keep out the ranks of other nodes, which reach it at its network address.
-    const bool loopback_name = env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0 ||
-                               env.master_addr == "::1";
+    const bool loopback_name =
+        env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0 || env.master_addr == "::1";
     if (env.local_world_size < env.world_size && !loopback_name && detail::bound_to_loopback(public_fd))
-      throw CommError(fmt::format("rank 0 of {}: MASTER_ADDR={} is a loopback address on this host, which ranks on "
-                                  "other nodes cannot reach; set MASTER_ADDR to the address they use for it",
-                                  env.world_size, env.master_addr));
+      throw CommError(
+          fmt::format("rank 0 of {}: MASTER_ADDR={} is a loopback address on this host, which ranks on "
+                      "other nodes cannot reach; set MASTER_ADDR to the address they use for it",
+                      env.world_size, env.master_addr));
     options.masterListenFd = public_fd;
     if (!token.empty()) {
       const int store_fd = detail::listen_on("127.0.0.1", 0, "the store's inner address");
@@ -72,10 +72,10 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env,
   } catch (const std::exception& e) {
     // c10's message carries a C++ backtrace after its first line; the first line says it all.
     const std::string why = e.what();
-    throw CommError(fmt::format("rank {} of {}: rendezvous at {}:{} failed within {} ms (is every rank started, and "
-                                "MASTER_ADDR/MASTER_PORT the same on all?): {}",
-                                env.rank, env.world_size, env.master_addr, env.master_port, timeout.count(),
-                                why.substr(0, why.find('\n'))));
+    throw CommError(fmt::format(
+        "rank {} of {}: rendezvous at {}:{} failed within {} ms (is every rank started, and "
+        "MASTER_ADDR/MASTER_PORT the same on all?): {}",
+        env.rank, env.world_size, env.master_addr, env.master_port, timeout.count(), why.substr(0, why.find('\n'))));
   }
 }
 

@@ -177,7 +177,8 @@ MESHTORCH_DECL std::string all_thread_stacks() {
     s.done.store(false);
     s.depth = 0;
     s.owner.store(tid);
-    const std::string header = fmt::format("thread {} ({}){}", tid, d::thread_name(tid), tid == ::getpid() ? ", the main thread" : "");
+    const std::string header =
+        fmt::format("thread {} ({}){}", tid, d::thread_name(tid), tid == ::getpid() ? ", the main thread" : "");
     if (::syscall(SYS_tgkill, ::getpid(), tid, d::capture_signal()) != 0) {
       s.owner.store(0);
       continue;  // the thread has ended meanwhile
@@ -211,9 +212,10 @@ MESHTORCH_DECL std::string all_thread_stacks() {
 
 MESHTORCH_DECL void write_all_thread_stacks(int rank, const std::string& reason) {
   const std::string stacks = all_thread_stacks();
-  std::cerr << fmt::format("meshtorch: rank {}: stacks of every thread (pid {}, {}), most recent call last:\n{}"
-                           "meshtorch: rank {}: end of stacks\n",
-                           rank, ::getpid(), reason, stacks, rank)
+  std::cerr << fmt::format(
+                   "meshtorch: rank {}: stacks of every thread (pid {}, {}), most recent call last:\n{}"
+                   "meshtorch: rank {}: end of stacks\n",
+                   rank, ::getpid(), reason, stacks, rank)
             << std::flush;
 }
 

@@ -176,10 +176,10 @@ inline void refuse(int fd, const std::string& peer, const std::string& why, int 
   for (pollfd p{fd, POLLIN, 0}; ::poll(&p, 1, 200) > 0 && ::recv(fd, discard, sizeof discard, 0) > 0;) {
   }
   ::close(fd);
-  std::fputs(fmt::format("rank {}: the rendezvous store at {} refused a connection from {}: {}\n", rank, where, peer,
-                         why)
-                 .c_str(),
-             stderr);
+  std::fputs(
+      fmt::format("rank {}: the rendezvous store at {} refused a connection from {}: {}\n", rank, where, peer, why)
+          .c_str(),
+      stderr);
 }
 
 }  // namespace gate_detail
@@ -249,8 +249,10 @@ MESHTORCH_DECL void start_store_gate(int listen_fd, int store_port, std::string 
       std::thread([=] {
         const std::string greeting = token_greeting;
         auto line = read_line(fd, Clock::now() + token_wait, greeting);
-        if (!line) return refuse(fd, peer, fmt::format("it sent no job token within {} ms (MESHTORCH_JOB_TOKEN)",
-                                                       token_wait.count()), rank, where);
+        if (!line)
+          return refuse(fd, peer,
+                        fmt::format("it sent no job token within {} ms (MESHTORCH_JOB_TOKEN)", token_wait.count()),
+                        rank, where);
         if (line->rfind(greeting, 0) != 0)
           return refuse(fd, peer, "it presented no job token (MESHTORCH_JOB_TOKEN)", rank, where);
         if (!same_token(line->substr(greeting.size()), token))
@@ -286,13 +288,15 @@ MESHTORCH_DECL int start_store_relay(const std::string& host, int port, std::str
   auto answer = open(Clock::now() + timeout, probe);
   if (probe >= 0) ::close(probe);
   if (!answer)
-    throw CommError(fmt::format("rank {}: the rendezvous store at {}:{} did not answer within {} ms (is rank 0 "
-                                "started, and MASTER_ADDR/MASTER_PORT the same on all?)",
-                                rank, host, port, timeout.count()));
+    throw CommError(
+        fmt::format("rank {}: the rendezvous store at {}:{} did not answer within {} ms (is rank 0 "
+                    "started, and MASTER_ADDR/MASTER_PORT the same on all?)",
+                    rank, host, port, timeout.count()));
   if (*answer != "ok")
-    throw CommError(fmt::format("rank {}: the rendezvous store at {}:{} {}; every rank must have the job's "
-                                "MESHTORCH_JOB_TOKEN (meshrun --job-token passes it on)",
-                                rank, host, port, *answer));
+    throw CommError(
+        fmt::format("rank {}: the rendezvous store at {}:{} {}; every rank must have the job's "
+                    "MESHTORCH_JOB_TOKEN (meshrun --job-token passes it on)",
+                    rank, host, port, *answer));
   const int listen_fd = listen_on("127.0.0.1", 0, "the store relay's address");
   std::thread([=] {
     for (;;) {

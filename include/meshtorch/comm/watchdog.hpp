@@ -155,8 +155,6 @@ inline std::filesystem::path dump_flight_recorder(const std::string& reason = "r
 #if MESHTORCH_DEFINES(programs)
 #include <pthread.h>
 #include <signal.h>
-#include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -171,6 +169,8 @@ inline std::filesystem::path dump_flight_recorder(const std::string& reason = "r
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <string.h>
+#include <time.h>
 
 #include <meshtorch/comm/collective_failure.hpp>
 #include <meshtorch/comm/env.hpp>
@@ -239,18 +239,18 @@ MESHTORCH_DECL std::filesystem::path Watchdog::dump(const std::string& reason, c
                                                     const HangVerdict* verdict, const nlohmann::json* progress) {
   std::filesystem::path dir = dump_dir();
   if (dir.empty()) return {};
-  nlohmann::json out = {{"format", "meshtorch-flight-recorder"},
-                        {"version", 1},
-                        {"rank", rank_},
-                        {"world_size", world_size_},
-                        {"pid", static_cast<long>(::getpid())},
-                        {"host", host_name()},
-                        {"reason", reason},
-                        {"time_s", std::chrono::duration<double>(
-                                       std::chrono::system_clock::now().time_since_epoch()).count()},
-                        {"timeout_s", std::chrono::duration<double>(timeout_).count()},
-                        {"progress", progress ? *progress : FlightRecorder::instance().progress()},
-                        {"entries", FlightRecorder::instance().entries()}};
+  nlohmann::json out = {
+      {"format", "meshtorch-flight-recorder"},
+      {"version", 1},
+      {"rank", rank_},
+      {"world_size", world_size_},
+      {"pid", static_cast<long>(::getpid())},
+      {"host", host_name()},
+      {"reason", reason},
+      {"time_s", std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()},
+      {"timeout_s", std::chrono::duration<double>(timeout_).count()},
+      {"progress", progress ? *progress : FlightRecorder::instance().progress()},
+      {"entries", FlightRecorder::instance().entries()}};
   if (!peers.is_null()) out["peers"] = peers;
   if (verdict)
     out["verdict"] = {{"culprits", verdict->culprits}, {"summary", verdict->summary}, {"details", verdict->details}};
@@ -294,7 +294,8 @@ MESHTORCH_DECL nlohmann::json Watchdog::read_peers() {
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_) continue;
     auto now = second.count(r) ? second[r] : first.count(r) ? first[r] : nlohmann::json();
-    const bool advanced = first.count(r) && second.count(r) && first[r].value("beat", -1) != second[r].value("beat", -1);
+    const bool advanced =
+        first.count(r) && second.count(r) && first[r].value("beat", -1) != second[r].value("beat", -1);
     nlohmann::json peer = {{"responsive", store_answers_ && advanced}};
     if (now.is_object() && now.contains("progress")) peer["progress"] = now["progress"];
     // Rank 0 serves the store: a store that stopped answering means rank 0 stopped.
@@ -353,7 +354,8 @@ MESHTORCH_DECL void Watchdog::loop() {
     if (stacks_requested_.exchange(false)) write_stacks("request (SIGUSR1)");
     if (dump_requested_.exchange(false)) {
       const auto path = dump("request (SIGUSR2)");
-      if (!path.empty()) std::cerr << fmt::format("meshtorch: rank {}: flight recorder written to {}\n", rank_, path.string());
+      if (!path.empty())
+        std::cerr << fmt::format("meshtorch: rank {}: flight recorder written to {}\n", rank_, path.string());
     }
     if (armed_) {
       if (auto wait = FlightRecorder::instance().longest_wait();
@@ -431,16 +433,16 @@ MESHTORCH_DECL void Watchdog::write_error_file(const std::string& message, const
                                                const std::filesystem::path& dump) {
   const char* file_name = std::getenv("TORCHELASTIC_ERROR_FILE");
   if (!file_name || !*file_name) return;
-  nlohmann::json error = {
-      {"message",
-       {{"message", message + "; culprit: " + verdict.summary},
-        {"extraInfo",
-         {{"py_callstack", verdict.text()},
-          {"timestamp", std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
-                                           std::chrono::system_clock::now().time_since_epoch()).count())},
-          {"culprit_ranks", verdict.culprits},
-          {"culprit", verdict.summary},
-          {"flight_recorder", dump.empty() ? std::string() : dump.parent_path().string()}}}}}};
+  nlohmann::json error = {{"message",
+                           {{"message", message + "; culprit: " + verdict.summary},
+                            {"extraInfo",
+                             {{"py_callstack", verdict.text()},
+                              {"timestamp", std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
+                                                               std::chrono::system_clock::now().time_since_epoch())
+                                                               .count())},
+                              {"culprit_ranks", verdict.culprits},
+                              {"culprit", verdict.summary},
+                              {"flight_recorder", dump.empty() ? std::string() : dump.parent_path().string()}}}}}};
   std::ofstream file(file_name, std::ios::trunc);
   file << error.dump() << "\n";
 }

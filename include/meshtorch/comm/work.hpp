@@ -32,8 +32,7 @@ namespace meshtorch::comm {
 
 namespace detail {
 
-MESHTORCH_DECL CommError collective_error(std::string_view collective, const AxisGroup& group,
-                                          std::string_view why);
+MESHTORCH_DECL CommError collective_error(std::string_view collective, const AxisGroup& group, std::string_view why);
 
 // The flight recorder's id of the collective this thread issued last; the Work made from it
 // takes it over.
@@ -45,8 +44,8 @@ MESHTORCH_DECL std::uint64_t record_collective(std::string_view collective, cons
 // Issues a c10d call, turning its synchronous errors into CommErrors, and records it (with the
 // shape and dtype of `tensor`, when given) in the flight recorder.
 template <class Issue>
-c10::intrusive_ptr<c10d::Work> issue(std::string_view collective, const AxisGroup& group,
-                                     const at::Tensor& tensor, Issue&& call) {
+c10::intrusive_ptr<c10d::Work> issue(std::string_view collective, const AxisGroup& group, const at::Tensor& tensor,
+                                     Issue&& call) {
   // Recorded before it is issued: an issue that blocks (a communicator set up lazily) shows.
   const std::uint64_t record = record_collective(collective, group, tensor);
   try {
@@ -60,8 +59,7 @@ c10::intrusive_ptr<c10d::Work> issue(std::string_view collective, const AxisGrou
 }
 
 template <class Issue>
-c10::intrusive_ptr<c10d::Work> issue(std::string_view collective, const AxisGroup& group,
-                                     Issue&& call) {
+c10::intrusive_ptr<c10d::Work> issue(std::string_view collective, const AxisGroup& group, Issue&& call) {
   return issue(collective, group, at::Tensor(), std::forward<Issue>(call));
 }
 
@@ -81,8 +79,7 @@ MESHTORCH_DECL void record_completion(std::uint64_t record, const AxisGroup& gro
 template <class Result>
 class Work {
  public:
-  Work(c10::intrusive_ptr<c10d::Work> work, std::function<Result()> finish,
-       std::string collective, AxisGroup group)
+  Work(c10::intrusive_ptr<c10d::Work> work, std::function<Result()> finish, std::string collective, AxisGroup group)
       : work_(std::move(work)),
         record_(work_ ? std::exchange(detail::last_recorded, 0) : 0),
         finish_(std::move(finish)),
@@ -125,15 +122,13 @@ class Work {
 
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
-
 #include <fmt/format.h>
 
 #include <meshtorch/comm/collective_failure.hpp>
 
 namespace meshtorch::comm::detail {
 
-MESHTORCH_DECL CommError collective_error(std::string_view collective, const AxisGroup& group,
-                                          std::string_view why) {
+MESHTORCH_DECL CommError collective_error(std::string_view collective, const AxisGroup& group, std::string_view why) {
   return CommError(fmt::format("{} over the {} failed: {}", collective, group.describe(), why));
 }
 

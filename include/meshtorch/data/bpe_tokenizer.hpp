@@ -146,7 +146,7 @@ class BpeTokenizer final : public TextTokenizer {
   std::vector<PreTokenizerStep> steps_;
   std::vector<AddedToken> added_;
   std::array<std::array<std::vector<std::size_t>, 256>, 2> added_by_first_byte_;  // [normalized][first byte]
-  std::vector<std::string> id_bytes_;  // what decode writes for each id
+  std::vector<std::string> id_bytes_;                                             // what decode writes for each id
   std::vector<bool> id_known_;
   // Ids index id_bytes_, so they are bounded by what the file defines before anything is
   // allocated: a 22 KB file with the id 300,000,000 would otherwise ask for 10 GB.
@@ -160,10 +160,9 @@ class BpeTokenizer final : public TextTokenizer {
 #ifndef PCRE2_CODE_UNIT_WIDTH
 #define PCRE2_CODE_UNIT_WIDTH 8
 #endif
-#include <pcre2.h>
-
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <pcre2.h>
 
 namespace meshtorch::data {
 
@@ -249,13 +248,13 @@ class Regex {
   Regex(const std::string& pattern, const std::string& where) {
     int error = 0;
     PCRE2_SIZE offset = 0;
-    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP,
-                          &error, &offset, nullptr);
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &error,
+                          &offset, nullptr);
     if (!code_) {
       std::array<PCRE2_UCHAR, 256> message{};
       pcre2_get_error_message(error, message.data(), message.size());
-      throw ConfigError(fmt::format("{}: regex does not compile at offset {}: {}",
-                                    where, offset, reinterpret_cast<const char*>(message.data())));
+      throw ConfigError(fmt::format("{}: regex does not compile at offset {}: {}", where, offset,
+                                    reinterpret_cast<const char*>(message.data())));
     }
     pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // without JIT (unsupported CPU) matching still works
   }
@@ -281,7 +280,8 @@ struct MatchData {
 class BpeTokenizer::BpeSession final : public Session {
  public:
   explicit BpeSession(const BpeTokenizer& t) : tokenizer_(t) {
-    for (const auto& step : t.steps_) match_data_.push_back(step.regex ? std::make_unique<bpe_detail::MatchData>(*step.regex) : nullptr);
+    for (const auto& step : t.steps_)
+      match_data_.push_back(step.regex ? std::make_unique<bpe_detail::MatchData>(*step.regex) : nullptr);
   }
 
   std::vector<std::int32_t> encode(std::string_view text) override {
@@ -338,8 +338,8 @@ class BpeTokenizer::BpeSession final : public Session {
       if (rc < 0) {
         std::array<PCRE2_UCHAR, 256> message{};
         pcre2_get_error_message(rc, message.data(), message.size());
-        throw DataError(fmt::format("{}: cannot pre-tokenize the text ({}); is it valid UTF-8?",
-                                    tokenizer_.source_, reinterpret_cast<const char*>(message.data())));
+        throw DataError(fmt::format("{}: cannot pre-tokenize the text ({}); is it valid UTF-8?", tokenizer_.source_,
+                                    reinterpret_cast<const char*>(message.data())));
       }
       options = PCRE2_NO_UTF_CHECK;  // checked once by the first call
       const auto* ovector = pcre2_get_ovector_pointer(md.data);
@@ -444,7 +444,7 @@ MESHTORCH_DECL std::string BpeTokenizer::type_of(const nlohmann::json& j) {
 }
 
 MESHTORCH_DECL const nlohmann::json& BpeTokenizer::field(const nlohmann::json& j, const std::string& name,
-                                                   const std::string& path) const {
+                                                         const std::string& path) const {
   const auto it = j.find(name);
   if (it == j.end() || it->is_null()) throw ConfigError(fmt::format("{} is missing", where(path + name)));
   return *it;
@@ -454,8 +454,8 @@ MESHTORCH_DECL bool BpeTokenizer::flag(const nlohmann::json& j, const std::strin
                                        const std::string& path) const {
   const auto it = j.find(name);
   if (it == j.end() || it->is_null()) return fallback;
-  if (!it->is_boolean()) throw ConfigError(fmt::format("{} must be true or false, got {}",
-                                                       where(path + name), it->dump()));
+  if (!it->is_boolean())
+    throw ConfigError(fmt::format("{} must be true or false, got {}", where(path + name), it->dump()));
   return it->get<bool>();
 }
 
@@ -463,22 +463,23 @@ MESHTORCH_DECL void BpeTokenizer::read_model(const nlohmann::json& model) {
   if (model.value("type", std::string("BPE")) != "BPE")
     throw ConfigError(fmt::format("{} is {}; only 'BPE' is supported here", where("model.type"), type_of(model)));
   if (auto d = model.find("dropout"); d != model.end() && !d->is_null() && !(d->is_number() && d->get<double>() == 0))
-    throw ConfigError(fmt::format("{} is {}; BPE dropout (random merges) is not supported",
-                                  where("model.dropout"), d->dump()));
+    throw ConfigError(
+        fmt::format("{} is {}; BPE dropout (random merges) is not supported", where("model.dropout"), d->dump()));
   for (const auto* name : {"continuing_subword_prefix", "end_of_word_suffix"})
-    if (auto it = model.find(name); it != model.end() && !it->is_null() && !(it->is_string() && it->get<std::string>().empty()))
+    if (auto it = model.find(name);
+        it != model.end() && !it->is_null() && !(it->is_string() && it->get<std::string>().empty()))
       throw ConfigError(fmt::format("{} is {}; not supported by byte-level BPE here",
                                     where(std::string("model.") + name), it->dump()));
   if (flag(model, "byte_fallback", false, "model."))
-    throw ConfigError(fmt::format("{} is true (a SentencePiece-style BPE); only byte-level BPE is supported from "
-                                  "tokenizer.json, use the folder's tokenizer.model",
-                                  where("model.byte_fallback")));
+    throw ConfigError(
+        fmt::format("{} is true (a SentencePiece-style BPE); only byte-level BPE is supported from "
+                    "tokenizer.json, use the folder's tokenizer.model",
+                    where("model.byte_fallback")));
   ignore_merges_ = flag(model, "ignore_merges", false, "model.");
   fuse_unk_ = flag(model, "fuse_unk", false, "model.");
 
   const auto& vocab = field(model, "vocab", "model.");
-  if (!vocab.is_object()) throw ConfigError(fmt::format("{} must be an object of token -> id",
-                                                        where("model.vocab")));
+  if (!vocab.is_object()) throw ConfigError(fmt::format("{} must be an object of token -> id", where("model.vocab")));
   std::int32_t max_id = -1;
   for (const auto& [token, id] : vocab.items()) {
     const auto checked = checked_id(
@@ -501,8 +502,8 @@ MESHTORCH_DECL void BpeTokenizer::read_model(const nlohmann::json& model) {
   }
   if (auto unk = model.find("unk_token"); unk != model.end() && !unk->is_null()) {
     const auto it = vocab_.find(unk->get<std::string>());
-    if (it == vocab_.end()) throw ConfigError(fmt::format("{} {} is not in the vocabulary",
-                                                          where("model.unk_token"), unk->dump()));
+    if (it == vocab_.end())
+      throw ConfigError(fmt::format("{} {} is not in the vocabulary", where("model.unk_token"), unk->dump()));
     unk_id_ = it->second;
   }
 
@@ -517,16 +518,16 @@ MESHTORCH_DECL void BpeTokenizer::read_model(const nlohmann::json& model) {
       const auto s = m.get<std::string>();
       const auto space = s.find(' ');
       if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos)
-        throw ConfigError(fmt::format("{} {} is not two tokens",
-                                      where("model.merges[" + std::to_string(rank) + "]"), m.dump()));
+        throw ConfigError(
+            fmt::format("{} {} is not two tokens", where("model.merges[" + std::to_string(rank) + "]"), m.dump()));
       left = s.substr(0, space);
       right = s.substr(space + 1);
     } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
       left = m[0].get<std::string>();
       right = m[1].get<std::string>();
     } else {
-      throw ConfigError(fmt::format("{} {} is not two tokens",
-                                    where("model.merges[" + std::to_string(rank) + "]"), m.dump()));
+      throw ConfigError(
+          fmt::format("{} {} is not two tokens", where("model.merges[" + std::to_string(rank) + "]"), m.dump()));
     }
     const auto l = vocab_.find(left), r = vocab_.find(right), merged = vocab_.find(left + right);
     if (l == vocab_.end() || r == vocab_.end() || merged == vocab_.end())
@@ -537,11 +538,12 @@ MESHTORCH_DECL void BpeTokenizer::read_model(const nlohmann::json& model) {
 }
 
 MESHTORCH_DECL void BpeTokenizer::read_pre_tokenizer(const nlohmann::json& pre) {
-  if (pre.is_null()) throw ConfigError(fmt::format("{} is missing; byte-level BPE needs a ByteLevel step",
-                                                   where("pre_tokenizer")));
+  if (pre.is_null())
+    throw ConfigError(fmt::format("{} is missing; byte-level BPE needs a ByteLevel step", where("pre_tokenizer")));
   const std::vector<nlohmann::json> steps =
-      pre.value("type", std::string()) == "Sequence" ? field(pre, "pretokenizers", "pre_tokenizer.").get<std::vector<nlohmann::json>>()
-                                                     : std::vector<nlohmann::json>{pre};
+      pre.value("type", std::string()) == "Sequence"
+          ? field(pre, "pretokenizers", "pre_tokenizer.").get<std::vector<nlohmann::json>>()
+          : std::vector<nlohmann::json>{pre};
   bool byte_level = false;
   for (std::size_t i = 0; i < steps.size(); ++i) {
     const auto& step = steps[i];
@@ -550,13 +552,14 @@ MESHTORCH_DECL void BpeTokenizer::read_pre_tokenizer(const nlohmann::json& pre) 
                                  : "pre_tokenizer.";
     const auto type = step.value("type", std::string());
     if (byte_level)
-      throw ConfigError(fmt::format("{} is '{}' after the ByteLevel step; only Split steps before one ByteLevel "
-                                    "step are supported",
-                                    where(path + "type"), type));
+      throw ConfigError(
+          fmt::format("{} is '{}' after the ByteLevel step; only Split steps before one ByteLevel "
+                      "step are supported",
+                      where(path + "type"), type));
     if (type == "Split") {
       if (step.value("behavior", std::string()) != "Isolated")
-        throw ConfigError(fmt::format("{} is {}; only 'Isolated' is supported",
-                                      where(path + "behavior"), step.value("behavior", nlohmann::json()).dump()));
+        throw ConfigError(fmt::format("{} is {}; only 'Isolated' is supported", where(path + "behavior"),
+                                      step.value("behavior", nlohmann::json()).dump()));
       if (flag(step, "invert", false, path))
         throw ConfigError(fmt::format("{} is true; not supported", where(path + "invert")));
       const auto& pattern = field(step, "pattern", path);
@@ -566,8 +569,8 @@ MESHTORCH_DECL void BpeTokenizer::read_pre_tokenizer(const nlohmann::json& pre) 
       } else if (pattern.contains("String")) {
         regex = "\\Q" + pattern["String"].get<std::string>() + "\\E";
       } else {
-        throw ConfigError(fmt::format("{} must hold 'Regex' or 'String', got {}",
-                                      where(path + "pattern"), pattern.dump()));
+        throw ConfigError(
+            fmt::format("{} must hold 'Regex' or 'String', got {}", where(path + "pattern"), pattern.dump()));
       }
       steps_.push_back({StepKind::split, std::make_shared<bpe_detail::Regex>(regex, where(path + "pattern")), false});
     } else if (type == "ByteLevel") {
@@ -583,14 +586,15 @@ MESHTORCH_DECL void BpeTokenizer::read_pre_tokenizer(const nlohmann::json& pre) 
                                     where(path + "type"), type));
     }
   }
-  if (!byte_level) throw ConfigError(fmt::format("{} has no ByteLevel step; only byte-level BPE is supported",
-                                                 where("pre_tokenizer")));
+  if (!byte_level)
+    throw ConfigError(
+        fmt::format("{} has no ByteLevel step; only byte-level BPE is supported", where("pre_tokenizer")));
 }
 
 MESHTORCH_DECL void BpeTokenizer::read_decoder(const nlohmann::json& decoder) {
   if (decoder.is_null() || decoder.value("type", std::string()) != "ByteLevel")
-    throw ConfigError(fmt::format("{} is {}; byte-level BPE needs the 'ByteLevel' decoder",
-                                  where("decoder"), (decoder.is_null() ? std::string("missing") : type_of(decoder))));
+    throw ConfigError(fmt::format("{} is {}; byte-level BPE needs the 'ByteLevel' decoder", where("decoder"),
+                                  (decoder.is_null() ? std::string("missing") : type_of(decoder))));
 }
 
 MESHTORCH_DECL void BpeTokenizer::read_added_tokens(const nlohmann::json& added) {
@@ -602,8 +606,11 @@ MESHTORCH_DECL void BpeTokenizer::read_added_tokens(const nlohmann::json& added)
       throw ConfigError(fmt::format("{} is true for {}; single-word added tokens are not supported",
                                     where(path + "single_word"), field(a, "content", path).dump()));
     const auto id = checked_id(field(a, "id", path), where(path + "id") + " gives");
-    AddedToken token{id, field(a, "content", path).get<std::string>(),
-                     flag(a, "special", false, path), flag(a, "lstrip", false, path), flag(a, "rstrip", false, path),
+    AddedToken token{id,
+                     field(a, "content", path).get<std::string>(),
+                     flag(a, "special", false, path),
+                     flag(a, "lstrip", false, path),
+                     flag(a, "rstrip", false, path),
                      flag(a, "normalized", !flag(a, "special", false, path), path)};
     if (token.content.empty()) throw ConfigError(fmt::format("{} is empty", where(path + "content")));
     if (token.id >= static_cast<std::int32_t>(id_bytes_.size())) resize_ids(token.id + 1);
@@ -615,19 +622,20 @@ MESHTORCH_DECL void BpeTokenizer::read_added_tokens(const nlohmann::json& added)
   for (auto& table : added_by_first_byte_)
     for (auto& candidates : table)
       std::sort(candidates.begin(), candidates.end(),
-              [&](std::size_t a, std::size_t b) { return added_[a].content.size() > added_[b].content.size(); });
+                [&](std::size_t a, std::size_t b) { return added_[a].content.size() > added_[b].content.size(); });
 }
 
 MESHTORCH_DECL std::int32_t BpeTokenizer::checked_id(const nlohmann::json& id, const std::string& what) const {
   // Compared as written (unsigned, or beyond 64 bits as a float), never after a wrapping cast.
-  const bool in_bound = id.is_number_unsigned() ? id.get<std::uint64_t>() < static_cast<std::uint64_t>(id_bound_)
+  const bool in_bound = id.is_number_unsigned()  ? id.get<std::uint64_t>() < static_cast<std::uint64_t>(id_bound_)
                         : id.is_number_integer() ? id.get<std::int64_t>() >= 0 && id.get<std::int64_t>() < id_bound_
                                                  : false;
   if (!in_bound)
-    throw ConfigError(fmt::format("{} the id {}; ids must be integers from 0 to {} (the file's {} vocab entries and "
-                                  "added tokens, plus {} for gaps)",
-                                  what, id.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
-                                  id_bound_ - 1, id_bound_ - id_gap_allowance, id_gap_allowance));
+    throw ConfigError(
+        fmt::format("{} the id {}; ids must be integers from 0 to {} (the file's {} vocab entries and "
+                    "added tokens, plus {} for gaps)",
+                    what, id.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), id_bound_ - 1,
+                    id_bound_ - id_gap_allowance, id_gap_allowance));
   return static_cast<std::int32_t>(id.get<std::int64_t>());
 }
 
@@ -694,8 +702,7 @@ MESHTORCH_DECL void BpeTokenizer::merge(std::string_view piece, std::vector<std:
     auto id = byte_id_[byte];
     if (id < 0) {
       if (!unk_id_)
-        throw DataError(fmt::format("{}: byte 0x{} has no token and the model has no unk_token",
-                                    source_, hex(byte)));
+        throw DataError(fmt::format("{}: byte 0x{} has no token and the model has no unk_token", source_, hex(byte)));
       if (fuse_unk_ && !s.id.empty() && s.id.back() == *unk_id_) continue;
       id = *unk_id_;
     }

@@ -24,23 +24,27 @@ struct SplitMix64 {
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
   }
-  std::uint64_t below(std::uint64_t n) { return static_cast<std::uint64_t>((static_cast<unsigned __int128>(next()) * n) >> 64); }
+  std::uint64_t below(std::uint64_t n) {
+    return static_cast<std::uint64_t>((static_cast<unsigned __int128>(next()) * n) >> 64);
+  }
   template <class Array>
-  std::string_view pick(const Array& words) { return words[below(words.size())]; }
+  std::string_view pick(const Array& words) {
+    return words[below(words.size())];
+  }
 };
 
-inline constexpr std::array<std::string_view, 16> adjectives{
-    "quick", "lazy", "red", "small", "bright", "quiet", "old", "young",
-    "clever", "brave", "gentle", "heavy", "silver", "wild", "calm", "happy"};
-inline constexpr std::array<std::string_view, 16> nouns{
-    "fox", "dog", "cat", "bird", "river", "mountain", "city", "garden",
-    "teacher", "farmer", "engine", "library", "forest", "ship", "child", "robot"};
-inline constexpr std::array<std::string_view, 12> verbs{
-    "sees", "follows", "helps", "finds", "watches", "carries",
-    "paints", "greets", "builds", "visits", "answers", "remembers"};
-inline constexpr std::array<std::string_view, 8> places{
-    "by the sea", "in the morning", "near the bridge", "after the rain",
-    "under the stars", "at the market", "on the hill", "before dinner"};
+inline constexpr std::array<std::string_view, 16> adjectives{"quick",  "lazy",  "red",    "small", "bright", "quiet",
+                                                             "old",    "young", "clever", "brave", "gentle", "heavy",
+                                                             "silver", "wild",  "calm",   "happy"};
+inline constexpr std::array<std::string_view, 16> nouns{"fox",    "dog",    "cat",     "bird",   "river",  "mountain",
+                                                        "city",   "garden", "teacher", "farmer", "engine", "library",
+                                                        "forest", "ship",   "child",   "robot"};
+inline constexpr std::array<std::string_view, 12> verbs{"sees",    "follows", "helps",   "finds",
+                                                        "watches", "carries", "paints",  "greets",
+                                                        "builds",  "visits",  "answers", "remembers"};
+inline constexpr std::array<std::string_view, 8> places{"by the sea",     "in the morning",  "near the bridge",
+                                                        "after the rain", "under the stars", "at the market",
+                                                        "on the hill",    "before dinner"};
 
 template <class... Parts>
 void append(std::string& text, const Parts&... parts) {
@@ -75,7 +79,8 @@ MESHTORCH_DECL std::vector<std::string> builtin_corpus(std::size_t approx_bytes)
           const auto object_adjective = rng.pick(adjectives);
           const auto object = rng.pick(nouns);
           const auto place = rng.pick(places);
-          append(doc, "the ", adjective, " ", noun, " ", verb, " the ", object_adjective, " ", object, " ", place, ". ");
+          append(doc, "the ", adjective, " ", noun, " ", verb, " the ", object_adjective, " ", object, " ", place,
+                 ". ");
           break;
         }
         case 1: {

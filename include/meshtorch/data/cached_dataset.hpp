@@ -49,7 +49,9 @@ class CachedDataset {
   const std::string& tokenizer_note() const { return tokenizer_note_; }
 
   // The cache file mapped when it is there and current; otherwise nullopt and `why`.
-  std::optional<CachedTokens> open(std::string* why = nullptr) const { return open_token_cache(cache_path_, key_, why); }
+  std::optional<CachedTokens> open(std::string* why = nullptr) const {
+    return open_token_cache(cache_path_, key_, why);
+  }
 
   // Tokenises every file into a new cache file (replacing a stale one only once it is complete).
   void build();
@@ -131,8 +133,8 @@ MESHTORCH_DECL void CachedDataset::build() {
     }
   }
   TokenCacheWriter writer(cache_path_, key_, id_bytes);
-  const auto stats =
-      tokenize_files(data_, encode, [&](std::span<const std::int32_t> ids) { writer.append(ids); }, chat);
+  const auto stats = tokenize_files(
+      data_, encode, [&](std::span<const std::int32_t> ids) { writer.append(ids); }, chat);
   writer.finish(stats);
 }
 
@@ -163,8 +165,7 @@ MESHTORCH_DECL std::string CachedDataset::report(const CachedTokens& cached, std
   if (!data_.tokenized) text += fmt::format(", {} document(s)", cached.stats.documents);
   text += fmt::format(", {} tokens in {} blocks of {}", cached.count, blocks, seq_length);
   if (dropped > 0) text += fmt::format("; the {} tokens after the last full block dropped", dropped);
-  if (cached.stats.skipped_lines > 0)
-    text += fmt::format("; {} blank line(s) skipped", cached.stats.skipped_lines);
+  if (cached.stats.skipped_lines > 0) text += fmt::format("; {} blank line(s) skipped", cached.stats.skipped_lines);
   return text + fmt::format("; token cache {} ({})", cache_path_.string(), built ? "written now" : "reused");
 }
 

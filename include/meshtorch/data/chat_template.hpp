@@ -42,10 +42,10 @@ namespace meshtorch::data {
 // What one render may do. A real template renders a conversation in well under a millisecond,
 // 16 levels deep at most, with a few iterations per message: the defaults are far above that.
 struct ChatTemplateLimits {
-  std::size_t max_depth = 256;               // MESHTORCH_CHAT_TEMPLATE_MAX_DEPTH: nodes, expressions, values
-  std::size_t max_iterations = 1'000'000;    // MESHTORCH_CHAT_TEMPLATE_MAX_ITERATIONS: loop runs and list items
+  std::size_t max_depth = 256;                     // MESHTORCH_CHAT_TEMPLATE_MAX_DEPTH: nodes, expressions, values
+  std::size_t max_iterations = 1'000'000;          // MESHTORCH_CHAT_TEMPLATE_MAX_ITERATIONS: loop runs and list items
   std::size_t max_bytes = std::size_t{256} << 20;  // MESHTORCH_CHAT_TEMPLATE_MAX_BYTES: all text built, output included
-  double max_seconds = 10;                   // MESHTORCH_CHAT_TEMPLATE_MAX_SECONDS: wall time
+  double max_seconds = 10;                         // MESHTORCH_CHAT_TEMPLATE_MAX_SECONDS: wall time
 
   // The defaults, each replaced by its environment variable where set (a positive number, or a
   // ConfigError naming the variable).
@@ -179,9 +179,10 @@ class RenderBudget final : public minja::RenderLimits {
     char here = 0;
     const auto used = stack_top_ - reinterpret_cast<std::uintptr_t>(&here);
     if (used > stack_budget_)
-      fail(fmt::format("nests {} levels deep and would use more than the {} KiB of stack this thread has left; "
-                       "the limit is MESHTORCH_CHAT_TEMPLATE_MAX_DEPTH, or a thread with a larger stack",
-                       depth_, stack_budget_ >> 10));
+      fail(
+          fmt::format("nests {} levels deep and would use more than the {} KiB of stack this thread has left; "
+                      "the limit is MESHTORCH_CHAT_TEMPLATE_MAX_DEPTH, or a thread with a larger stack",
+                      depth_, stack_budget_ >> 10));
     ++depth_;
   }
   void leave() noexcept override { --depth_; }
@@ -189,16 +190,18 @@ class RenderBudget final : public minja::RenderLimits {
     check_time();
     iterations_ = count > limits_.max_iterations - iterations_ ? limits_.max_iterations + 1 : iterations_ + count;
     if (iterations_ > limits_.max_iterations)
-      fail(fmt::format("runs more than {} loop iterations and list items in one render; the limit is "
-                       "MESHTORCH_CHAT_TEMPLATE_MAX_ITERATIONS",
-                       limits_.max_iterations));
+      fail(
+          fmt::format("runs more than {} loop iterations and list items in one render; the limit is "
+                      "MESHTORCH_CHAT_TEMPLATE_MAX_ITERATIONS",
+                      limits_.max_iterations));
   }
   void text(std::size_t bytes) override {
     check_time();
     if (bytes > limits_.max_bytes - bytes_)
-      fail(fmt::format("builds more than {} bytes of text in one render (a string of {} bytes after {}); the limit "
-                       "is MESHTORCH_CHAT_TEMPLATE_MAX_BYTES",
-                       limits_.max_bytes, bytes, bytes_));
+      fail(
+          fmt::format("builds more than {} bytes of text in one render (a string of {} bytes after {}); the limit "
+                      "is MESHTORCH_CHAT_TEMPLATE_MAX_BYTES",
+                      limits_.max_bytes, bytes, bytes_));
     bytes_ += bytes;
   }
 
@@ -275,8 +278,8 @@ MESHTORCH_DECL ChatTemplate::ChatTemplate(const std::string& source, std::string
     throw ConfigError(fmt::format("{}: the chat template is not valid Jinja: {}", origin_, e.what()));
   }
   globals_ = minja::Context::make(minja::Value(special_tokens));
-  globals_->set("strftime_now", minja::Value::callable([](const std::shared_ptr<minja::Context>&,
-                                                           minja::ArgumentsValue& args) {
+  globals_->set("strftime_now",
+                minja::Value::callable([](const std::shared_ptr<minja::Context>&, minja::ArgumentsValue& args) {
                   args.expectArgs("strftime_now", {1, 1}, {0, 0});
                   return minja::Value(local_time_as(args.args[0].get<std::string>()));
                 }));
@@ -315,11 +318,12 @@ MESHTORCH_DECL std::string ChatTemplate::template_from_config(const nlohmann::js
   if (field.is_array()) {
     std::string names;
     for (const auto& entry : field) {
-      if (!entry.is_object() || !entry.contains("name") || !entry.contains("template") ||
-          !entry["name"].is_string() || !entry["template"].is_string())
-        throw ConfigError(fmt::format("{}: each entry of 'chat_template' must be {{\"name\": ..., \"template\": ...}}, "
-                                      "got {}",
-                                      path.string(), entry.dump()));
+      if (!entry.is_object() || !entry.contains("name") || !entry.contains("template") || !entry["name"].is_string() ||
+          !entry["template"].is_string())
+        throw ConfigError(
+            fmt::format("{}: each entry of 'chat_template' must be {{\"name\": ..., \"template\": ...}}, "
+                        "got {}",
+                        path.string(), entry.dump()));
       if (entry["name"] == "default") return entry["template"].get<std::string>();
       names += (names.empty() ? "" : ", ") + entry["name"].get<std::string>();
     }
@@ -331,8 +335,9 @@ MESHTORCH_DECL std::string ChatTemplate::template_from_config(const nlohmann::js
 }
 
 MESHTORCH_DECL void ChatTemplate::add_special_tokens(const nlohmann::json& config, const std::filesystem::path& path,
-                                                    nlohmann::ordered_json& out) {
-  for (const char* name : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"}) {
+                                                     nlohmann::ordered_json& out) {
+  for (const char* name :
+       {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"}) {
     const auto it = config.find(name);
     if (it == config.end() || it->is_null() || out.contains(name)) continue;
     out[name] = folder_detail::token_string(*it, name, path);

@@ -24,10 +24,10 @@ inline DataFormat data_format_of(const std::filesystem::path& path) {
 }
 
 struct DataFiles {
-  std::vector<std::filesystem::path> files;  // in the order their documents are read
-  DataFormat format = DataFormat::text;      // of the folder or pattern; a text-or-JSONL mix reads as each file's own
-  bool tokenized = false;                    // llm.c .bin files: ids, not text
-  std::filesystem::path root;                // the folder the token cache goes beside by default
+  std::vector<std::filesystem::path> files;    // in the order their documents are read
+  DataFormat format = DataFormat::text;        // of the folder or pattern; a text-or-JSONL mix reads as each file's own
+  bool tokenized = false;                      // llm.c .bin files: ids, not text
+  std::filesystem::path root;                  // the folder the token cache goes beside by default
   std::vector<std::filesystem::path> ignored;  // files in a folder that are neither text, JSONL nor .bin
 };
 
@@ -61,12 +61,11 @@ MESHTORCH_DECL DataFiles resolve_data_files(const std::string& name, const std::
 }  // namespace meshtorch::data
 
 #if MESHTORCH_DEFINES(core)
-#include <glob.h>
-
 #include <algorithm>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <glob.h>
 
 namespace meshtorch::data {
 
@@ -79,9 +78,10 @@ MESHTORCH_DECL DataFiles classify(std::vector<std::filesystem::path> files, std:
   const auto bins =
       std::ranges::count_if(files, [](const auto& f) { return data_format_of(f) == DataFormat::llmc_tokens; });
   if (bins != 0 && bins != static_cast<std::ptrdiff_t>(files.size()))
-    throw DataError(fmt::format("{}: mixes {} llm.c .bin token file(s) with {} text/JSONL file(s); the .bin files hold "
-                                "ids of their own tokenizer, so give them as a data set of their own",
-                                what, bins, files.size() - static_cast<std::size_t>(bins)));
+    throw DataError(
+        fmt::format("{}: mixes {} llm.c .bin token file(s) with {} text/JSONL file(s); the .bin files hold "
+                    "ids of their own tokenizer, so give them as a data set of their own",
+                    what, bins, files.size() - static_cast<std::size_t>(bins)));
   result.tokenized = bins != 0;
   result.format = files.empty() ? DataFormat::text : data_format_of(files.front());
   result.files = std::move(files);
@@ -104,9 +104,10 @@ MESHTORCH_DECL DataFiles resolve_data_files(const std::string& name, const std::
   std::error_code error;
   if (!subset.empty()) {
     if (!fs::is_directory(name, error))
-      throw DataError(fmt::format("--dataset-subset '{}' needs -d/--dataset-name to be a folder whose subfolders are "
-                                  "the subsets; '{}' is not a folder",
-                                  subset, name));
+      throw DataError(
+          fmt::format("--dataset-subset '{}' needs -d/--dataset-name to be a folder whose subfolders are "
+                      "the subsets; '{}' is not a folder",
+                      subset, name));
     const auto dir = fs::path(name) / subset;
     if (!fs::is_directory(dir, error))
       throw DataError(fmt::format("--dataset-subset '{}': {} has no such subfolder (its subsets: {})", subset, name,
@@ -131,14 +132,15 @@ MESHTORCH_DECL DataFiles resolve_data_files(const std::string& name, const std::
     std::ranges::sort(files);
     std::ranges::sort(ignored);
     if (files.empty())
-      throw DataError(fmt::format("-d/--dataset-name '{}': the folder holds no .txt, .jsonl, .json or .bin file{}", name,
-                                  ignored.empty() ? "" : fmt::format(" ({} other file(s))", ignored.size())));
+      throw DataError(fmt::format("-d/--dataset-name '{}': the folder holds no .txt, .jsonl, .json or .bin file{}",
+                                  name, ignored.empty() ? "" : fmt::format(" ({} other file(s))", ignored.size())));
     auto result = classify(std::move(files), name, name);
     result.ignored = std::move(ignored);
     return result;
   }
   if (fs::exists(name, error))
-    throw DataError(fmt::format("-d/--dataset-name '{}' is neither a regular file nor a folder (a device or pipe)", name));
+    throw DataError(
+        fmt::format("-d/--dataset-name '{}' is neither a regular file nor a folder (a device or pipe)", name));
   if (has_glob_characters(name)) {
     // POSIX glob(3) rather than a hand-written matcher: the shell's own rules for * ? [...].
     glob_t matches{};
@@ -147,15 +149,15 @@ MESHTORCH_DECL DataFiles resolve_data_files(const std::string& name, const std::
     for (std::size_t i = 0; status == 0 && i < matches.gl_pathc; ++i)
       if (fs::is_regular_file(matches.gl_pathv[i], error)) files.emplace_back(matches.gl_pathv[i]);
     ::globfree(&matches);
-    if (files.empty())
-      throw DataError(fmt::format("-d/--dataset-name '{}': the pattern matches no file", name));
+    if (files.empty()) throw DataError(fmt::format("-d/--dataset-name '{}': the pattern matches no file", name));
     std::ranges::sort(files);
     const auto root = files.front().parent_path().empty() ? fs::path(".") : files.front().parent_path();
     return classify(std::move(files), root, name);
   }
-  throw DataError(fmt::format("-d/--dataset-name '{}' is neither 'builtin', an existing file or folder, nor a pattern "
-                              "that matches files",
-                              name));
+  throw DataError(
+      fmt::format("-d/--dataset-name '{}' is neither 'builtin', an existing file or folder, nor a pattern "
+                  "that matches files",
+                  name));
 }
 
 }  // namespace meshtorch::data

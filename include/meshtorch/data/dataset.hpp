@@ -89,8 +89,7 @@ MESHTORCH_DECL torch::Tensor TokenBlocks::gather(const std::vector<std::int64_t>
   auto copy_rows = [&](const auto* tokens) {
     auto* out = rows.data_ptr<std::int64_t>();
     for (const auto row : indices) {
-      if (row < 0 || row >= size())
-        throw DataError(fmt::format("{}: block {} requested of {}", source_, row, size()));
+      if (row < 0 || row >= size()) throw DataError(fmt::format("{}: block {} requested of {}", source_, row, size()));
       out = std::copy_n(tokens + row * seq_length_, seq_length_, out);
     }
   };

@@ -34,10 +34,10 @@ namespace meshtorch::data {
 
 MESHTORCH_DECL TokenBlocks blocks_of(const CachedTokens& cached, std::int64_t seq_length, std::string source) {
   const auto dtype = cached.id_bytes == 2 ? torch::kUInt16 : torch::kInt;
-  auto ids = cached.count == 0
-                 ? torch::empty({0}, dtype)
-                 : torch::from_blob(const_cast<void*>(cached.ids.get()), {static_cast<std::int64_t>(cached.count)},
-                                    [mapping = cached.ids](void*) {}, torch::TensorOptions().dtype(dtype));
+  auto ids = cached.count == 0 ? torch::empty({0}, dtype)
+                               : torch::from_blob(
+                                     const_cast<void*>(cached.ids.get()), {static_cast<std::int64_t>(cached.count)},
+                                     [mapping = cached.ids](void*) {}, torch::TensorOptions().dtype(dtype));
   return TokenBlocks(std::move(ids), seq_length, std::move(source), TokenBlocks::IdRange{cached.min_id, cached.max_id});
 }
 

@@ -28,10 +28,11 @@ namespace meshtorch::data {
 inline std::string format_alpaca(const std::string& instruction, const std::string& input, const std::string& output) {
   if (input.empty())
     return "Below is an instruction that describes a task. Write a response that appropriately completes the "
-           "request.\n\n### Instruction:\n" + instruction + "\n\n### Response:\n" + output;
+           "request.\n\n### Instruction:\n" +
+           instruction + "\n\n### Response:\n" + output;
   return "Below is an instruction that describes a task, paired with an input that provides further context. Write "
-         "a response that appropriately completes the request.\n\n### Instruction:\n" + instruction +
-         "\n\n### Input:\n" + input + "\n\n### Response:\n" + output;
+         "a response that appropriately completes the request.\n\n### Instruction:\n" +
+         instruction + "\n\n### Input:\n" + input + "\n\n### Response:\n" + output;
 }
 
 // What reading a data set counted; kept in the token cache, so that a cached start logs the same line.
@@ -133,14 +134,14 @@ inline std::vector<std::int32_t> read_llmc_tokens(const std::filesystem::path& p
     throw DataError(fmt::format("{}: {} bytes, shorter than the {}-byte header of an llm.c token file (truncated?)",
                                 where, file_size, header_bytes));
   if (header[1] != 1) throw DataError(fmt::format("{}: unsupported llm.c token file version {}", where, header[1]));
-  if (header[2] < 0)
-    throw DataError(fmt::format("{}: the header's token count is negative ({})", where, header[2]));
+  if (header[2] < 0) throw DataError(fmt::format("{}: the header's token count is negative ({})", where, header[2]));
   const auto count = static_cast<std::uint64_t>(header[2]);
   const std::uint64_t token_bytes = file_size - header_bytes;
   if (count * sizeof(std::uint16_t) > token_bytes)
-    throw DataError(fmt::format("{}: the header says {} tokens ({} bytes) but the file holds {} bytes after the "
-                                "header (truncated?)",
-                                where, count, count * sizeof(std::uint16_t), token_bytes));
+    throw DataError(
+        fmt::format("{}: the header says {} tokens ({} bytes) but the file holds {} bytes after the "
+                    "header (truncated?)",
+                    where, count, count * sizeof(std::uint16_t), token_bytes));
   std::vector<std::uint16_t> raw(count);
   in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(count * sizeof(std::uint16_t)));
   if (!in) throw DataError(fmt::format("{}: {} tokens could not be read", where, count));
@@ -219,10 +220,11 @@ MESHTORCH_DECL std::string conversation_text(const nlohmann::ordered_json& recor
                                              const std::string& where) {
   check_conversation(record, where);
   if (!chat)
-    throw DataError(fmt::format("{}: a conversation ('messages') is written in the model's chat template, and "
-                                "there is none: -m must name a model folder with chat_template.jinja or "
-                                "tokenizer_config.json 'chat_template'",
-                                where));
+    throw DataError(
+        fmt::format("{}: a conversation ('messages') is written in the model's chat template, and "
+                    "there is none: -m must name a model folder with chat_template.jinja or "
+                    "tokenizer_config.json 'chat_template'",
+                    where));
   return chat(record["messages"], record.contains("tools") ? record["tools"] : nlohmann::ordered_json(), where);
 }
 
@@ -259,8 +261,7 @@ MESHTORCH_DECL void for_each_jsonl_document(const std::filesystem::path& path, c
     } else if (record.contains("messages")) {
       sink(conversation_text(record, chat, where), true);
     } else {
-      throw DataError(
-          fmt::format("{}: needs a 'text' field, 'instruction' and 'output' fields, or 'messages'", where));
+      throw DataError(fmt::format("{}: needs a 'text' field, 'instruction' and 'output' fields, or 'messages'", where));
     }
   }
   ++stats.files;

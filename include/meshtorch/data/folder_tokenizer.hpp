@@ -26,7 +26,7 @@ MESHTORCH_DECL bool folder_has_tokenizer(const std::filesystem::path& dir);
 // The folder's tokenizer with its <bos>/<eos>; `note` (if given) receives what was chosen and why,
 // for the caller's log.
 MESHTORCH_DECL std::unique_ptr<TextTokenizer> load_tokenizer(const std::filesystem::path& dir,
-                                                            std::string* note = nullptr);
+                                                             std::string* note = nullptr);
 
 }  // namespace meshtorch::data
 
@@ -57,7 +57,7 @@ inline std::optional<nlohmann::json> read_json_if_present(const std::filesystem:
 }
 
 struct ConfigToken {
-  bool present = false;           // the field is there (null says: no such token)
+  bool present = false;  // the field is there (null says: no such token)
   std::optional<std::int32_t> id;
 };
 
@@ -80,8 +80,8 @@ inline ConfigToken token_from_config(const nlohmann::json& config, const std::st
   const auto content = token_string(*it, field, path);
   const auto id = tokenizer.token_to_id(content);
   if (!id)
-    throw ConfigError(fmt::format("{}: field '{}' names {}, which is not a token of {}",
-                                  path.string(), field, nlohmann::json(content).dump(), tokenizer.describe()));
+    throw ConfigError(fmt::format("{}: field '{}' names {}, which is not a token of {}", path.string(), field,
+                                  nlohmann::json(content).dump(), tokenizer.describe()));
   return {true, id};
 }
 
@@ -96,8 +96,8 @@ inline std::optional<std::int32_t> id_from_generation_config(const nlohmann::jso
   if (it->is_array() && !it->empty()) value = &(*it)[0];
   if (!value->is_number_integer() || value->get<std::int64_t>() < 0 ||
       value->get<std::int64_t>() >= tokenizer.vocab_size())
-    throw ConfigError(fmt::format("{}: field '{}' is {}, not an id below the vocabulary size {}",
-                                  path.string(), field, it->dump(), tokenizer.vocab_size()));
+    throw ConfigError(fmt::format("{}: field '{}' is {}, not an id below the vocabulary size {}", path.string(), field,
+                                  it->dump(), tokenizer.vocab_size()));
   return static_cast<std::int32_t>(value->get<std::int64_t>());
 }
 
@@ -134,11 +134,13 @@ MESHTORCH_DECL std::unique_ptr<TextTokenizer> load_tokenizer(const std::filesyst
   // tokenizer_config.json is what HF's tokenizer classes read, so it wins over generation_config.json.
   const auto config_path = dir / "tokenizer_config.json";
   if (const auto config = folder_detail::read_json_if_present(dir, "tokenizer_config.json")) {
-    if (const auto token = folder_detail::token_from_config(*config, "bos_token", *tokenizer, config_path); token.present) {
+    if (const auto token = folder_detail::token_from_config(*config, "bos_token", *tokenizer, config_path);
+        token.present) {
       tokenizer->bos_id = token.id;
       bos_from = "tokenizer_config.json";
     }
-    if (const auto token = folder_detail::token_from_config(*config, "eos_token", *tokenizer, config_path); token.present) {
+    if (const auto token = folder_detail::token_from_config(*config, "eos_token", *tokenizer, config_path);
+        token.present) {
       tokenizer->eos_id = token.id;
       eos_from = "tokenizer_config.json";
     }

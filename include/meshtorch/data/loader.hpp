@@ -17,8 +17,8 @@
 namespace meshtorch::data {
 
 struct MicroBatch {
-  std::int64_t step = 0;   // within the epoch
-  std::int64_t micro = 0;  // 0..grad_accum-1
+  std::int64_t step = 0;    // within the epoch
+  std::int64_t micro = 0;   // 0..grad_accum-1
   torch::Tensor input_ids;  // [batch, seq] int64, pinned when feeding a GPU
 };
 

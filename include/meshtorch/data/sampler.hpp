@@ -39,8 +39,7 @@ class DpInvariantSampler {
   // The rows of micro-batch `micro` of step `step` for this rank, given the epoch's permutation.
   std::vector<std::int64_t> indices(const std::vector<std::int64_t>& permutation, std::int64_t step,
                                     std::int64_t micro) const {
-    const std::int64_t begin =
-        step * global_batch() + (o_.dp_rank * o_.grad_accum + micro) * o_.batch_size;
+    const std::int64_t begin = step * global_batch() + (o_.dp_rank * o_.grad_accum + micro) * o_.batch_size;
     return {permutation.begin() + begin, permutation.begin() + begin + o_.batch_size};
   }
 
@@ -67,14 +66,16 @@ MESHTORCH_DECL DpInvariantSampler::DpInvariantSampler(const SamplerOptions& opti
   std::int64_t global = 0;
   if (__builtin_mul_overflow(o_.batch_size, o_.dp_size, &global) ||
       __builtin_mul_overflow(global, o_.grad_accum, &global))
-    throw ConfigError(fmt::format("the global batch -b/--batch-size {} x {} data-parallel rank(s) x --grad-accum {} "
-                                  "overflows a 64-bit integer; it must be at most the dataset's {} blocks",
-                                  o_.batch_size, o_.dp_size, o_.grad_accum, o_.num_samples));
+    throw ConfigError(
+        fmt::format("the global batch -b/--batch-size {} x {} data-parallel rank(s) x --grad-accum {} "
+                    "overflows a 64-bit integer; it must be at most the dataset's {} blocks",
+                    o_.batch_size, o_.dp_size, o_.grad_accum, o_.num_samples));
   if (steps_per_epoch() == 0)
-    throw ConfigError(fmt::format("the dataset's {} blocks do not fill one global batch of {} (batch x "
-                                  "data-parallel size x grad-accum); use a smaller -b/--batch-size or "
-                                  "-s/--seq-length",
-                                  o_.num_samples, global_batch()));
+    throw ConfigError(
+        fmt::format("the dataset's {} blocks do not fill one global batch of {} (batch x "
+                    "data-parallel size x grad-accum); use a smaller -b/--batch-size or "
+                    "-s/--seq-length",
+                    o_.num_samples, global_batch()));
 }
 
 MESHTORCH_DECL std::vector<std::int64_t> DpInvariantSampler::permutation(std::int64_t epoch) const {

@@ -46,9 +46,8 @@ class SentencePieceTokenizer final : public TextTokenizer {
 }  // namespace meshtorch::data
 
 #if MESHTORCH_DEFINES(tokenizers)
-#include <sentencepiece_processor.h>
-
 #include <fmt/format.h>
+#include <sentencepiece_processor.h>
 
 namespace meshtorch::data {
 

@@ -46,10 +46,9 @@ class TextTokenizer {
   // The documents encoded on `threads` threads and concatenated in order, each as [<bos>] ids <eos>
   // except those flagged in `from_chat_template` (one flag per document, or none): a chat
   // template wrote their special tokens, so their ids stay as encoded.
-  MESHTORCH_DECL std::vector<std::int32_t> encode_documents(std::span<const std::string> documents,
-                                                            unsigned threads = 0,
-                                                            std::span<const std::uint8_t> from_chat_template = {})
-      const;
+  MESHTORCH_DECL std::vector<std::int32_t> encode_documents(
+      std::span<const std::string> documents, unsigned threads = 0,
+      std::span<const std::uint8_t> from_chat_template = {}) const;
 
  protected:
   // What one thread keeps between the texts it encodes (a word cache, regex match data); the
@@ -167,10 +166,11 @@ MESHTORCH_DECL std::unique_ptr<TextTokenizer::Session> TextTokenizer::start_sess
 MESHTORCH_DECL void TextTokenizer::append_document(const std::vector<std::int32_t>& ids,
                                                    std::vector<std::int32_t>& out) const {
   if (!eos_id)
-    throw ConfigError(fmt::format("{}: no end-of-text token is known (tokenizer_config.json 'eos_token' or "
-                                  "generation_config.json 'eos_token_id'), so documents cannot be packed with a "
-                                  "boundary",
-                                  describe()));
+    throw ConfigError(
+        fmt::format("{}: no end-of-text token is known (tokenizer_config.json 'eos_token' or "
+                    "generation_config.json 'eos_token_id'), so documents cannot be packed with a "
+                    "boundary",
+                    describe()));
   if (bos_id) out.push_back(*bos_id);
   out.insert(out.end(), ids.begin(), ids.end());
   out.push_back(*eos_id);

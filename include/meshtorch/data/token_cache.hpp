@@ -78,7 +78,8 @@ struct CachedTokens {
   std::filesystem::path path;
 
   std::int32_t operator[](std::size_t i) const {
-    return id_bytes == 2 ? static_cast<const std::uint16_t*>(ids.get())[i] : static_cast<const std::int32_t*>(ids.get())[i];
+    return id_bytes == 2 ? static_cast<const std::uint16_t*>(ids.get())[i]
+                         : static_cast<const std::int32_t*>(ids.get())[i];
   }
   MESHTORCH_DECL std::vector<std::int32_t> to_vector() const;
 };
@@ -165,9 +166,7 @@ MESHTORCH_DECL void TokenCacheKey::add_file_stamp(const std::filesystem::path& p
                   info.st_mtim.tv_sec, info.st_mtim.tv_nsec));
 }
 
-MESHTORCH_DECL std::uint64_t TokenCacheKey::value() const {
-  return XXH3_64bits_digest(&state_);
-}
+MESHTORCH_DECL std::uint64_t TokenCacheKey::value() const { return XXH3_64bits_digest(&state_); }
 
 MESHTORCH_DECL std::vector<std::int32_t> CachedTokens::to_vector() const {
   std::vector<std::int32_t> out(count);
@@ -186,7 +185,8 @@ MESHTORCH_DECL std::optional<CachedTokens> open_token_cache(const std::filesyste
     return std::nullopt;
   };
   const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) return refuse(errno == ENOENT ? "not written yet" : fmt::format("cannot open ({})", std::strerror(errno)));
+  if (fd < 0)
+    return refuse(errno == ENOENT ? "not written yet" : fmt::format("cannot open ({})", std::strerror(errno)));
   struct stat info {};
   TokenCacheFooter footer;
   const bool read_ok = ::fstat(fd, &info) == 0 && info.st_size >= static_cast<off_t>(sizeof footer) &&
@@ -223,7 +223,8 @@ MESHTORCH_DECL std::optional<CachedTokens> open_token_cache(const std::filesyste
   void* address = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
   ::close(fd);  // the mapping keeps the file
   if (address == MAP_FAILED) return refuse(fmt::format("mmap of {} bytes failed ({})", bytes, std::strerror(errno)));
-  cached.ids = std::shared_ptr<const void>(address, [bytes](const void* data) { ::munmap(const_cast<void*>(data), bytes); });
+  cached.ids =
+      std::shared_ptr<const void>(address, [bytes](const void* data) { ::munmap(const_cast<void*>(data), bytes); });
   return cached;
 }
 
@@ -263,9 +264,10 @@ MESHTORCH_DECL std::filesystem::path TokenCacheWriter::prepare(const std::filesy
   std::error_code error;
   std::filesystem::create_directories(path.parent_path(), error);
   if (error)
-    throw DataError(fmt::format("{}: cannot create the token cache folder ({}); set MESHTORCH_DATA_CACHE to a "
-                                "writable folder",
-                                path.parent_path().string(), error.message()));
+    throw DataError(
+        fmt::format("{}: cannot create the token cache folder ({}); set MESHTORCH_DATA_CACHE to a "
+                    "writable folder",
+                    path.parent_path().string(), error.message()));
   return path;
 }
 

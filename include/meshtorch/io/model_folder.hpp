@@ -68,9 +68,10 @@ MESHTORCH_DECL std::filesystem::path confined_file(const std::filesystem::path& 
   namespace fs = std::filesystem;
   const std::string_view folder = kind == FolderKind::model ? "model folder" : "checkpoint folder";
   if (name.empty() || name == "." || name == ".." || name.find_first_of(std::string("/\\\0", 3)) != std::string::npos)
-    throw DataError(fmt::format("{} is '{}', not a plain file name; a {}'s files must lie in the folder "
-                                "itself, named without '/', '\\' or '..'",
-                                named_by, name, folder));
+    throw DataError(
+        fmt::format("{} is '{}', not a plain file name; a {}'s files must lie in the folder "
+                    "itself, named without '/', '\\' or '..'",
+                    named_by, name, folder));
   const fs::path path = dir / name;
   if (!present_in_folder(path))
     throw DataError(fmt::format("{} is '{}', which does not exist in {}", named_by, name, dir.string()));
@@ -78,13 +79,13 @@ MESHTORCH_DECL std::filesystem::path confined_file(const std::filesystem::path& 
   const auto resolved_dir = fs::canonical(dir, error);
   if (error) throw DataError(fmt::format("{}: cannot resolve the folder ({})", dir.string(), error.message()));
   const auto target = fs::canonical(path, error);
-  if (error) throw DataError(fmt::format("{} is '{}', a link that leads nowhere ({})",
-                                         named_by, name, error.message()));
+  if (error)
+    throw DataError(fmt::format("{} is '{}', a link that leads nowhere ({})", named_by, name, error.message()));
   const bool allowed = kind == FolderKind::model ? model_folder_detail::allowed_target(target, resolved_dir)
                                                  : model_folder_detail::lies_inside(target, resolved_dir);
   if (!allowed)
-    throw DataError(fmt::format("{} is '{}', a link to {}, outside the {} {}; refused", named_by, name,
-                                target.string(), folder, resolved_dir.string()));
+    throw DataError(fmt::format("{} is '{}', a link to {}, outside the {} {}; refused", named_by, name, target.string(),
+                                folder, resolved_dir.string()));
   if (!fs::is_regular_file(target, error))
     throw DataError(fmt::format("{} is '{}', which is not a regular file", named_by, name));
   return path;

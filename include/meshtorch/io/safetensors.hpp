@@ -169,8 +169,8 @@ namespace safetensors_detail {
 
 inline const std::vector<std::pair<std::string_view, torch::ScalarType>>& dtype_names() {
   static const std::vector<std::pair<std::string_view, torch::ScalarType>> names{
-      {"F64", torch::kDouble}, {"F32", torch::kFloat},  {"F16", torch::kHalf},  {"BF16", torch::kBFloat16},
-      {"I64", torch::kLong},   {"I32", torch::kInt},    {"I16", torch::kShort}, {"I8", torch::kChar},
+      {"F64", torch::kDouble}, {"F32", torch::kFloat}, {"F16", torch::kHalf},  {"BF16", torch::kBFloat16},
+      {"I64", torch::kLong},   {"I32", torch::kInt},   {"I16", torch::kShort}, {"I8", torch::kChar},
       {"U8", torch::kByte},    {"BOOL", torch::kBool}};
   return names;
 }
@@ -207,9 +207,10 @@ MESHTORCH_DECL SafetensorsReader::SafetensorsReader(const std::filesystem::path&
     std::uint64_t header_size = 0;
     for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | size_bytes[i];
     if (header_size > file_size - 8 || header_size > safetensors_detail::max_header_bytes)
-      fail(fmt::format("header length {} exceeds the file ({} bytes) or the format's limit of {} bytes; "
-                       "not a safetensors file or truncated",
-                       header_size, file_size, safetensors_detail::max_header_bytes));
+      fail(
+          fmt::format("header length {} exceeds the file ({} bytes) or the format's limit of {} bytes; "
+                      "not a safetensors file or truncated",
+                      header_size, file_size, safetensors_detail::max_header_bytes));
     std::string text(header_size, '\0');
     read_exactly(text.data(), header_size, 8, "the header");
     header_ = safetensors_detail::parse_header(text, file_size, path_.string());

@@ -83,9 +83,8 @@ MESHTORCH_DECL SafetensorsStreamWriter::SafetensorsStreamWriter(const std::files
       throw DataError(fmt::format("{}: tensor name '{}' appears twice or is reserved", path.string(), e.name));
     e.begin = offset;
     e.end = offset + safetensors_bytes(e.dtype, e.shape);
-    header[e.name] = {{"dtype", safetensors_dtype_name(e.dtype)},
-                      {"shape", e.shape},
-                      {"data_offsets", {e.begin, e.end}}};
+    header[e.name] = {
+        {"dtype", safetensors_dtype_name(e.dtype)}, {"shape", e.shape}, {"data_offsets", {e.begin, e.end}}};
     offset = e.end;
   }
   std::string text = header.dump();

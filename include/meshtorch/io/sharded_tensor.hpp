@@ -55,8 +55,7 @@ MESHTORCH_DECL std::vector<Box> subtract(const Box& a, const Box& b);
 
 // What of `region` none of `pieces` covers, as disjoint boxes; at most `limit` of them (a
 // hostile manifest could split the rest into many), then the first `limit`.
-MESHTORCH_DECL std::vector<Box> uncovered(const Box& region, const std::vector<Box>& pieces,
-                                          std::size_t limit = 64);
+MESHTORCH_DECL std::vector<Box> uncovered(const Box& region, const std::vector<Box>& pieces, std::size_t limit = 64);
 
 // Two of `pieces` (indices) that share an element, or nothing. A sweep along dim 0 over the
 // pieces sorted by offset, testing each against those whose rows it meets: linear for row
@@ -87,7 +86,7 @@ inline torch::Tensor view_of(const torch::Tensor& tensor, const Box& box, const 
 // Copies the overlap of `source` (extent `source_box`) into `target` (extent `target_box`);
 // returns the overlap, or nothing when the boxes do not meet. Devices and strides may differ.
 MESHTORCH_DECL std::optional<Box> copy_overlap(const torch::Tensor& source, const Box& source_box,
-                                              torch::Tensor& target, const Box& target_box);
+                                               torch::Tensor& target, const Box& target_box);
 
 // One rank's piece of a global tensor, as checkpoints save and load it.
 struct ShardedTensor {
@@ -223,7 +222,7 @@ MESHTORCH_DECL Box rows(const Box& box, std::int64_t begin, std::int64_t end) {
 }
 
 MESHTORCH_DECL std::optional<Box> copy_overlap(const torch::Tensor& source, const Box& source_box,
-                                              torch::Tensor& target, const Box& target_box) {
+                                               torch::Tensor& target, const Box& target_box) {
   const auto common = intersect(source_box, target_box);
   if (!common) return std::nullopt;
   torch::NoGradGuard no_grad;

@@ -47,7 +47,7 @@ template <class T>
 struct AxisTraits : std::false_type {};
 
 template <template <std::size_t> class Kind, std::size_t N>
-  requires std::is_base_of_v<AxisExtent<N>, Kind<N>>
+requires std::is_base_of_v<AxisExtent<N>, Kind<N>>
 struct AxisTraits<Kind<N>> : std::true_type {
   template <std::size_t M>
   using with_extent = Kind<M>;
@@ -77,13 +77,13 @@ inline constexpr bool same_axis_kind = std::is_same_v<typename detail::AxisTrait
 // A value naming an axis kind, for functions that take the axis as an argument:
 // redistribute<Shard<0>, Replicate>(t, mesh, axis<TP>).
 template <template <std::size_t> class Kind>
-  requires AxisKind<Kind>
+requires AxisKind<Kind>
 struct AxisKey {
   static constexpr std::string_view name = Kind<1>::name;
 };
 
 template <template <std::size_t> class Kind>
-  requires AxisKind<Kind>
+requires AxisKind<Kind>
 inline constexpr AxisKey<Kind> axis{};
 
 }  // namespace meshtorch

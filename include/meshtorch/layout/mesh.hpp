@@ -82,8 +82,7 @@ consteval std::size_t static_product() {
 template <template <std::size_t> class Kind, class... Axes>
 consteval std::size_t index_of_kind() {
   std::size_t index = 0, found = sizeof...(Axes);
-  ((found = (found == sizeof...(Axes) && is_kind_if_axis<Axes, Kind>()) ? index : found, ++index),
-   ...);
+  ((found = (found == sizeof...(Axes) && is_kind_if_axis<Axes, Kind>()) ? index : found, ++index), ...);
   return found;
 }
 
@@ -113,13 +112,11 @@ struct MeshStaticSize<true, Product> {
 }  // namespace detail
 
 template <class... Axes>
-struct Mesh : detail::MeshStaticSize<detail::dynamic_count<Axes...>() == 0,
-                                     detail::static_product<Axes...>()> {
+struct Mesh : detail::MeshStaticSize<detail::dynamic_count<Axes...>() == 0, detail::static_product<Axes...>()> {
   static_assert((Axis<Axes> && ...),
                 "Mesh takes only axis tags, and an argument is not one; "
                 "use DP<N>, FSDP<N> or TP<N> (N a number or meshtorch::dynamic)");
-  static_assert(sizeof...(Axes) > 0,
-                "Mesh has no axes; give it at least one, e.g. Mesh<DP<meshtorch::dynamic>>");
+  static_assert(sizeof...(Axes) > 0, "Mesh has no axes; give it at least one, e.g. Mesh<DP<meshtorch::dynamic>>");
   static_assert(detail::kinds_unique<Axes...>(),
                 "Mesh repeats an axis kind (e.g. Mesh<DP<2>, DP<4>>); use each kind once, "
                 "with the product of the extents (DP<8>)");
@@ -167,9 +164,7 @@ struct Mesh : detail::MeshStaticSize<detail::dynamic_count<Axes...>() == 0,
   static constexpr std::string_view name = name_storage.view();
 
   // The extents when all are static (MeshShape<Mesh>{} answers the rank questions).
-  static constexpr std::array<int, ndim> extents()
-    requires is_static
-  {
+  static constexpr std::array<int, ndim> extents() requires is_static {
     std::array<int, ndim> e{};
     for (std::size_t i = 0; i < ndim; ++i) e[i] = static_cast<int>(static_extents[i]);
     return e;

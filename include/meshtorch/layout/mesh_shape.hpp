@@ -26,9 +26,7 @@ class MeshShape {
   static constexpr unsigned all_axes = (1u << ndim) - 1;
 
   // A static mesh needs no world size.
-  constexpr MeshShape()
-    requires M::is_static
-      : extents_(M::extents()) {}
+  constexpr MeshShape() requires M::is_static : extents_(M::extents()) {}
 
   // The shape for `world_size` ranks. `given` holds the extents of the dynamic axes in axis
   // order, like std::extents' constructor arguments; a missing trailing value, or
@@ -68,14 +66,14 @@ class MeshShape {
     if (from_world == ndim) {
       if (world_size != fixed)
         throw EnvError("world size " + std::to_string(world_size) + " does not match " +
-                       (M::is_static ? std::string(M::name) : describe(extents)) +
-                       ", which has " + std::to_string(fixed) + " ranks; launch " + std::to_string(fixed) +
-                       " ranks" + (M::is_static ? ", or make one axis meshtorch::dynamic" : ""));
+                       (M::is_static ? std::string(M::name) : describe(extents)) + ", which has " +
+                       std::to_string(fixed) + " ranks; launch " + std::to_string(fixed) + " ranks" +
+                       (M::is_static ? ", or make one axis meshtorch::dynamic" : ""));
     } else {
       if (world_size % fixed != 0)
-        throw EnvError("world size " + std::to_string(world_size) + " is not a multiple of " +
-                       std::to_string(fixed) + ", the product of the other extents of " + std::string(M::name) +
-                       "; launch a multiple of " + std::to_string(fixed) + " ranks");
+        throw EnvError("world size " + std::to_string(world_size) + " is not a multiple of " + std::to_string(fixed) +
+                       ", the product of the other extents of " + std::string(M::name) + "; launch a multiple of " +
+                       std::to_string(fixed) + " ranks");
       extents[from_world] = world_size / fixed;
     }
     return MeshShape(extents);

@@ -45,8 +45,7 @@ template <class T>
 concept ShardPlacement = detail::IsShard<T>::value;
 
 template <class T>
-concept Placement =
-    std::is_same_v<T, Replicate> || std::is_same_v<T, Partial> || ShardPlacement<T>;
+concept Placement = std::is_same_v<T, Replicate> || std::is_same_v<T, Partial> || ShardPlacement<T>;
 
 // Shard<-1> on a 3-d tensor is Shard<2>. Returns -1 when dim is out of range for ndim.
 constexpr int normalize_dim(int dim, int ndim) {

@@ -18,12 +18,18 @@ enum class Collective { none, local_chunk, all_gather, all_reduce, reduce_scatte
 
 constexpr std::string_view to_string(Collective c) {
   switch (c) {
-    case Collective::none: return "none";
-    case Collective::local_chunk: return "local_chunk";
-    case Collective::all_gather: return "all_gather";
-    case Collective::all_reduce: return "all_reduce";
-    case Collective::reduce_scatter: return "reduce_scatter";
-    case Collective::all_to_all: return "all_to_all";
+    case Collective::none:
+      return "none";
+    case Collective::local_chunk:
+      return "local_chunk";
+    case Collective::all_gather:
+      return "all_gather";
+    case Collective::all_reduce:
+      return "all_reduce";
+    case Collective::reduce_scatter:
+      return "reduce_scatter";
+    case Collective::all_to_all:
+      return "all_to_all";
   }
   return "?";
 }
@@ -80,12 +86,11 @@ struct Redistribution {
 // everywhere else a gradient is placed as its activation, and a partial sum's gradient is the
 // whole (replicated) gradient.
 template <Placement P, bool FeedsShardedWeights = false>
-using gradient_placement =
-    std::conditional_t<std::is_same_v<P, Replicate> && FeedsShardedWeights, Partial,
-                       std::conditional_t<std::is_same_v<P, Partial>, Replicate, P>>;
+using gradient_placement = std::conditional_t<std::is_same_v<P, Replicate> && FeedsShardedWeights, Partial,
+                                              std::conditional_t<std::is_same_v<P, Partial>, Replicate, P>>;
 
 // The six differentiable collectives of Megatron-LM, as redistributions.
-using CopyToParallelRegion = Redistribution<Replicate, Replicate, Partial, Replicate>;     // f
+using CopyToParallelRegion = Redistribution<Replicate, Replicate, Partial, Replicate>;      // f
 using ReduceFromParallelRegion = Redistribution<Partial, Replicate, Replicate, Replicate>;  // g
 template <int Dim>
 using ScatterToParallelRegion = Redistribution<Replicate, Shard<Dim>, Shard<Dim>, Replicate>;

@@ -30,9 +30,10 @@ inline ActivationCheckpointing parse_activation_checkpointing(const std::string&
     used = 0;
   }
   if (used != text.size() || every < 1)
-    throw ConfigError(fmt::format("--activation-checkpointing '{}': use none, full (every decoder layer) or a "
-                                  "positive k (every k-th layer)",
-                                  text));
+    throw ConfigError(
+        fmt::format("--activation-checkpointing '{}': use none, full (every decoder layer) or a "
+                    "positive k (every k-th layer)",
+                    text));
   return {every};
 }
 

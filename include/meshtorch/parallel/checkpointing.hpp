@@ -46,11 +46,9 @@ MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const ZeroR
 
 // Saves <exp_dir>/ckpt-<step> from every rank's pieces, with this rank's RNG states and
 // state.json. A non-finite running loss is never saved: the previous checkpoint stays the latest.
-MESHTORCH_DECL checkpoint::SavedCheckpoint save_training_checkpoint(const std::filesystem::path& exp_dir,
-                                                        const std::vector<io::ShardedTensor>& tensors,
-                                                        const train::TrainState& state,
-                                                        const train::RunIdentity& identity, const comm::AxisGroup& world,
-                                                        const checkpoint::SaveOptions& options);
+MESHTORCH_DECL checkpoint::SavedCheckpoint save_training_checkpoint(
+    const std::filesystem::path& exp_dir, const std::vector<io::ShardedTensor>& tensors, const train::TrainState& state,
+    const train::RunIdentity& identity, const comm::AxisGroup& world, const checkpoint::SaveOptions& options);
 
 // Fills every rank's pieces from the checkpoint <exp_dir>/checkpoint links to and returns its
 // training state, or nothing for a fresh experiment. All ranks must find the same folder (one
@@ -157,9 +155,10 @@ MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const ZeroR
   for (const auto& weight : weights) {
     if (!owned.contains(weight.name)) continue;
     if (weight.box != io::whole(weight.global_shape))
-      throw ConfigError(fmt::format("checkpoint: ZeroRedundancyOptimizer steps '{}', of which this rank holds only "
-                                    "{}; ZeRO-1 shards whole weights over a DP-only mesh (use AdamW with FSDP or TP)",
-                                    weight.name, io::to_string(weight.box)));
+      throw ConfigError(
+          fmt::format("checkpoint: ZeroRedundancyOptimizer steps '{}', of which this rank holds only "
+                      "{}; ZeRO-1 shards whole weights over a DP-only mesh (use AdamW with FSDP or TP)",
+                      weight.name, io::to_string(weight.box)));
     auto piece = weight;
     piece.writer = true;  // the owner is the one rank of its DP group holding this state
     mine.push_back(std::move(piece));
@@ -167,17 +166,16 @@ MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const ZeroR
   return checkpoint::adamw_state_tensors(optimizer, mine);
 }
 
-MESHTORCH_DECL checkpoint::SavedCheckpoint save_training_checkpoint(const std::filesystem::path& exp_dir,
-                                                        const std::vector<io::ShardedTensor>& tensors,
-                                                        const train::TrainState& state,
-                                                        const train::RunIdentity& identity, const comm::AxisGroup& world,
-                                                        const checkpoint::SaveOptions& options) {
+MESHTORCH_DECL checkpoint::SavedCheckpoint save_training_checkpoint(
+    const std::filesystem::path& exp_dir, const std::vector<io::ShardedTensor>& tensors, const train::TrainState& state,
+    const train::RunIdentity& identity, const comm::AxisGroup& world, const checkpoint::SaveOptions& options) {
   if (!std::isfinite(state.running_loss))
-    throw DataError(fmt::format("not saving the checkpoint of global_step {} into {}: the running loss is {}; the "
-                                "previous checkpoint stays the latest",
-                                state.global_step, exp_dir.string(), state.running_loss));
+    throw DataError(
+        fmt::format("not saving the checkpoint of global_step {} into {}: the running loss is {}; the "
+                    "previous checkpoint stays the latest",
+                    state.global_step, exp_dir.string(), state.running_loss));
   return checkpoint::save_sharded_checkpoint(exp_dir, state.global_step, tensors, train::to_json(state, identity),
-                                 train::capture_rng_states(), world, options);
+                                             train::capture_rng_states(), world, options);
 }
 
 MESHTORCH_DECL std::optional<train::TrainState> load_training_checkpoint(const std::filesystem::path& exp_dir,
@@ -201,10 +199,10 @@ MESHTORCH_DECL std::optional<train::TrainState> load_training_checkpoint(const s
   const auto seen = comm::all_gather_object(world, found);
   for (int r = 0; r < world.size(); ++r)
     if (seen[static_cast<std::size_t>(r)] != seen[0])
-      throw ConfigError(fmt::format("rank {} resumes from '{}' but rank {} from '{}': --save-dir must be one folder "
-                                    "that every rank sees (a shared file system)",
-                                    world.global_rank_of(r), seen[static_cast<std::size_t>(r)], world.global_rank_of(0),
-                                    seen[0]));
+      throw ConfigError(
+          fmt::format("rank {} resumes from '{}' but rank {} from '{}': --save-dir must be one folder "
+                      "that every rank sees (a shared file system)",
+                      world.global_rank_of(r), seen[static_cast<std::size_t>(r)], world.global_rank_of(0), seen[0]));
   if (world.rank() == 0)
     for (const auto& partial : point.ignored_partial)
       log.warning(fmt::format("ignoring {}: a save that did not finish", partial.string()));
@@ -214,7 +212,8 @@ MESHTORCH_DECL std::optional<train::TrainState> load_training_checkpoint(const s
   const auto loaded = checkpoint::load_sharded_checkpoint(dir, tensors, world);
   auto state = train::read_train_state(loaded.state, (dir / checkpoint::state_file_name).string(), identity);
   if (loaded.rank_state)
-    train::restore_rng_states(io::SafetensorsFile{*loaded.rank_state, {}}, dir / checkpoint::rank_file_name(world.rank()));
+    train::restore_rng_states(io::SafetensorsFile{*loaded.rank_state, {}},
+                              dir / checkpoint::rank_file_name(world.rank()));
   else if (world.rank() == 0)
     log.warning(loaded.rank_state_note);
   if (world.rank() == 0 && loaded.manifest.world_size != world.size())

@@ -83,7 +83,6 @@ class DistributedDataParallel {
                                          DdpOptions options);
 
  public:
-
   template <class Holder>
   DistributedDataParallel(torch::nn::ModuleHolder<Holder>& module, const comm::AxisGroup& group,
                           DdpOptions options = {})
@@ -109,7 +108,9 @@ class DistributedDataParallel {
   // torch's no_sync. Use it on all micro-batches of a step but the last.
   class NoSync {
    public:
-    explicit NoSync(DistributedDataParallel& ddp) : ddp_(&ddp), previous_(ddp.require_sync_) { ddp.require_sync_ = false; }
+    explicit NoSync(DistributedDataParallel& ddp) : ddp_(&ddp), previous_(ddp.require_sync_) {
+      ddp.require_sync_ = false;
+    }
     NoSync(NoSync&& other) noexcept : ddp_(std::exchange(other.ddp_, nullptr)), previous_(other.previous_) {}
     NoSync(const NoSync&) = delete;
     NoSync& operator=(const NoSync&) = delete;
@@ -241,8 +242,8 @@ class RecordedAllReduceHook : public c10d::CppCommHookInterface<c10::intrusive_p
     comm::FlightRecorder::instance().waiting(record);
     // On NCCL the callback runs once the all-reduce is queued, on a stream ordered after it.
     future->addCallback([record, group = group_,
-                         what = "DDP all_reduce of gradient bucket " + std::to_string(bucket.getIndex()) + " over the " +
-                                group_.describe()](c10::ivalue::Future& done) {
+                         what = "DDP all_reduce of gradient bucket " + std::to_string(bucket.getIndex()) +
+                                " over the " + group_.describe()](c10::ivalue::Future& done) {
       if (done.hasError())
         comm::report_collective_failure(record, what, done.tryRetrieveErrorMessage());
       else

@@ -31,13 +31,14 @@
 #include <variant>
 
 #include <fmt/format.h>
+
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/env.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/mesh.hpp>
-#include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/models/llama/config_json.hpp>
+#include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/launch.hpp>
@@ -87,15 +88,15 @@ class Engine {
                     train::tensorboard_tracker(args_, run_.mesh.rank())),
         timers_(run_.device),
         step_loss_(zero_loss()) {
-    run_.log.info(fmt::format("engine: ZeRO stage {} ({}) over {} ranks: micro batch {} per rank, {} accumulation "
-                              "steps, train batch {}, {}{}{}",
-                              config_.zero_stage, describe_stage(config_.zero_stage), run_.mesh.world_size(),
-                              args_.batch_size, args_.grad_accum, *config_.train_batch_size,
-                              config_.bf16 ? "bf16" : "fp32",
-                              config_.gradient_clipping > 0 ? fmt::format(", clipping at {}", config_.gradient_clipping) : "",
-                              config_.offload_param       ? ", shards offloaded to the CPU"
-                              : config_.offload_optimizer ? ", AdamW's state and step offloaded to the CPU"
-                                                          : ""));
+    run_.log.info(
+        fmt::format("engine: ZeRO stage {} ({}) over {} ranks: micro batch {} per rank, {} accumulation "
+                    "steps, train batch {}, {}{}{}",
+                    config_.zero_stage, describe_stage(config_.zero_stage), run_.mesh.world_size(), args_.batch_size,
+                    args_.grad_accum, *config_.train_batch_size, config_.bf16 ? "bf16" : "fp32",
+                    config_.gradient_clipping > 0 ? fmt::format(", clipping at {}", config_.gradient_clipping) : "",
+                    config_.offload_param       ? ", shards offloaded to the CPU"
+                    : config_.offload_optimizer ? ", AdamW's state and step offloaded to the CPU"
+                                                : ""));
   }
 
   Engine(const Engine&) = delete;
@@ -130,18 +131,20 @@ class Engine {
       auto timer = timers_.time("update");
       if (config_.gradient_clipping > 0) state.grad_norm = model_.clip_grad_norm(config_.gradient_clipping);
       const double lr = schedule_.lr_at(state.global_step);
-      std::visit([&](auto& optimizer) {
-        optimizer.set_lr(lr);
-        optimizer.step();
-        if (!measured_) {
-          measured_ = measure_model_state();
-          run_.log.info(fmt::format("model state on this rank at the first step: weights {:.1f} MB, gradients {:.1f} MB, "
-                                    "optimizer state {:.1f} MB, total {:.1f} MB",
-                                    mb(measured_->weights), mb(measured_->gradients), mb(measured_->optimizer),
-                                    mb(measured_->total())));
-        }
-        optimizer.zero_grad();
-      }, optimizer_);
+      std::visit(
+          [&](auto& optimizer) {
+            optimizer.set_lr(lr);
+            optimizer.step();
+            if (!measured_) {
+              measured_ = measure_model_state();
+              run_.log.info(fmt::format(
+                  "model state on this rank at the first step: weights {:.1f} MB, gradients {:.1f} MB, "
+                  "optimizer state {:.1f} MB, total {:.1f} MB",
+                  mb(measured_->weights), mb(measured_->gradients), mb(measured_->optimizer), mb(measured_->total())));
+            }
+            optimizer.zero_grad();
+          },
+          optimizer_);
     }
     const double loss = model_.mean_over_data_parallel(step_loss_).template item<double>();
     step_loss_ = zero_loss();
@@ -160,7 +163,9 @@ class Engine {
   void save_checkpoint(const train::TrainState& state) {
     std::visit([&](auto& optimizer) { experiment_.save(state, model_, optimizer); }, optimizer_);
   }
-  bool checkpoint_due(const train::TrainState& state) const { return experiment_.checkpoint_due(state, steps_per_epoch_); }
+  bool checkpoint_due(const train::TrainState& state) const {
+    return experiment_.checkpoint_due(state, steps_per_epoch_);
+  }
 
   // The data loader's epoch length, for the metrics and the end-of-run checkpoint.
   void set_steps_per_epoch(std::int64_t steps) { steps_per_epoch_ = steps; }
@@ -178,28 +183,36 @@ class Engine {
 
   static std::string describe_stage(int stage) {
     switch (stage) {
-      case 0: return "DDP: nothing sharded";
-      case 1: return "ZeroRedundancyOptimizer: optimizer state sharded";
-      case 2: return "ZeroStage2: gradients and optimizer state sharded";
-      default: return "FSDP: weights, gradients and optimizer state sharded";
+      case 0:
+        return "DDP: nothing sharded";
+      case 1:
+        return "ZeroRedundancyOptimizer: optimizer state sharded";
+      case 2:
+        return "ZeroStage2: gradients and optimizer state sharded";
+      default:
+        return "FSDP: weights, gradients and optimizer state sharded";
     }
   }
 
  private:
-  torch::Tensor zero_loss() const { return torch::zeros({}, torch::TensorOptions().device(run_.device).dtype(torch::kDouble)); }
+  torch::Tensor zero_loss() const {
+    return torch::zeros({}, torch::TensorOptions().device(run_.device).dtype(torch::kDouble));
+  }
   static double mb(std::int64_t bytes) { return static_cast<double>(bytes) / 1e6; }
 
   static train::DeepSpeedConfig check_mesh(train::DeepSpeedConfig config) {
     if (config.zero_stage == 3 && !shards_weights)
-      throw ConfigError(fmt::format("{}: zero_optimization.stage: 3 shards the weights, which needs a mesh with an FSDP "
-                                    "axis; this engine's mesh is {} (meshtorch::initialize picks Mesh<FSDP<dynamic>> "
-                                    "for stage 3){}",
-                                    config.file, std::string(M::name),
-                                    config.offload_param ? "; zero_optimization.offload_param offloads those shards" : ""));
+      throw ConfigError(
+          fmt::format("{}: zero_optimization.stage: 3 shards the weights, which needs a mesh with an FSDP "
+                      "axis; this engine's mesh is {} (meshtorch::initialize picks Mesh<FSDP<dynamic>> "
+                      "for stage 3){}",
+                      config.file, std::string(M::name),
+                      config.offload_param ? "; zero_optimization.offload_param offloads those shards" : ""));
     if (config.zero_stage < 3 && (shards_weights || !M::template has<DP>))
-      throw ConfigError(fmt::format("{}: zero_optimization.stage: {} keeps whole weights on every rank, which needs a "
-                                    "mesh with a DP axis and no FSDP; this engine's mesh is {}",
-                                    config.file, config.zero_stage, std::string(M::name)));
+      throw ConfigError(
+          fmt::format("{}: zero_optimization.stage: {} keeps whole weights on every rank, which needs a "
+                      "mesh with a DP axis and no FSDP; this engine's mesh is {}",
+                      config.file, config.zero_stage, std::string(M::name)));
     return config;
   }
 
@@ -208,7 +221,8 @@ class Engine {
     const auto dtype = shards_weights ? torch::kFloat : run_.dtype;  // stage 3: fp32 shards, bf16 compute
     auto options = parallelize_options(args_, run_.device);
     if (config_.reduce_bucket_size)
-      options.ddp.bucket_cap_mb = static_cast<double>(*config_.reduce_bucket_size * c10::elementSize(dtype)) / (1024.0 * 1024.0);
+      options.ddp.bucket_cap_mb =
+          static_cast<double>(*config_.reduce_bucket_size * c10::elementSize(dtype)) / (1024.0 * 1024.0);
     options.zero_stage2 = config_.zero_stage == 2;
     options.zero_stage2_buckets_in_flight = config_.overlap_comm ? 2 : 0;
     options.fsdp = {.cpu_offload = config_.offload_param,
@@ -238,9 +252,11 @@ class Engine {
     for (const auto& [name, p] : model_.named_parameters()) add(bytes.weights, p);
     for (const auto& p : model_.module()->parameters()) add(bytes.gradients, p.grad());
     for (const auto& [name, p] : model_.named_parameters()) add(bytes.gradients, p.grad());
-    std::visit([&](const auto& optimizer) {
-      for (const auto& [name, t] : optimizer.state()) add(bytes.optimizer, t);
-    }, optimizer_);
+    std::visit(
+        [&](const auto& optimizer) {
+          for (const auto& [name, t] : optimizer.state()) add(bytes.optimizer, t);
+        },
+        optimizer_);
     return bytes;
   }
 

@@ -77,7 +77,8 @@ namespace meshtorch {
 class FullyShardedDataParallel {
  public:
   template <class Holder>
-  FullyShardedDataParallel(torch::nn::ModuleHolder<Holder>& root, const comm::AxisGroup& group, FsdpOptions options = {})
+  FullyShardedDataParallel(torch::nn::ModuleHolder<Holder>& root, const comm::AxisGroup& group,
+                           FsdpOptions options = {})
       : root_(std::static_pointer_cast<torch::nn::Module>(root.ptr())),
         group_(group),
         options_(options),
@@ -87,9 +88,10 @@ class FullyShardedDataParallel {
       throw ConfigError(fmt::format("FullyShardedDataParallel: prefetch_layers {} is negative (0: no prefetching)",
                                     options_.prefetch_layers));
     if (options_.reduce_scatters_in_flight < 0)
-      throw ConfigError(fmt::format("FullyShardedDataParallel: reduce_scatters_in_flight {} is negative (0: each "
-                                    "waited for at once)",
-                                    options_.reduce_scatters_in_flight));
+      throw ConfigError(
+          fmt::format("FullyShardedDataParallel: reduce_scatters_in_flight {} is negative (0: each "
+                      "waited for at once)",
+                      options_.reduce_scatters_in_flight));
     if (options_.cpu_offload && options_.device.is_cuda() && !torch::cuda::is_available())
       throw ConfigError(fmt::format("FullyShardedDataParallel: cpu_offload with device {}, but CUDA is not available",
                                     options_.device.str()));
@@ -107,27 +109,30 @@ class FullyShardedDataParallel {
     const bool is_root = module.ptr().get() == root_.get();
     const std::string name = module_name(module.ptr().get());
     if (root_sharded_)
-      throw ConfigError(fmt::format("fully_shard('{}'): the root is already sharded; shard the layers first, then "
-                                    "the root (rank {})",
-                                    name, group_.global_rank()));
+      throw ConfigError(
+          fmt::format("fully_shard('{}'): the root is already sharded; shard the layers first, then "
+                      "the root (rank {})",
+                      name, group_.global_rank()));
     if (name.empty() && !is_root)
-      throw ConfigError(fmt::format("fully_shard: the module is not part of the model this FullyShardedDataParallel "
-                                    "was built for (rank {})",
-                                    group_.global_rank()));
+      throw ConfigError(
+          fmt::format("fully_shard: the module is not part of the model this FullyShardedDataParallel "
+                      "was built for (rank {})",
+                      group_.global_rank()));
     std::set<const llama::WeightModule*> inside;
     for (auto& [n, leaf] : llama::weight_modules(*module)) inside.insert(leaf);
     std::vector<std::pair<std::string, llama::WeightModule*>> leaves;
     for (auto& [n, leaf] : all_leaves_)
       if (inside.count(leaf) && !claimed_.count(leaf)) leaves.emplace_back(n, leaf);
     if (leaves.empty())
-      throw ConfigError(fmt::format("fully_shard({}): it holds no weight that an earlier fully_shard did not take "
-                                    "(rank {})",
-                                    (is_root ? std::string("the root") : "'" + name + "'"), group_.global_rank()));
+      throw ConfigError(
+          fmt::format("fully_shard({}): it holds no weight that an earlier fully_shard did not take "
+                      "(rank {})",
+                      (is_root ? std::string("the root") : "'" + name + "'"), group_.global_rank()));
     for (auto& [n, leaf] : leaves) claimed_.insert(leaf);
     auto unit_options = options_;
     if (reshard_after_forward) unit_options.reshard_after_forward = *reshard_after_forward;
-    units_.push_back(std::make_unique<FsdpUnit>(is_root ? std::string("root") : name, is_root, std::move(leaves), group_,
-                                                unit_options, schedule_));
+    units_.push_back(std::make_unique<FsdpUnit>(is_root ? std::string("root") : name, is_root, std::move(leaves),
+                                                group_, unit_options, schedule_));
     FsdpUnit* unit = units_.back().get();
     schedule_->add(unit, is_root);
     module->hooks.pre.push_back([this, unit](const torch::Tensor& input) {
@@ -178,10 +183,11 @@ class FullyShardedDataParallel {
   // calls nothing here.
   void on_gradients_ready(std::function<void(const std::vector<torch::Tensor>& shards)> ready) {
     if (options_.reduce_scatters_in_flight == 0)
-      throw ConfigError(fmt::format("FullyShardedDataParallel::on_gradients_ready on rank {}: gradients go back "
-                                    "through autograd when reduce_scatters_in_flight is 0 (as under HSDP); "
-                                    "nothing would call it",
-                                    group_.global_rank()));
+      throw ConfigError(
+          fmt::format("FullyShardedDataParallel::on_gradients_ready on rank {}: gradients go back "
+                      "through autograd when reduce_scatters_in_flight is 0 (as under HSDP); "
+                      "nothing would call it",
+                      group_.global_rank()));
     schedule_->gradients_ready = [ready = std::move(ready)](FsdpUnit& unit) {
       std::vector<torch::Tensor> shards;
       for (const auto& p : unit.parameters()) shards.push_back(p.shard);

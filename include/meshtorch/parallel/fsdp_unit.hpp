@@ -32,12 +32,12 @@ class FsdpUnit {
     std::string name;  // HF name, e.g. "model.layers.0.mlp.up_proj.weight"
     llama::WeightModule* leaf = nullptr;
     std::vector<std::int64_t> full_shape;
-    std::int64_t rows = 0;           // full_shape[0]
-    std::int64_t row_numel = 1;      // elements per row
-    RowBlock block;                  // this rank's rows of the weight (layout/row_block.hpp)
-    std::int64_t shard_offset = 0;   // elements into the flat shard buffer
-    std::int64_t full_offset = 0;    // elements into the full storage (rows padded to group size x block rows)
-    torch::Tensor shard;             // leaf [block.count, ...]: what the optimizer steps
+    std::int64_t rows = 0;          // full_shape[0]
+    std::int64_t row_numel = 1;     // elements per row
+    RowBlock block;                 // this rank's rows of the weight (layout/row_block.hpp)
+    std::int64_t shard_offset = 0;  // elements into the flat shard buffer
+    std::int64_t full_offset = 0;   // elements into the full storage (rows padded to group size x block rows)
+    torch::Tensor shard;            // leaf [block.count, ...]: what the optimizer steps
     std::int64_t block_numel() const { return block.rows_per_rank * row_numel; }  // one rank's part, padded
   };
 

@@ -17,11 +17,12 @@
 #include <vector>
 
 #include <fmt/format.h>
+
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/device_mesh.hpp>
-#include <meshtorch/comm/init.hpp>
 #include <meshtorch/comm/env.hpp>
+#include <meshtorch/comm/init.hpp>
 #include <meshtorch/comm/stack_dump.hpp>
 #include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/layout/mesh.hpp>

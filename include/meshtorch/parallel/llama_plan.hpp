@@ -23,9 +23,9 @@
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/axis.hpp>
 #include <meshtorch/layout/mesh.hpp>
-#include <meshtorch/parallel/memory_plan.hpp>
 #include <meshtorch/layout/parallel_style.hpp>
 #include <meshtorch/models/llama/config.hpp>
+#include <meshtorch/parallel/memory_plan.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::llama {
@@ -107,15 +107,13 @@ struct Role {
 // The one list of the model's module roles, in dataflow order: what a styles struct must
 // define, what describe() prints and what for_each_role() visits.
 template <class S>
-using LlamaRoles =
-    std::tuple<Role<"embed_tokens", typename S::embed_tokens>, Role<"input_layernorm", typename S::input_layernorm>,
-               Role<"self_attn", typename S::self_attn>, Role<"q_proj", typename S::q_proj>,
-               Role<"k_proj", typename S::k_proj>, Role<"v_proj", typename S::v_proj>,
-               Role<"o_proj", typename S::o_proj>,
-               Role<"post_attention_layernorm", typename S::post_attention_layernorm>,
-               Role<"mlp", typename S::mlp>, Role<"gate_proj", typename S::gate_proj>,
-               Role<"up_proj", typename S::up_proj>, Role<"down_proj", typename S::down_proj>,
-               Role<"norm", typename S::norm>, Role<"lm_head", typename S::lm_head>>;
+using LlamaRoles = std::tuple<
+    Role<"embed_tokens", typename S::embed_tokens>, Role<"input_layernorm", typename S::input_layernorm>,
+    Role<"self_attn", typename S::self_attn>, Role<"q_proj", typename S::q_proj>, Role<"k_proj", typename S::k_proj>,
+    Role<"v_proj", typename S::v_proj>, Role<"o_proj", typename S::o_proj>,
+    Role<"post_attention_layernorm", typename S::post_attention_layernorm>, Role<"mlp", typename S::mlp>,
+    Role<"gate_proj", typename S::gate_proj>, Role<"up_proj", typename S::up_proj>,
+    Role<"down_proj", typename S::down_proj>, Role<"norm", typename S::norm>, Role<"lm_head", typename S::lm_head>>;
 
 namespace detail {
 template <class Roles>
@@ -125,14 +123,16 @@ struct AllStyles<std::tuple<R...>> : std::bool_constant<(ParallelStyle<typename 
 }  // namespace detail
 
 template <class S>
-concept LlamaStyles = requires { typename LlamaRoles<S>; } && detail::AllStyles<LlamaRoles<S>>::value;
+concept LlamaStyles = requires {
+  typename LlamaRoles<S>;
+}
+&&detail::AllStyles<LlamaRoles<S>>::value;
 
 // Calls f.template operator()<Role>() for every role of S, in dataflow order.
 template <LlamaStyles S, class F>
 constexpr void for_each_role(F&& f) {
   [&]<class... R>(std::tuple<R...>*) { (f.template operator()<R>(), ...); }(static_cast<LlamaRoles<S>*>(nullptr));
 }
-
 
 namespace detail {
 
@@ -180,9 +180,9 @@ consteval bool check_dataflow() {
                 "Llama plan: mlp's input placement differs from post_attention_layernorm's output; give mlp "
                 "PrepareModuleInput<(the norm's output), Replicate>");
   using mlp_in = handed_to_children<typename S::mlp>;
-  static_assert(same_placement<typename S::gate_proj::input, mlp_in> &&
-                    same_placement<typename S::up_proj::input, mlp_in>,
-                "Llama plan: gate_proj and up_proj must accept what mlp hands them");
+  static_assert(
+      same_placement<typename S::gate_proj::input, mlp_in> && same_placement<typename S::up_proj::input, mlp_in>,
+      "Llama plan: gate_proj and up_proj must accept what mlp hands them");
   static_assert(same_placement<typename S::gate_proj::output, typename S::up_proj::output>,
                 "Llama plan: gate_proj and up_proj must return the same placement (they are multiplied "
                 "element-wise)");
@@ -215,17 +215,30 @@ struct RunTimeConfig {};
 
 // What can keep a TP size from sharding a model under a plan. The rules live in tp_problem()
 // alone; Plan checks them at compile time for presets and at run time for loaded configs.
-enum class TpProblem { none, attention_heads, key_value_heads, intermediate_size, vocab_size, hidden_size, tied_embeddings };
+enum class TpProblem {
+  none,
+  attention_heads,
+  key_value_heads,
+  intermediate_size,
+  vocab_size,
+  hidden_size,
+  tied_embeddings
+};
 
 constexpr std::string_view to_message(TpProblem p) {
   switch (p) {
-    case TpProblem::none: return "";
-    case TpProblem::attention_heads: return "num_attention_heads is not divisible by the TP size";
-    case TpProblem::key_value_heads: return "num_key_value_heads is not divisible by the TP size";
-    case TpProblem::intermediate_size: return "intermediate_size is not divisible by the TP size";
+    case TpProblem::none:
+      return "";
+    case TpProblem::attention_heads:
+      return "num_attention_heads is not divisible by the TP size";
+    case TpProblem::key_value_heads:
+      return "num_key_value_heads is not divisible by the TP size";
+    case TpProblem::intermediate_size:
+      return "intermediate_size is not divisible by the TP size";
     case TpProblem::vocab_size:
       return "vocab_size is not divisible by the TP size (pad the vocabulary to a multiple of it)";
-    case TpProblem::hidden_size: return "hidden_size is not divisible by the TP size";
+    case TpProblem::hidden_size:
+      return "hidden_size is not divisible by the TP size";
     case TpProblem::tied_embeddings:
       return "tie_word_embeddings: embed_tokens and lm_head share one matrix, so both or neither must shard the "
              "vocabulary (RowwiseParallel embedding with ColwiseParallel lm_head)";
@@ -245,8 +258,10 @@ constexpr TpProblem tp_problem(const Config& c, std::int64_t tp) {
     return TpProblem::key_value_heads;
   if (!std::is_same_v<typename S::gate_proj, NoParallel> && c.intermediate_size % tp != 0)
     return TpProblem::intermediate_size;
-  if ((detail::embedding_shards_vocab<typename S::embed_tokens> || detail::head_shards_vocab<typename S::lm_head>) &&
-      c.vocab_size % tp != 0)
+  if ((detail::embedding_shards_vocab<typename S::embed_tokens> ||
+       detail::head_shards_vocab<typename S::lm_head>)&&c.vocab_size %
+          tp !=
+      0)
     return TpProblem::vocab_size;
   if (ColwiseStyle<typename S::embed_tokens> && c.hidden_size % tp != 0) return TpProblem::hidden_size;
   return TpProblem::none;
@@ -374,9 +389,7 @@ struct Plan {
   //   constexpr double peak = Plan<Mesh<FSDP<64>>, presets::llama_3_1_405b>::peak_bytes(run);
   //   static_assert(peak <= 80 * GiB, "does not fit an 80 GiB GPU");
   // A failed check's note shows both numbers ("the comparison reduces to '(4.6e+11 <= 8.6e+10)'").
-  static constexpr MemoryEstimate memory(RunShape run)
-    requires(has_preset && M::is_static)
-  {
+  static constexpr MemoryEstimate memory(RunShape run) requires(has_preset&& M::is_static) {
     LayoutSizes layout;
     if constexpr (M::template has<FSDP>)
       layout = {DataParallelKind::fsdp, static_cast<std::int64_t>(M::template static_extent<FSDP>)};
@@ -385,11 +398,7 @@ struct Plan {
     layout.tp = static_cast<std::int64_t>(tp_extent);
     return estimate_memory(Preset, layout, run);
   }
-  static constexpr double peak_bytes(RunShape run)
-    requires(has_preset && M::is_static)
-  {
-    return memory(run).peak();
-  }
+  static constexpr double peak_bytes(RunShape run) requires(has_preset&& M::is_static) { return memory(run).peak(); }
 
   // Every role's name and style's name, in dataflow order: what describe_styles() prints.
   static constexpr auto role_styles = [] {
@@ -421,9 +430,10 @@ namespace meshtorch::llama::detail {
 }
 
 [[noreturn]] MESHTORCH_DECL void throw_sequence_not_divisible(std::int64_t seq_length, std::int64_t tp_size) {
-  throw ConfigError(fmt::format("--seq-length {} is not divisible by the TP size {}: sequence parallel splits every "
-                                "sequence over the TP ranks",
-                                seq_length, tp_size));
+  throw ConfigError(
+      fmt::format("--seq-length {} is not divisible by the TP size {}: sequence parallel splits every "
+                  "sequence over the TP ranks",
+                  seq_length, tp_size));
 }
 
 MESHTORCH_DECL std::string describe_roles(std::span<const RoleStyle> roles) {

@@ -39,8 +39,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include <meshtorch/models/loss_chunk.hpp>
 #include <meshtorch/models/llama/config.hpp>
+#include <meshtorch/models/loss_chunk.hpp>
 
 namespace meshtorch {
 
@@ -52,16 +52,16 @@ enum class DataParallelKind { ddp, zero1, zero2, fsdp };
 struct RunShape {
   std::int64_t batch = 1;  // sequences per data-parallel rank and micro-batch
   std::int64_t seq = 2048;
-  std::int64_t compute_bytes = 2;  // bf16 forward and backward
-  std::int64_t state_bytes = 4;    // weights, gradients and AdamW state (fp32 shards)
-  std::int64_t checkpoint_every = 0;  // 0 none, 1 every decoder layer, k every k-th
-  std::int64_t loss_chunk = -1;       // as LlamaForCausalLM::loss_chunk (-1 automatic)
-  std::int64_t prefetch_layers = 1;   // FSDP
+  std::int64_t compute_bytes = 2;              // bf16 forward and backward
+  std::int64_t state_bytes = 4;                // weights, gradients and AdamW state (fp32 shards)
+  std::int64_t checkpoint_every = 0;           // 0 none, 1 every decoder layer, k every k-th
+  std::int64_t loss_chunk = -1;                // as LlamaForCausalLM::loss_chunk (-1 automatic)
+  std::int64_t prefetch_layers = 1;            // FSDP
   std::int64_t reduce_scatters_in_flight = 1;  // FSDP
-  bool cpu_offload = false;                   // FSDP: the trained state on the host
-  bool reshard_after_forward = true;          // FSDP
-  bool optimizer_in_backward = false;         // FSDP: each unit stepped as its gradients arrive, then freed
-  bool optimizer_offload = false;             // any layout: AdamW's state and step on the host (not with cpu_offload)
+  bool cpu_offload = false;                    // FSDP: the trained state on the host
+  bool reshard_after_forward = true;           // FSDP
+  bool optimizer_in_backward = false;          // FSDP: each unit stepped as its gradients arrive, then freed
+  bool optimizer_offload = false;              // any layout: AdamW's state and step on the host (not with cpu_offload)
 };
 
 // Ranks of each kind; tensor parallel with sequence and loss parallel (chapter 6's plan).
@@ -73,7 +73,7 @@ struct LayoutSizes {
 
 struct MemoryEstimate {
   double weights = 0, gradients = 0, optimizer = 0;  // on the device
-  double host = 0;                                     // offloaded trained state (or AdamW's part of it)
+  double host = 0;                                   // offloaded trained state (or AdamW's part of it)
   double gathered = 0, reductions = 0;
   double activations = 0, loss = 0, backward_peak = 0;
   constexpr double trained_state() const { return weights + gradients + optimizer; }
@@ -145,10 +145,10 @@ constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes lay
   // ones; in backward a layer's full gradients (autograd's, in the compute dtype) and the send
   // buffers in the reduce dtype (fp32) of the reduce-scatters in flight plus the one being issued.
   if (fsdp && (n > 1 || run.cpu_offload)) {
-    const double layers_gathered = run.reshard_after_forward
-                                       ? 1 + static_cast<double>(std::min<std::int64_t>(run.prefetch_layers,
-                                                                                        c.num_hidden_layers - 1))
-                                       : static_cast<double>(c.num_hidden_layers);
+    const double layers_gathered =
+        run.reshard_after_forward
+            ? 1 + static_cast<double>(std::min<std::int64_t>(run.prefetch_layers, c.num_hidden_layers - 1))
+            : static_cast<double>(c.num_hidden_layers);
     m.gathered = (root + layers_gathered * layer) * d;
     m.reductions = layer * d + static_cast<double>(run.reduce_scatters_in_flight + 1) * layer * 4;
   }
@@ -177,8 +177,8 @@ constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes lay
   const std::int64_t chunk = loss_chunk_positions(run.loss_chunk, rows, static_cast<std::int64_t>(vocab));
   double loss_working_set = 0;
   if (chunk >= rows) {
-    m.loss = 4 * vocab * tokens;                 // log_softmax's output, fp32
-    loss_working_set = 2 * 4 * vocab * tokens;   // its gradient and the logits' gradient
+    m.loss = 4 * vocab * tokens;                // log_softmax's output, fp32
+    loss_working_set = 2 * 4 * vocab * tokens;  // its gradient and the logits' gradient
   } else {
     m.loss = h * d * tokens + (static_cast<double>(counts.head ? counts.head : counts.embedding) / tp) * d;
     loss_working_set = 3 * 4 * vocab * static_cast<double>(chunk);  // one chunk's logits, forward and backward

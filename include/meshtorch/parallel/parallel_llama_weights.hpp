@@ -97,11 +97,11 @@ MESHTORCH_DECL void ParallelLlamaRuntime::load_weights(const std::filesystem::pa
       check_shape(entry, file);
       // The rows the piece lies in, whole; then the piece's columns of them (TP's dim-1 chunks).
       const auto box = piece_box(name, entry.shape);
-      const auto read_box = entry.shape.empty() ? box : io::rows(io::whole(entry.shape), box.offsets[0],
-                                                                 box.offsets[0] + box.sizes[0]);
+      const auto read_box =
+          entry.shape.empty() ? box : io::rows(io::whole(entry.shape), box.offsets[0], box.offsets[0] + box.sizes[0]);
       const auto [first_row, row_count] = rows_read_for(entry);
-      auto read = view_of_buffer(buffer, entry.shape.empty() ? entry.shape : rows_shape(entry.shape, row_count),
-                                 entry.dtype);
+      auto read =
+          view_of_buffer(buffer, entry.shape.empty() ? entry.shape : rows_shape(entry.shape, row_count), entry.dtype);
       reader.read_rows_into(entry, first_row, row_count, read);
       const auto rows = read.to(options_.device);
       read_elements_ += rows.numel();
@@ -125,12 +125,12 @@ MESHTORCH_DECL void ParallelLlamaRuntime::load_weights_through(const std::filesy
   using parallelize_detail::view_of_buffer;
   const bool reader_rank = group.rank() == 0;
   const int reader = group.global_rank_of(0);
-  const auto listing = list_folder_weights(dir, group, world_, [&](const io::SafetensorsEntry& entry,
-                                                                   const std::filesystem::path& file) {
-    if (!is_loaded(entry.name)) return false;
-    check_shape(entry, file);
-    return true;
-  });
+  const auto listing = list_folder_weights(dir, group, world_,
+                                           [&](const io::SafetensorsEntry& entry, const std::filesystem::path& file) {
+                                             if (!is_loaded(entry.name)) return false;
+                                             check_shape(entry, file);
+                                             return true;
+                                           });
 
   std::set<std::string> loaded;
   const auto trained = trained_by_name();
@@ -139,8 +139,8 @@ MESHTORCH_DECL void ParallelLlamaRuntime::load_weights_through(const std::filesy
   // into on the others (on the CPU the reader's is the one it broadcasts from).
   std::int64_t largest = 0;
   for (const auto& weight : listing)
-    largest = std::max(largest, c10::multiply_integers(weight.shape) *
-                                    static_cast<std::int64_t>(c10::elementSize(weight.dtype)));
+    largest = std::max(
+        largest, c10::multiply_integers(weight.shape) * static_cast<std::int64_t>(c10::elementSize(weight.dtype)));
   auto read_buffer = torch::empty({reader_rank ? largest : 0}, torch::TensorOptions().dtype(torch::kByte));
   auto receive_buffer = torch::empty({reader_rank && options_.device.is_cpu() ? 0 : largest},
                                      torch::TensorOptions().dtype(torch::kByte).device(options_.device));
@@ -171,8 +171,7 @@ MESHTORCH_DECL bool ParallelLlamaRuntime::is_loaded(const std::string& name) con
 MESHTORCH_DECL void ParallelLlamaRuntime::check_shape(const io::SafetensorsEntry& entry,
                                                       const std::filesystem::path& file) const {
   const auto* shape = shape_of(entry.name);
-  if (!shape)
-    throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", file.string(), entry.name));
+  if (!shape) throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", file.string(), entry.name));
   if (entry.shape != *shape)
     throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", file.string(), entry.name,
                                 c10::str(c10::IntArrayRef(entry.shape)), c10::str(c10::IntArrayRef(*shape))));
@@ -216,8 +215,11 @@ MESHTORCH_DECL std::vector<FolderWeight> list_folder_weights(
     throw DataError(reader_error);
   if (reader_rank) return listed;
   for (const auto& weight : listing["weights"])
-    listed.push_back({weight["name"].get<std::string>(), weight["shape"].get<std::vector<std::int64_t>>(),
-                      static_cast<torch::ScalarType>(weight["dtype"].get<int>()), {}, {}});
+    listed.push_back({weight["name"].get<std::string>(),
+                      weight["shape"].get<std::vector<std::int64_t>>(),
+                      static_cast<torch::ScalarType>(weight["dtype"].get<int>()),
+                      {},
+                      {}});
   return listed;
 }
 

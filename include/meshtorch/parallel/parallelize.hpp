@@ -38,6 +38,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/collectives.hpp>
@@ -49,9 +50,9 @@
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
-#include <meshtorch/parallel/grad_clipping.hpp>
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
+#include <meshtorch/parallel/grad_clipping.hpp>
 #include <meshtorch/parallel/llama_plan.hpp>
 #include <meshtorch/parallel/parallelize_options.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
@@ -176,9 +177,7 @@ class ParallelLlamaRuntime {
   MESHTORCH_DECL std::string summary() const;
 
   // The global (unsharded) shape of every weight, by HF name, in the model's order.
-  const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& global_shapes() const {
-    return global_shapes_;
-  }
+  const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& global_shapes() const { return global_shapes_; }
   // Elements of weights this rank read from -m's folder (0 when initialised): its pieces, plus
   // the whole rows of weights TP cuts along dim 1.
   std::int64_t elements_read_from_folder() const { return read_elements_; }
@@ -240,7 +239,7 @@ class ParallelLlamaRuntime {
   std::string coordinate_;
   std::string wrappers_;
   void (*validate_sequence_)(std::int64_t, std::int64_t) = nullptr;
-  int replica_ = 0;  // the DP coordinate: replicas other than 0 write nothing
+  int replica_ = 0;                 // the DP coordinate: replicas other than 0 write nothing
   std::int64_t read_elements_ = 0;  // of weights read from a model folder (load_weights)
   std::int64_t load_rss_growth_ = 0;
   std::vector<std::pair<std::string, std::vector<std::int64_t>>> global_shapes_;
@@ -350,9 +349,10 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
   const auto dtype = model_->parameters().front().scalar_type();
   for (auto& [name, leaf] : llama::weight_modules(*model_)) {
     if (!leaf->weight.is_meta())
-      throw ConfigError(fmt::format("parallelize: '{}.weight' is not on the meta device; build the model with "
-                                    "torch::TensorOptions().device(torch::kMeta) so that no rank holds it whole",
-                                    name));
+      throw ConfigError(
+          fmt::format("parallelize: '{}.weight' is not on the meta device; build the model with "
+                      "torch::TensorOptions().device(torch::kMeta) so that no rank holds it whole",
+                      name));
     global_shapes_.emplace_back(name + ".weight", leaf->weight.sizes().vec());
   }
 
@@ -394,13 +394,14 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
   // 5. Replication over DP: DDP's bucketed all-reduce of whatever this rank trains (nothing to
   //    do for a DP axis of one rank).
   if (options_.zero_stage2 && !groups.dp)
-    throw ConfigError(fmt::format("parallelize: zero_stage2 shards gradients over a DP axis, and {} has none",
-                                  mesh_name_));
+    throw ConfigError(
+        fmt::format("parallelize: zero_stage2 shards gradients over a DP axis, and {} has none", mesh_name_));
   if (groups.dp) {
     if (options_.zero_stage2 && groups.fsdp)
-      throw ConfigError(fmt::format("parallelize: zero_stage2 on {}: FSDP already shards gradients (and weights); "
-                                    "use ZeRO-2 on a mesh with DP and no FSDP",
-                                    mesh_name_));
+      throw ConfigError(
+          fmt::format("parallelize: zero_stage2 on {}: FSDP already shards gradients (and weights); "
+                      "use ZeRO-2 on a mesh with DP and no FSDP",
+                      mesh_name_));
     if (groups.dp->size() > 1) replicate(*groups.dp);
   }
   // The sequence-parallel norms' gradients are summed over TP where the optimizer reads them.
@@ -414,13 +415,14 @@ MESHTORCH_DECL void ParallelLlamaRuntime::replicate(const comm::AxisGroup& dp) {
   for (auto& [name, tensor] : named_parameters())
     if (tensor.numel() > 0) replicated.emplace_back(name, tensor);
   if (fsdp_ && options_.fsdp.cpu_offload && options_.device.is_cuda())
-    throw ConfigError("parallelize: cpu_offload on an HSDP mesh (DP and FSDP) is not supported yet: the "
-                      "offloaded shards cannot be all-reduced over the DP axis's NCCL group");
+    throw ConfigError(
+        "parallelize: cpu_offload on an HSDP mesh (DP and FSDP) is not supported yet: the "
+        "offloaded shards cannot be all-reduced over the DP axis's NCCL group");
   if (options_.zero_stage2)
-    zero2_ = std::make_unique<ZeroStage2>(
-        std::move(replicated), dp,
-        ZeroStage2Options{.bucket_cap_mb = options_.ddp.bucket_cap_mb,
-                          .buckets_in_flight = options_.zero_stage2_buckets_in_flight});
+    zero2_ =
+        std::make_unique<ZeroStage2>(std::move(replicated), dp,
+                                     ZeroStage2Options{.bucket_cap_mb = options_.ddp.bucket_cap_mb,
+                                                       .buckets_in_flight = options_.zero_stage2_buckets_in_flight});
   else
     ddp_ = std::make_unique<DistributedDataParallel>(std::move(replicated), dp, options_.ddp);
 }
@@ -499,13 +501,15 @@ MESHTORCH_DECL void ParallelLlamaRuntime::step_in_backward(train::AdamW& optimiz
     throw ConfigError(fmt::format("--optimizer-in-backward on rank {}: {}", world_.rank(), why));
   };
   if (max_grad_norm > 0)
-    refuse(fmt::format("clipping by the global norm (--max-grad-norm {}) needs every gradient before any update; "
-                       "drop one of the two",
-                       max_grad_norm));
+    refuse(
+        fmt::format("clipping by the global norm (--max-grad-norm {}) needs every gradient before any update; "
+                    "drop one of the two",
+                    max_grad_norm));
   if (micro_batches > 1)
-    refuse(fmt::format("{} micro-batches per step (--grad-accum or --global-batch-size) sum their gradients "
-                       "before the update; use one",
-                       micro_batches));
+    refuse(
+        fmt::format("{} micro-batches per step (--grad-accum or --global-batch-size) sum their gradients "
+                    "before the update; use one",
+                    micro_batches));
   if (!fsdp_ || tp_ || ddp_ || zero2_)
     refuse(fmt::format("the layout is {}; stepping in backward needs FSDP alone (Mesh<FSDP<...>>)", mesh_name_));
   fsdp_->on_gradients_ready([&optimizer](const std::vector<torch::Tensor>& shards) {
@@ -539,11 +543,12 @@ MESHTORCH_DECL std::int64_t ParallelLlamaRuntime::local_bytes() const {
 
 MESHTORCH_DECL std::string ParallelLlamaRuntime::load_report() const {
   constexpr double mib = 1024.0 * 1024.0;
-  return fmt::format("weights from {} read by {}: this rank read {} of the model's {} elements; resident set "
-                     "+{:.0f} MiB at the peak of loading, its pieces {:.0f} MiB",
-                     options_.weights_from.string(), to_string(options_.weights_read_by), read_elements_,
-                     model_->config.num_parameters(), static_cast<double>(load_rss_growth_) / mib,
-                     static_cast<double>(local_bytes()) / mib);
+  return fmt::format(
+      "weights from {} read by {}: this rank read {} of the model's {} elements; resident set "
+      "+{:.0f} MiB at the peak of loading, its pieces {:.0f} MiB",
+      options_.weights_from.string(), to_string(options_.weights_read_by), read_elements_,
+      model_->config.num_parameters(), static_cast<double>(load_rss_growth_) / mib,
+      static_cast<double>(local_bytes()) / mib);
 }
 
 MESHTORCH_DECL void ParallelLlamaRuntime::keep_piece(const std::map<std::string, torch::Tensor>& trained,

@@ -37,7 +37,9 @@ enum class WeightsReadBy {
 
 // The --weights-read-by spelling of each choice.
 inline constexpr std::array<std::pair<WeightsReadBy, std::string_view>, 3> weights_read_by_names{
-    {{WeightsReadBy::every_rank, "every-rank"}, {WeightsReadBy::rank0, "rank0"}, {WeightsReadBy::local_rank0, "local-rank0"}}};
+    {{WeightsReadBy::every_rank, "every-rank"},
+     {WeightsReadBy::rank0, "rank0"},
+     {WeightsReadBy::local_rank0, "local-rank0"}}};
 
 inline std::string_view to_string(WeightsReadBy read_by) {
   for (const auto& [value, name] : weights_read_by_names)

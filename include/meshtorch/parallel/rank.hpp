@@ -52,9 +52,12 @@ MESHTORCH_DECL LrScaling parse_lr_scaling(const std::string& name);
 
 inline double scaled_lr(double lr, LrScaling rule, std::int64_t factor) {
   switch (rule) {
-    case LrScaling::linear: return lr * static_cast<double>(factor);
-    case LrScaling::sqrt: return lr * std::sqrt(static_cast<double>(factor));
-    case LrScaling::none: break;
+    case LrScaling::linear:
+      return lr * static_cast<double>(factor);
+    case LrScaling::sqrt:
+      return lr * std::sqrt(static_cast<double>(factor));
+    case LrScaling::none:
+      break;
   }
   return lr;
 }

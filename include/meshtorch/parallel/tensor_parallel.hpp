@@ -36,6 +36,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -66,13 +67,13 @@ struct StyleSteps {
 
 template <class Style>
 constexpr StyleSteps steps_of() {
-  const StyleKind kind = ColwiseStyle<Style>             ? StyleKind::colwise
-                         : RowwiseStyle<Style>           ? StyleKind::rowwise
-                         : SequenceParallelStyle<Style>  ? StyleKind::sequence_parallel
+  const StyleKind kind = ColwiseStyle<Style>              ? StyleKind::colwise
+                         : RowwiseStyle<Style>            ? StyleKind::rowwise
+                         : SequenceParallelStyle<Style>   ? StyleKind::sequence_parallel
                          : PrepareModuleInputStyle<Style> ? StyleKind::prepare_input
                                                           : StyleKind::none;
-  return {kind, comm::redistribution_steps<typename Style::enter>,
-          comm::redistribution_steps<typename Style::leave>, std::is_same_v<typename Style::input, Replicate>};
+  return {kind, comm::redistribution_steps<typename Style::enter>, comm::redistribution_steps<typename Style::leave>,
+          std::is_same_v<typename Style::input, Replicate>};
 }
 
 // Every role's style of a plan, under the role's name (llama::LlamaRoles, the one role list).
@@ -112,8 +113,9 @@ constexpr PlanSteps plan_steps_of() {
   static_assert(std::tuple_size_v<llama::LlamaRoles<typename PlanT::styles>> == PlanSteps::role_count);
   PlanSteps out;
   std::size_t i = 0;
-  llama::for_each_role<typename PlanT::styles>(
-      [&]<class R>() { out.roles[i++] = {R::name, steps_of<typename R::style>()}; });
+  llama::for_each_role<typename PlanT::styles>([&]<class R>() {
+    out.roles[i++] = {R::name, steps_of<typename R::style>()};
+  });
   out.loss_parallel = PlanT::loss_parallel;
   return out;
 }
@@ -261,8 +263,8 @@ namespace tp_detail {
 MESHTORCH_DECL torch::Tensor chunk_of(const torch::Tensor& full, const comm::AxisGroup& group, std::int64_t dim,
                                       const std::string& name) {
   if (full.size(dim) % group.size() != 0)
-    throw ConfigError(fmt::format("{}: dim {} of size {} is not divisible by the TP size {}",
-                                  name, dim, full.size(dim), group.size()));
+    throw ConfigError(fmt::format("{}: dim {} of size {} is not divisible by the TP size {}", name, dim, full.size(dim),
+                                  group.size()));
   return full.chunk(group.size(), dim)[group.rank()].contiguous();
 }
 
@@ -298,10 +300,11 @@ MESHTORCH_DECL torch::Tensor NormGradientSum::partial_gradient_of(const torch::T
   auto view = weight.view_as(weight);
   view.register_hook([self = shared_from_this(), name](const torch::Tensor& grad) {
     if (self->queued_for_ == -1)
-      throw ConfigError(fmt::format("tensor parallel: the gradient of the sequence-parallel norm '{}' reached a "
-                                    "backward that did not start at TensorParallel::loss (or ParallelLlama::loss), "
-                                    "so its sum over the {} would never run; compute the loss through them",
-                                    name, self->group_.describe()));
+      throw ConfigError(
+          fmt::format("tensor parallel: the gradient of the sequence-parallel norm '{}' reached a "
+                      "backward that did not start at TensorParallel::loss (or ParallelLlama::loss), "
+                      "so its sum over the {} would never run; compute the loss through them",
+                      name, self->group_.describe()));
     return grad * static_cast<double>(self->group_.size());
   });
   return view;
@@ -421,9 +424,10 @@ MESHTORCH_DECL void TensorParallelRuntime::apply(const std::string& name, llama:
   switch (style.kind) {
     case StyleKind::colwise: {
       if (dynamic_cast<llama::EmbeddingImpl*>(&module) != nullptr)
-        throw ConfigError(fmt::format("{}: ColwiseParallel on an embedding is not supported; shard the vocabulary "
-                                      "with RowwiseParallel<Replicate, ...> (as torchtitan does)",
-                                      name));
+        throw ConfigError(
+            fmt::format("{}: ColwiseParallel on an embedding is not supported; shard the vocabulary "
+                        "with RowwiseParallel<Replicate, ...> (as torchtitan does)",
+                        name));
       shard(name, module, 0);
       if (!entered) add_enter(module.hooks, style);
       add_leave(module.hooks, style);
@@ -438,9 +442,10 @@ MESHTORCH_DECL void TensorParallelRuntime::apply(const std::string& name, llama:
         return;
       }
       if (!style.replicated_input)
-        throw ConfigError(fmt::format("{}: RowwiseParallel on an embedding takes the token ids whole: use "
-                                      "RowwiseParallel<Replicate, ...>",
-                                      name));
+        throw ConfigError(
+            fmt::format("{}: RowwiseParallel on an embedding takes the token ids whole: use "
+                        "RowwiseParallel<Replicate, ...>",
+                        name));
       shard(name, module, 0);
       const std::int64_t rows = embedding->weight.size(0);
       const std::int64_t first = rows * group_.rank();
@@ -450,11 +455,11 @@ MESHTORCH_DECL void TensorParallelRuntime::apply(const std::string& name, llama:
         auto local = ids - first;
         return local.masked_fill(local.lt(0).logical_or(local.ge(rows)), 0);
       });
-      module.hooks.post.push_back([group = group_, leave = style.leave, first, rows](const torch::Tensor& ids,
-                                                                                     const torch::Tensor& out) {
-        const auto outside = ids.lt(first).logical_or(ids.ge(first + rows)).unsqueeze(-1);
-        return comm::redistribute_differentiable(out.masked_fill(outside, 0), group, leave);
-      });
+      module.hooks.post.push_back(
+          [group = group_, leave = style.leave, first, rows](const torch::Tensor& ids, const torch::Tensor& out) {
+            const auto outside = ids.lt(first).logical_or(ids.ge(first + rows)).unsqueeze(-1);
+            return comm::redistribute_differentiable(out.masked_fill(outside, 0), group, leave);
+          });
       return;
     }
     case StyleKind::sequence_parallel: {

@@ -46,7 +46,11 @@ MESHTORCH_DECL TrainingData load_training_data(const train::TrainArgs& args, std
 // For a model parallelize() built: its data-parallel group (DP and FSDP merged) splits the batch,
 // and the sequence length must be one its layout can split.
 template <class ParallelModel>
-  requires requires(const ParallelModel& m) { m.data_parallel_size(); m.world(); m.validate_sequence(1); }
+requires requires(const ParallelModel& m) {
+  m.data_parallel_size();
+  m.world();
+  m.validate_sequence(1);
+}
 TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size, const ParallelModel& model) {
   model.validate_sequence(args.seq_length);
   return load_training_data(args, vocab_size, {model.data_parallel_size(), model.data_parallel_rank()}, &model.world());
@@ -63,9 +67,10 @@ MESHTORCH_DECL std::int64_t micro_batches_per_step(const train::TrainArgs& args,
   if (args.global_batch_size == 0) return args.grad_accum;
   std::int64_t per_micro_batch = 0;
   if (__builtin_mul_overflow(args.batch_size, dp_size, &per_micro_batch) || per_micro_batch <= 0)
-    throw ConfigError(fmt::format("-b {} x {} data-parallel rank(s) overflows a 64-bit integer or is not positive; "
-                                  "--global-batch-size {} needs a micro-batch between 1 and itself",
-                                  args.batch_size, dp_size, args.global_batch_size));
+    throw ConfigError(
+        fmt::format("-b {} x {} data-parallel rank(s) overflows a 64-bit integer or is not positive; "
+                    "--global-batch-size {} needs a micro-batch between 1 and itself",
+                    args.batch_size, dp_size, args.global_batch_size));
   if (args.global_batch_size % per_micro_batch != 0)
     throw ConfigError(fmt::format(
         "--global-batch-size {} is not a multiple of -b {} x {} data-parallel rank(s) = {}: choose a -b that divides "
@@ -114,9 +119,11 @@ inline data::TokenBlocks load_cached(const train::TrainArgs& args, const comm::A
                           }));
   std::string why;
   auto cached = dataset->open(&why);
-  std::string error = cached ? std::string() : fmt::format("rank {} on {}: the token cache is not readable after rank 0 "
-                                                           "and this node's first rank wrote it: {}",
-                                                           rank, comm::host_name(), why);
+  std::string error = cached ? std::string()
+                             : fmt::format(
+                                   "rank {} on {}: the token cache is not readable after rank 0 "
+                                   "and this node's first rank wrote it: {}",
+                                   rank, comm::host_name(), why);
   comm::raise_first_error(world, error);
   note = fmt::format("{}; {}", dataset->tokenizer_note(), dataset->report(*cached, args.seq_length, built));
   return data::blocks_of(*cached, args.seq_length, dataset->source_name());
@@ -127,9 +134,10 @@ inline data::TokenBlocks load_cached(const train::TrainArgs& args, const comm::A
 MESHTORCH_DECL TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size,
                                                DataParallelCoordinate data_parallel, const comm::AxisGroup* world) {
   std::string note;
-  auto blocks = world && args.dataset_name != "builtin"
-                    ? training_data_detail::load_cached(args, *world, note)
-                    : data::load_dataset(args.dataset_name, args.seq_length, args.model_name, &note, args.dataset_subset);
+  auto blocks =
+      world && args.dataset_name != "builtin"
+          ? training_data_detail::load_cached(args, *world, note)
+          : data::load_dataset(args.dataset_name, args.seq_length, args.model_name, &note, args.dataset_subset);
   if (!world || world->rank() == 0) train::Logger(world ? world->global_rank() : 0).info(fmt::format("data: {}", note));
   blocks.check_vocab(vocab_size);
   data::DpInvariantSampler sampler({.num_samples = blocks.size(),

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include <torch/csrc/autograd/function.h>
+
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
@@ -56,14 +57,14 @@ class ZeroStage2 {
  public:
   struct Parameter {
     std::string name;
-    torch::Tensor full;              // the module's parameter: whole on every rank
-    std::int64_t rows = 0;           // full.size(0)
+    torch::Tensor full;     // the module's parameter: whole on every rank
+    std::int64_t rows = 0;  // full.size(0)
     std::int64_t row_numel = 1;
-    RowBlock block;                  // this rank's rows (layout/row_block.hpp)
+    RowBlock block;  // this rank's rows (layout/row_block.hpp)
     std::size_t bucket = 0;
-    std::int64_t block_offset = 0;   // elements into its bucket's per-rank block
-    torch::Tensor shard;             // a view of this rank's rows of `full`: what the optimizer steps
-    bool arrived = false;            // its gradient of the running backward is in the send buffer
+    std::int64_t block_offset = 0;  // elements into its bucket's per-rank block
+    torch::Tensor shard;            // a view of this rank's rows of `full`: what the optimizer steps
+    bool arrived = false;           // its gradient of the running backward is in the send buffer
   };
 
   MESHTORCH_DECL ZeroStage2(std::vector<std::pair<std::string, torch::Tensor>> named, const comm::AxisGroup& group,
@@ -110,13 +111,11 @@ class ZeroStage2 {
     std::int64_t block_numel = 0;     // elements of one rank's block (with padding rows)
     std::int64_t bytes = 0;           // of the whole gradients it holds
     std::size_t arrived = 0;
-    torch::Tensor send;               // [N x block]: the whole gradients, cut into rank blocks
-    torch::Tensor grad_block;         // this rank's block of the mean gradient: the shards' .grad
+    torch::Tensor send;        // [N x block]: the whole gradients, cut into rank blocks
+    torch::Tensor grad_block;  // this rank's block of the mean gradient: the shards' .grad
   };
 
-  RowBlock block_of(const Parameter& p, int rank) const {
-    return row_block(p.rows, group_.size(), rank);
-  }
+  RowBlock block_of(const Parameter& p, int rank) const { return row_block(p.rows, group_.size(), rank); }
 
   // Autograd has accumulated parameter k's gradient of this backward: cut it into the rank
   // blocks of its bucket's send buffer, free it, and reduce whatever buckets are now complete.
@@ -307,8 +306,7 @@ MESHTORCH_DECL void ZeroStage2::gather_parameters() {
 MESHTORCH_DECL void ZeroStage2::gradient_arrived(std::size_t k) {
   torch::NoGradGuard no_grad;
   auto& p = params_[k];
-  if (p.arrived)
-    throw ConfigError(fmt::format("ZeroStage2: '{}' got a second gradient in one backward", p.name));
+  if (p.arrived) throw ConfigError(fmt::format("ZeroStage2: '{}' got a second gradient in one backward", p.name));
   auto& bucket = buckets_[p.bucket];
   const auto world = group_.size();
   if (!bucket.send.defined())
@@ -332,9 +330,9 @@ MESHTORCH_DECL void ZeroStage2::gradient_arrived(std::size_t k) {
   while (next_to_reduce_ < buckets_.size() &&
          buckets_[next_to_reduce_].arrived == buckets_[next_to_reduce_].params.size()) {
     auto& ready = buckets_[next_to_reduce_];
-    in_flight_.emplace_back(next_to_reduce_, comm::reduce_scatter_async(
-                                                 group_, ready.send.view({world, ready.block_numel}), 0,
-                                                 comm::ReduceOp::avg));
+    in_flight_.emplace_back(
+        next_to_reduce_,
+        comm::reduce_scatter_async(group_, ready.send.view({world, ready.block_numel}), 0, comm::ReduceOp::avg));
     ready.send = torch::Tensor();  // the collective holds it until it completes
     ++next_to_reduce_;
     if (static_cast<int>(in_flight_.size()) > options_.buckets_in_flight) finish_oldest();
@@ -371,13 +369,13 @@ MESHTORCH_DECL void ZeroStage2::check_backward_complete() const {
   std::vector<std::string> missing;
   for (const auto& p : params_)
     if (!p.arrived) missing.push_back(p.name);
-  throw ConfigError(fmt::format("ZeroStage2 on rank {}: the last backward gave no gradient to {} of {} parameters "
-                                "({}{}); ZeRO-2 reduces a bucket when all its gradients have arrived, so every "
-                                "parameter must take part in the loss",
-                                group_.global_rank(), missing.size(), params_.size(),
-                                fmt::join(missing.begin(), missing.begin() + std::min<std::size_t>(missing.size(), 3),
-                                          ", "),
-                                missing.size() > 3 ? ", ..." : ""));
+  throw ConfigError(
+      fmt::format("ZeroStage2 on rank {}: the last backward gave no gradient to {} of {} parameters "
+                  "({}{}); ZeRO-2 reduces a bucket when all its gradients have arrived, so every "
+                  "parameter must take part in the loss",
+                  group_.global_rank(), missing.size(), params_.size(),
+                  fmt::join(missing.begin(), missing.begin() + std::min<std::size_t>(missing.size(), 3), ", "),
+                  missing.size() > 3 ? ", ..." : ""));
 }
 
 }  // namespace meshtorch

@@ -11,5 +11,5 @@
 #error "one part of meshtorch per source file: <meshtorch/src/tracking.hpp> found MESHTORCH_SOURCE already defined"
 #endif
 #define MESHTORCH_SOURCE MESHTORCH_PART_tracking
-#include <meshtorch/train/tensorboard.hpp>
 #include <meshtorch/parallel/engine.hpp>
+#include <meshtorch/train/tensorboard.hpp>

@@ -91,9 +91,9 @@ class AdamW {
 #include <numeric>
 #include <set>
 
-#include <meshtorch/train/copy_in_flight.hpp>
-
 #include <fmt/format.h>
+
+#include <meshtorch/train/copy_in_flight.hpp>
 
 namespace meshtorch::train {
 
@@ -148,9 +148,10 @@ MESHTORCH_DECL void AdamW::step(const std::vector<torch::Tensor>& subset) {
   for (const auto& p : subset) {
     const auto it = index_of_.find(p.unsafeGetTensorImpl());
     if (it == index_of_.end())
-      throw ConfigError(fmt::format("AdamW::step: a tensor of shape {} is not one of the {} parameters this "
-                                    "optimizer was built with",
-                                    c10::str(p.sizes()), params_.size()));
+      throw ConfigError(
+          fmt::format("AdamW::step: a tensor of shape {} is not one of the {} parameters this "
+                      "optimizer was built with",
+                      c10::str(p.sizes()), params_.size()));
     indices.push_back(it->second);
   }
   step_indices(indices);
@@ -196,7 +197,8 @@ MESHTORCH_DECL void AdamW::fused_step(const std::vector<std::size_t>& indices, c
                                       const std::vector<torch::Tensor>& grads) {
   // Group by (device, dtype): the fused kernel takes same-device, same-dtype lists.
   std::map<std::pair<std::string, int>, std::vector<std::size_t>> groups;
-  for (const auto i : indices) groups[{params[i].device().str(), static_cast<int>(params[i].scalar_type())}].push_back(i);
+  for (const auto i : indices)
+    groups[{params[i].device().str(), static_cast<int>(params[i].scalar_type())}].push_back(i);
   for (const auto& [key, members] : groups) {
     std::vector<torch::Tensor> p, g, m, v, s;
     for (auto i : members) {
@@ -228,8 +230,8 @@ MESHTORCH_DECL void AdamW::load_state(const io::SafetensorsFile& file, const std
     const auto* t = file.find(name);
     if (!t) throw DataError(fmt::format("{}: optimizer state '{}' is missing", source, name));
     if (t->sizes() != into.sizes())
-      throw DataError(fmt::format("{}: optimizer state '{}' has shape {}, the model needs {}",
-                                  source, name, c10::str(t->sizes()), c10::str(into.sizes())));
+      throw DataError(fmt::format("{}: optimizer state '{}' has shape {}, the model needs {}", source, name,
+                                  c10::str(t->sizes()), c10::str(into.sizes())));
     into.copy_(*t);
   };
   for (std::size_t i = 0; i < params_.size(); ++i) {

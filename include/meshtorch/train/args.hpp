@@ -71,8 +71,9 @@ MESHTORCH_DECL void TrainArgs::add_to(CLI::App& app) {
                  "(a run per rank)")
       ->capture_default_str()
       ->check(CLI::IsMember({"rank0", "node", "all"}));
-  app.add_option("--dataset-subset", dataset_subset, "the subfolder of -d's folder to train on (an HF data set's "
-                                                     "configuration name)");
+  app.add_option("--dataset-subset", dataset_subset,
+                 "the subfolder of -d's folder to train on (an HF data set's "
+                 "configuration name)");
   app.add_option("-m,--model-name", model_name,
                  "a preset (llama-tiny, llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, llama-3.1-405b) or a "
                  "directory with an HF config.json (and optionally model.safetensors)")
@@ -84,7 +85,9 @@ MESHTORCH_DECL void TrainArgs::add_to(CLI::App& app) {
   app.add_option("-b,--batch-size", batch_size, "samples per data-parallel rank and micro-batch")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--log-freq", log_freq, "log every N optimizer steps")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--log-freq", log_freq, "log every N optimizer steps")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--ckpt-freq", ckpt_freq, "checkpoint every N optimizer steps")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -141,10 +144,11 @@ MESHTORCH_DECL void TrainArgs::add_to(CLI::App& app) {
                  "(chunks of 64 MiB of fp32 logits once the batch's would pass 256 MiB), 0 all at once")
       ->capture_default_str()
       ->check(CLI::Range(std::int64_t{-1}, std::numeric_limits<std::int64_t>::max()));
-  app.add_option("--weights-read-by", weights_read_by,
-                 "who reads a model folder's weights (-m): every-rank (each reads only the rows of its pieces) or "
-                 "rank0 (rank 0 reads each weight and broadcasts it; for files only rank 0 sees) or local-rank0 (each node's "
-                 "local rank 0 reads and broadcasts over its node; for copies on each node's disk)")
+  app.add_option(
+         "--weights-read-by", weights_read_by,
+         "who reads a model folder's weights (-m): every-rank (each reads only the rows of its pieces) or "
+         "rank0 (rank 0 reads each weight and broadcasts it; for files only rank 0 sees) or local-rank0 (each node's "
+         "local rank 0 reads and broadcasts over its node; for copies on each node's disk)")
       ->capture_default_str()
       ->check(CLI::IsMember({"every-rank", "rank0"}));
   app.add_option("--activation-checkpointing", activation_checkpointing,

@@ -1,9 +1,9 @@
 #pragma once
 // LibTorch's CPU allocator with a cache for large blocks, as CUDA's caching allocator keeps device
 // blocks: a freed block of at least 1 MiB is kept by its exact size and handed out again for that
-// size; a size it cannot serve first gives back as many bytes of the blocks cached longest. A training step allocates the same sizes at every step (a layer's gathered weights, the
-// reduce-scatter buffers, gradients, activations), so after the first step
-// they come from the cache. Without it glibc serves such blocks from its heap once its dynamic
+// size; a size it cannot serve first gives back as many bytes of the blocks cached longest. A training step allocates
+// the same sizes at every step (a layer's gathered weights, the reduce-scatter buffers, gradients, activations), so
+// after the first step they come from the cache. Without it glibc serves such blocks from its heap once its dynamic
 // mmap threshold has grown past them, and the heap fragments: measured at llama-100m, chapter 7
 // on 4 ranks (FSDP 2 x TP 2) held 0.91-1.05 GB per rank after 2 steps and 1.16 GB after 6, where
 // its live tensors never exceed about 0.75 GB. glibc's own remedy (a fixed
@@ -88,9 +88,9 @@ class CachingHostAllocator final : public c10::Allocator {
   MESHTORCH_DECL static void release(void* data);
 
   mutable std::mutex mutex_;
-  std::unordered_map<void*, std::size_t> live_;                // large blocks in tensors, by address
+  std::unordered_map<void*, std::size_t> live_;               // large blocks in tensors, by address
   std::unordered_map<std::size_t, std::vector<void*>> free_;  // cached blocks, by size
-  std::deque<std::pair<std::size_t, void*>> order_;            // cached blocks, oldest first
+  std::deque<std::pair<std::size_t, void*>> order_;           // cached blocks, oldest first
   std::size_t cached_bytes_ = 0;
   std::size_t reserved_bytes_ = 0;
   Stats stats_;
@@ -205,9 +205,10 @@ MESHTORCH_DECL std::string use_host_allocator_from_environment() {
   const std::string value = choice ? choice : "caching";
   if (value == "default") return value;
   if (value != "caching")
-    throw ConfigError(fmt::format("MESHTORCH_HOST_ALLOCATOR is '{}': expected 'caching' (the default) or 'default' "
-                                  "(LibTorch's own CPU allocator)",
-                                  value));
+    throw ConfigError(
+        fmt::format("MESHTORCH_HOST_ALLOCATOR is '{}': expected 'caching' (the default) or 'default' "
+                    "(LibTorch's own CPU allocator)",
+                    value));
   CachingHostAllocator::install();
   return value;
 }

@@ -57,11 +57,12 @@ MESHTORCH_DECL nlohmann::ordered_json to_json(const TrainState& s, const RunIden
           {"epoch_step", s.epoch_step},
           {"running_loss", s.running_loss},
           {"running_steps", s.running_steps},
-          {"run", {{"seed", id.seed},
-                   {"seq_length", id.seq_length},
-                   {"global_batch", id.global_batch},
-                   {"dataset", id.dataset},
-                   {"model", id.model}}}};
+          {"run",
+           {{"seed", id.seed},
+            {"seq_length", id.seq_length},
+            {"global_batch", id.global_batch},
+            {"dataset", id.dataset},
+            {"model", id.model}}}};
 }
 
 MESHTORCH_DECL TrainState read_train_state(const nlohmann::json& j, const std::string& state_path,
@@ -109,9 +110,10 @@ MESHTORCH_DECL TrainState read_train_state(const nlohmann::json& j, const std::s
       saved = count(run, key, "run." + key);
     }
     if (saved != ours)
-      throw ConfigError(fmt::format("{}: the checkpoint was written with {} = {}, this run has {}; resume with the "
-                                    "same flags or use a new -e/--experiment-name",
-                                    state_path, key, saved, ours));
+      throw ConfigError(
+          fmt::format("{}: the checkpoint was written with {} = {}, this run has {}; resume with the "
+                      "same flags or use a new -e/--experiment-name",
+                      state_path, key, saved, ours));
   };
   same("seed", identity.seed);
   same("seq_length", identity.seq_length);

@@ -11,6 +11,7 @@
 
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <meshtorch/torch.hpp>
 
 namespace meshtorch::train {

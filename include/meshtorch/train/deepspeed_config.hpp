@@ -115,9 +115,8 @@ inline std::string quoted(const nlohmann::json& value) {
 // A key as messages print it: as written, or JSON-escaped (without quotes) if it holds a control
 // character, a quote or a backslash.
 inline std::string printable_key(const std::string& key) {
-  const bool plain = std::ranges::none_of(key, [](char c) {
-    return static_cast<unsigned char>(c) < 0x20 || c == 0x7f || c == '"' || c == '\\';
-  });
+  const bool plain = std::ranges::none_of(
+      key, [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f || c == '"' || c == '\\'; });
   if (plain) return key;
   const auto text = escaped(nlohmann::json(key));
   return text.substr(1, text.size() - 2);
@@ -130,8 +129,8 @@ class ConfigObject {
   ConfigObject(const nlohmann::json& value, std::string path, std::string file)
       : value_(value), path_(std::move(path)), file_(std::move(file)) {
     if (!value_.is_object())
-      throw ConfigError(fmt::format("{}: {}: expected an object, got {} ({})", file_, where(), type_of(value_),
-                                    quoted(value_)));
+      throw ConfigError(
+          fmt::format("{}: {}: expected an object, got {} ({})", file_, where(), type_of(value_), quoted(value_)));
   }
 
   std::string key_path(const std::string& key) const {
@@ -143,10 +142,9 @@ class ConfigObject {
     const auto* value = take(key);
     if (!value) return std::nullopt;
     // DeepSpeed configs write sizes like 5e8: a whole number is an integer whatever its spelling.
-    const bool whole = value->is_number_integer() ||
-                       (value->is_number_float() && std::isfinite(value->get<double>()) &&
-                        std::floor(value->get<double>()) == value->get<double>() &&
-                        std::abs(value->get<double>()) < 9e15);
+    const bool whole = value->is_number_integer() || (value->is_number_float() && std::isfinite(value->get<double>()) &&
+                                                      std::floor(value->get<double>()) == value->get<double>() &&
+                                                      std::abs(value->get<double>()) < 9e15);
     if (!whole || value->is_boolean())
       throw ConfigError(fmt::format("{}: {}: expected an integer {}, got {} ({})", file_, key_path(key),
                                     range(least, most), quoted(*value), type_of(*value)));
@@ -154,8 +152,8 @@ class ConfigObject {
     if (value->is_number_unsigned() && value->get<std::uint64_t>() > static_cast<std::uint64_t>(most))
       throw ConfigError(fmt::format("{}: {}: {} is out of range; expected an integer {}", file_, key_path(key),
                                     value->get<std::uint64_t>(), range(least, most)));
-    const auto n = value->is_number_integer() ? value->get<std::int64_t>()
-                                              : static_cast<std::int64_t>(value->get<double>());
+    const auto n =
+        value->is_number_integer() ? value->get<std::int64_t>() : static_cast<std::int64_t>(value->get<double>());
     if (n < least || n > most)
       throw ConfigError(fmt::format("{}: {}: {} is out of range; expected an integer {}", file_, key_path(key), n,
                                     range(least, most)));
@@ -166,12 +164,12 @@ class ConfigObject {
     const auto* value = take(key);
     if (!value) return std::nullopt;
     if (!value->is_number() || value->is_boolean())
-      throw ConfigError(fmt::format("{}: {}: expected a number, got {} ({})", file_, key_path(key), quoted(*value),
-                                    type_of(*value)));
+      throw ConfigError(
+          fmt::format("{}: {}: expected a number, got {} ({})", file_, key_path(key), quoted(*value), type_of(*value)));
     const auto x = value->get<double>();
     if (!(x >= least && x <= most))
-      throw ConfigError(fmt::format("{}: {}: {} is out of range; expected a number in [{}, {}]", file_, key_path(key), x,
-                                    least, most));
+      throw ConfigError(fmt::format("{}: {}: {} is out of range; expected a number in [{}, {}]", file_, key_path(key),
+                                    x, least, most));
     return x;
   }
 
@@ -179,8 +177,8 @@ class ConfigObject {
     const auto* value = take(key);
     if (!value) return std::nullopt;
     if (!value->is_boolean())
-      throw ConfigError(fmt::format("{}: {}: expected true or false, got {} ({})", file_, key_path(key),
-                                    quoted(*value), type_of(*value)));
+      throw ConfigError(fmt::format("{}: {}: expected true or false, got {} ({})", file_, key_path(key), quoted(*value),
+                                    type_of(*value)));
     return value->get<bool>();
   }
 
@@ -199,7 +197,8 @@ class ConfigObject {
     const bool ok = value->is_array() && value->size() == 2 && (*value)[0].is_number() && (*value)[1].is_number() &&
                     !(*value)[0].is_boolean() && !(*value)[1].is_boolean();
     if (!ok)
-      throw ConfigError(fmt::format("{}: {}: expected two numbers [a, b], got {}", file_, key_path(key), quoted(*value)));
+      throw ConfigError(
+          fmt::format("{}: {}: expected two numbers [a, b], got {}", file_, key_path(key), quoted(*value)));
     const std::pair<double, double> p{(*value)[0].get<double>(), (*value)[1].get<double>()};
     for (const double x : {p.first, p.second})
       if (!(x >= least && x < most))
@@ -219,7 +218,8 @@ class ConfigObject {
     for (const auto& [key, value] : value_.items())
       if (!read_.contains(key))
         throw ConfigError(fmt::format("{}: {}: not a key meshtorch implements; the keys read here are: {}{}{}", file_,
-                                      key_path(key), read_.empty() ? std::string("none") : fmt::format("{}", fmt::join(read_, ", ")),
+                                      key_path(key),
+                                      read_.empty() ? std::string("none") : fmt::format("{}", fmt::join(read_, ", ")),
                                       supported_note.empty() ? "" : "; ", supported_note));
   }
 
@@ -269,9 +269,10 @@ MESHTORCH_DECL DeepSpeedConfig DeepSpeedConfig::parse(const nlohmann::json& json
   }
   if (auto fp16 = top.object("fp16")) {
     if (fp16->boolean("enabled").value_or(false))
-      throw ConfigError(fmt::format("{}: fp16.enabled: fp16 with loss scaling is not implemented; use "
-                                    "\"bf16\": {{\"enabled\": true}}",
-                                    file));
+      throw ConfigError(
+          fmt::format("{}: fp16.enabled: fp16 with loss scaling is not implemented; use "
+                      "\"bf16\": {{\"enabled\": true}}",
+                      file));
     fp16->refuse_unread();
   }
 
@@ -287,9 +288,10 @@ MESHTORCH_DECL DeepSpeedConfig DeepSpeedConfig::parse(const nlohmann::json& json
       c.optimizer.weight_decay = params->number("weight_decay", 0, 10).value_or(c.optimizer.weight_decay);
       // DeepSpeed's Adam has decoupled decay by default (adam_w_mode): AdamW either way.
       if (auto decoupled = params->boolean("adam_w_mode"); decoupled && !*decoupled)
-        throw ConfigError(fmt::format("{}: optimizer.params.adam_w_mode: false (L2 regularisation instead of "
-                                      "decoupled weight decay) is not implemented",
-                                      file));
+        throw ConfigError(
+            fmt::format("{}: optimizer.params.adam_w_mode: false (L2 regularisation instead of "
+                        "decoupled weight decay) is not implemented",
+                        file));
       params->refuse_unread();
     }
     optimizer->refuse_unread();
@@ -305,7 +307,8 @@ MESHTORCH_DECL DeepSpeedConfig DeepSpeedConfig::parse(const nlohmann::json& json
     const auto warmup_steps = params->integer("warmup_num_steps", 0, any).value_or(1000);
     if (*type == "WarmupCosineLR") {
       const auto total = params->integer("total_num_steps", 1, any);
-      if (!total) throw ConfigError(fmt::format("{}: scheduler.params.total_num_steps is required for WarmupCosineLR", file));
+      if (!total)
+        throw ConfigError(fmt::format("{}: scheduler.params.total_num_steps is required for WarmupCosineLR", file));
       c.warmup_cosine = {.base_lr = 0,
                          .total_steps = *total,
                          .warmup_steps = warmup_steps,
@@ -314,7 +317,8 @@ MESHTORCH_DECL DeepSpeedConfig DeepSpeedConfig::parse(const nlohmann::json& json
                          .warmup_type = parse_warmup_type(warmup_type, file + ": scheduler.params.warmup_type")};
     } else {
       const auto total = params->integer("total_num_steps", 1, any);
-      if (!total) throw ConfigError(fmt::format("{}: scheduler.params.total_num_steps is required for WarmupDecayLR", file));
+      if (!total)
+        throw ConfigError(fmt::format("{}: scheduler.params.total_num_steps is required for WarmupDecayLR", file));
       // As DeepSpeed: the schedule's own peak (default 0.001) replaces the optimizer's lr.
       c.warmup_decay = {.base_lr = params->number("warmup_max_lr", 0, 10).value_or(1e-3),
                         .total_steps = *total,
@@ -333,12 +337,13 @@ MESHTORCH_DECL DeepSpeedConfig DeepSpeedConfig::parse(const nlohmann::json& json
       if (!o) return false;
       const auto device = o->choice("device", {"none", "cpu", "nvme"}).value_or("none");
       if (device == "nvme")
-        throw ConfigError(fmt::format("{}: zero_optimization.{}.device: nvme offload is not implemented; use cpu",
-                                      file, key));
+        throw ConfigError(
+            fmt::format("{}: zero_optimization.{}.device: nvme offload is not implemented; use cpu", file, key));
       if (auto pin = o->boolean("pin_memory"); pin && !*pin)
-        throw ConfigError(fmt::format("{}: zero_optimization.{}.pin_memory: false is not implemented; offloaded "
-                                      "shards are pinned on CUDA (and on the CPU there is nothing to pin)",
-                                      file, key));
+        throw ConfigError(
+            fmt::format("{}: zero_optimization.{}.pin_memory: false is not implemented; offloaded "
+                        "shards are pinned on CUDA (and on the CPU there is nothing to pin)",
+                        file, key));
       o->refuse_unread();
       return device == "cpu";
     };
@@ -352,32 +357,38 @@ MESHTORCH_DECL DeepSpeedConfig DeepSpeedConfig::parse(const nlohmann::json& json
           "all-reduce with backward (DDP's buckets) and stage 3 runs its collectives in order; remove the key",
           file));
     if (auto contiguous = zero->boolean("contiguous_gradients"); contiguous && !*contiguous)
-      throw ConfigError(fmt::format("{}: zero_optimization.contiguous_gradients: false is not implemented; "
-                                    "gradients always go into contiguous buckets",
-                                    file));
+      throw ConfigError(
+          fmt::format("{}: zero_optimization.contiguous_gradients: false is not implemented; "
+                      "gradients always go into contiguous buckets",
+                      file));
     c.reduce_bucket_size = zero->integer("reduce_bucket_size", 1, any);
     if (c.reduce_bucket_size && c.zero_stage == 3)
-      throw ConfigError(fmt::format("{}: zero_optimization.reduce_bucket_size: stage 3 reduce-scatters one decoder "
-                                    "layer at a time; the key sizes buckets of stages 0-2",
-                                    file));
+      throw ConfigError(
+          fmt::format("{}: zero_optimization.reduce_bucket_size: stage 3 reduce-scatters one decoder "
+                      "layer at a time; the key sizes buckets of stages 0-2",
+                      file));
     if (auto scatter = zero->boolean("reduce_scatter"); scatter && !*scatter)
-      throw ConfigError(fmt::format("{}: zero_optimization.reduce_scatter: false (reduce to each owner) is not "
-                                    "implemented; stage 2 reduce-scatters",
-                                    file));
+      throw ConfigError(
+          fmt::format("{}: zero_optimization.reduce_scatter: false (reduce to each owner) is not "
+                      "implemented; stage 2 reduce-scatters",
+                      file));
     zero->refuse_unread();
     if (c.offload_param && c.zero_stage != 3)
-      throw ConfigError(fmt::format("{}: zero_optimization.offload_param: parameters are offloaded with stage 3 "
-                                    "only (they are sharded there); stage is {}",
-                                    file, c.zero_stage));
+      throw ConfigError(
+          fmt::format("{}: zero_optimization.offload_param: parameters are offloaded with stage 3 "
+                      "only (they are sharded there); stage is {}",
+                      file, c.zero_stage));
     if (c.offload_optimizer && c.zero_stage == 0)
-      throw ConfigError(fmt::format("{}: zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, "
-                                    "2 or 3, as in DeepSpeed; stage is 0",
-                                    file));
+      throw ConfigError(
+          fmt::format("{}: zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, "
+                      "2 or 3, as in DeepSpeed; stage is 0",
+                      file));
     if (c.offload_param && !c.offload_optimizer)
-      throw ConfigError(fmt::format("{}: zero_optimization.offload_optimizer: offload_param without it is not "
-                                    "implemented (FSDP's cpu_offload steps AdamW where the shards are, on the "
-                                    "CPU); set offload_optimizer.device to cpu too",
-                                    file));
+      throw ConfigError(
+          fmt::format("{}: zero_optimization.offload_optimizer: offload_param without it is not "
+                      "implemented (FSDP's cpu_offload steps AdamW where the shards are, on the "
+                      "CPU); set offload_optimizer.device to cpu too",
+                      file));
     // With the shards offloaded AdamW already steps on the host; alone, AdamW moves there.
     c.optimizer.offload = c.offload_optimizer && !c.offload_param;
   }
@@ -395,28 +406,29 @@ MESHTORCH_DECL void DeepSpeedConfig::resolve_batch(std::int64_t data_parallel) {
     std::int64_t out = 1;
     for (const auto factor : factors)
       if (__builtin_mul_overflow(out, factor, &out))
-        throw ConfigError(fmt::format("{}: {} = {} overflows a 64-bit integer (at most {}); no data set holds that "
-                                      "many samples",
-                                      file, names, fmt::join(factors, " x "),
-                                      std::numeric_limits<std::int64_t>::max()));
+        throw ConfigError(
+            fmt::format("{}: {} = {} overflows a 64-bit integer (at most {}); no data set holds that "
+                        "many samples",
+                        file, names, fmt::join(factors, " x "), std::numeric_limits<std::int64_t>::max()));
     return out;
   };
   if (micro_batch_per_gpu && gradient_accumulation_steps) {
     const auto total = product({*micro_batch_per_gpu, *gradient_accumulation_steps, data_parallel},
                                "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel ranks");
     if (train_batch_size && *train_batch_size != total)
-      throw ConfigError(fmt::format("{}: train_batch_size {} is not train_micro_batch_size_per_gpu {} x "
-                                    "gradient_accumulation_steps {} x {} data-parallel ranks = {}",
-                                    file, *train_batch_size, *micro_batch_per_gpu, *gradient_accumulation_steps,
-                                    data_parallel, total));
+      throw ConfigError(fmt::format(
+          "{}: train_batch_size {} is not train_micro_batch_size_per_gpu {} x "
+          "gradient_accumulation_steps {} x {} data-parallel ranks = {}",
+          file, *train_batch_size, *micro_batch_per_gpu, *gradient_accumulation_steps, data_parallel, total));
     train_batch_size = total;
   } else if (micro_batch_per_gpu && train_batch_size) {
     const auto per_step =
         product({*micro_batch_per_gpu, data_parallel}, "train_micro_batch_size_per_gpu x data-parallel ranks");
     if (*train_batch_size % per_step != 0)
-      throw ConfigError(fmt::format("{}: train_batch_size {} is not a multiple of train_micro_batch_size_per_gpu {} "
-                                    "x {} data-parallel ranks = {}",
-                                    file, *train_batch_size, *micro_batch_per_gpu, data_parallel, per_step));
+      throw ConfigError(
+          fmt::format("{}: train_batch_size {} is not a multiple of train_micro_batch_size_per_gpu {} "
+                      "x {} data-parallel ranks = {}",
+                      file, *train_batch_size, *micro_batch_per_gpu, data_parallel, per_step));
     gradient_accumulation_steps = *train_batch_size / per_step;
   } else if (micro_batch_per_gpu) {
     gradient_accumulation_steps = 1;
@@ -427,9 +439,10 @@ MESHTORCH_DECL void DeepSpeedConfig::resolve_batch(std::int64_t data_parallel) {
     const auto per_micro_batch =
         product({accumulation, data_parallel}, "gradient_accumulation_steps x data-parallel ranks");
     if (*train_batch_size % per_micro_batch != 0)
-      throw ConfigError(fmt::format("{}: train_batch_size {} is not a multiple of gradient_accumulation_steps {} x "
-                                    "{} data-parallel ranks",
-                                    file, *train_batch_size, accumulation, data_parallel));
+      throw ConfigError(
+          fmt::format("{}: train_batch_size {} is not a multiple of gradient_accumulation_steps {} x "
+                      "{} data-parallel ranks",
+                      file, *train_batch_size, accumulation, data_parallel));
     gradient_accumulation_steps = accumulation;
     micro_batch_per_gpu = *train_batch_size / per_micro_batch;
   }

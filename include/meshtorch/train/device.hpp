@@ -35,12 +35,12 @@ MESHTORCH_DECL void use_deterministic_algorithms(bool on);
 
 #if MESHTORCH_DEFINES(core)
 #include <sched.h>
-#include <stdlib.h>
 
 #include <algorithm>
 #include <thread>
 
 #include <fmt/format.h>
+#include <stdlib.h>
 
 #include <meshtorch/comm/local_device.hpp>
 
@@ -49,8 +49,7 @@ namespace meshtorch::train {
 MESHTORCH_DECL torch::Device resolve_device(const std::string& flag, int local_rank) {
   if (flag != "cpu" && flag != "cuda" && flag != "auto")
     throw ConfigError(fmt::format("--device {}: expected cpu, cuda or auto", flag));
-  const bool want_cuda =
-      flag == "cuda" || (flag == "auto" && comm::built_with_cuda && torch::cuda::is_available());
+  const bool want_cuda = flag == "cuda" || (flag == "auto" && comm::built_with_cuda && torch::cuda::is_available());
   if (!want_cuda) return torch::Device(torch::kCPU);
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(comm::local_cuda_device(local_rank)));
 }
@@ -69,8 +68,9 @@ MESHTORCH_DECL torch::ScalarType resolve_dtype(const std::string& flag, const to
   if (flag == "float32") return torch::kFloat;
   if (flag == "bfloat16") return torch::kBFloat16;
   if (weights_dtype == torch::kHalf)
-    throw ConfigError("--dtype auto: -m's config.json says its weights are float16, and training in float16 needs "
-                      "loss scaling, which meshtorch does not do; pass --dtype bfloat16 or --dtype float32");
+    throw ConfigError(
+        "--dtype auto: -m's config.json says its weights are float16, and training in float16 needs "
+        "loss scaling, which meshtorch does not do; pass --dtype bfloat16 or --dtype float32");
   if (weights_dtype) return *weights_dtype;
   return device.is_cuda() ? torch::kBFloat16 : torch::kFloat;
 }

@@ -21,6 +21,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>
@@ -70,10 +71,10 @@ class Experiment {
     TrainState state = start_state(model, optimizer);
     if (metrics_)
       if (const auto later = metrics_->set_aside_after(state.global_step))
-        log_.warning(fmt::format("{}: {} line(s) after global_step {} came from a run that stopped before its next "
-                                 "checkpoint; moved to {}",
-                                 (*dir_ / "metrics.jsonl").string(), later, state.global_step,
-                                 MetricsFile::discarded_name));
+        log_.warning(
+            fmt::format("{}: {} line(s) after global_step {} came from a run that stopped before its next "
+                        "checkpoint; moved to {}",
+                        (*dir_ / "metrics.jsonl").string(), later, state.global_step, MetricsFile::discarded_name));
     if (tracker_) tracker_->on_start(state.global_step);
     return state;
   }
@@ -84,18 +85,20 @@ class Experiment {
     if (resume_from_) {
       auto resumed = Checkpointing<Model>::load(*resume_from_, model, optimizer, identity_);
       if (!resumed)
-        throw DataError(fmt::format("--resume-from {}: no checkpoint there (expected a ckpt-<step> folder with its "
-                                    "manifest, or an experiment folder whose '{}' link names one)",
-                                    resume_from_->string(), checkpoint_link_name));
+        throw DataError(
+            fmt::format("--resume-from {}: no checkpoint there (expected a ckpt-<step> folder with its "
+                        "manifest, or an experiment folder whose '{}' link names one)",
+                        resume_from_->string(), checkpoint_link_name));
       log_.info(fmt::format("resumed from {} at global_step {}", resume_from_->string(), resumed->global_step));
       return *resumed;
     }
     if (!dir_) return {};
     if (no_resume_) {
       if (rank_ == 0 && std::filesystem::exists(std::filesystem::symlink_status(*dir_ / checkpoint_link_name)))
-        log_.warning(fmt::format("--no-resume: starting at step 0 although {} names a checkpoint; this run's first "
-                                 "save replaces it",
-                                 (*dir_ / checkpoint_link_name).string()));
+        log_.warning(
+            fmt::format("--no-resume: starting at step 0 although {} names a checkpoint; this run's first "
+                        "save replaces it",
+                        (*dir_ / checkpoint_link_name).string()));
       return {};
     }
     auto resumed = Checkpointing<Model>::load(*dir_, model, optimizer, identity_);
@@ -106,7 +109,6 @@ class Experiment {
   }
 
  public:
-
   // One optimizer step is done; `loss` is its mean over the whole global batch. A non-finite loss
   // stops the run here, before anything of it is logged or saved (every rank sees the same mean).
   MESHTORCH_DECL void end_step(TrainState& state, double loss, ProgressBar& progress) const;
@@ -176,9 +178,10 @@ namespace experiment_detail {
 inline std::int64_t tokens_per_step(std::int64_t global_batch, std::int64_t seq_length) {
   std::int64_t tokens = 0;
   if (__builtin_mul_overflow(global_batch, seq_length, &tokens))
-    throw ConfigError(fmt::format("a global batch of {} sequences x -s/--seq-length {} overflows a 64-bit integer "
-                                  "(at most {} tokens per step)",
-                                  global_batch, seq_length, std::numeric_limits<std::int64_t>::max()));
+    throw ConfigError(
+        fmt::format("a global batch of {} sequences x -s/--seq-length {} overflows a 64-bit integer "
+                    "(at most {} tokens per step)",
+                    global_batch, seq_length, std::numeric_limits<std::int64_t>::max()));
   return tokens;
 }
 
@@ -198,8 +201,9 @@ MESHTORCH_DECL Experiment::Experiment(const TrainArgs& args, int rank, std::int6
       tracker_(std::move(tracker)) {
   // A program that builds its Experiment without a tracker would ignore the flag: say so.
   if (args.tensorboard && !tracker_)
-    throw ConfigError("--tensorboard: this program builds its Experiment without a tracker; pass "
-                      "train::tensorboard_tracker(args, rank) (train/tensorboard.hpp, link meshtorch::tracking)");
+    throw ConfigError(
+        "--tensorboard: this program builds its Experiment without a tracker; pass "
+        "train::tensorboard_tracker(args, rank) (train/tensorboard.hpp, link meshtorch::tracking)");
   // Said once per job: what -m's config.json holds that the run does not read.
   if (rank_ == 0)
     if (const auto note = llama::unread_config_fields_note(args.model_name); !note.empty()) log_.info(note);
@@ -214,10 +218,10 @@ MESHTORCH_DECL Experiment::Experiment(const TrainArgs& args, int rank, std::int6
 
 MESHTORCH_DECL void Experiment::end_step(TrainState& state, double loss, ProgressBar& progress) const {
   if (!std::isfinite(loss))
-    throw DataError(fmt::format("the loss of global_step {} is {}: stopping before it is logged or saved{}",
-                                state.global_step + 1, std::isnan(loss) ? "nan" : fmt::format("{}", loss),
-                                dir_ ? fmt::format(" ({} keeps the checkpoints of earlier steps)", dir_->string())
-                                     : ""));
+    throw DataError(
+        fmt::format("the loss of global_step {} is {}: stopping before it is logged or saved{}", state.global_step + 1,
+                    std::isnan(loss) ? "nan" : fmt::format("{}", loss),
+                    dir_ ? fmt::format(" ({} keeps the checkpoints of earlier steps)", dir_->string()) : ""));
   ++state.global_step;
   ++state.epoch_step;
   state.running_loss += loss;

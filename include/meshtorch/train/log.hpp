@@ -84,8 +84,8 @@ MESHTORCH_DECL void ProgressBar::update(std::int64_t done, const std::string& su
   constexpr int width = 30;
   const int filled = static_cast<int>(width * done / total_);
   std::fprintf(stderr, "\r%3d%%|%s%s| %lld/%lld %s", static_cast<int>(100 * done / total_),
-               std::string(filled, '#').c_str(), std::string(width - filled, ' ').c_str(),
-               static_cast<long long>(done), static_cast<long long>(total_), suffix.c_str());
+               std::string(filled, '#').c_str(), std::string(width - filled, ' ').c_str(), static_cast<long long>(done),
+               static_cast<long long>(total_), suffix.c_str());
   std::fflush(stderr);
 }
 

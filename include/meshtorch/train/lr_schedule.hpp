@@ -29,8 +29,9 @@ class CosineSchedule {
       : base_lr_(base_lr), eta_min_(base_lr * eta_min_fraction), t_max_(t_max) {}
 
   double lr_at(std::int64_t step) const {
-    return eta_min_ + (base_lr_ - eta_min_) * (1 + std::cos(std::numbers::pi * static_cast<double>(step) /
-                                                            static_cast<double>(t_max_))) / 2;
+    return eta_min_ + (base_lr_ - eta_min_) *
+                          (1 + std::cos(std::numbers::pi * static_cast<double>(step) / static_cast<double>(t_max_))) /
+                          2;
   }
 
  private:
@@ -61,8 +62,8 @@ struct WarmupCosineSchedule {
   double lr_at(std::int64_t step) const {
     if (step < warmup_steps)
       return base_lr * (warmup_min_ratio + warmup_fraction(warmup_type, step, warmup_steps) * (1 - warmup_min_ratio));
-    const double progress = std::min(
-        1.0, static_cast<double>(step - warmup_steps + 1) / static_cast<double>(total_steps - warmup_steps));
+    const double progress =
+        std::min(1.0, static_cast<double>(step - warmup_steps + 1) / static_cast<double>(total_steps - warmup_steps));
     const double cosine = (1 + std::cos(std::numbers::pi * progress)) / 2;
     return base_lr * std::max(0.0, cos_min_ratio + (1 - cos_min_ratio) * cosine);
   }
@@ -135,11 +136,10 @@ MESHTORCH_DECL LrSchedule::LrSchedule(Variant schedule, const std::string& where
   auto check_warmup = [&](std::int64_t warmup_steps, WarmupType type, std::int64_t total_steps, bool needs_decay) {
     if (warmup_steps < 0) throw ConfigError(fmt::format("{}: warmup steps {} is negative", where, warmup_steps));
     if (type == WarmupType::log && warmup_steps == 1)
-      throw ConfigError(fmt::format("{}: a log warmup needs at least 2 warmup steps (log(1) is 0); use linear",
-                                    where));
+      throw ConfigError(fmt::format("{}: a log warmup needs at least 2 warmup steps (log(1) is 0); use linear", where));
     if (needs_decay && total_steps <= warmup_steps)
-      throw ConfigError(fmt::format("{}: {} total steps leave nothing after {} warmup steps", where, total_steps,
-                                    warmup_steps));
+      throw ConfigError(
+          fmt::format("{}: {} total steps leave nothing after {} warmup steps", where, total_steps, warmup_steps));
   };
   if (const auto* s = std::get_if<WarmupCosineSchedule>(&schedule_)) {
     check_warmup(s->warmup_steps, s->warmup_type, s->total_steps, /*needs_decay=*/true);
@@ -156,9 +156,10 @@ MESHTORCH_DECL LrSchedule lr_schedule(const TrainArgs& args, std::int64_t steps_
   const std::string where = "--lr-schedule " + args.lr_schedule;
   const bool warmup = args.lr_schedule == "warmup-cosine" || args.lr_schedule == "warmup-decay";
   if (!warmup && (args.warmup_steps != 0 || args.lr_decay_steps != 0))
-    throw ConfigError(fmt::format("--warmup-steps and --lr-decay-steps shape --lr-schedule warmup-cosine or "
-                                  "warmup-decay; {} has no warmup and no end",
-                                  where));
+    throw ConfigError(
+        fmt::format("--warmup-steps and --lr-decay-steps shape --lr-schedule warmup-cosine or "
+                    "warmup-decay; {} has no warmup and no end",
+                    where));
   // Every epoch's steps, saturated: --num-epochs 2^62 is a run that never ends, not a wrapped total.
   std::int64_t all_epochs = 0;
   if (__builtin_mul_overflow(steps_per_epoch, args.num_epochs, &all_epochs))
@@ -184,8 +185,8 @@ MESHTORCH_DECL LrSchedule lr_schedule(const TrainArgs& args, std::int64_t steps_
                                           .warmup_min_lr = 0,
                                           .warmup_type = type},
                       where);
-  throw ConfigError(fmt::format("--lr-schedule '{}': use cosine, warmup-cosine, warmup-decay or constant",
-                                args.lr_schedule));
+  throw ConfigError(
+      fmt::format("--lr-schedule '{}': use cosine, warmup-cosine, warmup-decay or constant", args.lr_schedule));
 }
 
 }  // namespace meshtorch::train

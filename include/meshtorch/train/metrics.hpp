@@ -2,8 +2,8 @@
 // Metrics lines under the guide's keys, appended as one JSON object per log step to
 // <save-dir>/<experiment>/metrics.jsonl (rank 0 only), so runs on any mesh can be compared.
 #include <cerrno>
-#include <cstdint>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json_fwd.hpp>
+
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>

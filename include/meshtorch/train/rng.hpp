@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <torch/cuda.h>
+
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>
@@ -63,10 +64,11 @@ MESHTORCH_DECL void restore_rng_states(const io::SafetensorsFile& contents, cons
   }
   const int devices = rng_cuda_devices();
   if (devices > 0 && !contents.find(cuda_rng_key(0)))
-    throw DataError(fmt::format("{}: '{}' is missing: the checkpoint was saved where no GPU was visible, and this "
-                                "process sees {}; resume where it was saved, or start a new run (-e) to draw GPU "
-                                "numbers from the seed",
-                                file.string(), cuda_rng_key(0), devices));
+    throw DataError(
+        fmt::format("{}: '{}' is missing: the checkpoint was saved where no GPU was visible, and this "
+                    "process sees {}; resume where it was saved, or start a new run (-e) to draw GPU "
+                    "numbers from the seed",
+                    file.string(), cuda_rng_key(0), devices));
   for (int device = 0; device < devices; ++device) {
     const auto* state = contents.find(cuda_rng_key(device));
     if (!state) continue;  // saved where fewer GPUs were visible: those it saw are restored

@@ -37,8 +37,8 @@
 #include <meshtorch/comm/env.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/separate_compilation.hpp>
-#include <meshtorch/train/metrics.hpp>
 #include <meshtorch/train/args.hpp>  // TrainArgs::fingerprint(), the flags written as text
+#include <meshtorch/train/metrics.hpp>
 
 namespace meshtorch::train {
 
@@ -46,8 +46,9 @@ namespace tensorboard_detail {
 
 // What the writer below encodes, as TensorBoard's .proto files declare it (the tests decode the
 // files with libprotobuf over this text).
-inline constexpr std::string_view event_schema = R"proto(
-syntax = "proto3";
+inline constexpr std::string_view event_schema = R"pb(
+  syntax = "proto3"
+  ;
 package tensorflow;
 
 enum DataType {
@@ -117,7 +118,7 @@ message Event {
     SessionLog session_log = 7;
   }
 }
-)proto";
+)pb";
 
 // A protobuf message in wire format, field by field; defined with the definitions below, which
 // alone write messages.
@@ -191,9 +192,7 @@ class TensorBoardTracker final : public MetricsTracker {
   TensorBoardTracker(const std::optional<std::filesystem::path>& run_dir, const std::string& flags);
 
   // The event file this rank writes, if any.
-  std::optional<std::filesystem::path> path() const {
-    return writer_ ? std::optional(writer_->path()) : std::nullopt;
-  }
+  std::optional<std::filesystem::path> path() const { return writer_ ? std::optional(writer_->path()) : std::nullopt; }
 
   void on_start(std::int64_t global_step) override {
     if (writer_ && global_step > 0) writer_->add_session_start(global_step);
@@ -282,10 +281,10 @@ MESHTORCH_DECL EventFileWriter::EventFileWriter(const std::filesystem::path& run
   std::error_code error;
   std::filesystem::create_directories(run_dir, error);
   if (error)
-    throw DataError(fmt::format("{}: cannot create the TensorBoard run folder ({})", run_dir.string(), error.message()));
-  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(
-                           std::chrono::system_clock::now().time_since_epoch())
-                           .count();
+    throw DataError(
+        fmt::format("{}: cannot create the TensorBoard run folder ({})", run_dir.string(), error.message()));
+  const auto seconds =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   // A restart within the same second gets the next number, never another run's file.
   for (int n = 0;; ++n) {
     path_ = run_dir / fmt::format("events.out.tfevents.{}.{}.{}.{}", seconds, comm::host_name(), ::getpid(), n);
@@ -301,7 +300,7 @@ MESHTORCH_DECL EventFileWriter::~EventFileWriter() {
 }
 
 MESHTORCH_DECL void EventFileWriter::add_scalars(std::int64_t step,
-                                                const std::vector<std::pair<std::string, double>>& scalars) {
+                                                 const std::vector<std::pair<std::string, double>>& scalars) {
   tensorboard_detail::WireMessage summary;
   for (const auto& [tag, value] : scalars)
     summary.message(fields::summary_value, tensorboard_detail::WireMessage()
@@ -328,8 +327,8 @@ MESHTORCH_DECL void EventFileWriter::add_text(std::int64_t step, const std::stri
 }
 
 MESHTORCH_DECL void EventFileWriter::add_session_start(std::int64_t step) {
-  write(event(step).message(fields::event_session_log,
-                            tensorboard_detail::WireMessage().varint(fields::session_log_status, fields::session_start)));
+  write(event(step).message(fields::event_session_log, tensorboard_detail::WireMessage().varint(
+                                                           fields::session_log_status, fields::session_start)));
 }
 
 MESHTORCH_DECL tensorboard_detail::WireMessage EventFileWriter::event(std::int64_t step) {

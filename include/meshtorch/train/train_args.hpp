@@ -41,14 +41,15 @@ struct TrainArgs {
   std::string warmup_type = "linear";
   std::int64_t lr_decay_steps = 0;  // 0: --max-steps, else every epoch's steps
   double min_lr_ratio = 1e-4;
-  double max_grad_norm = 0;  // 0: no clipping
+  double max_grad_norm = 0;      // 0: no clipping
   std::int64_t loss_chunk = -1;  // positions whose logits the loss computes at once; -1 automatic
-  std::string weights_read_by = "every-rank";  // who reads -m's weights: every-rank, rank0 or local-rank0 (parallel/parallelize.hpp)
+  std::string weights_read_by =
+      "every-rank";  // who reads -m's weights: every-rank, rank0 or local-rank0 (parallel/parallelize.hpp)
   std::string activation_checkpointing = "none";  // none, full or k (parallel/activation_checkpointing.hpp)
   bool measure_waiting = false;  // time/waiting: a barrier after each step's data (multi-rank chapters)
-  bool deterministic = false;  // deterministic algorithms only (train::use_deterministic_algorithms)
-  int threads = 0;  // 0: LibTorch's default
-  double timeout_s = 0;  // rendezvous and collectives; 0: MESHTORCH_TIMEOUT, else 600 s
+  bool deterministic = false;    // deterministic algorithms only (train::use_deterministic_algorithms)
+  int threads = 0;               // 0: LibTorch's default
+  double timeout_s = 0;          // rendezvous and collectives; 0: MESHTORCH_TIMEOUT, else 600 s
 
   // Both defined in train/args.hpp.
   // The flags every rank must share (all that were parsed by the app these were added to).

@@ -5,4 +5,5 @@
 namespace mt = meshtorch;
 using Plan = mt::llama::Plan<mt::Mesh<mt::FSDP<64>>, mt::llama::presets::llama_3_1_405b>;
 constexpr double peak = Plan::peak_bytes({.batch = 1, .seq = 4096, .compute_bytes = 2, .cpu_offload = true});
-static_assert(peak <= 80 * mt::GiB, "the run does not fit an 80 GiB GPU: turn on activation checkpointing or shard further");
+static_assert(peak <= 80 * mt::GiB,
+              "the run does not fit an 80 GiB GPU: turn on activation checkpointing or shard further");

@@ -5,8 +5,9 @@
 #include <meshtorch/data/chat_template.hpp>
 
 int main() {
-  const meshtorch::data::ChatTemplate chat("{% for m in messages %}{{ m.role }}: {{ m.content }}{{ eos_token }}{% endfor %}",
-                                           "consumer", {{"eos_token", "</s>"}});
+  const meshtorch::data::ChatTemplate chat(
+      "{% for m in messages %}{{ m.role }}: {{ m.content }}{{ eos_token }}{% endfor %}", "consumer",
+      {{"eos_token", "</s>"}});
   const auto messages = nlohmann::ordered_json::parse(R"([{"role": "user", "content": "hi"}])");
   const auto text = chat.render(messages, nullptr, false, "consumer");
   std::cout << "chat template: " << text << '\n';

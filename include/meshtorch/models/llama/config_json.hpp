@@ -58,7 +58,6 @@ MESHTORCH_DECL std::string unread_config_fields_note(const std::string& name_or_
 
 namespace meshtorch::llama {
 
-
 namespace detail {
 
 inline std::string where(const std::string& source, std::string_view field) {
@@ -98,11 +97,10 @@ inline std::int64_t read_token_id(const nlohmann::json& j, std::string_view fiel
       fmt::format("{} must be an integer or a list of integers, got {}", where(source, field), it->dump()));
 }
 
-
 // Fields every writer adds that say nothing about the computation; not worth a log line.
 inline bool is_bookkeeping_field(std::string_view name) {
-  return name == "architectures" || name == "transformers_version" || name == "use_cache" ||
-         name == "pad_token_id" || name == "_name_or_path" || name == "model_type";
+  return name == "architectures" || name == "transformers_version" || name == "use_cache" || name == "pad_token_id" ||
+         name == "_name_or_path" || name == "model_type";
 }
 
 inline std::optional<std::string> read_dtype(const nlohmann::json& j, const std::string& source) {
@@ -131,7 +129,8 @@ inline std::optional<std::string> read_dtype(const nlohmann::json& j, const std:
 // fields}, or the earlier top-level rope_theta with rope_scaling. Either, both (when they agree),
 // or neither (rope_theta 10000, no scaling). Types other than default and llama3 change the
 // frequencies and are refused.
-inline void read_rope(const nlohmann::json& j, const std::string& source, Config& c, std::vector<std::string>& ignored) {
+inline void read_rope(const nlohmann::json& j, const std::string& source, Config& c,
+                      std::vector<std::string>& ignored) {
   struct Block {
     std::string name;
     std::optional<double> theta;
@@ -154,9 +153,10 @@ inline void read_rope(const nlohmann::json& j, const std::string& source, Config
         block.theta = read_field<double>(*it, "rope_theta", block_source, std::nullopt);
       } else if (key == "partial_rotary_factor") {
         if (!value.is_number() || value.get<double>() != 1.0)
-          throw ConfigError(fmt::format("{} is {}; rotary embeddings over part of each head are not implemented "
-                                        "(only 1.0)",
-                                        where(source, field), value.dump()));
+          throw ConfigError(
+              fmt::format("{} is {}; rotary embeddings over part of each head are not implemented "
+                          "(only 1.0)",
+                          where(source, field), value.dump()));
       } else if (key != "factor" && key != "low_freq_factor" && key != "high_freq_factor" &&
                  key != "original_max_position_embeddings") {
         if (value.is_object())
@@ -176,17 +176,20 @@ inline void read_rope(const nlohmann::json& j, const std::string& source, Config
       for (const char* key : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
         if (it->contains(key)) ignored.push_back(fmt::format("{}.{}", name, key));
     } else {
-      throw ConfigError(fmt::format("{} is '{}'; supported: 'default', 'llama3' (linear, dynamic, yarn and longrope "
-                                    "scaling are not implemented)",
-                                    where(source, fmt::format("{}.rope_type", name)), type));
+      throw ConfigError(
+          fmt::format("{} is '{}'; supported: 'default', 'llama3' (linear, dynamic, yarn and longrope "
+                      "scaling are not implemented)",
+                      where(source, fmt::format("{}.rope_type", name)), type));
     }
     return block;
   };
   const auto legacy = read_block("rope_scaling");
   const auto current = read_block("rope_parameters");
   std::optional<double> top_theta;
-  if (j.contains("rope_theta") && !j["rope_theta"].is_null()) top_theta = read_field<double>(j, "rope_theta", source, std::nullopt);
-  if (auto it = j.find("partial_rotary_factor"); it != j.end() && !it->is_null() && !(it->is_number() && it->get<double>() == 1.0))
+  if (j.contains("rope_theta") && !j["rope_theta"].is_null())
+    top_theta = read_field<double>(j, "rope_theta", source, std::nullopt);
+  if (auto it = j.find("partial_rotary_factor");
+      it != j.end() && !it->is_null() && !(it->is_number() && it->get<double>() == 1.0))
     throw ConfigError(fmt::format("{} is {}; rotary embeddings over part of each head are not implemented (only 1.0)",
                                   where(source, "partial_rotary_factor"), it->dump()));
 
@@ -200,8 +203,8 @@ inline void read_rope(const nlohmann::json& j, const std::string& source, Config
     if (!*b || !(*b)->theta) continue;
     const std::string field = fmt::format("{}.rope_theta", (*b)->name);
     if (theta && *theta != *(*b)->theta)
-      throw ConfigError(fmt::format("{}: fields '{}' ({}) and '{}' ({}) disagree", source, theta_from, *theta, field,
-                                    *(*b)->theta));
+      throw ConfigError(
+          fmt::format("{}: fields '{}' ({}) and '{}' ({}) disagree", source, theta_from, *theta, field, *(*b)->theta));
     theta = (*b)->theta;
     theta_from = field;
   }
@@ -241,13 +244,13 @@ MESHTORCH_DECL ConfigFile read_config_json(const nlohmann::json& j, const std::s
         fmt::format("{} is {}; only 'silu' is implemented", detail::where(source, "hidden_act"), act->dump()));
   for (const char* name : {"attention_bias", "mlp_bias"})
     if (read_field<bool>(j, name, source, false))
-      throw ConfigError(
-          fmt::format("{} is true; Llama layers without bias are all that is implemented",
-                      detail::where(source, name)));
+      throw ConfigError(fmt::format("{} is true; Llama layers without bias are all that is implemented",
+                                    detail::where(source, name)));
   if (read_field<std::int64_t>(j, "pretraining_tp", source, std::int64_t{1}) > 1)
-    throw ConfigError(fmt::format("{} is {}; only 1 is implemented (the tensor-parallel slicing of Llama 2's "
-                                  "pretraining is not)",
-                                  detail::where(source, "pretraining_tp"), j["pretraining_tp"].dump()));
+    throw ConfigError(
+        fmt::format("{} is {}; only 1 is implemented (the tensor-parallel slicing of Llama 2's "
+                    "pretraining is not)",
+                    detail::where(source, "pretraining_tp"), j["pretraining_tp"].dump()));
   if (read_field<double>(j, "attention_dropout", source, 0.0) != 0.0)
     throw ConfigError(fmt::format("{} is {}; attention dropout is not implemented (only 0)",
                                   detail::where(source, "attention_dropout"), j["attention_dropout"].dump()));
@@ -255,12 +258,31 @@ MESHTORCH_DECL ConfigFile read_config_json(const nlohmann::json& j, const std::s
     throw ConfigError(
         fmt::format("{} is set; quantized weights are not supported", detail::where(source, "quantization_config")));
 
-  static const std::set<std::string, std::less<>> read_here = {
-      "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-      "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-      "initializer_range", "bos_token_id", "eos_token_id", "rope_theta", "rope_scaling", "rope_parameters",
-      "partial_rotary_factor", "dtype", "torch_dtype", "hidden_act", "attention_bias", "mlp_bias", "pretraining_tp",
-      "attention_dropout", "quantization_config"};
+  static const std::set<std::string, std::less<>> read_here = {"hidden_size",
+                                                               "intermediate_size",
+                                                               "num_hidden_layers",
+                                                               "num_attention_heads",
+                                                               "num_key_value_heads",
+                                                               "head_dim",
+                                                               "vocab_size",
+                                                               "rms_norm_eps",
+                                                               "max_position_embeddings",
+                                                               "tie_word_embeddings",
+                                                               "initializer_range",
+                                                               "bos_token_id",
+                                                               "eos_token_id",
+                                                               "rope_theta",
+                                                               "rope_scaling",
+                                                               "rope_parameters",
+                                                               "partial_rotary_factor",
+                                                               "dtype",
+                                                               "torch_dtype",
+                                                               "hidden_act",
+                                                               "attention_bias",
+                                                               "mlp_bias",
+                                                               "pretraining_tp",
+                                                               "attention_dropout",
+                                                               "quantization_config"};
   for (const auto& [key, value] : j.items())
     if (!read_here.count(key) && !detail::is_bookkeeping_field(key)) file.ignored_fields.push_back(key);
   validate(c, source);
@@ -306,11 +328,12 @@ MESHTORCH_DECL nlohmann::json config_to_json(const Config& c, std::string_view d
   };
   nlohmann::json rope = {{"rope_type", "default"}, {"rope_theta", c.rope_theta}};
   if (c.rope_scaling.kind == RopeScalingKind::llama3) {
-    const nlohmann::json scaling = {{"rope_type", "llama3"},
-                                    {"factor", c.rope_scaling.factor},
-                                    {"low_freq_factor", c.rope_scaling.low_freq_factor},
-                                    {"high_freq_factor", c.rope_scaling.high_freq_factor},
-                                    {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
+    const nlohmann::json scaling = {
+        {"rope_type", "llama3"},
+        {"factor", c.rope_scaling.factor},
+        {"low_freq_factor", c.rope_scaling.low_freq_factor},
+        {"high_freq_factor", c.rope_scaling.high_freq_factor},
+        {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
     rope.update(scaling);
     j["rope_scaling"] = scaling;
   } else {
@@ -329,7 +352,8 @@ MESHTORCH_DECL Config resolve_model(const std::string& name_or_dir, std::vector<
     if (ignored_fields) *ignored_fields = std::move(file.ignored_fields);
     return file.config;
   };
-  if (std::filesystem::is_directory(dir)) return load(io::model_file(dir, "config.json", dir.string() + ": the config file"));
+  if (std::filesystem::is_directory(dir))
+    return load(io::model_file(dir, "config.json", dir.string() + ": the config file"));
   if (std::filesystem::is_regular_file(dir) && dir.filename() == "config.json") return load(dir);
   std::vector<std::string_view> known;
   for (const auto& p : presets::all) known.push_back(p.name);
@@ -341,8 +365,8 @@ MESHTORCH_DECL std::string unread_config_fields_note(const std::string& name_or_
   std::vector<std::string> ignored;
   resolve_model(name_or_dir, &ignored);
   if (ignored.empty()) return {};
-  return fmt::format("{}: {} field(s) not read, as they do not change the computation: {}", name_or_dir,
-                     ignored.size(), fmt::join(ignored, ", "));
+  return fmt::format("{}: {} field(s) not read, as they do not change the computation: {}", name_or_dir, ignored.size(),
+                     fmt::join(ignored, ", "));
 }
 
 }  // namespace meshtorch::llama

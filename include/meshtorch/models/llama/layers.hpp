@@ -6,6 +6,7 @@
 #include <functional>
 #include <utility>
 #include <vector>
+
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/models/forward_hooks.hpp>
@@ -115,8 +116,8 @@ MESHTORCH_DECL void WeightModule::materialize(const torch::TensorOptions& option
 }
 
 MESHTORCH_DECL void WeightModule::replace_weight(const torch::Tensor& replacement) {
-  TORCH_CHECK(replacement.sizes() == weight.sizes(), "replace_weight: shape ", replacement.sizes(),
-              " differs from ", weight.sizes());
+  TORCH_CHECK(replacement.sizes() == weight.sizes(), "replace_weight: shape ", replacement.sizes(), " differs from ",
+              weight.sizes());
   weight = replacement;
   parameters_["weight"] = weight;
 }
@@ -150,8 +151,7 @@ MESHTORCH_DECL torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
   return hooks.around(ids, [&](const torch::Tensor& in) { return at::embedding(weight_in_use(), in); });
 }
 
-MESHTORCH_DECL RMSNormImpl::RMSNormImpl(std::int64_t dim, double eps, const torch::TensorOptions& options)
-    : eps_(eps) {
+MESHTORCH_DECL RMSNormImpl::RMSNormImpl(std::int64_t dim, double eps, const torch::TensorOptions& options) : eps_(eps) {
   create_weight({dim}, options);
 }
 
@@ -170,8 +170,9 @@ MESHTORCH_DECL torch::Tensor RMSNormImpl::normalize(const torch::Tensor& x) cons
 
 MESHTORCH_DECL torch::Tensor Rotary::inverse_frequencies(const torch::Device& device) const {
   const auto dim = config_.resolved_head_dim();
-  auto exponents = torch::arange(0, dim, 2, torch::TensorOptions().dtype(torch::kLong).device(device))
-                       .to(torch::kFloat) / static_cast<double>(dim);
+  auto exponents =
+      torch::arange(0, dim, 2, torch::TensorOptions().dtype(torch::kLong).device(device)).to(torch::kFloat) /
+      static_cast<double>(dim);
   auto inv_freq = 1.0 / torch::pow(config_.rope_theta, exponents);
   const auto& s = config_.rope_scaling;
   if (s.kind == RopeScalingKind::llama3) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 #include <vector>
+
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/models/chunked_loss.hpp>
@@ -243,9 +244,9 @@ MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::cross_entropy_sum(const torch
 
 MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::causal_lm_loss(const torch::Tensor& logits,
                                                                   const torch::Tensor& labels) {
-  return torch::nn::functional::cross_entropy(
-      logits.to(torch::kFloat).view({-1, logits.size(-1)}), next_token_targets(labels).view({-1}),
-      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100));
+  return torch::nn::functional::cross_entropy(logits.to(torch::kFloat).view({-1, logits.size(-1)}),
+                                              next_token_targets(labels).view({-1}),
+                                              torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100));
 }
 
 MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
@@ -258,7 +259,7 @@ MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::loss(const torch::Tensor& inp
     const auto after = [this, hidden](const torch::Tensor& logits) { return head_hooks.after(hidden, logits); };
     const auto chunk = loss_chunk_positions(loss_chunk, rows.size(0), weight.size(0));
     const auto sum = chunk >= rows.size(0) ? token_loss(after(at::linear(rows, weight)), targets)
-                                            : chunked_linear_loss(rows, weight, targets, chunk, after, token_loss);
+                                           : chunked_linear_loss(rows, weight, targets, chunk, after, token_loss);
     return sum.to(torch::kFloat) / targets.ne(-100).sum().to(torch::kFloat);
   });
 }

@@ -38,12 +38,10 @@ inline void save_pretrained(LlamaForCausalLM& lm, const std::filesystem::path& d
 // piece); the identity for a whole model.
 using ShardOf = std::function<torch::Tensor(const std::string& name, const torch::Tensor& full)>;
 
-
 inline bool has_pretrained_weights(const std::filesystem::path& dir) {
   return io::present_in_folder(dir / "model.safetensors") ||
          io::present_in_folder(dir / "model.safetensors.index.json");
 }
-
 
 // The safetensors files of an HF folder: model.safetensors, or the shards that
 // model.safetensors.index.json lists. The index is checked against the shards' headers: each
@@ -110,16 +108,16 @@ MESHTORCH_DECL std::vector<std::filesystem::path> weight_files(const std::filesy
   // A tensor listed twice in weight_map is refused (nlohmann alone would keep the last).
   auto index = io::read_json_file(index_path);
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-    throw DataError(fmt::format("{}: field 'weight_map' (an object of tensor name -> shard file) is missing",
-                                index_name));
+    throw DataError(
+        fmt::format("{}: field 'weight_map' (an object of tensor name -> shard file) is missing", index_name));
   if (index["weight_map"].empty()) throw DataError(fmt::format("{}: weight_map lists no tensors", index_name));
 
   std::map<std::string, std::string> shard_of_tensor;
   std::map<std::string, std::set<std::string>> tensors_of_shard;
   for (const auto& [tensor, shard] : index["weight_map"].items()) {
     if (!shard.is_string())
-      throw DataError(fmt::format("{}: weight_map['{}'] must be a shard's file name, got {}",
-                                  index_name, tensor, shard.dump()));
+      throw DataError(
+          fmt::format("{}: weight_map['{}'] must be a shard's file name, got {}", index_name, tensor, shard.dump()));
     shard_of_tensor[tensor] = shard.get<std::string>();
     tensors_of_shard[shard.get<std::string>()].insert(tensor);
   }
@@ -130,16 +128,16 @@ MESHTORCH_DECL std::vector<std::filesystem::path> weight_files(const std::filesy
     for (const auto& entry : header.entries) {
       const auto it = shard_of_tensor.find(entry.name);
       if (it == shard_of_tensor.end())
-        throw DataError(fmt::format("{}: holds tensor '{}', which the weight_map of {} does not list",
-                                    file.string(), entry.name, index_name));
+        throw DataError(fmt::format("{}: holds tensor '{}', which the weight_map of {} does not list", file.string(),
+                                    entry.name, index_name));
       if (it->second != shard)
-        throw DataError(fmt::format("{}: holds tensor '{}', which the weight_map of {} places in '{}'",
-                                    file.string(), entry.name, index_name, it->second));
+        throw DataError(fmt::format("{}: holds tensor '{}', which the weight_map of {} places in '{}'", file.string(),
+                                    entry.name, index_name, it->second));
     }
     for (const auto& tensor : tensors)
       if (!header.contains(tensor))
-        throw DataError(fmt::format("{}: weight_map places tensor '{}' in '{}', which does not hold it",
-                                    index_name, tensor, shard));
+        throw DataError(fmt::format("{}: weight_map places tensor '{}' in '{}', which does not hold it", index_name,
+                                    tensor, shard));
     files.push_back(file);
   }
   return files;
@@ -162,11 +160,10 @@ MESHTORCH_DECL void load_pretrained_weights(LlamaForCausalLM& lm, const std::fil
       }
       const auto piece = shard_of ? shard_of(name, tensor) : tensor;
       if (piece.sizes() != target->sizes())
-        throw DataError(fmt::format("{}: tensor '{}' has shape {}{}, config.json implies {}",
-                                    file.string(), name, c10::str(tensor.sizes()),
-                                    shard_of ? fmt::format(", whose piece here has shape {}", c10::str(piece.sizes()))
-                                             : std::string(),
-                                    c10::str(target->sizes())));
+        throw DataError(fmt::format(
+            "{}: tensor '{}' has shape {}{}, config.json implies {}", file.string(), name, c10::str(tensor.sizes()),
+            shard_of ? fmt::format(", whose piece here has shape {}", c10::str(piece.sizes())) : std::string(),
+            c10::str(target->sizes())));
       target->copy_(piece);
       loaded.insert(name);
     }
