@@ -157,7 +157,7 @@ TEST_CASE("a metrics line torn by a full disk is completed before the next recor
   CHECK(bounds_tests::read_text(dir / "metrics.discarded.jsonl") == long_torn + "\n");
 }
 
-TEST_CASE("--global-batch-size over a micro-batch that overflows 64 bits is refused, not divided by", "[bounds]") {
+TEST_CASE("a --global-batch-size whose micro-batch overflows 64 bits is refused, not divided by", "[bounds]") {
   mt::train::TrainArgs args;
   args.global_batch_size = 8;
   args.batch_size = std::int64_t{1} << 62;  // x 4 ranks wraps to 0, which the step's micro-batches divided by

@@ -17,7 +17,9 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env, 
 }  // namespace meshtorch::comm
 
 #if MESHTORCH_DEFINES(programs)
+#include <cstdlib>
 #include <exception>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -32,7 +34,18 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env, 
   // Where this rank's store client connects: rank 0's store, or this rank's relay to its gate.
   std::string host = env.master_addr;
   const std::string token = job_token();
-  if (env.rank == 0) {
+  // torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT when it says
+  // TORCHELASTIC_USE_AGENT_STORE=True: every rank is its client, rank 0 included, as PyTorch's
+  // env:// rendezvous does (rank 0 listening there too fails: the agent holds the port).
+  const char* agent_store_flag = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  const bool agent_store = agent_store_flag && std::string_view(agent_store_flag) == "True";
+  if (agent_store && !token.empty())
+    throw ConfigError(
+        fmt::format("rank {} of {}: MESHTORCH_JOB_TOKEN is set, but torchrun's agent serves the rendezvous store "
+                    "(TORCHELASTIC_USE_AGENT_STORE=True) and cannot check a token; launch with meshrun --job-token, "
+                    "or unset MESHTORCH_JOB_TOKEN",
+                    env.rank, env.world_size));
+  if (env.rank == 0 && !agent_store) {
     // TCPStore would listen on every interface: it gets a socket bound to MASTER_ADDR instead.
     int public_fd = -1;
     try {
@@ -62,7 +75,7 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Store> rendezvous(const LaunchEnv& env, 
         detail::start_store_relay(env.master_addr, env.master_port, token, env.rank, timeout));
     host = "127.0.0.1";
   }
-  options.isServer = env.rank == 0;
+  options.isServer = env.rank == 0 && !agent_store;
   options.numWorkers = static_cast<std::size_t>(env.world_size);
   // Rank 0 returns only once every rank has connected, or throws after the timeout.
   options.waitWorkers = true;
