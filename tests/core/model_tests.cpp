@@ -366,5 +366,16 @@ TEST_CASE("a saved model folder loads back into a fresh model with equal weights
   mt::llama::LlamaForCausalLM mismatched(other);
   CHECK_THROWS_WITH(mt::llama::load_pretrained_weights(mismatched, dir),
                     Catch::Contains("mlp") && Catch::Contains("has shape"));
+
+  // A weight stored as I32 was value-cast and trained (loss 5.587 instead of 5.533): refused,
+  // naming it, by the loader every path shares (chapter 1, parallelize, FSDP).
+  auto tensors = mt::io::load_safetensors(dir / "model.safetensors").tensors;
+  const auto& name = tensors.front().first;
+  tensors.front().second = tensors.front().second.mul(100).to(torch::kInt);
+  mt::io::save_safetensors(dir / "model.safetensors", tensors);
+  CHECK_THROWS_WITH(mt::llama::load_pretrained_weights(loaded, dir),
+                    (dir / "model.safetensors").string() + ": tensor '" + name +
+                        "' is stored as Int, not a floating-point dtype; the model's weights are floating point (F32, "
+                        "F16, BF16 or F64) and converting it would train on its integer values");
   fs::remove_all(dir);
 }

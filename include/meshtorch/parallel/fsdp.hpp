@@ -279,6 +279,7 @@ MESHTORCH_DECL void FullyShardedDataParallel::load_full_state_dict(const io::Nam
       if (name == "lm_head.weight" && lm && lm->config.tie_word_embeddings) continue;
       throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", source, name));
     }
+    llama::check_weight_dtype(source, name, tensor.scalar_type());
     if (tensor.sizes().vec() != p->full_shape)
       throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", source, name,
                                   c10::str(tensor.sizes()), c10::str(c10::IntArrayRef(p->full_shape))));

@@ -172,6 +172,7 @@ MESHTORCH_DECL void ParallelLlamaRuntime::check_shape(const io::SafetensorsEntry
                                                       const std::filesystem::path& file) const {
   const auto* shape = shape_of(entry.name);
   if (!shape) throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", file.string(), entry.name));
+  llama::check_weight_dtype(file.string(), entry.name, entry.dtype);
   if (entry.shape != *shape)
     throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", file.string(), entry.name,
                                 c10::str(c10::IntArrayRef(entry.shape)), c10::str(c10::IntArrayRef(*shape))));

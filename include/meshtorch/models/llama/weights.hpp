@@ -49,6 +49,10 @@ inline bool has_pretrained_weights(const std::filesystem::path& dir) {
 // tensor once, from the shard the map names.
 MESHTORCH_DECL std::vector<std::filesystem::path> weight_files(const std::filesystem::path& dir);
 
+// Refuses a weight stored in an integer or bool dtype (`where` names the file or state dict):
+// every Llama weight is floating point, and converting one would train on its integer values.
+MESHTORCH_DECL void check_weight_dtype(const std::string& where, const std::string& name, torch::ScalarType dtype);
+
 // Copies HF weights from `dir` into the model's (already materialised) parameters, converting
 // dtype and device. Every parameter must be found with its shape; extra tensors are an error
 // except the rotary inv_freq buffers some exports carry.
@@ -143,6 +147,15 @@ MESHTORCH_DECL std::vector<std::filesystem::path> weight_files(const std::filesy
   return files;
 }
 
+MESHTORCH_DECL void check_weight_dtype(const std::string& where, const std::string& name, torch::ScalarType dtype) {
+  if (!c10::isFloatingType(dtype))
+    throw DataError(
+        fmt::format("{}: tensor '{}' is stored as {}, not a floating-point dtype; the model's weights are "
+                    "floating point (F32, F16, BF16 or F64) and converting it would train on its integer "
+                    "values",
+                    where, name, c10::toString(dtype)));
+}
+
 MESHTORCH_DECL void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem::path& dir,
                                             const ShardOf& shard_of) {
   const auto files = weight_files(dir);
@@ -158,6 +171,7 @@ MESHTORCH_DECL void load_pretrained_weights(LlamaForCausalLM& lm, const std::fil
         if (name == "lm_head.weight" && lm->config.tie_word_embeddings) continue;
         throw DataError(fmt::format("{}: tensor '{}' is not a parameter of this Llama config", file.string(), name));
       }
+      check_weight_dtype(file.string(), name, tensor.scalar_type());
       const auto piece = shard_of ? shard_of(name, tensor) : tensor;
       if (piece.sizes() != target->sizes())
         throw DataError(fmt::format(
