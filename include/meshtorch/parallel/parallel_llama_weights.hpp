@@ -77,24 +77,23 @@ MESHTORCH_DECL void ParallelLlamaRuntime::load_weights(const std::filesystem::pa
   using parallelize_detail::view_of_buffer;
   std::set<std::string> loaded;
   const auto trained = trained_by_name();
-  const auto files = llama::weight_files(dir);
-  // Every header first: a wrong shape stops the load before anything is read, and the read
-  // buffer is sized once, for the largest piece.
+  // Every file opened and its header checked once, first: a wrong shape stops the load before
+  // anything is read, and the read buffer is sized once, for the largest piece.
+  std::vector<io::SafetensorsReader> readers;
+  for (const auto& file : llama::weight_files(dir)) readers.emplace_back(file);
   std::int64_t largest_read = 0;
-  for (const auto& file : files)
-    for (const auto& entry : io::read_safetensors_header(file).entries)
+  for (const auto& reader : readers)
+    for (const auto& entry : reader.header().entries)
       if (is_loaded(entry.name)) {
-        check_shape(entry, file);
+        check_shape(entry, reader.path());
         const auto row_bytes = static_cast<std::int64_t>(entry.row_bytes());
         largest_read = std::max(largest_read, rows_read_for(entry).second * row_bytes);
       }
   auto buffer = torch::empty({largest_read}, torch::TensorOptions().dtype(torch::kByte));
-  for (const auto& file : files) {
-    io::SafetensorsReader reader(file);
+  for (const auto& reader : readers) {
     for (const auto& entry : reader.header().entries) {
       const auto& name = entry.name;
       if (!is_loaded(name)) continue;
-      check_shape(entry, file);
       // The rows the piece lies in, whole; then the piece's columns of them (TP's dim-1 chunks).
       const auto box = piece_box(name, entry.shape);
       const auto read_box =
@@ -105,7 +104,7 @@ MESHTORCH_DECL void ParallelLlamaRuntime::load_weights(const std::filesystem::pa
       reader.read_rows_into(entry, first_row, row_count, read);
       const auto rows = read.to(options_.device);
       read_elements_ += rows.numel();
-      keep_piece(trained, name, io::view_of(rows, read_box, box), file.string());
+      keep_piece(trained, name, io::view_of(rows, read_box, box), reader.path().string());
       loaded.insert(name);
     }
   }
