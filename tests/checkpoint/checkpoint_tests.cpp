@@ -128,6 +128,13 @@ fs::path fresh_dir(const std::string& name) {
   return dir;
 }
 
+// A folder beside the experiment folder `exp`, for an export: one inside it is refused.
+fs::path beside(const fs::path& exp, const std::string& name) {
+  const auto dir = exp.parent_path() / fmt::format("{}-{}", exp.filename().string(), name);
+  fs::remove_all(dir);
+  return dir;
+}
+
 nlohmann::ordered_json state_of(std::int64_t step) { return {{"global_step", step}, {"running_loss", 2.5}}; }
 
 // Saves as `fsdp x tp` simulated ranks: every rank's step 1, then rank 0's step 2.
@@ -416,7 +423,8 @@ TEST_CASE("model folders and checkpoints refuse the same hostile safetensors hea
     write_with_header(rank_file, c.header, c.data_bytes);
     refix_manifest(dir);
     CHECK_THAT(load_error(dir), Catch::Contains(rank_file.string()) && Catch::Contains(c.message));
-    CHECK_THAT(consolidate_error(dir, exp / "out"), Catch::Contains(rank_file.string()) && Catch::Contains(c.message));
+    CHECK_THAT(consolidate_error(dir, beside(exp, "out")),
+               Catch::Contains(rank_file.string()) && Catch::Contains(c.message));
     fs::remove_all(exp / "x");
   }
 
@@ -479,7 +487,7 @@ TEST_CASE("deep, repeated or out-of-range JSON in a checkpoint is an error namin
   SECTION("a manifest nested 100,000 deep") {
     rewrite(manifest, "\"layout\": \"\"", "\"layout\": " + deep);
     CHECK_THAT(load_error(dir), Catch::Contains(manifest.string() + ": nested deeper than 64 levels"));
-    CHECK_THAT(consolidate_error(dir, exp / "out"),
+    CHECK_THAT(consolidate_error(dir, beside(exp, "out")),
                Catch::Contains(manifest.string() + ": nested deeper than 64 levels"));
   }
   fs::remove_all(exp);
@@ -623,7 +631,7 @@ TEST_CASE("consolidation writes an HF folder of full tensors, sharded beyond the
   };
 
   SECTION("one file") {
-    const auto out = exp / "hf";
+    const auto out = beside(exp, "hf");
     const auto result = checkpoint::consolidate_sharded_checkpoint(dir, out);
     CHECK(result.tensors == static_cast<std::int64_t>(model_specs().size()));
     const auto weights = io::load_safetensors(out / "model.safetensors");
@@ -633,7 +641,7 @@ TEST_CASE("consolidation writes an HF folder of full tensors, sharded beyond the
     CHECK(std::string(std::istreambuf_iterator<char>(in), {}) == config);
   }
   SECTION("shards and an index, through the tool") {
-    const auto out = exp / "hf-sharded";
+    const auto out = beside(exp, "hf-sharded");
     const auto command = fmt::format("{} {} {} --max-shard-bytes 100 > {} 2>&1", MESHTORCH_CONSOLIDATE_TOOL,
                                      dir.string(), out.string(), (exp / "tool.log").string());
     const int status = std::system(command.c_str());
@@ -655,12 +663,73 @@ TEST_CASE("consolidation writes an HF folder of full tensors, sharded beyond the
   SECTION("the tool names a damaged checkpoint and fails") {
     flip_byte(dir / "rank2.safetensors", 20);
     const auto command = fmt::format("{} {} {} > {} 2>&1", MESHTORCH_CONSOLIDATE_TOOL, dir.string(),
-                                     (exp / "bad").string(), (exp / "tool.log").string());
+                                     beside(exp, "bad").string(), (exp / "tool.log").string());
     CHECK(std::system(command.c_str()) != 0);
     std::ifstream log(exp / "tool.log");
     CHECK_THAT(std::string(std::istreambuf_iterator<char>(log), {}),
                Catch::Contains("rank2.safetensors") && Catch::Contains("damaged"));
   }
+  fs::remove_all(exp);
+}
+
+// Issue 38, fault 6: a second export into the folder of a first left the first's model.safetensors
+// beside the new shards (loaders read the old weights), and an export into the checkpoint folder
+// succeeded until the next save deleted it.
+TEST_CASE("an export replaces an earlier export's weights, and may not go inside an experiment", "[checkpoint]") {
+  const auto exp = fresh_dir("export-again");
+  const checkpoint::SaveOptions options{.layout = "FSDP 2", .extra_files = {{"config.json", "{}"}}};
+  const auto step4 = save_simulated(exp, 4, 2, 1, options);
+  const auto out = beside(exp, "hf");
+  fs::create_directories(out);
+  std::ofstream(out / "README.md") << "kept: not a weight file\n";
+  std::ofstream(out / "model-00001-of-00002.safetensors.bak") << "kept: not a shard's name\n";
+
+  auto first = checkpoint::consolidate_sharded_checkpoint(step4, out);
+  CHECK(first.removed.empty());
+  REQUIRE(fs::exists(out / "model.safetensors"));
+
+  const auto step6 = save_simulated(exp, 6, 2, 1, options);
+  const auto sharded = checkpoint::consolidate_sharded_checkpoint(step6, out, {.max_shard_bytes = 100});
+  CHECK(sharded.removed == std::vector<fs::path>{out / "model.safetensors"});
+  CHECK_FALSE(fs::exists(out / "model.safetensors"));
+  REQUIRE(fs::exists(out / "model.safetensors.index.json"));
+  CHECK(fs::exists(out / "README.md"));
+  CHECK(fs::exists(out / "model-00001-of-00002.safetensors.bak"));
+
+  // Back to one file: the shards and the index go.
+  const auto single = checkpoint::consolidate_sharded_checkpoint(step6, out);
+  CHECK(single.removed.size() == sharded.files.size() - 1);  // every shard and the index, not config.json
+  std::set<std::string> left;
+  for (const auto& entry : fs::directory_iterator(out)) left.insert(entry.path().filename().string());
+  CHECK(left ==
+        std::set<std::string>{"README.md", "config.json", "model-00001-of-00002.safetensors.bak", "model.safetensors"});
+
+  // Inside the checkpoint folder, the experiment folder, or below either: refused before writing.
+  CHECK_THAT(consolidate_error(step6, step6 / "exported"),
+             Catch::Contains("may not lie inside an experiment folder (" + exp.string() + ")") &&
+                 Catch::Contains("e.g. to " + exp.string() + "-hf"));
+  CHECK_THAT(consolidate_error(step6, exp / "exported"), Catch::Contains("may not lie inside an experiment folder"));
+  CHECK_THAT(consolidate_error(step6, exp / "a" / "b"), Catch::Contains("inside an experiment folder"));
+  CHECK_THAT(consolidate_error(step6, exp), Catch::Contains("may not lie in an experiment folder"));
+  CHECK_FALSE(fs::exists(step6 / "exported"));
+  CHECK_FALSE(fs::exists(exp / "exported"));
+  CHECK_FALSE(fs::exists(exp / "a"));
+  // A checkpoint folder outside any experiment (copied elsewhere) is named as such.
+  const auto copied = beside(exp, "copied");
+  fs::create_directories(copied / "step6");
+  fs::copy(step6, copied / "step6", fs::copy_options::recursive);
+  CHECK_THAT(consolidate_error(copied / "step6", copied / "step6" / "hf"),
+             Catch::Contains("may not lie inside a checkpoint folder"));
+  fs::remove_all(copied);
+  // The tool fails with the message (it returned 0, and the next save deleted the export).
+  const auto log = beside(exp, "tool.log");
+  CHECK(std::system(fmt::format("{} {} {} > {} 2>&1", MESHTORCH_CONSOLIDATE_TOOL, (exp / "checkpoint").string(),
+                                (exp / "checkpoint" / "exported").string(), log.string())
+                        .c_str()) != 0);
+  std::ifstream in(log);
+  CHECK_THAT(std::string(std::istreambuf_iterator<char>(in), {}), Catch::Contains("inside an experiment folder"));
+  fs::remove_all(out);
+  fs::remove(log);
   fs::remove_all(exp);
 }
 
@@ -716,9 +785,9 @@ TEST_CASE("measure: save, load and consolidate 512 MiB as FSDP 2 x TP 2", "[.mea
     return std::stod(text.substr(at + 9));
   };
   const auto tiny = save_simulated(exp / "tiny", 1, 1, 1, {.layout = "", .extra_files = {{"config.json", "{}"}}});
-  const double baseline_mib = consolidate_peak_mib(tiny, exp / "tiny-hf");
+  const double baseline_mib = consolidate_peak_mib(tiny, beside(exp, "tiny-hf"));
   start = std::chrono::steady_clock::now();
-  const double peak_mib = consolidate_peak_mib(exp / "checkpoint", exp / "hf");
+  const double peak_mib = consolidate_peak_mib(exp / "checkpoint", beside(exp, "hf"));
   const double consolidate_s = seconds_since(start);
   fmt::print(
       "{:.0f} MiB in {} tensors of [4096, 4096] fp32, 4 simulated ranks:\n"

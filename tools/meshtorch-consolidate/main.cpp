@@ -27,7 +27,10 @@ int main(int argc, char** argv) {
   app.add_option("checkpoint_dir", checkpoint_dir, "ckpt-<step> folder (or the experiment's checkpoint link)")
       ->required()
       ->check(CLI::ExistingDirectory);
-  app.add_option("out_dir", out_dir, "HF folder to write (created if absent)")->required();
+  app.add_option("out_dir", out_dir,
+                 "HF folder to write (created if absent; outside any experiment folder); an earlier export's "
+                 "weight files there are replaced")
+      ->required();
   app.add_option("--max-shard-bytes", options.max_shard_bytes, "start a new model-*.safetensors file beyond this size")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -41,6 +44,8 @@ int main(int argc, char** argv) {
     std::cout << fmt::format("{} tensors, {:.3f} GB of weights, written to {}:\n", result.tensors,
                              static_cast<double>(result.bytes) / 1e9, out_dir);
     for (const auto& file : result.files) std::cout << "  " << file.filename().string() << "\n";
+    for (const auto& file : result.removed)
+      std::cout << "removed " << file.filename().string() << ", a weight file of an earlier export\n";
     std::cout << fmt::format("peak RSS {:.0f} MiB\n", meshtorch::train::kib_field_from_proc_status("VmHWM") / 1024);
     return 0;
   } catch (const std::exception& e) {

@@ -2,6 +2,7 @@
 // A sharded checkpoint turned into a Hugging Face folder, in one process and one tensor's memory.
 #include <cstdint>
 #include <filesystem>
+#include <string>
 #include <vector>
 
 #include <meshtorch/checkpoint/manifest.hpp>
@@ -12,6 +13,7 @@ namespace meshtorch::checkpoint {
 // What consolidate_sharded_checkpoint wrote.
 struct ConsolidateResult {
   std::vector<std::filesystem::path> files;
+  std::vector<std::filesystem::path> removed;  // weight files of an earlier export this one replaced
   std::int64_t tensors = 0;
   std::uint64_t bytes = 0;  // of tensor data
 };
@@ -25,15 +27,32 @@ struct ConsolidateOptions {
 // model.safetensors, or model-0000i-of-0000n.safetensors with model.safetensors.index.json beyond
 // max_shard_bytes. One process, no launcher; assembles one full tensor at a time, written straight
 // into the output file (whose header is planned from the manifest), so memory holds one tensor.
+// `out_dir` may not lie inside a checkpoint or an experiment folder (a later save's clean-up, or a
+// resume's search, would meet it). Weight files of an earlier export in `out_dir` that this one did
+// not write are removed once the new ones are complete, as transformers' save_pretrained does: a
+// loader would otherwise read an old model.safetensors beside the new shards.
 MESHTORCH_DECL ConsolidateResult consolidate_sharded_checkpoint(const std::filesystem::path& checkpoint_dir,
                                                                 const std::filesystem::path& out_dir,
                                                                 const ConsolidateOptions& options = {});
 
+// A DataError when `out_dir` is, or lies inside, a checkpoint folder (it holds manifest.json, or
+// is named ckpt-<step>) or an experiment folder (it holds the `checkpoint` link, a ckpt-<step>
+// folder or metrics.jsonl).
+MESHTORCH_DECL void check_export_folder(const std::filesystem::path& out_dir);
+
+// Whether `file` is a name an HF export's weights take: model.safetensors, its index, or
+// model-NNNNN-of-NNNNN.safetensors.
+MESHTORCH_DECL bool is_export_weight_file(const std::string& file);
+
 }  // namespace meshtorch::checkpoint
 
 #if MESHTORCH_DEFINES(programs)
+#include <algorithm>
 #include <fstream>
-#include <string>
+#include <optional>
+#include <set>
+#include <string_view>
+#include <utility>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -41,6 +60,7 @@ MESHTORCH_DECL ConsolidateResult consolidate_sharded_checkpoint(const std::files
 #include <meshtorch/checkpoint/load.hpp>
 #include <meshtorch/io/atomic_file.hpp>
 #include <meshtorch/io/safetensors_writer.hpp>
+#include <meshtorch/train/metrics.hpp>
 
 namespace meshtorch::checkpoint {
 
@@ -48,6 +68,7 @@ MESHTORCH_DECL ConsolidateResult consolidate_sharded_checkpoint(const std::files
                                                                 const std::filesystem::path& out_dir,
                                                                 const ConsolidateOptions& options) {
   using namespace detail;
+  check_export_folder(out_dir);
   const auto m = read_manifest(checkpoint_dir);
   verify_checkpoint_files(checkpoint_dir, m);
   if (!m.files.contains("config.json"))
@@ -109,7 +130,66 @@ MESHTORCH_DECL ConsolidateResult consolidate_sharded_checkpoint(const std::files
     io::write_file_atomically(out_dir / file, contents);
     result.files.push_back(out_dir / file);
   }
+  // Only now, with every new file complete: an earlier export's weights that this one replaced.
+  std::set<std::filesystem::path> written(result.files.begin(), result.files.end());
+  for (const auto& entry : std::filesystem::directory_iterator(out_dir)) {
+    if (!is_export_weight_file(entry.path().filename().string()) || written.contains(entry.path())) continue;
+    std::filesystem::remove(entry.path());
+    result.removed.push_back(entry.path());
+  }
+  std::sort(result.removed.begin(), result.removed.end());
   return result;
+}
+
+MESHTORCH_DECL void check_export_folder(const std::filesystem::path& out_dir) {
+  namespace fs = std::filesystem;
+  // ckpt-<step>, .partial or .replaced: the names a save gives (a folder "ckpt-old" is the user's).
+  auto is_checkpoint_name = [](const fs::path& p) {
+    const auto name = p.filename().string();
+    return name.starts_with("ckpt-") && name.size() > 5 && name[5] >= '0' && name[5] <= '9';
+  };
+  auto holds = [](const fs::path& folder, const auto& name) {
+    std::error_code error;
+    return fs::exists(fs::symlink_status(folder / name, error));
+  };
+  auto holds_checkpoint_folder = [&](const fs::path& folder) {
+    std::error_code error;
+    for (fs::directory_iterator it(folder, error), end; !error && it != end; it.increment(error))
+      if (is_checkpoint_name(it->path()) && it->is_directory(error)) return true;
+    return false;
+  };
+  // The outermost such folder: the message's suggestion then lies outside all of them.
+  const auto target = fs::weakly_canonical(fs::absolute(out_dir));
+  std::optional<std::pair<fs::path, std::string_view>> outermost;
+  for (auto folder = target;; folder = folder.parent_path()) {
+    if (is_checkpoint_name(folder) || holds(folder, manifest_file_name))
+      outermost.emplace(folder, "a checkpoint folder");
+    else if (holds(folder, checkpoint_link_name) || holds(folder, train::MetricsFile::file_name) ||
+             holds_checkpoint_folder(folder))
+      outermost.emplace(folder, "an experiment folder");
+    if (folder == folder.parent_path()) break;
+  }
+  if (!outermost) return;
+  const auto& [folder, kind] = *outermost;
+  throw DataError(
+      fmt::format("{}: an export may not lie {} {} ({}): a later save's clean-up or a resume would meet it; "
+                  "export outside it, e.g. to {}",
+                  out_dir.string(), folder == target ? "in" : "inside", kind, folder.string(),
+                  (folder.parent_path() / (folder.filename().string() + "-hf")).string()));
+}
+
+MESHTORCH_DECL bool is_export_weight_file(const std::string& file) {
+  if (file == "model.safetensors" || file == "model.safetensors.index.json") return true;
+  // model-00001-of-00004.safetensors: the names transformers and this consolidation give shards.
+  constexpr std::string_view prefix = "model-", middle = "-of-", suffix = ".safetensors";
+  if (!file.starts_with(prefix) || !file.ends_with(suffix)) return false;
+  const std::string_view numbers(file.data() + prefix.size(), file.size() - prefix.size() - suffix.size());
+  const auto split = numbers.find(middle);
+  auto digits = [](std::string_view text) {
+    return !text.empty() && std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  return split != std::string_view::npos && digits(numbers.substr(0, split)) &&
+         digits(numbers.substr(split + middle.size()));
 }
 
 }  // namespace meshtorch::checkpoint

@@ -71,10 +71,10 @@ class Experiment {
     TrainState state = start_state(model, optimizer);
     if (metrics_)
       if (const auto later = metrics_->set_aside_after(state.global_step))
-        log_.warning(
-            fmt::format("{}: {} line(s) after global_step {} came from a run that stopped before its next "
-                        "checkpoint; moved to {}",
-                        (*dir_ / "metrics.jsonl").string(), later, state.global_step, MetricsFile::discarded_name));
+        log_.warning(fmt::format(
+            "{}: {} line(s) after global_step {} came from a run that stopped before its next "
+            "checkpoint; moved to {}",
+            (*dir_ / MetricsFile::file_name).string(), later, state.global_step, MetricsFile::discarded_name));
     if (tracker_) tracker_->on_start(state.global_step);
     return state;
   }
@@ -212,7 +212,7 @@ MESHTORCH_DECL Experiment::Experiment(const TrainArgs& args, int rank, std::int6
     dir_ = std::filesystem::path(args.save_dir) / args.experiment_name;
     // Every rank may create it: create_directories is a no-op when the folder exists.
     std::filesystem::create_directories(*dir_);
-    if (rank_ == 0) metrics_ = MetricsFile(*dir_ / "metrics.jsonl");
+    if (rank_ == 0) metrics_ = MetricsFile(*dir_ / MetricsFile::file_name);
   }
 }
 

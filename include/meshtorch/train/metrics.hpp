@@ -47,6 +47,7 @@ class MetricsFile {
   // the set-aside lines are appended there before the file is replaced by its kept lines.
   MESHTORCH_DECL std::size_t set_aside_after(std::int64_t step);
 
+  static constexpr const char* file_name = "metrics.jsonl";  // in the experiment folder
   static constexpr const char* discarded_name = "metrics.discarded.jsonl";
 
  private:
