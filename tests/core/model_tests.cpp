@@ -1,10 +1,12 @@
 // The Llama model, its config and its weight files.
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 
 #include <catch2/catch.hpp>
 
+#include <meshtorch/io/host_memory.hpp>
 #include <meshtorch/meshtorch.hpp>
 
 #include "test_support.hpp"
@@ -377,5 +379,45 @@ TEST_CASE("a saved model folder loads back into a fresh model with equal weights
                     (dir / "model.safetensors").string() + ": tensor '" + name +
                         "' is stored as Int, not a floating-point dtype; the model's weights are floating point (F32, "
                         "F16, BF16 or F64) and converting it would train on its integer values");
+  fs::remove_all(dir);
+}
+
+// Issue 38, fault 10: a config.json of 10,000,000 layers beside weights of 4 (2.1e12 parameters,
+// under max_parameters) was built until the kernel killed the process.
+TEST_CASE("a model too large for this process's memory is refused before anything is built", "[model]") {
+  const auto memory = mt::io::available_host_memory();
+  REQUIRE(memory);  // Linux: /proc/meminfo
+  CHECK(memory->available_bytes > 0);
+  const auto dir = fresh_dir("too-many-layers");
+  mt::llama::LlamaForCausalLM saved(mt::llama::presets::llama_tiny);
+  mt::llama::save_pretrained(saved, dir);
+  auto config = mt::llama::config_to_json(saved->config);
+  config["num_hidden_layers"] = 10'000'000;  // the modules alone: 10^7 x 16 kB, on any device
+  mt::io::write_file_atomically(dir / "config.json", config.dump());
+  const auto start = std::chrono::steady_clock::now();
+  for (const auto device : {torch::kCPU, torch::kMeta}) {
+    INFO(device);
+    CHECK_THROWS_AS(
+        mt::llama::LlamaForCausalLM(mt::llama::resolve_model(dir.string()), torch::TensorOptions().device(device)),
+        mt::ConfigError);
+    CHECK_THROWS_WITH(
+        mt::llama::LlamaForCausalLM(mt::llama::resolve_model(dir.string()), torch::TensorOptions().device(device)),
+        Catch::Contains("num_hidden_layers 10000000") && Catch::Contains("this process may take") &&
+            Catch::Contains(memory->source));
+  }
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+
+  // On the CPU the weights count too: twice what this process may take, in few enough layers
+  // that their modules alone would fit.
+  auto big = mt::llama::presets::llama_tiny;
+  const auto per_layer = big.parameter_counts()->total / big.num_hidden_layers;  // about, and enough
+  big.num_hidden_layers = static_cast<std::int64_t>(2 * memory->available_bytes / (4 * per_layer)) + 1;
+  if (!mt::llama::first_invalid_field(big)) {
+    CHECK_THROWS_WITH(mt::llama::LlamaForCausalLM(big),
+                      Catch::Contains("of Float weights") && Catch::Contains("meta device"));
+    // The same config on the meta device takes only its modules: built when they fit.
+    if (static_cast<std::uint64_t>(big.num_hidden_layers) * mt::llama::layer_module_bytes < memory->available_bytes / 4)
+      CHECK_NOTHROW(mt::llama::LlamaForCausalLM(big, torch::TensorOptions().device(torch::kMeta)));
+  }
   fs::remove_all(dir);
 }

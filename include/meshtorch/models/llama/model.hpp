@@ -73,6 +73,16 @@ class LlamaModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaModel);
 
+// Host bytes one decoder layer's modules take even on the meta device (module objects, names,
+// parameter handles): 16 kB measured at llama-tiny, rounded up.
+inline constexpr std::uint64_t layer_module_bytes = 16 * 1024;
+
+// A ConfigError, before anything is built, when a model of `c` on `options`' device would not fit
+// in the memory this process may take: its weights on the CPU, and on any device its layers'
+// modules. A config.json of 10,000,000 layers (2.1e12 parameters, under max_parameters) was built
+// until the kernel killed the process, before its weights' four layers could be compared.
+MESHTORCH_DECL void check_fits_host_memory(const Config& c, const torch::TensorOptions& options);
+
 class LlamaForCausalLMImpl : public torch::nn::Module {
  public:
   // options.device(torch::kMeta) builds the shapes without memory; see materialize().
@@ -130,6 +140,11 @@ MESHTORCH_DECL void materialize(LlamaForCausalLM& lm, const torch::TensorOptions
 }  // namespace meshtorch::llama
 
 #if MESHTORCH_DEFINES(core)
+#include <fmt/format.h>
+
+#include <meshtorch/error.hpp>
+#include <meshtorch/io/host_memory.hpp>
+
 namespace meshtorch::llama {
 
 MESHTORCH_DECL AttentionImpl::AttentionImpl(const Config& c, const torch::TensorOptions& options)
@@ -215,9 +230,32 @@ MESHTORCH_DECL torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_
   return norm(h);
 }
 
+MESHTORCH_DECL void check_fits_host_memory(const Config& c, const torch::TensorOptions& options) {
+  const auto memory = io::available_host_memory();
+  if (!memory) return;
+  const auto device = options.device();
+  const auto parameters = c.parameter_counts();  // validate() has checked that it exists
+  const double weights = device.is_cpu() ? static_cast<double>(parameters->total) *
+                                               static_cast<double>(c10::elementSize(options.dtype().toScalarType()))
+                                         : 0.0;
+  const double modules = static_cast<double>(c.num_hidden_layers) * static_cast<double>(layer_module_bytes);
+  if (weights + modules <= static_cast<double>(memory->available_bytes)) return;
+  throw ConfigError(fmt::format(
+      "a Llama of {:.2g} parameters (num_hidden_layers {}, hidden_size {}, intermediate_size {}, vocab_size {}) "
+      "needs {} of host memory to build on {}{}, and this process may take {} ({}); check the config's sizes{}",
+      static_cast<double>(parameters->total), c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size,
+      detail::human_bytes(weights + modules), device.str(),
+      device.is_cpu() ? fmt::format(" ({} of {} weights)", detail::human_bytes(weights),
+                                    c10::toString(options.dtype().toScalarType()))
+                      : fmt::format(" (the modules of its layers, {} each)", detail::human_bytes(layer_module_bytes)),
+      detail::human_bytes(static_cast<double>(memory->available_bytes)), memory->source,
+      device.is_cpu() ? ", or build it on the meta device and shard it (parallelize, FSDP)" : ""));
+}
+
 MESHTORCH_DECL LlamaForCausalLMImpl::LlamaForCausalLMImpl(const Config& c, const torch::TensorOptions& options)
     : config(c) {
   validate(c);
+  check_fits_host_memory(c, options);
   model = register_module("model", LlamaModel(c, options));
   if (!c.tie_word_embeddings) lm_head = register_module("lm_head", Linear(c.hidden_size, c.vocab_size, options));
 }
