@@ -70,8 +70,11 @@ std::string read_text(const fs::path& path) {
   return text.str();
 }
 
-// Distinct per test process, away from 29500 where real jobs listen.
-int free_port_guess() { return 30000 + static_cast<int>(::getpid() % 2000) * 2; }
+// Distinct per test process, away from 29500 where real jobs listen, and below the kernel's
+// ephemeral range (32768-60999) with every offset the tests add (up to 7201): a node that connects
+// before its peer listens could otherwise reach a socket another test's Gloo ranks were given
+// there, and break their connections ("Connection reset by peer" in connectFullMesh).
+int free_port_guess() { return 9000 + static_cast<int>(::getpid() % 1500) * 2; }
 
 }  // namespace
 

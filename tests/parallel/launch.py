@@ -3,13 +3,14 @@
 
 LAUNCH_TIMEOUT (seconds, default 80) bounds the whole run."""
 import os
-import socket
+import pathlib
 import subprocess
 import sys
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+from ports import free_port  # noqa: E402  (below the ephemeral range: see ports.py)
+
+port = free_port()
 meshrun, nproc, *program = sys.argv[1:]
 env = dict(os.environ, OMP_NUM_THREADS="1")
 sys.exit(subprocess.run([meshrun, "--nproc-per-node", nproc, "--master-port", str(port), "--prefix-output", "--",

@@ -76,7 +76,8 @@ MESHTORCH_DECL std::optional<HostMemory> available_host_memory() {
     // v2 names, then v1's; a limit of "max" (v2) or near 2^63 (v1) reads as no limit.
     auto limit = read_number(*folder + "/memory.max");
     auto usage = read_number(*folder + "/memory.current");
-    if (!limit) limit = read_number(*folder + "/memory.limit_in_bytes"), usage = read_number(*folder + "/memory.usage_in_bytes");
+    if (!limit)
+      limit = read_number(*folder + "/memory.limit_in_bytes"), usage = read_number(*folder + "/memory.usage_in_bytes");
     if (limit && usage && *limit < (std::uint64_t{1} << 62)) {
       const auto left = *limit > *usage ? *limit - *usage : 0;
       if (left < memory.available_bytes) memory = {left, "the cgroup's memory limit less its usage"};
