@@ -112,6 +112,13 @@ constexpr auto fsdp2tp3 = MeshShape<Mesh<FSDP<2>, TP<dynamic>>>::resolve(6);
 static_assert(fsdp2tp3.extents() == std::array{2, 3});
 static_assert(same_slices(fsdp2tp3.slices<FSDP>(), std::array{std::array{0, 3}, std::array{1, 4}, std::array{2, 5}}));
 
+// Only the dynamic extents are stored, as std::extents stores them: a static mesh's shape is empty.
+static_assert(sizeof(MeshShape<Mesh2D>) == 1);  // the size of an object with no data
+static_assert(sizeof(MeshShape<Mesh<FSDP<2>, TP<dynamic>>>) == sizeof(int));
+static_assert(sizeof(MeshShape<Mesh<DP<dynamic>, FSDP<2>, TP<dynamic>>>) == 2 * sizeof(int));
+static_assert(MeshShape<Mesh<DP<dynamic>, FSDP<2>, TP<dynamic>>>::resolve(12, std::array{3}).extents() ==
+              std::array{3, 2, 2});
+
 // A static mesh's shape needs no world size.
 static_assert(MeshShape<Mesh3D>{}.slice_ranks<FSDP>(5) == std::vector{5, 7});
 static_assert(MeshShape<Mesh3D>::resolve(8) == MeshShape<Mesh3D>{});

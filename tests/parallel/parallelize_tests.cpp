@@ -4,6 +4,8 @@
 // step by step (fp32, Gloo), and its trained pieces must equal the reference's weights' pieces.
 // The rank bodies are tagged and run by CTest on the mesh's rank count (see CMakeLists.txt).
 #include <array>
+#include <type_traits>
+#include <utility>
 
 #include <catch2/catch.hpp>
 #include <torch/nn/utils/clip_grad.h>  // the reference norm
@@ -16,6 +18,17 @@
 
 namespace mt = meshtorch;
 namespace llama = meshtorch::llama;
+
+// parallelize<Plan> applies the plan type's styles, not the mesh's default ones: the plan a program
+// names is the plan it logs (launch<Plan>) and the plan it builds.
+using MegatronPlan =
+    llama::Plan<mt::Mesh<mt::DP<mt::dynamic>, mt::TP<2>>, llama::detail::RunTimeConfig{}, llama::TensorParallelStyles>;
+static_assert(std::is_same_v<decltype(mt::parallelize<MegatronPlan>(
+                                 std::declval<llama::LlamaForCausalLM>(),
+                                 std::declval<const mt::comm::DeviceMesh<MegatronPlan::mesh_type>&>())),
+                             mt::ParallelLlama<MegatronPlan::mesh_type, llama::TensorParallelStyles>>);
+static_assert(
+    std::is_same_v<mt::ParallelLlama<MegatronPlan::mesh_type, llama::TensorParallelStyles>::plan, MegatronPlan>);
 
 namespace {
 
@@ -210,10 +223,8 @@ TEST_CASE("rank body: ZeRO-2 with gradient clipping equals one process", "[.][ze
   CHECK(parallel.zero_stage2()->gradient_numel() == block);
   CHECK(block < whole / 2 + whole / 50);
   for (const auto& item : parallel.module()->named_parameters()) CHECK_FALSE(item.value().grad().defined());
-  // Stepping in backward is FSDP's alone (ZeRO-2's buckets are reduced after their gradients).
-  CHECK_THROWS_WITH(parallel.step_in_backward(optimizer, /*max_grad_norm=*/0, /*micro_batches=*/1),
-                    Catch::Contains("--optimizer-in-backward on rank " + std::to_string(mesh.rank())) &&
-                        Catch::Contains("needs FSDP alone"));
+  // Stepping in backward is FSDP's alone (ZeRO-2's buckets are reduced after their gradients): on
+  // this mesh a compile error (parallel.compile_fail.step_in_backward_without_fsdp).
 }
 
 TEST_CASE("rank body: FSDP built by parallelize", "[.][parallelize_fsdp]") {

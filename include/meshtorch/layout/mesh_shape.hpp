@@ -1,8 +1,8 @@
 #pragma once
-// MeshShape<M>: the extents of a mesh type once its dynamic ones are known, as std::extents holds
-// the dynamic part of an mdspan's shape, and the one implementation of the rank maps (rank <->
-// coordinates, the slices along an axis or a set of merged axes). Everything is constexpr, so
-// MeshShape<Mesh<DP<2>, TP<4>>>{} answers them at compile time.
+// MeshShape<M>: the extents of a mesh type once its dynamic ones are known, and the one
+// implementation of the rank maps (rank <-> coordinates, the slices along an axis or a set of
+// merged axes). As std::extents does, it stores only the dynamic extents: a static extent is read
+// from the type, so MeshShape<Mesh<DP<2>, TP<4>>> is empty and answers everything at compile time.
 #include <array>
 #include <cstddef>
 #include <span>
@@ -26,7 +26,7 @@ class MeshShape {
   static constexpr unsigned all_axes = (1u << ndim) - 1;
 
   // A static mesh needs no world size.
-  constexpr MeshShape() requires M::is_static : extents_(M::extents()) {}
+  constexpr MeshShape() requires M::is_static = default;
 
   // The shape for `world_size` ranks. `given` holds the extents of the dynamic axes in axis
   // order, like std::extents' constructor arguments; a missing trailing value, or
@@ -79,23 +79,33 @@ class MeshShape {
     return MeshShape(extents);
   }
 
-  constexpr const std::array<int, ndim>& extents() const { return extents_; }
-  constexpr int extent(std::size_t axis_index) const { return extents_[axis_index]; }
+  constexpr std::array<int, ndim> extents() const {
+    std::array<int, ndim> all{};
+    for (std::size_t i = 0; i < ndim; ++i) all[i] = extent(i);
+    return all;
+  }
+  constexpr int extent(std::size_t axis_index) const {
+    return M::static_extents[axis_index] != dynamic ? static_cast<int>(M::static_extents[axis_index])
+                                                    : dynamic_extents_[dynamic_index[axis_index]];
+  }
   template <template <std::size_t> class Kind>
   constexpr int extent() const {
-    return extents_[M::template index_of<Kind>];
+    if constexpr (M::template static_extent<Kind> != dynamic)
+      return static_cast<int>(M::template static_extent<Kind>);
+    else
+      return dynamic_extents_[dynamic_index[M::template index_of<Kind>]];
   }
-  constexpr int size() const { return detail::product(extents_); }
+  constexpr int size() const { return detail::product(extents()); }
   // The number of ranks of a slice over the axes in `mask`.
   constexpr int size(unsigned mask) const {
     int n = 1;
     for (std::size_t i = 0; i < ndim; ++i)
-      if (mask & (1u << i)) n *= extents_[i];
+      if (mask & (1u << i)) n *= extent(i);
     return n;
   }
 
-  constexpr std::array<int, ndim> coord_of(int rank) const { return detail::coord_of(extents_, rank); }
-  constexpr int rank_of(const std::array<int, ndim>& coords) const { return detail::rank_of(extents_, coords); }
+  constexpr std::array<int, ndim> coord_of(int rank) const { return detail::coord_of(extents(), rank); }
+  constexpr int rank_of(const std::array<int, ndim>& coords) const { return detail::rank_of(extents(), coords); }
   template <template <std::size_t> class Kind>
   constexpr int coord(int rank) const {
     return coord_of(rank)[M::template index_of<Kind>];
@@ -148,12 +158,23 @@ class MeshShape {
   }
 
   // "Mesh<DP=2, TP=4>": the resolved extents, for logs.
-  std::string to_string() const { return describe(extents_); }
+  std::string to_string() const { return describe(extents()); }
 
   friend constexpr bool operator==(const MeshShape&, const MeshShape&) = default;
 
  private:
-  constexpr explicit MeshShape(const std::array<int, ndim>& extents) : extents_(extents) {}
+  constexpr explicit MeshShape(const std::array<int, ndim>& extents) {
+    for (std::size_t i = 0; i < ndim; ++i)
+      if (M::static_extents[i] == dynamic) dynamic_extents_[dynamic_index[i]] = extents[i];
+  }
+
+  // Axis index -> its place among the dynamic extents (unused for a static axis).
+  static constexpr std::array<std::size_t, ndim> dynamic_index = [] {
+    std::array<std::size_t, ndim> index{};
+    for (std::size_t i = 0, next = 0; i < ndim; ++i)
+      if (M::static_extents[i] == dynamic) index[i] = next++;
+    return index;
+  }();
 
   static std::string describe(const std::array<int, ndim>& extents) {
     std::string out = "Mesh<";
@@ -164,7 +185,9 @@ class MeshShape {
     return out + ">";
   }
 
-  std::array<int, ndim> extents_;
+  // What std::extents stores: the dynamic extents only, in axis order. [[no_unique_address]]
+  // makes a static mesh's shape take no room.
+  [[no_unique_address]] std::array<int, M::dynamic_count> dynamic_extents_{};
 };
 
 }  // namespace meshtorch

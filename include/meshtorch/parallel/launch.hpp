@@ -27,6 +27,7 @@
 #include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/models/llama/weights.hpp>
+#include <meshtorch/parallel/llama_plan.hpp>
 #include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/args.hpp>
 #include <meshtorch/train/caching_host_allocator.hpp>
@@ -77,6 +78,13 @@ Launch<M> launch(const train::TrainArgs& args, std::vector<int> extents = {}, co
                        host_allocator.empty() ? "" : fmt::format("; {} CPU allocator", host_allocator)));
   torch::manual_seed(args.seed);
   return {std::move(env), device, dtype, std::move(mesh), log};
+}
+
+// The same for a plan type: its mesh, with the plan's description in the fingerprint, so that the
+// ranks compare the plan that parallelize<P>() applies.
+template <llama::LlamaPlan P>
+Launch<typename P::mesh_type> launch(const train::TrainArgs& args, std::vector<int> extents = {}) {
+  return launch<typename P::mesh_type>(args, std::move(extents), P::describe());
 }
 
 }  // namespace meshtorch

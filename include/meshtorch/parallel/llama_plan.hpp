@@ -415,6 +415,18 @@ struct Plan {
   static std::string describe_styles() { return detail::describe_roles(role_styles); }
 };
 
+namespace detail {
+template <class P>
+struct IsPlan : std::false_type {};
+template <MeshType M, auto Preset, LlamaStyles Styles>
+struct IsPlan<Plan<M, Preset, Styles>> : std::true_type {};
+}  // namespace detail
+
+// A llama::Plan<...> type: what parallelize<P>() builds and launch<P>() puts in the fingerprint,
+// so that the plan a program names is the plan it logs, compares across ranks and applies.
+template <class P>
+concept LlamaPlan = detail::IsPlan<P>::value;
+
 }  // namespace meshtorch::llama
 
 #if MESHTORCH_DEFINES(core)

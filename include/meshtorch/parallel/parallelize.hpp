@@ -34,6 +34,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -151,17 +152,6 @@ class ParallelLlamaRuntime {
   // it, after backward and before the optimizer step.
   MESHTORCH_DECL double clip_grad_norm(double max_norm) const;
 
-  // Steps `optimizer` in backward (torchtune's optimizer_in_bwd): each FSDP unit's shards as soon
-  // as their reduce-scattered gradients are in, after which those gradients are freed; so a rank
-  // holds one unit's gradient shards at a time, not the whole model's. Every
-  // element gets the update optimizer.step() would give it. The loop then sets the learning rate
-  // before the step's forward and calls neither step() nor clipping. Refused (ConfigError naming
-  // the flag) with what needs every gradient before any update: clipping by the global norm
-  // (max_grad_norm > 0) and accumulation over micro_batches > 1; and on layouts other than FSDP
-  // alone (tensor parallel sums norm gradients after backward; DP replicas and HSDP all-reduce
-  // after it). `optimizer` must outlive every backward.
-  MESHTORCH_DECL void step_in_backward(train::AdamW& optimizer, double max_grad_norm, std::int64_t micro_batches);
-
   // "Mesh<...>: tensor parallel over TP (...) -> ...", recorded in checkpoints.
   MESHTORCH_DECL std::string layout() const;
   // "rank 5 of 8 on cpu: DP 1 of 2, FSDP 0 of 2, TP 1 of 2".
@@ -198,6 +188,10 @@ class ParallelLlamaRuntime {
   DistributedDataParallel* data_parallel_replication() const { return ddp_.get(); }
   ZeroStage2* zero_stage2() const { return zero2_.get(); }
   const ParallelizeOptions& options() const { return options_; }
+
+ protected:
+  // ParallelLlama<M>::step_in_backward, once the mesh type has allowed it: the run-time refusals.
+  MESHTORCH_DECL void step_units_in_backward(train::AdamW& optimizer, double max_grad_norm, std::int64_t micro_batches);
 
  private:
   // 5. DDP (or ZeRO-2) over a DP axis of more than one rank.
@@ -280,6 +274,23 @@ class ParallelLlama : public ParallelLlamaRuntime {
     return out.empty() ? "no wrapper (one rank)" : out;
   }
 
+  // Steps `optimizer` in backward (torchtune's optimizer_in_bwd): each FSDP unit's shards as soon
+  // as their reduce-scattered gradients are in, after which those gradients are freed; so a rank
+  // holds one unit's gradient shards at a time, not the whole model's. Every element gets the
+  // update optimizer.step() would give it. The loop then sets the learning rate before the step's
+  // forward and calls neither step() nor clipping. Only a mesh of FSDP alone may ask (a compile
+  // error otherwise); refused at run time (ConfigError naming the flag) with what needs every
+  // gradient before any update: clipping by the global norm (max_grad_norm > 0) and accumulation
+  // over micro_batches > 1. `optimizer` must outlive every backward.
+  void step_in_backward(train::AdamW& optimizer, double max_grad_norm, std::int64_t micro_batches) {
+    static_assert(has_fsdp && !has_tp && !has_dp,
+                  "step_in_backward (--optimizer-in-backward) needs a mesh of FSDP alone, Mesh<FSDP<...>>: "
+                  "tensor parallel sums the norms' gradients after backward, and DP replicas (DDP, HSDP) "
+                  "all-reduce after it, so no unit's gradient is final when its backward ends; drop the "
+                  "flag or the other axes");
+    step_units_in_backward(optimizer, max_grad_norm, micro_batches);
+  }
+
  private:
   static constexpr tp_detail::PlanSteps tp_steps = [] {
     if constexpr (has_tp) {
@@ -308,7 +319,17 @@ class ParallelLlama : public ParallelLlamaRuntime {
   }
 };
 
-// Builds the parallel model for the mesh type M from a model on the meta device.
+// Builds the parallel model for the mesh type M from a model on the meta device: with the guide's
+// plan (default_styles<M>), with a plan type (parallelize<llama::Plan<M, ...>>, the type launch<P>()
+// described at start-up), or with styles alone.
+template <llama::LlamaPlan P, MeshType M>
+ParallelLlama<M, typename P::styles> parallelize(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh,
+                                                 ParallelizeOptions options = {}) {
+  static_assert(std::is_same_v<typename P::mesh_type, M>,
+                "parallelize<Plan>: the plan was made for another mesh type than the mesh given; name the "
+                "program's mesh in the plan (llama::Plan<Mesh, ...>) and launch<Plan>() with it");
+  return ParallelLlama<M, typename P::styles>(std::move(model), mesh, std::move(options));
+}
 template <llama::LlamaStyles Styles, MeshType M>
 ParallelLlama<M, Styles> parallelize(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh,
                                      ParallelizeOptions options = {}) {
@@ -495,8 +516,8 @@ MESHTORCH_DECL double ParallelLlamaRuntime::clip_grad_norm(double max_norm) cons
   });
 }
 
-MESHTORCH_DECL void ParallelLlamaRuntime::step_in_backward(train::AdamW& optimizer, double max_grad_norm,
-                                                           std::int64_t micro_batches) {
+MESHTORCH_DECL void ParallelLlamaRuntime::step_units_in_backward(train::AdamW& optimizer, double max_grad_norm,
+                                                                 std::int64_t micro_batches) {
   const auto refuse = [&](const std::string& why) {
     throw ConfigError(fmt::format("--optimizer-in-backward on rank {}: {}", world_.rank(), why));
   };
@@ -510,8 +531,7 @@ MESHTORCH_DECL void ParallelLlamaRuntime::step_in_backward(train::AdamW& optimiz
         fmt::format("{} micro-batches per step (--grad-accum or --global-batch-size) sum their gradients "
                     "before the update; use one",
                     micro_batches));
-  if (!fsdp_ || tp_ || ddp_ || zero2_)
-    refuse(fmt::format("the layout is {}; stepping in backward needs FSDP alone (Mesh<FSDP<...>>)", mesh_name_));
+  if (!fsdp_) refuse(fmt::format("the layout is {}, without FSDP units to step", mesh_name_));
   fsdp_->on_gradients_ready([&optimizer](const std::vector<torch::Tensor>& shards) {
     optimizer.step(shards);
     for (const auto& shard : shards) shard.mutable_grad() = torch::Tensor();
