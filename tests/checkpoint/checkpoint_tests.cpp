@@ -434,7 +434,7 @@ TEST_CASE("model folders and checkpoints refuse the same hostile safetensors hea
     const auto model_dir = exp / "model";
     fs::create_directories(model_dir);
     fs::create_symlink(outside, model_dir / "model.safetensors");
-    CHECK_THROWS_WITH(meshtorch::llama::weight_files(model_dir),
+    CHECK_THROWS_WITH(meshtorch::llama::open_weight_files(model_dir),
                       Catch::Contains("a link to " + outside.string() + ", outside the model folder"));
 
     const auto dir = save_simulated(exp / "x", 2, 2, 1);

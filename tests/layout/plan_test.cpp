@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <meshtorch/parallel/llama_plan.hpp>
+#include <meshtorch/parallel/memory_plan.hpp>
 
 namespace mt = meshtorch;
 namespace llama = meshtorch::llama;
@@ -93,3 +94,20 @@ TEST_CASE("a run-time config is checked against the plan at the resolved TP size
                     Catch::Contains("--seq-length 63 is not divisible by the TP size 2"));
   CHECK_NOTHROW(Plan::validate_sequence(64, 2));
 }
+
+// The memory plan's shards are row_block's: on one rank the whole TP piece, on n ranks the first
+// rank's ceil(rows / n) rows of every tensor, so the largest shard is never under the average.
+namespace row_shards {
+using meshtorch::largest_row_shards;
+using meshtorch::tp_rank_parameters;
+namespace presets = meshtorch::llama::presets;
+constexpr auto tiny_counts = *presets::llama_tiny.parameter_counts();
+static_assert(largest_row_shards(presets::llama_tiny, 1, 1) == tp_rank_parameters(tiny_counts, 1));
+static_assert(largest_row_shards(presets::llama_3_1_8b, 8, 1) ==
+              tp_rank_parameters(*presets::llama_3_1_8b.parameter_counts(), 8));
+// 128 hidden rows over 3 ranks: 43, 43 and 42; the first rank holds 43 of each norm.
+static_assert(largest_row_shards(presets::llama_tiny, 1, 3).final_norm == 43);
+static_assert(3 * largest_row_shards(presets::llama_tiny, 1, 3).layer >= tp_rank_parameters(tiny_counts, 1).layer);
+static_assert(largest_row_shards(presets::llama_tiny, 1, 4).layer * 4 == tp_rank_parameters(tiny_counts, 1).layer,
+              "rows that divide evenly: the shards are exact quarters");
+}  // namespace row_shards

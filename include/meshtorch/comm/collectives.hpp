@@ -68,6 +68,28 @@ MESHTORCH_DECL void check_device(std::string_view collective, const AxisGroup& g
 
 MESHTORCH_DECL torch::Tensor flatten_all(const std::vector<torch::Tensor>& tensors);
 
+// A coalesced collective that works in place (all-reduce, broadcast): the tensors flattened into
+// one message, `collective` started on it, and on wait() the result copied back into them.
+template <class Collective>
+Work<std::vector<torch::Tensor>> in_place_coalesced(const char* name, const AxisGroup& group,
+                                                    std::vector<torch::Tensor> tensors, Collective collective) {
+  if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
+  check_same_kind(name, group, tensors);
+  check_device(name, group, tensors.front());
+  auto flat = collective(flatten_all(tensors));
+  return {nullptr,
+          [flat = std::move(flat), tensors]() mutable {
+            const torch::Tensor result = flat.wait();
+            int64_t offset = 0;
+            for (auto& t : tensors) {
+              t.copy_(result.narrow(0, offset, t.numel()).view(t.sizes()));
+              offset += t.numel();
+            }
+            return tensors;
+          },
+          name, group};
+}
+
 }  // namespace detail
 
 MESHTORCH_DECL Work<torch::Tensor> all_reduce_async(const AxisGroup& group, torch::Tensor tensor,
@@ -370,21 +392,8 @@ MESHTORCH_DECL void barrier(const AxisGroup& group) { barrier_async(group).wait(
 MESHTORCH_DECL Work<std::vector<torch::Tensor>> all_reduce_coalesced_async(const AxisGroup& group,
                                                                            std::vector<torch::Tensor> tensors,
                                                                            ReduceOp op) {
-  if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
-  detail::check_same_kind("all_reduce_coalesced", group, tensors);
-  detail::check_device("all_reduce_coalesced", group, tensors.front());
-  auto flat = all_reduce_async(group, detail::flatten_all(tensors), op);
-  return {nullptr,
-          [flat = std::move(flat), tensors]() mutable {
-            torch::Tensor reduced = flat.wait();
-            int64_t offset = 0;
-            for (auto& t : tensors) {
-              t.copy_(reduced.narrow(0, offset, t.numel()).view(t.sizes()));
-              offset += t.numel();
-            }
-            return tensors;
-          },
-          "all_reduce_coalesced", group};
+  return detail::in_place_coalesced("all_reduce_coalesced", group, std::move(tensors),
+                                    [&](torch::Tensor flat) { return all_reduce_async(group, std::move(flat), op); });
 }
 
 MESHTORCH_DECL std::vector<torch::Tensor> all_reduce_coalesced(const AxisGroup& group,
@@ -471,21 +480,9 @@ MESHTORCH_DECL std::vector<torch::Tensor> reduce_scatter_coalesced(const AxisGro
 MESHTORCH_DECL Work<std::vector<torch::Tensor>> broadcast_coalesced_async(const AxisGroup& group,
                                                                           std::vector<torch::Tensor> tensors,
                                                                           int source) {
-  if (tensors.empty()) return Work<std::vector<torch::Tensor>>::ready({});
-  detail::check_same_kind("broadcast_coalesced", group, tensors);
-  detail::check_device("broadcast_coalesced", group, tensors.front());
-  auto flat = broadcast_async(group, detail::flatten_all(tensors), source);
-  return {nullptr,
-          [flat = std::move(flat), tensors]() mutable {
-            torch::Tensor received = flat.wait();
-            int64_t offset = 0;
-            for (auto& t : tensors) {
-              t.copy_(received.narrow(0, offset, t.numel()).view(t.sizes()));
-              offset += t.numel();
-            }
-            return tensors;
-          },
-          "broadcast_coalesced", group};
+  return detail::in_place_coalesced("broadcast_coalesced", group, std::move(tensors), [&](torch::Tensor flat) {
+    return broadcast_async(group, std::move(flat), source);
+  });
 }
 
 MESHTORCH_DECL std::vector<torch::Tensor> broadcast_coalesced(const AxisGroup& group,

@@ -299,10 +299,8 @@ MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> FullyShardedDataParallel::r
 MESHTORCH_DECL void FullyShardedDataParallel::load_pretrained_weights(const std::filesystem::path& dir) {
   check_root_sharded_for("load_pretrained_weights");
   io::NamedTensors all;
-  for (const auto& file : llama::weight_files(dir)) {
-    auto contents = io::load_safetensors(file);
-    for (auto& item : contents.tensors) all.push_back(std::move(item));
-  }
+  for (const auto& reader : llama::open_weight_files(dir))
+    for (const auto& entry : reader.header().entries) all.emplace_back(entry.name, reader.read(entry));
   load_full_state_dict(all, dir.string());
 }
 

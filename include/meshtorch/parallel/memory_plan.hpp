@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <meshtorch/layout/row_block.hpp>
 #include <meshtorch/models/llama/config.hpp>
 #include <meshtorch/models/loss_chunk.hpp>
 
@@ -106,6 +107,7 @@ struct TpRankParameters {
   std::int64_t head = 0;       // lm_head (0 when tied)
   std::int64_t final_norm = 0;
   constexpr std::int64_t root() const { return embedding + head + final_norm; }
+  friend constexpr bool operator==(const TpRankParameters&, const TpRankParameters&) = default;
 };
 
 constexpr TpRankParameters tp_rank_parameters(const llama::Config::ParameterCounts& counts, std::int64_t tp) {
@@ -113,6 +115,21 @@ constexpr TpRankParameters tp_rank_parameters(const llama::Config::ParameterCoun
           .embedding = counts.embedding / tp,
           .head = counts.head / tp,
           .final_norm = counts.final_norm};
+}
+
+// What the first of n FSDP (or ZeRO-2) ranks holds of one TP rank's parameters: each tensor's
+// rows split as row_block splits them, whose first rank holds the most (ceil(rows / n) of every
+// tensor), so the largest shard, not the average, is what must fit.
+constexpr TpRankParameters largest_row_shards(const llama::Config& c, std::int64_t tp, std::int64_t n) {
+  const std::int64_t h = c.hidden_size, q = c.q_size() / tp, kv = c.kv_size() / tp, i = c.intermediate_size / tp;
+  const std::int64_t vocab = c.vocab_size / tp;
+  const auto rows = [n](std::int64_t rows, std::int64_t row_numel) { return row_block(rows, n, 0).count * row_numel; };
+  return {.layer = rows(q, h) + 2 * rows(kv, h) + rows(h, q)  // q, k, v (colwise), o (rowwise)
+                   + 2 * rows(i, h) + rows(h, i)              // gate, up (colwise), down (rowwise)
+                   + 2 * rows(h, 1),                          // the two norms
+          .embedding = rows(vocab, h),
+          .head = c.tie_word_embeddings ? 0 : rows(vocab, h),
+          .final_norm = rows(h, 1)};
 }
 
 constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes layout, RunShape run) {
@@ -125,12 +142,20 @@ constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes lay
   const double root = static_cast<double>(rank_parameters.root());
   const double params = layer * static_cast<double>(c.num_hidden_layers) + root;
 
-  // The trained state.
+  // The trained state: FSDP and ZeRO-2 hold their largest row shards; ZeRO-1 owns whole
+  // parameters, balanced by size (PyTorch's greedy rule), about an n-th.
   const bool fsdp = layout.data_parallel == DataParallelKind::fsdp;
-  m.weights = params * state / (fsdp ? n : 1);
-  m.gradients = params * state / (fsdp || layout.data_parallel == DataParallelKind::zero2 ? n : 1);
-  m.optimizer = 2 * params * state / (layout.data_parallel == DataParallelKind::ddp ? 1 : n);
-  if (fsdp && run.optimizer_in_backward) m.gradients = std::max(layer, root) * state / n;
+  const bool rows_sharded = fsdp || layout.data_parallel == DataParallelKind::zero2;
+  const auto shard = largest_row_shards(c, layout.tp, layout.data_parallel_ranks);
+  const double shard_params =
+      static_cast<double>(shard.layer) * static_cast<double>(c.num_hidden_layers) + static_cast<double>(shard.root());
+  m.weights = (fsdp ? shard_params : params) * state;
+  m.gradients = (rows_sharded ? shard_params : params) * state;
+  m.optimizer = 2 * state *
+                (rows_sharded                                      ? shard_params
+                 : layout.data_parallel == DataParallelKind::zero1 ? params / n
+                                                                   : params);
+  if (fsdp && run.optimizer_in_backward) m.gradients = static_cast<double>(std::max(shard.layer, shard.root())) * state;
   if (fsdp && run.cpu_offload) {
     m.host = m.trained_state();
     m.weights = m.gradients = m.optimizer = 0;

@@ -79,8 +79,7 @@ MESHTORCH_DECL void ParallelLlamaRuntime::load_weights(const std::filesystem::pa
   const auto trained = trained_by_name();
   // Every file opened and its header checked once, first: a wrong shape stops the load before
   // anything is read, and the read buffer is sized once, for the largest piece.
-  std::vector<io::SafetensorsReader> readers;
-  for (const auto& file : llama::weight_files(dir)) readers.emplace_back(file);
+  const auto readers = llama::open_weight_files(dir);
   std::int64_t largest_read = 0;
   for (const auto& reader : readers)
     for (const auto& entry : reader.header().entries)
@@ -192,8 +191,9 @@ MESHTORCH_DECL std::vector<FolderWeight> list_folder_weights(
   if (reader_rank) {
     try {
       auto weights = nlohmann::json::array();
-      for (const auto& file : llama::weight_files(dir))
-        for (const auto& entry : io::read_safetensors_header(file).entries) {
+      for (const auto& reader : llama::open_weight_files(dir))
+        for (const auto& entry : reader.header().entries) {
+          const auto& file = reader.path();
           if (!take(entry, file)) continue;
           weights.push_back({{"name", entry.name}, {"shape", entry.shape}, {"dtype", static_cast<int>(entry.dtype)}});
           listed.push_back({entry.name, entry.shape, entry.dtype, file, entry});

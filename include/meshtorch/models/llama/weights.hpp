@@ -43,11 +43,11 @@ inline bool has_pretrained_weights(const std::filesystem::path& dir) {
          io::present_in_folder(dir / "model.safetensors.index.json");
 }
 
-// The safetensors files of an HF folder: model.safetensors, or the shards that
-// model.safetensors.index.json lists. The index is checked against the shards' headers: each
-// shard holds exactly the tensors weight_map places in it, so loading every file reads each
-// tensor once, from the shard the map names.
-MESHTORCH_DECL std::vector<std::filesystem::path> weight_files(const std::filesystem::path& dir);
+// The safetensors files of an HF folder, opened and their headers checked once: model.safetensors,
+// or the shards that model.safetensors.index.json lists. The index is checked against the shards'
+// headers: each shard holds exactly the tensors weight_map places in it, so reading every file
+// reads each tensor once, from the shard the map names.
+MESHTORCH_DECL std::vector<io::SafetensorsReader> open_weight_files(const std::filesystem::path& dir);
 
 // Refuses a weight stored in an integer or bool dtype (`where` names the file or state dict):
 // every Llama weight is floating point, and converting one would train on its integer values.
@@ -102,9 +102,12 @@ MESHTORCH_DECL void save_pretrained(const Config& config, const io::NamedTensors
   io::save_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
 }
 
-MESHTORCH_DECL std::vector<std::filesystem::path> weight_files(const std::filesystem::path& dir) {
-  if (io::present_in_folder(dir / "model.safetensors"))
-    return {io::model_file(dir, "model.safetensors", dir.string() + ": the weights file")};
+MESHTORCH_DECL std::vector<io::SafetensorsReader> open_weight_files(const std::filesystem::path& dir) {
+  std::vector<io::SafetensorsReader> readers;
+  if (io::present_in_folder(dir / "model.safetensors")) {
+    readers.emplace_back(io::model_file(dir, "model.safetensors", dir.string() + ": the weights file"));
+    return readers;
+  }
   if (!io::present_in_folder(dir / "model.safetensors.index.json"))
     throw DataError(fmt::format("{}: no model.safetensors or model.safetensors.index.json", dir.string()));
   const auto index_path = io::model_file(dir, "model.safetensors.index.json", dir.string() + ": the index file");
@@ -125,10 +128,9 @@ MESHTORCH_DECL std::vector<std::filesystem::path> weight_files(const std::filesy
     shard_of_tensor[tensor] = shard.get<std::string>();
     tensors_of_shard[shard.get<std::string>()].insert(tensor);
   }
-  std::vector<std::filesystem::path> files;
   for (const auto& [shard, tensors] : tensors_of_shard) {
     const auto file = io::model_file(dir, shard, index_name + ": weight_map['" + *tensors.begin() + "']");
-    const auto header = io::read_safetensors_header(file);
+    const auto& header = readers.emplace_back(file).header();
     for (const auto& entry : header.entries) {
       const auto it = shard_of_tensor.find(entry.name);
       if (it == shard_of_tensor.end())
@@ -142,9 +144,8 @@ MESHTORCH_DECL std::vector<std::filesystem::path> weight_files(const std::filesy
       if (!header.contains(tensor))
         throw DataError(fmt::format("{}: weight_map places tensor '{}' in '{}', which does not hold it", index_name,
                                     tensor, shard));
-    files.push_back(file);
   }
-  return files;
+  return readers;
 }
 
 MESHTORCH_DECL void check_weight_dtype(const std::string& where, const std::string& name, torch::ScalarType dtype) {
@@ -158,20 +159,22 @@ MESHTORCH_DECL void check_weight_dtype(const std::string& where, const std::stri
 
 MESHTORCH_DECL void load_pretrained_weights(LlamaForCausalLM& lm, const std::filesystem::path& dir,
                                             const ShardOf& shard_of) {
-  const auto files = weight_files(dir);
+  const auto readers = open_weight_files(dir);
   auto params = lm->named_parameters();
   std::set<std::string> loaded;
   torch::NoGradGuard no_grad;
-  for (const auto& file : files) {
-    auto contents = io::load_safetensors(file);
-    for (auto& [name, tensor] : contents.tensors) {
+  for (const auto& reader : readers) {
+    const auto file = reader.path();
+    for (const auto& entry : reader.header().entries) {
+      const auto& name = entry.name;
       auto* target = params.find(name);
       if (!target) {
         if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
         if (name == "lm_head.weight" && lm->config.tie_word_embeddings) continue;
         throw DataError(fmt::format("{}: tensor '{}' is not a parameter of this Llama config", file.string(), name));
       }
-      check_weight_dtype(file.string(), name, tensor.scalar_type());
+      check_weight_dtype(file.string(), name, entry.dtype);
+      const auto tensor = reader.read(entry);
       const auto piece = shard_of ? shard_of(name, tensor) : tensor;
       if (piece.sizes() != target->sizes())
         throw DataError(fmt::format(
