@@ -7,10 +7,13 @@
 #include <string>
 
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 
+#include <meshtorch/data/bpe_tokenizer.hpp>
 #include <meshtorch/data/dataset_tokenizer.hpp>
 #include <meshtorch/data/documents.hpp>
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/train/rng.hpp>
 
 #include "../core/test_support.hpp"
 
@@ -108,4 +111,46 @@ TEST_CASE("a token cache id outside the range its footer records is a named erro
   CHECK_THROWS_WITH(blocks.gather({0}), Catch::Contains("block 0 holds the id 65535, outside the range") &&
                                             Catch::Contains("its token cache records"));
   CHECK_NOTHROW(blocks.gather({blocks.size() - 1}));
+}
+
+TEST_CASE("tokenizer.json fields of the wrong type are named, not nlohmann's type_error", "[fuzz-found]") {
+  const auto original =
+      nlohmann::json::parse(std::ifstream(fs::path(MESHTORCH_DATA_FIXTURES) / "bpe" / "tokenizer.json"));
+  auto error_with = [&](const std::string& pointer, const nlohmann::json& value) {
+    auto j = original;
+    j[nlohmann::json::json_pointer(pointer)] = value;
+    try {
+      mt::data::BpeTokenizer(j, "tokenizer.json");
+    } catch (const mt::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK_THAT(error_with("/model", 3), Catch::Contains("'model' must be an object, got 3"));
+  CHECK_THAT(error_with("/model/type", 3), Catch::Contains("'model.type' must be a string, got 3"));
+  CHECK_THAT(error_with("/model/unk_token", 3), Catch::Contains("'model.unk_token' must be a string, got 3"));
+  CHECK_THAT(error_with("/pre_tokenizer", 3), Catch::Contains("'pre_tokenizer' must be an object, got 3"));
+  CHECK_THAT(error_with("/pre_tokenizer/type", 3), Catch::Contains("'pre_tokenizer.type' must be a string, got 3"));
+  CHECK_THAT(error_with("/pre_tokenizer/pretokenizers", 3),
+             Catch::Contains("'pre_tokenizer.pretokenizers' must be a list"));
+  CHECK_THAT(error_with("/pre_tokenizer/pretokenizers/0", 3),
+             Catch::Contains("'pre_tokenizer.pretokenizers[0]' must be an object, got 3"));
+  CHECK_THAT(error_with("/pre_tokenizer/pretokenizers/0/pattern/Regex", 3),
+             Catch::Contains("'pre_tokenizer.pretokenizers[0].pattern.Regex' must be a string, got 3"));
+  CHECK_THAT(error_with("/decoder", 3), Catch::Contains("'decoder' is 3"));
+  CHECK_THAT(error_with("/decoder/type", 3), Catch::Contains("'decoder.type' must be a string, got 3"));
+  CHECK_THAT(error_with("/added_tokens/0", 3), Catch::Contains("'added_tokens[0]' must be an object, got 3"));
+  CHECK_THAT(error_with("/added_tokens/0/content", 3),
+             Catch::Contains("'added_tokens[0].content' must be a string, got 3"));
+  CHECK(error_with("/model/unk_token", nullptr) == "no error");
+}
+
+TEST_CASE("a checkpoint's RNG state that LibTorch refuses is a named error, not c10::Error", "[fuzz-found]") {
+  const auto saved = mt::train::capture_rng_states();
+  const mt::io::SafetensorsFile damaged{{{"rng.cpu", torch::zeros({16}, torch::kByte)}}, {}};
+  CHECK_THROWS_WITH(mt::train::restore_rng_states(damaged, "ckpt/rank0.safetensors"),
+                    Catch::Contains("ckpt/rank0.safetensors: 'rng.cpu' is not a random-number generator state "
+                                    "LibTorch accepts"));
+  const mt::io::SafetensorsFile good{saved, {}};
+  CHECK_NOTHROW(mt::train::restore_rng_states(good, "ckpt/rank0.safetensors"));
 }
