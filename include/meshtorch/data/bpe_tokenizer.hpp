@@ -275,6 +275,16 @@ struct MatchData {
   pcre2_match_data* data;
 };
 
+// Field `name` of `j` as a string, `fallback` when absent or null; `field` names it in the error
+// (nlohmann's own, "type must be string, but is number", names nothing).
+inline std::string string_field(const nlohmann::json& j, const char* name, const std::string& field,
+                                std::string fallback) {
+  const auto it = j.find(name);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_string()) throw ConfigError(fmt::format("{} must be a string, got {}", field, it->dump()));
+  return it->get<std::string>();
+}
+
 }  // namespace bpe_detail
 
 class BpeTokenizer::BpeSession final : public Session {
@@ -460,7 +470,8 @@ MESHTORCH_DECL bool BpeTokenizer::flag(const nlohmann::json& j, const std::strin
 }
 
 MESHTORCH_DECL void BpeTokenizer::read_model(const nlohmann::json& model) {
-  if (model.value("type", std::string("BPE")) != "BPE")
+  if (!model.is_object()) throw ConfigError(fmt::format("{} must be an object, got {}", where("model"), model.dump()));
+  if (bpe_detail::string_field(model, "type", where("model.type"), "BPE") != "BPE")
     throw ConfigError(fmt::format("{} is {}; only 'BPE' is supported here", where("model.type"), type_of(model)));
   if (auto d = model.find("dropout"); d != model.end() && !d->is_null() && !(d->is_number() && d->get<double>() == 0))
     throw ConfigError(
@@ -501,7 +512,7 @@ MESHTORCH_DECL void BpeTokenizer::read_model(const nlohmann::json& model) {
     if (auto it = vocab_.find(key); it != vocab_.end()) byte_id_[b] = it->second;
   }
   if (auto unk = model.find("unk_token"); unk != model.end() && !unk->is_null()) {
-    const auto it = vocab_.find(unk->get<std::string>());
+    const auto it = vocab_.find(bpe_detail::string_field(model, "unk_token", where("model.unk_token"), ""));
     if (it == vocab_.end())
       throw ConfigError(fmt::format("{} {} is not in the vocabulary", where("model.unk_token"), unk->dump()));
     unk_id_ = it->second;
@@ -540,34 +551,39 @@ MESHTORCH_DECL void BpeTokenizer::read_model(const nlohmann::json& model) {
 MESHTORCH_DECL void BpeTokenizer::read_pre_tokenizer(const nlohmann::json& pre) {
   if (pre.is_null())
     throw ConfigError(fmt::format("{} is missing; byte-level BPE needs a ByteLevel step", where("pre_tokenizer")));
+  if (!pre.is_object())
+    throw ConfigError(fmt::format("{} must be an object, got {}", where("pre_tokenizer"), pre.dump()));
+  const bool sequence = bpe_detail::string_field(pre, "type", where("pre_tokenizer.type"), "") == "Sequence";
+  if (sequence && !field(pre, "pretokenizers", "pre_tokenizer.").is_array())
+    throw ConfigError(fmt::format("{} must be a list", where("pre_tokenizer.pretokenizers")));
   const std::vector<nlohmann::json> steps =
-      pre.value("type", std::string()) == "Sequence"
-          ? field(pre, "pretokenizers", "pre_tokenizer.").get<std::vector<nlohmann::json>>()
-          : std::vector<nlohmann::json>{pre};
+      sequence ? pre["pretokenizers"].get<std::vector<nlohmann::json>>() : std::vector<nlohmann::json>{pre};
   bool byte_level = false;
   for (std::size_t i = 0; i < steps.size(); ++i) {
     const auto& step = steps[i];
-    const std::string path = steps.size() > 1 || pre.value("type", "") == "Sequence"
-                                 ? "pre_tokenizer.pretokenizers[" + std::to_string(i) + "]."
-                                 : "pre_tokenizer.";
-    const auto type = step.value("type", std::string());
+    const std::string path =
+        sequence ? "pre_tokenizer.pretokenizers[" + std::to_string(i) + "]." : std::string("pre_tokenizer.");
+    if (!step.is_object())
+      throw ConfigError(
+          fmt::format("{} must be an object, got {}", where(path.substr(0, path.size() - 1)), step.dump()));
+    const auto type = bpe_detail::string_field(step, "type", where(path + "type"), "");
     if (byte_level)
       throw ConfigError(
           fmt::format("{} is '{}' after the ByteLevel step; only Split steps before one ByteLevel "
                       "step are supported",
                       where(path + "type"), type));
     if (type == "Split") {
-      if (step.value("behavior", std::string()) != "Isolated")
+      if (const auto behavior = step.find("behavior"); behavior == step.end() || *behavior != "Isolated")
         throw ConfigError(fmt::format("{} is {}; only 'Isolated' is supported", where(path + "behavior"),
-                                      step.value("behavior", nlohmann::json()).dump()));
+                                      behavior == step.end() ? std::string("missing") : behavior->dump()));
       if (flag(step, "invert", false, path))
         throw ConfigError(fmt::format("{} is true; not supported", where(path + "invert")));
       const auto& pattern = field(step, "pattern", path);
       std::string regex;
       if (pattern.contains("Regex")) {
-        regex = pattern["Regex"].get<std::string>();
+        regex = bpe_detail::string_field(pattern, "Regex", where(path + "pattern.Regex"), "");
       } else if (pattern.contains("String")) {
-        regex = "\\Q" + pattern["String"].get<std::string>() + "\\E";
+        regex = "\\Q" + bpe_detail::string_field(pattern, "String", where(path + "pattern.String"), "") + "\\E";
       } else {
         throw ConfigError(
             fmt::format("{} must hold 'Regex' or 'String', got {}", where(path + "pattern"), pattern.dump()));
@@ -592,7 +608,7 @@ MESHTORCH_DECL void BpeTokenizer::read_pre_tokenizer(const nlohmann::json& pre) 
 }
 
 MESHTORCH_DECL void BpeTokenizer::read_decoder(const nlohmann::json& decoder) {
-  if (decoder.is_null() || decoder.value("type", std::string()) != "ByteLevel")
+  if (!decoder.is_object() || bpe_detail::string_field(decoder, "type", where("decoder.type"), "") != "ByteLevel")
     throw ConfigError(fmt::format("{} is {}; byte-level BPE needs the 'ByteLevel' decoder", where("decoder"),
                                   (decoder.is_null() ? std::string("missing") : type_of(decoder))));
 }
@@ -602,12 +618,18 @@ MESHTORCH_DECL void BpeTokenizer::read_added_tokens(const nlohmann::json& added)
   for (std::size_t i = 0; i < added.size(); ++i) {
     const auto& a = added[i];
     const std::string path = "added_tokens[" + std::to_string(i) + "].";
+    if (!a.is_object())
+      throw ConfigError(
+          fmt::format("{} must be an object, got {}", where("added_tokens[" + std::to_string(i) + "]"), a.dump()));
     if (flag(a, "single_word", false, path))
       throw ConfigError(fmt::format("{} is true for {}; single-word added tokens are not supported",
                                     where(path + "single_word"), field(a, "content", path).dump()));
     const auto id = checked_id(field(a, "id", path), where(path + "id") + " gives");
+    const auto& content = field(a, "content", path);
+    if (!content.is_string())
+      throw ConfigError(fmt::format("{} must be a string, got {}", where(path + "content"), content.dump()));
     AddedToken token{id,
-                     field(a, "content", path).get<std::string>(),
+                     content.get<std::string>(),
                      flag(a, "special", false, path),
                      flag(a, "lstrip", false, path),
                      flag(a, "rstrip", false, path),

@@ -90,7 +90,17 @@ MESHTORCH_DECL torch::Tensor TokenBlocks::gather(const std::vector<std::int64_t>
     auto* out = rows.data_ptr<std::int64_t>();
     for (const auto row : indices) {
       if (row < 0 || row >= size()) throw DataError(fmt::format("{}: block {} requested of {}", source_, row, size()));
+      const auto* first = out;
       out = std::copy_n(tokens + row * seq_length_, seq_length_, out);
+      // check_vocab took the range a token cache's footer records; an id outside it would reach
+      // the embedding unchecked. Checking the rows a step reads costs far less than the step.
+      if (ids_)
+        for (const auto* id = first; id != out; ++id)
+          if (*id < ids_->min_id || *id > ids_->max_id)
+            throw DataError(fmt::format(
+                "{}: block {} holds the id {}, outside the range {} to {} its token cache records (a damaged "
+                "cache file: delete it to tokenise the data again)",
+                source_, row, *id, ids_->min_id, ids_->max_id));
     }
   };
   // uint16 ids come from a token cache of a vocabulary that fits 16 bits; int32 otherwise.

@@ -20,6 +20,7 @@
 #include <meshtorch/data/data_files.hpp>
 #include <meshtorch/data/tokenizer.hpp>
 #include <meshtorch/error.hpp>
+#include <meshtorch/io/json_file.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::data {
@@ -240,12 +241,9 @@ MESHTORCH_DECL void for_each_jsonl_document(const std::filesystem::path& path, c
     }
     const std::string where = fmt::format("{}:{}", path.string(), number);
     // Ordered, so that a template's tojson writes a message's fields in the file's order, as Python does.
-    nlohmann::ordered_json record;
-    try {
-      record = nlohmann::ordered_json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
-      throw DataError(fmt::format("{}: not valid JSON ({})", where, e.what()));
-    }
+    // Bounded as every JSON file is (io/json_file.hpp): 1e999 threw a raw nlohmann error, a
+    // repeated key was taken silently, and a deep value reached the checks.
+    const auto record = io::parse_ordered_json<DataError>(line, where, "the line");
     auto string_field = [&](const char* name) -> std::string {
       auto it = record.find(name);
       if (it == record.end() || it->is_null()) return {};

@@ -204,6 +204,14 @@ MESHTORCH_DECL std::optional<CachedTokens> open_token_cache(const std::filesyste
     ::close(fd);
     return refuse(fmt::format("its footer says {} bytes per id (2 or 4 expected)", footer.id_bytes));
   }
+  // The count is checked against the file before it is multiplied: 2^63 + n ids of 2 bytes wrapped
+  // to the size of n ids, and the mapping then claimed 2^63 + n.
+  const auto id_bytes_in_file = static_cast<std::uint64_t>(info.st_size) - sizeof footer;
+  if (footer.token_count > id_bytes_in_file / footer.id_bytes) {
+    ::close(fd);
+    return refuse(fmt::format("{} bytes, fewer than its footer's {} ids of {} bytes", info.st_size, footer.token_count,
+                              footer.id_bytes));
+  }
   const auto bytes = footer.token_count * footer.id_bytes;
   if (static_cast<std::uint64_t>(info.st_size) != bytes + sizeof footer) {
     ::close(fd);

@@ -1,5 +1,6 @@
 #pragma once
-// JSON that a user hands over (safetensors headers, model.safetensors.index.json, state.json),
+// JSON that a user hands over (safetensors headers, model.safetensors.index.json, state.json,
+// configs, tokenizer files, manifests, JSONL data lines),
 // parsed with the limits nlohmann leaves to its caller:
 // - nesting depth: nlohmann parses any depth, but copying or dumping a value recurses, so a file
 //   of 100,000 '[' ends in a stack overflow as soon as an error message quotes it;
@@ -32,6 +33,12 @@ inline constexpr std::uint64_t max_json_bytes = 100'000'000;
 // this and read_json_file exist for Error = DataError and ConfigError.
 template <class Error = DataError>
 nlohmann::json parse_json(std::string_view text, const std::string& where, std::string_view document = "the file");
+
+// The same, keeping each object's keys in the file's order (a JSONL record whose fields a chat
+// template writes out in order, as Python does).
+template <class Error = DataError>
+nlohmann::ordered_json parse_ordered_json(std::string_view text, const std::string& where,
+                                          std::string_view document = "the file");
 
 // Reads and parses a JSON file, refusing a directory, device or pipe before opening it (reading
 // a directory throws a raw ios_failure, opening a pipe blocks).
@@ -120,6 +127,17 @@ nlohmann::json parse_json(std::string_view text, const std::string& where, std::
 }
 
 template <class Error>
+nlohmann::ordered_json parse_ordered_json(std::string_view text, const std::string& where, std::string_view document) {
+  json_detail::BoundsCheck<Error> check(where, document);
+  nlohmann::json::sax_parse(text.begin(), text.end(), &check);
+  try {
+    return nlohmann::ordered_json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(fmt::format("{}: not valid JSON ({})", where, e.what()));
+  }
+}
+
+template <class Error>
 nlohmann::json read_json_file(const std::filesystem::path& path, std::string_view document) {
   const std::string where = path.string();
   std::error_code error;
@@ -143,6 +161,7 @@ nlohmann::json read_json_file(const std::filesystem::path& path, std::string_vie
 #if defined(MESHTORCH_SEPARATE_COMPILATION)
 template nlohmann::json parse_json<DataError>(std::string_view, const std::string&, std::string_view);
 template nlohmann::json parse_json<ConfigError>(std::string_view, const std::string&, std::string_view);
+template nlohmann::ordered_json parse_ordered_json<DataError>(std::string_view, const std::string&, std::string_view);
 template nlohmann::json read_json_file<DataError>(const std::filesystem::path&, std::string_view);
 template nlohmann::json read_json_file<ConfigError>(const std::filesystem::path&, std::string_view);
 #endif

@@ -57,11 +57,17 @@ MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> capture_rng_st
 MESHTORCH_DECL void restore_rng_states(const io::SafetensorsFile& contents, const std::filesystem::path& file) {
   const auto* cpu = contents.find("rng.cpu");
   if (!cpu) throw DataError(fmt::format("{}: 'rng.cpu' is missing", file.string()));
-  {
-    auto generator = at::detail::getDefaultCPUGenerator();
+  // A state LibTorch refuses (a damaged file whose checksum was rewritten) is named, not c10's raw error.
+  auto set_state = [&](at::Generator generator, const torch::Tensor& state, const std::string& key) {
     std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(*cpu);
-  }
+    try {
+      generator.set_state(state);
+    } catch (const c10::Error& e) {
+      throw DataError(fmt::format("{}: '{}' is not a random-number generator state LibTorch accepts ({})",
+                                  file.string(), key, e.what_without_backtrace()));
+    }
+  };
+  set_state(at::detail::getDefaultCPUGenerator(), *cpu, "rng.cpu");
   const int devices = rng_cuda_devices();
   if (devices > 0 && !contents.find(cuda_rng_key(0)))
     throw DataError(
@@ -72,10 +78,8 @@ MESHTORCH_DECL void restore_rng_states(const io::SafetensorsFile& contents, cons
   for (int device = 0; device < devices; ++device) {
     const auto* state = contents.find(cuda_rng_key(device));
     if (!state) continue;  // saved where fewer GPUs were visible: those it saw are restored
-    auto generator =
-        at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(*state);
+    set_state(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))),
+              *state, cuda_rng_key(device));
   }
 }
 
