@@ -7,10 +7,9 @@
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
-#include <meshtorch/parallel/grad_clipping.hpp>
 #include <meshtorch/parallel/training_data.hpp>
-#include <meshtorch/train/args.hpp>
-#include <meshtorch/train/tensorboard.hpp>
+#include <meshtorch/train/loop.hpp>
+#include <meshtorch/train/run_main.hpp>
 
 namespace mt = meshtorch;
 
@@ -33,62 +32,26 @@ int train(const mt::train::TrainArgs& args) {
   // The data: tokenised once, packed into seq_length blocks, shuffled per epoch from the seed.
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size);
   mt::train::AdamW optimizer(mt::train::named_trainable_parameters(*model), {.lr = args.lr});
-  const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());
 
-  // The experiment folder: metrics (and TensorBoard files with --tensorboard), checkpoints, and
-  // resuming from the last one.
-  mt::train::Experiment experiment(args, /*rank=*/0, sampler.global_batch(), device,
-                                   mt::train::tensorboard_tracker(args, /*rank=*/0));
-  experiment.log().info(fmt::format("model {}: {} parameters, {} on {}; {} blocks of {} tokens, {} steps per epoch",
-                                    args.model_name, config.num_parameters(), mt::llama::dtype_name(dtype),
-                                    device.str(), blocks.size(), args.seq_length, sampler.steps_per_epoch()));
-  auto state = experiment.resume(model, optimizer);
-  mt::train::PhaseTimers timers(device);
+  // The cosine schedule, the phase timers and the experiment folder: metrics (and TensorBoard
+  // files with --tensorboard), checkpoints, and resuming from the last one.
+  mt::train::Loop loop(args, model, optimizer, blocks, sampler, /*rank=*/0, device);
+  loop.log().info(fmt::format("model {}: {} parameters, {} on {}; {} blocks of {} tokens, {} steps per epoch",
+                              args.model_name, config.num_parameters(), mt::llama::dtype_name(dtype), device.str(),
+                              blocks.size(), args.seq_length, sampler.steps_per_epoch()));
 
-  for (; state.epoch < args.num_epochs; ++state.epoch, state.epoch_step = 0) {
-    mt::data::PrefetchingLoader loader(blocks, sampler, state.epoch, state.epoch_step, device.is_cuda());
-    mt::train::ProgressBar progress(sampler.steps_per_epoch(), /*enabled=*/true);
-    while (state.epoch_step < sampler.steps_per_epoch()) {
-      if (args.max_steps > 0 && state.global_step >= args.max_steps) return 0;
-
-      torch::Tensor step_loss = torch::zeros({}, torch::TensorOptions().device(device).dtype(torch::kDouble));
-      for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
-        torch::Tensor input_ids;
-        {
-          auto timer = timers.time("data");
-          input_ids = loader.next()->input_ids.to(device, /*non_blocking=*/true);
-        }
-        torch::Tensor loss;
-        {
-          auto timer = timers.time("forward");
-          loss = model->loss(input_ids, /*labels=*/input_ids) / static_cast<double>(sampler.micro_batches());
-        }
-        {
-          auto timer = timers.time("backward");
-          loss.backward();
-        }
-        step_loss += loss.detach().to(torch::kDouble);
-      }
-      {
-        auto timer = timers.time("update");
-        if (args.max_grad_norm > 0) state.grad_norm = mt::clip_grad_norm(model->parameters(), args.max_grad_norm);
-        optimizer.set_lr(schedule.lr_at(state.global_step));
-        optimizer.step();
-        optimizer.zero_grad();
-      }
-      experiment.end_step(state, step_loss.item<double>(), progress);
-      if (state.global_step % args.log_freq == 0)
-        experiment.log_metrics(state, sampler.steps_per_epoch(), schedule.lr_at(state.global_step), timers);
-      if (experiment.checkpoint_due(state, sampler.steps_per_epoch())) experiment.save(state, model, optimizer);
+  // Epoch after epoch from where the checkpoint left off, until --num-epochs or --max-steps.
+  for (auto state = loop.resume(); loop.next_step(state); loop.end_step(state)) {
+    for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
+      const auto input_ids = loop.next_batch();
+      loop.backward(loop.timed("forward", [&] { return model->loss(input_ids, /*labels=*/input_ids); }));
     }
+    loop.timed("update", [&] { loop.update(state); });  // clip, the scheduled rate, step, zero_grad
   }
   return 0;
 }
 
 int main(int argc, char** argv) {
-  CLI::App app{"Chapter 1: train a Llama-style causal LM on one device"};
-  mt::train::TrainArgs args;
-  args.add_to(app);
-  CLI11_PARSE(app, argc, argv);
-  return mt::comm::run_recorded([&] { return train(args); });
+  return mt::train::run_main<mt::train::TrainArgs>(argc, argv, "Chapter 1: train a Llama-style causal LM on one device",
+                                                   train);
 }

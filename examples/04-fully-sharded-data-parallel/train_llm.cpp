@@ -17,20 +17,22 @@
 #include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/parallel/training_data.hpp>
 #include <meshtorch/train/args.hpp>
-#include <meshtorch/train/tensorboard.hpp>
+#include <meshtorch/train/loop.hpp>
+#include <meshtorch/train/run_main.hpp>
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::FSDP<mt::dynamic>>;
 
 struct Chapter4Args : mt::train::TrainArgs, mt::train::FsdpArgs {
+  static constexpr auto description = "Chapter 4: fully sharded data parallel training";
   std::string consolidate_to;
 
   void add_to(CLI::App& app) {
     TrainArgs::add_to(app);
-    add_fsdp_flags(app);  // --reshard-after-forward, --cpu-offload, --prefetch-layers
     app.add_option("--consolidate-to", consolidate_to,
                    "write the latest checkpoint of -e as one HF folder (config.json + model.safetensors) here "
                    "and exit; one process, no launcher");
+    add_fsdp_flags(app);  // --reshard-after-forward, --cpu-offload, --prefetch-layers
   }
 };
 
@@ -56,72 +58,33 @@ int train(const Chapter4Args& args) {
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
   // The optimizer steps the shards (on the CPU with --cpu-offload): its state is sharded too.
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
-  const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());
 
-  mt::train::Experiment experiment(args, mesh.rank(), sampler.global_batch(), device,
-                                   mt::train::tensorboard_tracker(args, mesh.rank()));
-  auto state = experiment.resume(model, optimizer);
-  mt::train::PhaseTimers timers(device);
-
-  for (; state.epoch < args.num_epochs; ++state.epoch, state.epoch_step = 0) {
-    mt::data::PrefetchingLoader loader(blocks, sampler, state.epoch, state.epoch_step, device.is_cuda());
-    mt::train::ProgressBar progress(sampler.steps_per_epoch(), /*enabled=*/mesh.rank() == 0);
-    while (state.epoch_step < sampler.steps_per_epoch()) {
-      if (args.max_steps > 0 && state.global_step >= args.max_steps) return 0;
-
-      torch::Tensor step_loss = torch::zeros({}, torch::TensorOptions().device(device).dtype(torch::kDouble));
-      for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
-        torch::Tensor input_ids;
-        {
-          auto timer = timers.time("data");
-          input_ids = loader.next()->input_ids.to(device, /*non_blocking=*/true);
-        }
-        if (args.measure_waiting && micro == 0) model.wait_for_slowest(timers);  // the guide's waiting time
-        torch::Tensor loss;
-        {
-          // The units' hooks all-gather each layer's weights before it runs and free them after.
-          auto timer = timers.time("forward");
-          loss = model.loss(input_ids, /*labels=*/input_ids) / static_cast<double>(sampler.micro_batches());
-        }
-        {
-          // Each unit's weights are gathered again before its backward; its gradients are
-          // reduce-scattered into the shards' .grad (accumulating over micro-batches) after it.
-          auto timer = timers.time("backward");
-          loss.backward();
-        }
-        step_loss += loss.detach().to(torch::kDouble);
-      }
-      {
-        auto timer = timers.time("update");
-        if (args.max_grad_norm > 0) state.grad_norm = model.clip_grad_norm(args.max_grad_norm);
-        optimizer.set_lr(schedule.lr_at(state.global_step));
-        optimizer.step();
-        optimizer.zero_grad();
-      }
-      experiment.end_step(state, model.mean_over_data_parallel(step_loss).item<double>(), progress);
-      if (state.global_step % args.log_freq == 0)
-        experiment.log_metrics(state, sampler.steps_per_epoch(), schedule.lr_at(state.global_step), timers);
-      if (experiment.checkpoint_due(state, sampler.steps_per_epoch())) experiment.save(state, model, optimizer);
+  mt::train::Loop loop(args, model, optimizer, blocks, sampler, mesh.rank(), device);
+  for (auto state = loop.resume(); loop.next_step(state); loop.end_step(state)) {
+    for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
+      const auto input_ids = loop.next_batch();
+      // Forward: the units' hooks all-gather each layer's weights before it runs and free them
+      // after. Backward: each unit's weights are gathered again before its backward; its gradients
+      // are reduce-scattered into the shards' .grad (accumulating over micro-batches) after it.
+      loop.backward(loop.timed("forward", [&] { return model.loss(input_ids, /*labels=*/input_ids); }));
     }
+    loop.timed("update", [&] { loop.update(state); });
   }
   return 0;
 }
 
+// The sharded checkpoint as one HF folder that chapter 1 and transformers load.
+int consolidate(const Chapter4Args& args) {
+  const auto exp_dir = std::filesystem::path(args.save_dir) / args.experiment_name;
+  const auto checkpoint = mt::checkpoint::find_checkpoint_to_resume(exp_dir).checkpoint;
+  if (!checkpoint) throw mt::ConfigError(fmt::format("--consolidate-to: {} holds no checkpoint", exp_dir.string()));
+  const auto written = mt::checkpoint::consolidate_sharded_checkpoint(*checkpoint, args.consolidate_to);
+  fmt::print("wrote {} tensors into {} from {}\n", written.tensors, args.consolidate_to, checkpoint->string());
+  return 0;
+}
+
 int main(int argc, char** argv) {
-  CLI::App app{"Chapter 4: fully sharded data parallel training"};
-  Chapter4Args args;
-  args.add_to(app);
-  CLI11_PARSE(app, argc, argv);
-  if (!args.consolidate_to.empty()) {
-    // The sharded checkpoint as one HF folder that chapter 1 and transformers load.
-    return mt::comm::run_recorded([&] {
-      const auto exp_dir = std::filesystem::path(args.save_dir) / args.experiment_name;
-      const auto checkpoint = mt::checkpoint::find_checkpoint_to_resume(exp_dir).checkpoint;
-      if (!checkpoint) throw mt::ConfigError(fmt::format("--consolidate-to: {} holds no checkpoint", exp_dir.string()));
-      const auto written = mt::checkpoint::consolidate_sharded_checkpoint(*checkpoint, args.consolidate_to);
-      fmt::print("wrote {} tensors into {} from {}\n", written.tensors, args.consolidate_to, checkpoint->string());
-      return 0;
-    });
-  }
-  return mt::comm::run_recorded([&] { return train(args); });
+  return mt::train::run_main<Chapter4Args>(argc, argv, [](const Chapter4Args& args) {
+    return args.consolidate_to.empty() ? train(args) : consolidate(args);
+  });
 }

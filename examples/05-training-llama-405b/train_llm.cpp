@@ -1,38 +1,33 @@
 // Chapter 5: the Llama-405B recipe. Chapter 4's FSDP training, with what a model that does not
 // fit changes:
-//   - weights from a model folder, read by rank 0 and broadcast into the shards
-//     (--weights-read-by rank0, the guide's way; every-rank reads each rank's rows itself);
-//     the model is built on the meta device, so no rank ever holds it whole;
+//   - weights from a model folder, read by rank 0 and broadcast into the shards (--weights-read-by
+//     rank0, the guide's way; every-rank reads each rank's rows), of a model built on the meta device;
 //   - the root (embedding, final norm, lm_head) stays gathered from forward to backward;
-//   - activation checkpointing on every decoder layer (--activation-checkpointing full): a
-//     layer keeps only its input and recomputes the rest in backward, with forward's RNG;
-//   - CPU offload (--cpu-offload): shards, gradients and AdamW state in CPU memory, the fused
-//     AdamW kernel stepping there, gradients copied there without blocking and zeroed in place
-//     rather than freed; or only AdamW's state and step on the host (--optimizer-offload,
-//     DeepSpeed's offload_optimizer), the shards and gradients staying on the device;
-//   - the next layer's all-gather issued while a layer computes (--prefetch-layers), and
-//     reduce-scatters left running while backward goes on;
-//   - the loss over chunks of positions (--loss-chunk; automatic: chunked once the batch's fp32
-//     logits would pass 256 MiB, as a 128k vocabulary's do), so full logits never exist;
-//   - optionally (--optimizer-in-backward, torchtune's optimizer_in_bwd) AdamW stepping each
-//     layer's shards as their gradients arrive in backward, so the model's gradients are never
-//     all held at once (not with clipping or accumulation, which need them all first).
+//   - activation checkpointing on every decoder layer (--activation-checkpointing full);
+//   - CPU offload (--cpu-offload): shards, gradients and AdamW state in CPU memory, the fused AdamW
+//     stepping there, gradients zeroed in place rather than freed; or only AdamW's state and step in
+//     host memory (--optimizer-offload, DeepSpeed's offload_optimizer);
+//   - the next layer's all-gather issued while a layer computes (--prefetch-layers);
+//   - the loss over chunks of positions, so full logits never exist (--loss-chunk; automatic);
+//   - optionally AdamW stepping each layer's shards as their gradients arrive in backward
+//     (--optimizer-in-backward, torchtune's optimizer_in_bwd; not with clipping or accumulation).
 // Launch over a hosts file with launch.sh; watch with the log tails and meshtorch-top.
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/parallel/training_data.hpp>
 #include <meshtorch/train/args.hpp>
-#include <meshtorch/train/tensorboard.hpp>
+#include <meshtorch/train/loop.hpp>
+#include <meshtorch/train/run_main.hpp>
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::FSDP<mt::dynamic>>;
 
 struct Chapter5Args : mt::train::TrainArgs, mt::train::FsdpArgs {
+  static constexpr auto description = "Chapter 5: the Llama-405B recipe (FSDP, checkpointing, CPU offload, prefetch)";
   bool optimizer_in_backward = false;
   bool optimizer_offload = false;
-  Chapter5Args() {
-    // The recipe's defaults; each can be turned off from the command line.
+  Chapter5Args() {  // the recipe's defaults; each can be turned off from the command line
     activation_checkpointing = "full";
     weights_read_by = "rank0";
   }
@@ -73,64 +68,23 @@ int train(const Chapter5Args& args) {
   // With --cpu-offload the shards are CPU tensors: the fused AdamW steps on the CPU, where
   // --optimizer-offload takes it too.
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr, .offload = args.optimizer_offload});
-  const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());
   if (args.optimizer_in_backward) model.step_in_backward(optimizer, args.max_grad_norm, sampler.micro_batches());
 
-  mt::train::Experiment experiment(args, mesh.rank(), sampler.global_batch(), device,
-                                   mt::train::tensorboard_tracker(args, mesh.rank()));
-  auto state = experiment.resume(model, optimizer);
-  mt::train::PhaseTimers timers(device);  // data, forward, backward, update: the guide's step breakdown
-
-  for (; state.epoch < args.num_epochs; ++state.epoch, state.epoch_step = 0) {
-    mt::data::PrefetchingLoader loader(blocks, sampler, state.epoch, state.epoch_step, device.is_cuda());
-    mt::train::ProgressBar progress(sampler.steps_per_epoch(), /*enabled=*/mesh.rank() == 0);
-    while (state.epoch_step < sampler.steps_per_epoch()) {
-      if (args.max_steps > 0 && state.global_step >= args.max_steps) return 0;
-
-      optimizer.set_lr(schedule.lr_at(state.global_step));  // before backward, which may step
-      torch::Tensor step_loss = torch::zeros({}, torch::TensorOptions().device(device).dtype(torch::kDouble));
-      for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
-        torch::Tensor input_ids;
-        {
-          auto timer = timers.time("data");
-          input_ids = loader.next()->input_ids.to(device, /*non_blocking=*/true);
-        }
-        if (args.measure_waiting && micro == 0) model.wait_for_slowest(timers);
-        torch::Tensor loss;
-        {
-          // Each layer keeps only its input; the next layer's weights are already on their way.
-          auto timer = timers.time("forward");
-          loss = model.loss(input_ids, /*labels=*/input_ids) / static_cast<double>(sampler.micro_batches());
-        }
-        {
-          // Per layer: re-gather, recompute the forward, backward, reduce-scatter (left running;
-          // with --optimizer-in-backward, the layer's AdamW step once it lands).
-          auto timer = timers.time("backward");
-          loss.backward();
-        }
-        step_loss += loss.detach().to(torch::kDouble);
-      }
-      {
-        auto timer = timers.time("update");
-        if (!args.optimizer_in_backward) {
-          if (args.max_grad_norm > 0) state.grad_norm = model.clip_grad_norm(args.max_grad_norm);
-          optimizer.step();
-          optimizer.zero_grad(/*set_to_none=*/!args.cpu_offload);
-        }
-      }
-      experiment.end_step(state, model.mean_over_data_parallel(step_loss).item<double>(), progress);
-      if (state.global_step % args.log_freq == 0)
-        experiment.log_metrics(state, sampler.steps_per_epoch(), schedule.lr_at(state.global_step), timers);
-      if (experiment.checkpoint_due(state, sampler.steps_per_epoch())) experiment.save(state, model, optimizer);
+  mt::train::Loop loop(args, model, optimizer, blocks, sampler, mesh.rank(), device);
+  for (auto state = loop.resume(); loop.next_step(state); loop.end_step(state)) {
+    optimizer.set_lr(loop.lr(state));  // before backward, which may step
+    for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
+      const auto input_ids = loop.next_batch();
+      // Forward: each layer keeps only its input; the next layer's weights are already on their
+      // way. Backward, per layer: re-gather, recompute the forward, backward, reduce-scatter (left
+      // running; with --optimizer-in-backward, the layer's AdamW step once it lands).
+      loop.backward(loop.timed("forward", [&] { return model.loss(input_ids, /*labels=*/input_ids); }));
     }
+    loop.timed("update", [&] {
+      if (!args.optimizer_in_backward) loop.update(state, /*set_to_none=*/!args.cpu_offload);
+    });
   }
   return 0;
 }
 
-int main(int argc, char** argv) {
-  CLI::App app{"Chapter 5: the Llama-405B recipe (FSDP, checkpointing, CPU offload, prefetch)"};
-  Chapter5Args args;
-  args.add_to(app);
-  CLI11_PARSE(app, argc, argv);
-  return mt::comm::run_recorded([&] { return train(args); });
-}
+int main(int argc, char** argv) { return mt::train::run_main<Chapter5Args>(argc, argv, train); }

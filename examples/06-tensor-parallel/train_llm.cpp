@@ -12,19 +12,20 @@
 #include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/parallel/training_data.hpp>
 #include <meshtorch/train/args.hpp>
-#include <meshtorch/train/tensorboard.hpp>
+#include <meshtorch/train/loop.hpp>
+#include <meshtorch/train/run_main.hpp>
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::DP<mt::dynamic>, mt::TP<mt::dynamic>>;
 
 struct Chapter6Args : mt::train::TrainArgs {
+  static constexpr auto description = "Chapter 6: tensor parallel (with sequence parallel and loss parallel)";
   int tp = 2;
 
   void add_to(CLI::App& app) {
     TrainArgs::add_to(app);
-    app.add_option("--tp", tp, "tensor-parallel size: ranks that split each layer (divides the world)")
-        ->capture_default_str()
-        ->check(CLI::PositiveNumber);
+    mt::train::add_extent_flag(app, "--tp", tp,
+                               "tensor-parallel size: ranks that split each layer (divides the world)");
   }
 };
 
@@ -42,61 +43,18 @@ int train(const Chapter6Args& args) {
   // The DP ranks split the global batch; all TP ranks of a DP coordinate read the same samples.
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
-  const auto schedule = mt::train::lr_schedule(args, sampler.steps_per_epoch());
 
-  mt::train::Experiment experiment(args, mesh.rank(), sampler.global_batch(), device,
-                                   mt::train::tensorboard_tracker(args, mesh.rank()));
-  auto state = experiment.resume(model, optimizer);
-  mt::train::PhaseTimers timers(device);
-
-  for (; state.epoch < args.num_epochs; ++state.epoch, state.epoch_step = 0) {
-    mt::data::PrefetchingLoader loader(blocks, sampler, state.epoch, state.epoch_step, device.is_cuda());
-    mt::train::ProgressBar progress(sampler.steps_per_epoch(), /*enabled=*/mesh.rank() == 0);
-    while (state.epoch_step < sampler.steps_per_epoch()) {
-      if (args.max_steps > 0 && state.global_step >= args.max_steps) return 0;
-
-      torch::Tensor step_loss = torch::zeros({}, torch::TensorOptions().device(device).dtype(torch::kDouble));
-      for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
-        // All micro-batches but the last skip the DP all-reduce.
-        std::optional<decltype(model.no_sync())> no_sync;
-        if (micro + 1 < sampler.micro_batches()) no_sync.emplace(model.no_sync());
-        torch::Tensor input_ids;
-        {
-          auto timer = timers.time("data");
-          input_ids = loader.next()->input_ids.to(device, /*non_blocking=*/true);
-        }
-        if (args.measure_waiting && micro == 0) model.wait_for_slowest(timers);  // the guide's waiting time
-        torch::Tensor loss;
-        {
-          auto timer = timers.time("forward");
-          loss = model.loss(input_ids, /*labels=*/input_ids) / static_cast<double>(sampler.micro_batches());
-        }
-        {
-          auto timer = timers.time("backward");
-          loss.backward();
-        }
-        step_loss += loss.detach().to(torch::kDouble);
-      }
-      {
-        auto timer = timers.time("update");
-        if (args.max_grad_norm > 0) state.grad_norm = model.clip_grad_norm(args.max_grad_norm);
-        optimizer.set_lr(schedule.lr_at(state.global_step));
-        optimizer.step();
-        optimizer.zero_grad();
-      }
-      experiment.end_step(state, model.mean_over_data_parallel(step_loss).item<double>(), progress);
-      if (state.global_step % args.log_freq == 0)
-        experiment.log_metrics(state, sampler.steps_per_epoch(), schedule.lr_at(state.global_step), timers);
-      if (experiment.checkpoint_due(state, sampler.steps_per_epoch())) experiment.save(state, model, optimizer);
+  mt::train::Loop loop(args, model, optimizer, blocks, sampler, mesh.rank(), device);
+  for (auto state = loop.resume(); loop.next_step(state); loop.end_step(state)) {
+    for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
+      // All micro-batches but the last skip the DP all-reduce.
+      const auto no_sync = loop.no_sync_unless_last(micro);
+      const auto input_ids = loop.next_batch();
+      loop.backward(loop.timed("forward", [&] { return model.loss(input_ids, /*labels=*/input_ids); }));
     }
+    loop.timed("update", [&] { loop.update(state); });
   }
   return 0;
 }
 
-int main(int argc, char** argv) {
-  CLI::App app{"Chapter 6: tensor parallel (with sequence parallel and loss parallel)"};
-  Chapter6Args args;
-  args.add_to(app);
-  CLI11_PARSE(app, argc, argv);
-  return mt::comm::run_recorded([&] { return train(args); });
-}
+int main(int argc, char** argv) { return mt::train::run_main<Chapter6Args>(argc, argv, train); }

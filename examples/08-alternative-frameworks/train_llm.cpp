@@ -16,6 +16,7 @@
 #include <meshtorch/parallel/training_data.hpp>
 #include <meshtorch/train/args.hpp>
 #include <meshtorch/train/deepspeed_config.hpp>
+#include <meshtorch/train/epochs.hpp>
 
 namespace mt = meshtorch;
 
@@ -50,24 +51,15 @@ int main(int argc, char** argv) {
       const auto [blocks, sampler] =
           mt::load_training_data(engine.args(), engine.model().module()->config.vocab_size, engine.model());
       engine.set_steps_per_epoch(sampler.steps_per_epoch());
-      auto& timers = engine.timers();
 
-      auto state = engine.load_checkpoint();  // the latest checkpoint of -e, or a fresh start
-      for (; state.epoch < args.num_epochs; ++state.epoch, state.epoch_step = 0) {
-        mt::data::PrefetchingLoader loader(blocks, sampler, state.epoch, state.epoch_step, engine.device().is_cuda());
-        mt::train::ProgressBar progress(sampler.steps_per_epoch(), /*enabled=*/engine.mesh().rank() == 0);
-        while (state.epoch_step < sampler.steps_per_epoch()) {
-          if (args.max_steps > 0 && state.global_step >= args.max_steps) return 0;
-          torch::Tensor input_ids;
-          {
-            auto timer = timers.time("data");
-            input_ids = loader.next()->input_ids.to(engine.device(), /*non_blocking=*/true);
-          }
-          auto loss = engine.loss(input_ids, /*labels=*/input_ids);  // one micro-batch
-          engine.backward(loss);                                     // gradients reduced as the stage says
-          if (!engine.step(state, progress)) continue;               // not an accumulation boundary yet
-          if (engine.checkpoint_due(state)) engine.save_checkpoint(state);
-        }
+      // Epoch after epoch from the latest checkpoint of -e (or a fresh start), a micro-batch at a time.
+      mt::train::Epochs epochs(engine.args(), blocks, sampler, engine.mesh().rank(), engine.device());
+      for (auto state = engine.load_checkpoint(); epochs.next_step(state);) {
+        const auto input_ids = engine.timers().timed("data", [&] { return epochs.next_batch(); });
+        auto loss = engine.loss(input_ids, /*labels=*/input_ids);  // one micro-batch
+        engine.backward(loss);                                     // gradients reduced as the stage says
+        if (!engine.step(state, epochs.progress())) continue;      // not an accumulation boundary yet
+        if (engine.checkpoint_due(state)) engine.save_checkpoint(state);
       }
       return 0;
     });

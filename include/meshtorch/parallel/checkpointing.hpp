@@ -31,6 +31,7 @@
 #include <meshtorch/train/adamw.hpp>
 #include <meshtorch/train/checkpoint.hpp>
 #include <meshtorch/train/experiment.hpp>
+#include <meshtorch/train/optimizer.hpp>
 #include <meshtorch/train/state.hpp>
 
 namespace meshtorch::parallel {
@@ -42,6 +43,10 @@ MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const train
 // ZeRO-1's state: each rank holds (and writes) the state of the weights it owns, whole. A load on
 // another world size fills each rank's new share from whichever rank saved it.
 MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const ZeroRedundancyOptimizer& optimizer,
+                                                                     const std::vector<io::ShardedTensor>& weights);
+
+// Either of the two, through the optimizer interface (chapter 2 picks one by a flag).
+MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const train::Optimizer& optimizer,
                                                                      const std::vector<io::ShardedTensor>& weights);
 
 // Saves <exp_dir>/ckpt-<step> from every rank's pieces, with this rank's RNG states and
@@ -164,6 +169,13 @@ MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const ZeroR
     mine.push_back(std::move(piece));
   }
   return checkpoint::adamw_state_tensors(optimizer, mine);
+}
+
+MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const train::Optimizer& optimizer,
+                                                                     const std::vector<io::ShardedTensor>& weights) {
+  if (const auto* zero = dynamic_cast<const ZeroRedundancyOptimizer*>(&optimizer))
+    return optimizer_state_pieces(*zero, weights);
+  return checkpoint::adamw_state_tensors(optimizer, weights);
 }
 
 MESHTORCH_DECL checkpoint::SavedCheckpoint save_training_checkpoint(

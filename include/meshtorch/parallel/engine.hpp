@@ -24,11 +24,11 @@
 // Link requirements: meshtorch::tracking (its Experiment writes TensorBoard files with --tensorboard).
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
 #include <utility>
-#include <variant>
 
 #include <fmt/format.h>
 
@@ -50,6 +50,7 @@
 #include <meshtorch/train/experiment.hpp>
 #include <meshtorch/train/log.hpp>
 #include <meshtorch/train/lr_schedule.hpp>
+#include <meshtorch/train/optimizer.hpp>
 #include <meshtorch/train/state.hpp>
 #include <meshtorch/train/tensorboard.hpp>
 #include <meshtorch/train/timers.hpp>
@@ -75,7 +76,6 @@ class Engine {
  public:
   static constexpr bool shards_weights = M::template has<FSDP>;
   using Model = ParallelLlama<M>;
-  using Optimizer = std::variant<train::AdamW, ZeroRedundancyOptimizer>;
 
   Engine(const train::TrainArgs& args, train::DeepSpeedConfig config)
       : config_(check_mesh(std::move(config))),
@@ -130,21 +130,16 @@ class Engine {
     {
       auto timer = timers_.time("update");
       if (config_.gradient_clipping > 0) state.grad_norm = model_.clip_grad_norm(config_.gradient_clipping);
-      const double lr = schedule_.lr_at(state.global_step);
-      std::visit(
-          [&](auto& optimizer) {
-            optimizer.set_lr(lr);
-            optimizer.step();
-            if (!measured_) {
-              measured_ = measure_model_state();
-              run_.log.info(fmt::format(
-                  "model state on this rank at the first step: weights {:.1f} MB, gradients {:.1f} MB, "
-                  "optimizer state {:.1f} MB, total {:.1f} MB",
-                  mb(measured_->weights), mb(measured_->gradients), mb(measured_->optimizer), mb(measured_->total())));
-            }
-            optimizer.zero_grad();
-          },
-          optimizer_);
+      optimizer_->set_lr(schedule_.lr_at(state.global_step));
+      optimizer_->step();
+      if (!measured_) {
+        measured_ = measure_model_state();
+        run_.log.info(fmt::format(
+            "model state on this rank at the first step: weights {:.1f} MB, gradients {:.1f} MB, "
+            "optimizer state {:.1f} MB, total {:.1f} MB",
+            mb(measured_->weights), mb(measured_->gradients), mb(measured_->optimizer), mb(measured_->total())));
+      }
+      optimizer_->zero_grad();
     }
     const double loss = model_.mean_over_data_parallel(step_loss_).template item<double>();
     step_loss_ = zero_loss();
@@ -156,13 +151,9 @@ class Engine {
 
   // The run's checkpoint: the latest of <save-dir>/<-e> (or --resume-from), restored into the
   // model and optimizer; a fresh state without one.
-  train::TrainState load_checkpoint() {
-    return std::visit([&](auto& optimizer) { return experiment_.resume(model_, optimizer); }, optimizer_);
-  }
+  train::TrainState load_checkpoint() { return experiment_.resume(model_, *optimizer_); }
   // Saves <save-dir>/<-e>/ckpt-<global_step>: every rank its own pieces (collective).
-  void save_checkpoint(const train::TrainState& state) {
-    std::visit([&](auto& optimizer) { experiment_.save(state, model_, optimizer); }, optimizer_);
-  }
+  void save_checkpoint(const train::TrainState& state) { experiment_.save(state, model_, *optimizer_); }
   bool checkpoint_due(const train::TrainState& state) const {
     return experiment_.checkpoint_due(state, steps_per_epoch_);
   }
@@ -231,13 +222,12 @@ class Engine {
                        run_.mesh, std::move(options));
   }
 
-  Optimizer build_optimizer() {
+  std::unique_ptr<train::Optimizer> build_optimizer() {
     const auto named = model_.named_parameters();
     if constexpr (!shards_weights)
       if (config_.zero_stage == 1 && run_.mesh.world_size() > 1)
-        return Optimizer(std::in_place_type<ZeroRedundancyOptimizer>, named, run_.mesh.template group<DP>(),
-                         config_.optimizer);
-    return Optimizer(std::in_place_type<train::AdamW>, named, config_.optimizer);
+        return std::make_unique<ZeroRedundancyOptimizer>(named, run_.mesh.template group<DP>(), config_.optimizer);
+    return std::make_unique<train::AdamW>(named, config_.optimizer);
   }
 
   ModelStateBytes measure_model_state() {
@@ -252,11 +242,7 @@ class Engine {
     for (const auto& [name, p] : model_.named_parameters()) add(bytes.weights, p);
     for (const auto& p : model_.module()->parameters()) add(bytes.gradients, p.grad());
     for (const auto& [name, p] : model_.named_parameters()) add(bytes.gradients, p.grad());
-    std::visit(
-        [&](const auto& optimizer) {
-          for (const auto& [name, t] : optimizer.state()) add(bytes.optimizer, t);
-        },
-        optimizer_);
+    for (const auto& [name, t] : optimizer_->state()) add(bytes.optimizer, t);
     return bytes;
   }
 
@@ -264,7 +250,7 @@ class Engine {
   train::TrainArgs args_;
   Launch<M> run_;
   Model model_;
-  Optimizer optimizer_;
+  std::unique_ptr<train::Optimizer> optimizer_;  // AdamW, or ZeRO-1's for stage 1
   train::LrSchedule schedule_;
   train::Experiment experiment_;
   train::PhaseTimers timers_;

@@ -21,32 +21,33 @@
 #include <meshtorch/io/safetensors.hpp>
 #include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/adamw.hpp>
+#include <meshtorch/train/optimizer.hpp>
 
 namespace meshtorch {
 
 // owner[i] = the group rank that owns parameter i.
 MESHTORCH_DECL std::vector<int> partition_parameters_greedy(const std::vector<torch::Tensor>& params, int world_size);
 
-class ZeroRedundancyOptimizer {
+class ZeroRedundancyOptimizer : public train::Optimizer {
  public:
   ZeroRedundancyOptimizer(std::vector<std::pair<std::string, torch::Tensor>> named_parameters,
                           const comm::AxisGroup& group, train::AdamWOptions options)
       : group_(group), params_(std::move(named_parameters)), local_(make_local(options)) {}
 
-  double lr() const { return local_.lr(); }
-  void set_lr(double lr) { local_.set_lr(lr); }
+  double lr() const override { return local_.lr(); }
+  void set_lr(double lr) override { local_.set_lr(lr); }
 
   // All parameters' gradients, not only the owned ones: every rank computed them all.
-  void zero_grad() {
-    for (auto& [name, p] : params_) p.mutable_grad() = torch::Tensor();
-  }
+  void zero_grad(bool set_to_none = true) override { train::zero_gradients(params_, set_to_none); }
 
-  MESHTORCH_DECL void step();
+  MESHTORCH_DECL void step() override;
 
   // This rank's shard of the state: "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step"
   // for the parameters it owns. Checkpoints save one shard per rank.
-  io::NamedTensors state() const { return local_.state(); }
-  void load_state(const io::SafetensorsFile& file, const std::string& source) { local_.load_state(file, source); }
+  io::NamedTensors state() const override { return local_.state(); }
+  void load_state(const io::SafetensorsFile& file, const std::string& source) override {
+    local_.load_state(file, source);
+  }
 
   // Elements of optimizer state this rank holds.
   std::int64_t state_numel() const {
@@ -54,6 +55,8 @@ class ZeroRedundancyOptimizer {
     for (const auto& [name, t] : local_.state()) n += t.numel();
     return n;
   }
+  // What this rank holds, for the start-up log.
+  MESHTORCH_DECL std::string summary() const;
   const std::vector<int>& owners() const { return owner_; }
   const std::vector<std::pair<std::string, torch::Tensor>>& parameters() const { return params_; }
   const std::vector<std::pair<std::string, torch::Tensor>>& owned_parameters() const { return local_.parameters(); }
@@ -78,9 +81,16 @@ class ZeroRedundancyOptimizer {
 #include <map>
 #include <numeric>
 
+#include <fmt/format.h>
+
 #include <meshtorch/comm/collectives.hpp>
 
 namespace meshtorch {
+
+MESHTORCH_DECL std::string ZeroRedundancyOptimizer::summary() const {
+  return fmt::format("ZeroRedundancyOptimizer: this rank holds {} elements of optimizer state for {} of {} parameters",
+                     state_numel(), owned_parameters().size(), parameters().size());
+}
 
 MESHTORCH_DECL std::vector<int> partition_parameters_greedy(const std::vector<torch::Tensor>& params, int world_size) {
   std::vector<std::size_t> order(params.size());

@@ -21,6 +21,7 @@
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/safetensors.hpp>
 #include <meshtorch/separate_compilation.hpp>
+#include <meshtorch/train/optimizer.hpp>
 
 namespace meshtorch::train {
 
@@ -38,21 +39,26 @@ struct AdamWOptions {
 
 MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> named_trainable_parameters(torch::nn::Module& module);
 
-class AdamW {
+// Frees the gradients of `parameters` (set_to_none) or zeroes them in place: the body of AdamW's
+// and ZeRO-1's zero_grad.
+MESHTORCH_DECL void zero_gradients(const std::vector<std::pair<std::string, torch::Tensor>>& parameters,
+                                   bool set_to_none);
+
+class AdamW : public Optimizer {
  public:
   MESHTORCH_DECL AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_parameters, AdamWOptions options);
 
-  double lr() const { return options_.lr; }
-  void set_lr(double lr) { options_.lr = lr; }
+  double lr() const override { return options_.lr; }
+  void set_lr(double lr) override { options_.lr = lr; }
   const std::vector<std::pair<std::string, torch::Tensor>>& parameters() const { return params_; }
 
   // Frees the gradients (set_to_none), so the next backward allocates them afresh; or zeroes
   // them in place, keeping their memory: with CPU offload they are host buffers worth keeping
   // (the guide's zero_grad(set_to_none=False)). Either way the next backward's gradients are
   // what .grad holds after it.
-  MESHTORCH_DECL void zero_grad(bool set_to_none = true);
+  MESHTORCH_DECL void zero_grad(bool set_to_none = true) override;
 
-  MESHTORCH_DECL void step();
+  MESHTORCH_DECL void step() override;
 
   // Steps only these parameters (of those given at construction; each must be one of them),
   // those with a gradient: what stepping in backward does for one FSDP unit at a time. Each
@@ -61,9 +67,9 @@ class AdamW {
 
   // "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step" for every parameter (host tensors
   // with offload).
-  MESHTORCH_DECL io::NamedTensors state() const;
+  MESHTORCH_DECL io::NamedTensors state() const override;
 
-  MESHTORCH_DECL void load_state(const io::SafetensorsFile& file, const std::string& source);
+  MESHTORCH_DECL void load_state(const io::SafetensorsFile& file, const std::string& source) override;
 
  private:
   // These parameters (those with a gradient), on the device or through their host copies.
@@ -127,15 +133,18 @@ MESHTORCH_DECL AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> n
   }
 }
 
-MESHTORCH_DECL void AdamW::zero_grad(bool set_to_none) {
+MESHTORCH_DECL void zero_gradients(const std::vector<std::pair<std::string, torch::Tensor>>& parameters,
+                                   bool set_to_none) {
   torch::NoGradGuard no_grad;
-  for (auto& [name, p] : params_) {
+  for (const auto& [name, p] : parameters) {
     if (set_to_none)
       p.mutable_grad() = torch::Tensor();
     else if (p.grad().defined())
       p.mutable_grad().zero_();
   }
 }
+
+MESHTORCH_DECL void AdamW::zero_grad(bool set_to_none) { zero_gradients(params_, set_to_none); }
 
 MESHTORCH_DECL void AdamW::step() {
   std::vector<std::size_t> all(params_.size());

@@ -186,5 +186,9 @@ MESHTORCH_DECL void FsdpArgs::add_fsdp_flags(CLI::App& app, bool with_cpu_offloa
       ->check(CLI::NonNegativeNumber);
 }
 
+MESHTORCH_DECL void add_extent_flag(CLI::App& app, const std::string& name, int& extent, const std::string& help) {
+  app.add_option(name, extent, help)->capture_default_str()->check(CLI::PositiveNumber);
+}
+
 }  // namespace meshtorch::train
 #endif  // MESHTORCH_DEFINES(programs)

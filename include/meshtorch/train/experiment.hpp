@@ -2,7 +2,8 @@
 // The experiment around a training loop, as the guide's scripts keep it: the folder
 // <save-dir>/<experiment-name>, resuming from its checkpoint, a metrics line every --log-freq
 // steps (printed by rank 0 and appended to metrics.jsonl) and a checkpoint every --ckpt-freq
-// steps and at the run's last step. Every chapter's loop calls the same functions:
+// steps and at the run's last step. train::Loop (train/loop.hpp) and chapter 8's engine call
+// these functions for a chapter:
 //
 //   mt::train::Experiment experiment(args, rank, sampler.global_batch(), device);
 //   auto state = experiment.resume(model, optimizer);                 // or a fresh state

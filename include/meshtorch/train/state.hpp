@@ -13,4 +13,9 @@ struct TrainState {
   double grad_norm = -1;           // the last step's gradient norm when clipping (not saved)
 };
 
+// The finished check: --max-steps (when positive) steps are done, and the run stops before another.
+inline bool max_steps_reached(const TrainState& state, std::int64_t max_steps) {
+  return max_steps > 0 && state.global_step >= max_steps;
+}
+
 }  // namespace meshtorch::train

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <map>
 #include <string>
+#include <utility>
 
 #include <meshtorch/torch.hpp>
 
@@ -34,6 +35,14 @@ class PhaseTimers {
   };
 
   Scope time(std::string phase) { return Scope(*this, std::move(phase)); }
+
+  // Runs `work` as this phase and returns what it returns, so that a timed value needs no
+  // declaration before its block: `auto loss = timers.timed("forward", [&] { return ...; });`.
+  template <class Work>
+  decltype(auto) timed(std::string phase, Work&& work) {
+    Scope scope(*this, std::move(phase));
+    return std::forward<Work>(work)();
+  }
 
   // Seconds per phase since the last reset.
   const std::map<std::string, double>& totals() const { return totals_; }

@@ -71,4 +71,8 @@ struct FsdpArgs {
   MESHTORCH_DECL void add_fsdp_flags(CLI::App& app, bool with_cpu_offload = true);
 };
 
+// A mesh axis's extent given at start-up (chapters 6 and 7's --tp and --dp): a positive integer,
+// its default shown in --help. Defined in train/args.hpp.
+MESHTORCH_DECL void add_extent_flag(CLI::App& app, const std::string& name, int& extent, const std::string& help);
+
 }  // namespace meshtorch::train

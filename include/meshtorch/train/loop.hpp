@@ -1,0 +1,160 @@
+#pragma once
+// The parts of a training loop that every chapter repeats, as named calls, so that each chapter
+// keeps its loop in view, top to bottom, as the guide's scripts and llm.c do, and writes out only
+// what its chapter is about (DDP's no_sync, FSDP's step in backward, a fault):
+//
+//   mt::train::Loop loop(args, model, optimizer, blocks, sampler, rank, device);
+//   for (auto state = loop.resume(); loop.next_step(state); loop.end_step(state)) {
+//     for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
+//       const auto input_ids = loop.next_batch();  // the "data" phase
+//       loop.backward(loop.timed("forward", [&] { return model.loss(input_ids, /*labels=*/input_ids); }));
+//     }
+//     loop.timed("update", [&] { loop.update(state); });  // clip, the scheduled rate, step, zero_grad
+//   }
+//
+// It owns what the guide's script keeps beside the loop: the learning-rate schedule, the phase
+// timers, the experiment folder (metrics, checkpoints, resuming) and the epochs (train::Epochs:
+// each one's loader and progress bar). The model, the optimizer and the data stay the chapter's. Chapter 8's engine
+// (parallel/engine.hpp) makes the same calls for a DeepSpeed config, a micro-batch at a time.
+//
+// Link requirements: meshtorch::tracking (its Experiment writes TensorBoard files with --tensorboard).
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include <meshtorch/torch.hpp>
+
+#include <meshtorch/data/dataset.hpp>
+#include <meshtorch/data/sampler.hpp>
+#include <meshtorch/parallel/grad_clipping.hpp>
+#include <meshtorch/train/epochs.hpp>
+#include <meshtorch/train/experiment.hpp>
+#include <meshtorch/train/lr_schedule.hpp>
+#include <meshtorch/train/optimizer.hpp>
+#include <meshtorch/train/state.hpp>
+#include <meshtorch/train/tensorboard.hpp>
+#include <meshtorch/train/timers.hpp>
+#include <meshtorch/train/train_args.hpp>
+
+namespace meshtorch::train {
+
+// `Model`: chapter 1's llama::LlamaForCausalLM, or a model parallelize() built (whose loss is
+// averaged over the data-parallel ranks and whose clipping sees every rank's piece).
+template <class Model>
+class Loop {
+ public:
+  // The schedule peaks at the rate `optimizer` was built with (chapter 2's may be scaled).
+  Loop(const TrainArgs& args, Model& model, Optimizer& optimizer, const data::TokenBlocks& blocks,
+       const data::DpInvariantSampler& sampler, int rank, torch::Device device)
+      : args_(args),
+        model_(model),
+        optimizer_(optimizer),
+        micro_batches_(sampler.micro_batches()),
+        device_(device),
+        schedule_(lr_schedule(args, sampler.steps_per_epoch(), optimizer.lr())),
+        experiment_(args, rank, sampler.global_batch(), device, tensorboard_tracker(args, rank)),
+        timers_(device),
+        step_loss_(zero_loss()),
+        epochs_(args, blocks, sampler, rank, device) {}
+
+  Loop(const Loop&) = delete;
+  Loop& operator=(const Loop&) = delete;
+
+  // The state of the checkpoint the run starts from (the model and optimizer restored), or a
+  // fresh one: Experiment::resume.
+  TrainState resume() { return experiment_.resume(model_, optimizer_); }
+
+  // Whether another optimizer step follows: false after the last epoch and at --max-steps
+  // (Epochs::next_step, which moves `state` to the next epoch at an epoch's end).
+  bool next_step(TrainState& state) { return epochs_.next_step(state); }
+
+  // This rank's next micro-batch on the device: the "data" phase. With --measure-waiting, the
+  // step's first micro-batch then waits for the slowest rank (the guide's waiting time).
+  torch::Tensor next_batch() {
+    auto input_ids = timers_.timed("data", [&] { return epochs_.next_batch(); });
+    if constexpr (requires { model_.wait_for_slowest(timers_); })
+      if (args_.measure_waiting && micro_batch_ == 0) model_.wait_for_slowest(timers_);
+    ++micro_batch_;
+    return input_ids;
+  }
+
+  // DDP's no_sync on all micro-batches of a step but the last, so that only the last one's
+  // backward all-reduces the gradients summed so far (chapter 2 spells it out).
+  auto no_sync_unless_last(std::int64_t micro) {
+    std::optional<decltype(model_.no_sync())> no_sync;
+    if (micro + 1 < micro_batches_) no_sync.emplace(model_.no_sync());
+    return no_sync;
+  }
+
+  // Runs `work` as the phase `phase` and returns its value (PhaseTimers::timed).
+  template <class Work>
+  decltype(auto) timed(std::string phase, Work&& work) {
+    return timers_.timed(std::move(phase), std::forward<Work>(work));
+  }
+
+  // The "backward" phase of a micro-batch's loss, divided by the step's micro-batches (as
+  // DeepSpeed's engine.backward scales it), so that the gradients and the step's loss, summed
+  // over them without waiting for the device, are the global batch's mean.
+  void backward(const torch::Tensor& loss) {
+    const auto scaled = loss / static_cast<double>(micro_batches_);
+    timers_.timed("backward", [&] { scaled.backward(); });
+    step_loss_ += scaled.detach().to(torch::kDouble);
+  }
+
+  // The update step: clipping (--max-grad-norm), the scheduled rate, the optimizer's step, and
+  // the gradients freed (or, without `set_to_none`, zeroed in place).
+  void update(TrainState& state, bool set_to_none = true) {
+    if (args_.max_grad_norm > 0) state.grad_norm = clip(args_.max_grad_norm);
+    optimizer_.set_lr(lr(state));
+    optimizer_.step();
+    optimizer_.zero_grad(set_to_none);
+  }
+
+  // The step is done: its loss (the mean over the global batch), a metrics line every
+  // --log-freq steps, a checkpoint every --ckpt-freq steps and at the run's last step.
+  void end_step(TrainState& state) {
+    micro_batch_ = 0;
+    experiment_.end_step(state, global_mean(std::exchange(step_loss_, zero_loss())).template item<double>(),
+                         epochs_.progress());
+    if (state.global_step % args_.log_freq == 0)
+      experiment_.log_metrics(state, epochs_.steps_per_epoch(), lr(state), timers_);
+    if (experiment_.checkpoint_due(state, epochs_.steps_per_epoch())) experiment_.save(state, model_, optimizer_);
+  }
+
+  // The scheduled rate of the step `state` is at.
+  double lr(const TrainState& state) const { return schedule_.lr_at(state.global_step); }
+  PhaseTimers& timers() { return timers_; }
+  const Logger& log() const { return experiment_.log(); }
+
+ private:
+  torch::Tensor zero_loss() const {
+    return torch::zeros({}, torch::TensorOptions().device(device_).dtype(torch::kDouble));
+  }
+  torch::Tensor global_mean(torch::Tensor loss) const {
+    if constexpr (requires { model_.mean_over_data_parallel(loss); })
+      return model_.mean_over_data_parallel(std::move(loss));
+    else
+      return loss;
+  }
+  double clip(double max_norm) {
+    if constexpr (requires { model_.clip_grad_norm(max_norm); })
+      return model_.clip_grad_norm(max_norm);
+    else
+      return meshtorch::clip_grad_norm(model_->parameters(), max_norm);
+  }
+
+  const TrainArgs& args_;
+  Model& model_;
+  Optimizer& optimizer_;
+  std::int64_t micro_batches_;  // of a step
+  torch::Device device_;
+  LrSchedule schedule_;
+  Experiment experiment_;
+  PhaseTimers timers_;
+  torch::Tensor step_loss_;       // the step's loss so far, summed over its micro-batches
+  std::int64_t micro_batch_ = 0;  // of the step under way
+  Epochs epochs_;
+};
+
+}  // namespace meshtorch::train
