@@ -5,7 +5,7 @@
 // decoder layer's matrices are split over the ranks of a TP group (q/k/v and gate/up by
 // columns, o and down by rows), the norms run on a slice of the sequence, the embedding and
 // lm_head are split over the vocabulary and the loss is computed without gathering the logits.
-// The plan is a type, llama::Plan<Mesh>, checked at compile time; parallelize() applies it and
+// The plan is a type, llama::Plan<Mesh>, checked at compile time; parallelize<Plan>() applies it and
 // then DDP across TP groups; all TP ranks of a DP coordinate read the same batch.
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
@@ -17,6 +17,9 @@
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::DP<mt::dynamic>, mt::TP<mt::dynamic>>;
+// The guide's plan: sequence parallel + loss parallel. launch<Plan> puts it in the fingerprint the
+// ranks compare, and parallelize<Plan> applies it: one type for both.
+using Plan = mt::llama::Plan<Mesh>;
 
 struct Chapter6Args : mt::train::TrainArgs {
   static constexpr auto description = "Chapter 6: tensor parallel (with sequence parallel and loss parallel)";
@@ -30,14 +33,13 @@ struct Chapter6Args : mt::train::TrainArgs {
 };
 
 int train(const Chapter6Args& args) {
-  using Plan = mt::llama::Plan<Mesh>;  // the guide's plan: sequence parallel + loss parallel
-  auto [env, device, dtype, mesh, log] = mt::launch<Mesh>(args, {mt::from_world_size, args.tp}, Plan::describe());
+  auto [env, device, dtype, mesh, log] = mt::launch<Plan>(args, {mt::from_world_size, args.tp});
 
   // The model on the meta device; each rank materialises only its piece of every matrix.
   const auto config = mt::llama::resolve_model(args.model_name);
-  auto model =
-      mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
-                      mesh, mt::parallelize_options(args, device));
+  auto model = mt::parallelize<Plan>(
+      mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)), mesh,
+      mt::parallelize_options(args, device));
   log.info(model.summary());
 
   // The DP ranks split the global batch; all TP ranks of a DP coordinate read the same samples.

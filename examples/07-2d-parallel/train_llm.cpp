@@ -17,6 +17,9 @@
 
 namespace mt = meshtorch;
 using Mesh = mt::Mesh<mt::DP<mt::dynamic>, mt::FSDP<mt::dynamic>, mt::TP<mt::dynamic>>;
+// The guide's plan: sequence parallel + loss parallel. launch<Plan> puts it in the fingerprint the
+// ranks compare, and parallelize<Plan> applies it: one type for both.
+using Plan = mt::llama::Plan<Mesh>;
 
 struct Chapter7Args : mt::train::TrainArgs, mt::train::FsdpArgs {
   static constexpr auto description = "Chapter 7: 2D parallel: tensor parallel inside a node, FSDP across nodes";
@@ -33,15 +36,13 @@ struct Chapter7Args : mt::train::TrainArgs, mt::train::FsdpArgs {
 };
 
 int train(const Chapter7Args& args) {
-  using Plan = mt::llama::Plan<Mesh>;  // the guide's plan: sequence parallel + loss parallel
-  auto [env, device, dtype, mesh, log] =
-      mt::launch<Mesh>(args, {args.dp, mt::from_world_size, args.tp}, Plan::describe());
+  auto [env, device, dtype, mesh, log] = mt::launch<Plan>(args, {args.dp, mt::from_world_size, args.tp});
 
   // The model on the meta device, then the parallel model the mesh type describes.
   const auto config = mt::llama::resolve_model(args.model_name);
   auto options = mt::parallelize_options(args, device);  // -m's weights, --activation-checkpointing, ...
   options.fsdp = mt::fsdp_options(args, dtype);
-  auto model = mt::parallelize(
+  auto model = mt::parallelize<Plan>(
       mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)), mesh, options);
   log.info(model.summary());
 
