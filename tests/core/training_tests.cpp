@@ -20,12 +20,12 @@
 #include <torch/optim/adamw.h>
 
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/models/llama/memory_plan.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
-#include <meshtorch/parallel/grad_clipping.hpp>
-#include <meshtorch/parallel/memory_plan.hpp>
 #include <meshtorch/train/caching_host_allocator.hpp>
 #include <meshtorch/train/cpu_allocation_counter.hpp>
+#include <meshtorch/train/grad_clipping.hpp>
 #include <meshtorch/train/tensorboard.hpp>
 
 #include "test_support.hpp"
@@ -303,8 +303,8 @@ TEST_CASE(
       mt::checkpoint_activations(model, {.every = every});
       model->loss_chunk = chunk;
       const auto ids = torch::randint(0, config.vocab_size, {batch, seq}, torch::kLong);
-      const auto estimate = mt::estimate_memory(
-          config, {.data_parallel = mt::DataParallelKind::ddp},
+      const auto estimate = mt::llama::estimate_memory(
+          config, {.data_parallel = mt::llama::DataParallelKind::ddp},
           {.batch = batch, .seq = seq, .compute_bytes = 4, .checkpoint_every = every, .loss_chunk = chunk});
 
       const double before = static_cast<double>(counter.current());
@@ -397,19 +397,19 @@ TEST_CASE("gradient clipping equals LibTorch's clip_grad_norm_, and counts each 
   }
   const double expected = torch::nn::utils::clip_grad_norm_(reference, 1.0);
   REQUIRE(expected > 1.0);  // it clips
-  CHECK(mt::clip_grad_norm(ours, 1.0) == Approx(expected).epsilon(1e-6));
+  CHECK(mt::train::clip_grad_norm(ours, 1.0) == Approx(expected).epsilon(1e-6));
   for (std::size_t i = 0; i < ours.size(); ++i) CHECK(torch::allclose(ours[i].grad(), reference[i].grad(), 1e-6, 1e-7));
 
   // A replica that another rank counts adds nothing to the norm but is scaled like the rest.
   auto pieces = make(6);
-  const double counted_once = mt::clip_grad_norm({{pieces[0], true}, {pieces[1], true}}, 1e9);
+  const double counted_once = mt::train::clip_grad_norm({{pieces[0], true}, {pieces[1], true}}, 1e9);
   pieces = make(6);
   const auto copy = pieces[1].grad().clone();
-  const double norm = mt::clip_grad_norm({{pieces[0], true}, {pieces[1], false}}, 0.5);
+  const double norm = mt::train::clip_grad_norm({{pieces[0], true}, {pieces[1], false}}, 0.5);
   CHECK(norm == Approx(pieces[0].grad().norm().item<double>() / (0.5 / (norm + 1e-6))).epsilon(1e-5));
   CHECK(norm < counted_once);
   CHECK(torch::allclose(pieces[1].grad(), copy * (0.5 / (norm + 1e-6)), 1e-5, 1e-7));
-  CHECK_THROWS_WITH(mt::clip_grad_norm(pieces, 0.0), Catch::Contains("max_norm 0 must be positive"));
+  CHECK_THROWS_WITH(mt::train::clip_grad_norm(pieces, 0.0), Catch::Contains("max_norm 0 must be positive"));
 }
 
 TEST_CASE("activation checkpointing recomputes layers with the same gradients and random numbers", "[optim]") {

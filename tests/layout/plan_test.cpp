@@ -1,8 +1,8 @@
 // Llama plans generated from mesh types: what they choose, and the run-time checks of a config.
 #include <catch2/catch.hpp>
 
-#include <meshtorch/parallel/llama_plan.hpp>
-#include <meshtorch/parallel/memory_plan.hpp>
+#include <meshtorch/models/llama/memory_plan.hpp>
+#include <meshtorch/models/llama/plan.hpp>
 
 namespace mt = meshtorch;
 namespace llama = meshtorch::llama;
@@ -18,11 +18,12 @@ static_assert(Plan8b::has_tp && Plan405b::tp_extent == 8);
 // One rank's device memory for a preset, checked when it compiles: the guide's 405B recipe (seq
 // 4096, batch 1, bf16 compute over fp32 shards in host memory, every layer checkpointed) fits an
 // 80 GiB GPU on 64 ranks of FSDP; without checkpointing the activations alone do not.
-constexpr mt::RunShape recipe{.batch = 1, .seq = 4096, .compute_bytes = 2, .checkpoint_every = 1, .cpu_offload = true};
+constexpr mt::llama::RunShape recipe{
+    .batch = 1, .seq = 4096, .compute_bytes = 2, .checkpoint_every = 1, .cpu_offload = true};
 using Recipe405b = llama::Plan<mt::Mesh<mt::FSDP<64>>, llama::presets::llama_3_1_405b>;
-static_assert(Recipe405b::peak_bytes(recipe) <= 80 * mt::GiB);
+static_assert(Recipe405b::peak_bytes(recipe) <= 80 * mt::llama::GiB);
 static_assert(Recipe405b::memory(recipe).trained_state() == 0 && Recipe405b::memory(recipe).host > 100e9);
-static_assert(Recipe405b::memory({.batch = 1, .seq = 4096, .cpu_offload = true}).activations > 80 * mt::GiB);
+static_assert(Recipe405b::memory({.batch = 1, .seq = 4096, .cpu_offload = true}).activations > 80 * mt::llama::GiB);
 // Stepping AdamW in backward holds one unit's gradient shards, the largest unit's at most (for
 // Llama-3.1-8B the root: embedding, head and final norm, 1,050,677,248 parameters), over 8 ranks.
 using Fsdp8b = llama::Plan<mt::Mesh<mt::FSDP<8>>, llama::presets::llama_3_1_8b>;
@@ -31,7 +32,8 @@ static_assert(Fsdp8b::memory({.state_bytes = 4}).gradients >
               7 * Fsdp8b::memory({.state_bytes = 4, .optimizer_in_backward = true}).gradients);
 // Optimizer offload alone: the AdamW state leaves the device for the host, where a copy of the
 // shards and their gradients joins it; the device keeps the shards and gradients.
-constexpr mt::RunShape fp32_state{.state_bytes = 4}, offloaded_optimizer{.state_bytes = 4, .optimizer_offload = true};
+constexpr mt::llama::RunShape fp32_state{.state_bytes = 4},
+    offloaded_optimizer{.state_bytes = 4, .optimizer_offload = true};
 static_assert(Fsdp8b::memory(offloaded_optimizer).optimizer == 0);
 static_assert(Fsdp8b::memory(offloaded_optimizer).host == 2 * Fsdp8b::memory(fp32_state).optimizer);
 static_assert(Fsdp8b::memory(offloaded_optimizer).weights == Fsdp8b::memory(fp32_state).weights &&
@@ -98,8 +100,8 @@ TEST_CASE("a run-time config is checked against the plan at the resolved TP size
 // The memory plan's shards are row_block's: on one rank the whole TP piece, on n ranks the first
 // rank's ceil(rows / n) rows of every tensor, so the largest shard is never under the average.
 namespace row_shards {
-using meshtorch::largest_row_shards;
-using meshtorch::tp_rank_parameters;
+using meshtorch::llama::largest_row_shards;
+using meshtorch::llama::tp_rank_parameters;
 namespace presets = meshtorch::llama::presets;
 constexpr auto tiny_counts = *presets::llama_tiny.parameter_counts();
 static_assert(largest_row_shards(presets::llama_tiny, 1, 1) == tp_rank_parameters(tiny_counts, 1));

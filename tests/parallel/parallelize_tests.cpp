@@ -121,9 +121,9 @@ void check_layout_against_one_process(std::vector<int> extents = {}, mt::Paralle
   if (mesh.rank() == 0) std::filesystem::remove_all(dir);
   mt::comm::barrier(mesh.world());
   auto pieces = parallel.sharded_parameters();
-  for (auto& piece : mt::parallel::optimizer_state_pieces(optimizer, pieces)) pieces.push_back(std::move(piece));
-  const auto saved = mt::parallel::save_training_checkpoint(dir, pieces, {.global_step = steps, .running_loss = 1.0},
-                                                            {}, mesh.world(), {.layout = parallel.layout()});
+  for (auto& piece : mt::optimizer_state_pieces(optimizer, pieces)) pieces.push_back(std::move(piece));
+  const auto saved = mt::save_training_checkpoint(dir, pieces, {.global_step = steps, .running_loss = 1.0}, {},
+                                                  mesh.world(), {.layout = parallel.layout()});
   CHECK(saved.written.largest_staging_numel == 0);
   for (const auto& piece : pieces) {
     const bool matrix = piece.global_shape.size() == 2 && piece.name.rfind("optimizer/", 0) != 0;
@@ -141,7 +141,7 @@ void check_layout_against_one_process(std::vector<int> extents = {}, mt::Paralle
   std::vector<mt::io::ShardedTensor> one_process;
   for (const auto& item : restored->named_parameters())
     one_process.push_back(mt::io::replicated(item.key(), item.value(), /*writer=*/true));
-  for (auto& piece : mt::parallel::optimizer_state_pieces(restored_optimizer, one_process))
+  for (auto& piece : mt::optimizer_state_pieces(restored_optimizer, one_process))
     one_process.push_back(std::move(piece));
   mt::checkpoint::load_sharded_checkpoint(saved.folder, one_process);
   const auto expected_state = reference_optimizer.state();

@@ -8,7 +8,7 @@
 // (the same check the examples run at start-up), and per rank: parameters, and bytes of weights,
 // gradients and AdamW state under DDP, ZeRO-1/2 or FSDP over the data-parallel ranks, the
 // largest unit that is gathered whole, and the device memory at the step's peak
-// (parallel/memory_plan.hpp: the trained state, gathered units, reductions in flight,
+// (models/llama/memory_plan.hpp: the trained state, gathered units, reductions in flight,
 // activations, the loss). --json prints the same figures as one JSON object. No LibTorch: it is
 // arithmetic on the config.
 #include <algorithm>
@@ -21,9 +21,9 @@
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/models/llama/config_json.hpp>
+#include <meshtorch/models/llama/memory_plan.hpp>
+#include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/parallel/checkpoint_selection.hpp>
-#include <meshtorch/parallel/llama_plan.hpp>
-#include <meshtorch/parallel/memory_plan.hpp>
 
 namespace mt = meshtorch;
 namespace llama = meshtorch::llama;
@@ -31,10 +31,10 @@ namespace llama = meshtorch::llama;
 namespace {
 
 // The overflow-safe counts: validate() has refused any config whose counts leave int64.
-mt::TpRankParameters tp_rank_sizes(const llama::Config& c, std::int64_t tp) {
+mt::llama::TpRankParameters tp_rank_sizes(const llama::Config& c, std::int64_t tp) {
   const auto counts = c.parameter_counts();
   if (!counts) throw mt::ConfigError("the model's parameter count overflows 64 bits");
-  return mt::tp_rank_parameters(*counts, tp);
+  return mt::llama::tp_rank_parameters(*counts, tp);
 }
 
 std::string human(double value, const char* unit) {
@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
   std::string model = "llama-tiny";
   int world = 1, tp = 1;
   std::string data_parallel = "fsdp", dtype = "bfloat16", compute_dtype, checkpointing = "none";
-  mt::RunShape run;
+  mt::llama::RunShape run;
   bool json = false;
   app.add_option("-m,--model-name", model, "a preset (llama-tiny, llama-3.1-8b, ...) or a folder with config.json")
       ->capture_default_str();
@@ -110,19 +110,19 @@ int main(int argc, char** argv) {
       throw mt::ConfigError(model + ": " + std::string(*problem) + " (" + std::to_string(tp) + ")");
     const std::int64_t dp = world / tp;
     const double bytes = dtype == "bfloat16" ? 2 : 4;
-    const auto kind = data_parallel == "ddp"     ? mt::DataParallelKind::ddp
-                      : data_parallel == "zero"  ? mt::DataParallelKind::zero1
-                      : data_parallel == "zero2" ? mt::DataParallelKind::zero2
-                                                 : mt::DataParallelKind::fsdp;
-    if (run.cpu_offload && kind != mt::DataParallelKind::fsdp)
+    const auto kind = data_parallel == "ddp"     ? mt::llama::DataParallelKind::ddp
+                      : data_parallel == "zero"  ? mt::llama::DataParallelKind::zero1
+                      : data_parallel == "zero2" ? mt::llama::DataParallelKind::zero2
+                                                 : mt::llama::DataParallelKind::fsdp;
+    if (run.cpu_offload && kind != mt::llama::DataParallelKind::fsdp)
       throw mt::ConfigError("--cpu-offload needs --data-parallel fsdp (FSDP's offload of its shards)");
-    if (run.optimizer_in_backward && kind != mt::DataParallelKind::fsdp)
+    if (run.optimizer_in_backward && kind != mt::llama::DataParallelKind::fsdp)
       throw mt::ConfigError("--optimizer-in-backward needs --data-parallel fsdp (FSDP steps each unit in backward)");
     run.state_bytes = static_cast<std::int64_t>(bytes);
     run.compute_bytes = (compute_dtype.empty() ? dtype : compute_dtype) == "bfloat16" ? 2 : 4;
     run.checkpoint_every = mt::parse_activation_checkpointing(checkpointing).every;
     const auto estimate =
-        mt::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, run);
+        mt::llama::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, run);
     const auto sizes = tp_rank_sizes(config, tp);
     const double root = static_cast<double>(sizes.root());
     const double largest = std::max(static_cast<double>(sizes.layer), root);
@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
     auto on_device = run;
     on_device.cpu_offload = on_device.optimizer_offload = false;
     const auto state =
-        mt::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, on_device);
+        mt::llama::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, on_device);
     const double held = state.weights / bytes;
 
     if (json) {
@@ -181,7 +181,7 @@ int main(int argc, char** argv) {
         static_cast<long long>(run.batch), static_cast<long long>(run.seq),
         run.compute_bytes == 2 ? "bfloat16" : "float32", checkpointing.c_str());
     std::printf("  %-28s %14s\n", "weights, gradients, AdamW", gigabytes(estimate.trained_state()).c_str());
-    if (kind == mt::DataParallelKind::fsdp) {
+    if (kind == mt::llama::DataParallelKind::fsdp) {
       std::printf("  %-28s %14s\n", "gathered units", gigabytes(estimate.gathered).c_str());
       std::printf("  %-28s %14s\n", "gradients being reduced", gigabytes(estimate.reductions).c_str());
     }

@@ -33,12 +33,8 @@
 
 namespace meshtorch::data {
 
-namespace bpe_detail {
-
-// One compiled PCRE2 pattern (defined with the definitions below, which alone include PCRE2).
-class Regex;
-
-}  // namespace bpe_detail
+// One compiled PCRE2 pattern (data/pcre2_regex.hpp, which the definitions alone include).
+class Pcre2Regex;
 
 class BpeTokenizer final : public TextTokenizer {
  public:
@@ -74,7 +70,7 @@ class BpeTokenizer final : public TextTokenizer {
   enum class StepKind { split, byte_level };
   struct PreTokenizerStep {
     StepKind kind;
-    std::shared_ptr<const bpe_detail::Regex> regex;  // split: the pattern; byte_level: GPT-2's or none
+    std::shared_ptr<const Pcre2Regex> regex;  // split: the pattern; byte_level: GPT-2's or none
     bool add_prefix_space = false;
   };
   struct Merge {
@@ -157,123 +153,15 @@ class BpeTokenizer final : public TextTokenizer {
 }  // namespace meshtorch::data
 
 #if MESHTORCH_DEFINES(tokenizers)
-#ifndef PCRE2_CODE_UNIT_WIDTH
-#define PCRE2_CODE_UNIT_WIDTH 8
-#endif
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <pcre2.h>
+
+#include <meshtorch/data/bpe_encoding.hpp>
+#include <meshtorch/data/byte_level.hpp>
 
 namespace meshtorch::data {
 
 namespace bpe_detail {
-
-// GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 bytes for
-// code points 256.. in order, so every byte string is a printable string in vocab files.
-inline const std::array<char32_t, 256>& byte_to_code_point() {
-  static const auto table = [] {
-    std::array<char32_t, 256> t{};
-    char32_t next = 256;
-    for (int b = 0; b < 256; ++b) {
-      const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-      t[b] = printable ? static_cast<char32_t>(b) : next++;
-    }
-    return t;
-  }();
-  return table;
-}
-
-inline void append_utf8(char32_t cp, std::string& out) {
-  if (cp < 0x80) {
-    out.push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
-}
-
-// The code points of a UTF-8 string that is known to be valid (JSON strings are), or nothing.
-inline std::optional<std::vector<char32_t>> code_points(std::string_view s) {
-  std::vector<char32_t> out;
-  for (std::size_t i = 0; i < s.size();) {
-    const auto lead = static_cast<unsigned char>(s[i]);
-    const int length = lead < 0x80 ? 1 : (lead >> 5) == 0x6 ? 2 : (lead >> 4) == 0xE ? 3 : (lead >> 3) == 0x1E ? 4 : 0;
-    if (length == 0 || i + length > s.size()) return std::nullopt;
-    char32_t cp = length == 1 ? lead : length == 2 ? (lead & 0x1F) : length == 3 ? (lead & 0x0F) : (lead & 0x07);
-    for (int k = 1; k < length; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
-    out.push_back(cp);
-    i += length;
-  }
-  return out;
-}
-
-// A vocabulary entry as raw bytes: each code point mapped back through the byte table. An entry
-// with a code point outside the table (an added token such as "<|eot_id|>" is inside it, but one
-// with non-Latin letters is not) stands for its own UTF-8 bytes, as in HF's ByteLevel decoder.
-inline std::string token_bytes(std::string_view token) {
-  static const auto inverse = [] {
-    std::unordered_map<char32_t, unsigned char> m;
-    for (int b = 0; b < 256; ++b) m.emplace(byte_to_code_point()[b], static_cast<unsigned char>(b));
-    return m;
-  }();
-  const auto cps = code_points(token);
-  if (!cps) return std::string(token);
-  std::string bytes;
-  for (auto cp : *cps) {
-    const auto it = inverse.find(cp);
-    if (it == inverse.end()) return std::string(token);
-    bytes.push_back(static_cast<char>(it->second));
-  }
-  return bytes;
-}
-
-// Rust's char::is_whitespace (Unicode White_Space), which HF uses for added tokens' lstrip/rstrip.
-constexpr bool is_unicode_whitespace(char32_t c) {
-  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
-         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
-}
-
-// One compiled PCRE2 pattern, JIT-compiled when the platform allows.
-class Regex {
- public:
-  Regex(const std::string& pattern, const std::string& where) {
-    int error = 0;
-    PCRE2_SIZE offset = 0;
-    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &error,
-                          &offset, nullptr);
-    if (!code_) {
-      std::array<PCRE2_UCHAR, 256> message{};
-      pcre2_get_error_message(error, message.data(), message.size());
-      throw ConfigError(fmt::format("{}: regex does not compile at offset {}: {}", where, offset,
-                                    reinterpret_cast<const char*>(message.data())));
-    }
-    pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // without JIT (unsupported CPU) matching still works
-  }
-  Regex(const Regex&) = delete;
-  Regex& operator=(const Regex&) = delete;
-  ~Regex() { pcre2_code_free(code_); }
-  const pcre2_code* code() const { return code_; }
-
- private:
-  pcre2_code* code_ = nullptr;
-};
-
-struct MatchData {
-  explicit MatchData(const Regex& regex) : data(pcre2_match_data_create_from_pattern(regex.code(), nullptr)) {}
-  MatchData(const MatchData&) = delete;
-  MatchData& operator=(const MatchData&) = delete;
-  ~MatchData() { pcre2_match_data_free(data); }
-  pcre2_match_data* data;
-};
 
 // Field `name` of `j` as a string, `fallback` when absent or null; `field` names it in the error
 // (nlohmann's own, "type must be string, but is number", names nothing).
@@ -286,106 +174,6 @@ inline std::string string_field(const nlohmann::json& j, const char* name, const
 }
 
 }  // namespace bpe_detail
-
-class BpeTokenizer::BpeSession final : public Session {
- public:
-  explicit BpeSession(const BpeTokenizer& t) : tokenizer_(t) {
-    for (const auto& step : t.steps_)
-      match_data_.push_back(step.regex ? std::make_unique<bpe_detail::MatchData>(*step.regex) : nullptr);
-  }
-
-  std::vector<std::int32_t> encode(std::string_view text) override {
-    std::vector<std::int32_t> ids;
-    split_added(text, /*normalized=*/false, ids);
-    return ids;
-  }
-
- private:
-  // HF's AddedVocabulary: tokens with normalized false (the special ones) are split off first,
-  // then those with normalized true inside what is left, then the rest is pre-tokenized.
-  void split_added(std::string_view text, bool normalized, std::vector<std::int32_t>& ids) {
-    std::size_t start = 0;
-    while (start < text.size()) {
-      const auto match = tokenizer_.find_added(text, start, normalized);
-      const auto gap = text.substr(start, match.begin - start);
-      if (normalized)
-        encode_plain(gap, ids);
-      else
-        split_added(gap, true, ids);
-      if (match.begin == text.size()) break;
-      ids.push_back(match.id);
-      start = match.end;
-    }
-  }
-
-  // Text between added tokens: pre-tokenized step by step, then each piece merged.
-  void encode_plain(std::string_view text, std::vector<std::int32_t>& ids) {
-    if (text.empty()) return;
-    pieces_.assign(1, std::string(text));
-    for (std::size_t s = 0; s < tokenizer_.steps_.size(); ++s) {
-      const auto& step = tokenizer_.steps_[s];
-      next_pieces_.clear();
-      for (auto& piece : pieces_) {
-        if (step.kind == StepKind::byte_level && step.add_prefix_space && piece.front() != ' ') piece.insert(0, 1, ' ');
-        if (step.regex)
-          split(piece, *step.regex, *match_data_[s]);
-        else
-          next_pieces_.push_back(std::move(piece));
-      }
-      std::swap(pieces_, next_pieces_);
-    }
-    for (const auto& piece : pieces_) merge_piece(piece, ids);
-  }
-
-  // HF's Split with behavior "Isolated": each match is a piece, and so is each gap between them.
-  void split(const std::string& piece, const bpe_detail::Regex& regex, bpe_detail::MatchData& md) {
-    const auto* subject = reinterpret_cast<PCRE2_SPTR>(piece.data());
-    std::size_t offset = 0, gap_start = 0;
-    std::uint32_t options = 0;
-    while (offset < piece.size()) {
-      const int rc = pcre2_match(regex.code(), subject, piece.size(), offset, options, md.data, nullptr);
-      if (rc == PCRE2_ERROR_NOMATCH) break;
-      if (rc < 0) {
-        std::array<PCRE2_UCHAR, 256> message{};
-        pcre2_get_error_message(rc, message.data(), message.size());
-        throw DataError(fmt::format("{}: cannot pre-tokenize the text ({}); is it valid UTF-8?", tokenizer_.source_,
-                                    reinterpret_cast<const char*>(message.data())));
-      }
-      options = PCRE2_NO_UTF_CHECK;  // checked once by the first call
-      const auto* ovector = pcre2_get_ovector_pointer(md.data);
-      const auto begin = ovector[0], end = ovector[1];
-      if (begin > gap_start) next_pieces_.emplace_back(piece, gap_start, begin - gap_start);
-      if (end > begin) {
-        next_pieces_.emplace_back(piece, begin, end - begin);
-        offset = end;
-      } else {
-        offset = end + 1;  // an empty match: step over one whole UTF-8 character
-        while (offset < piece.size() && (static_cast<unsigned char>(piece[offset]) & 0xC0) == 0x80) ++offset;
-        continue;
-      }
-      gap_start = end;
-    }
-    if (gap_start < piece.size()) next_pieces_.emplace_back(piece, gap_start, piece.size() - gap_start);
-  }
-
-  void merge_piece(const std::string& piece, std::vector<std::int32_t>& ids) {
-    if (auto hit = cache_.find(piece); hit != cache_.end()) {
-      ids.insert(ids.end(), hit->second.begin(), hit->second.end());
-      return;
-    }
-    const auto first = ids.size();
-    tokenizer_.merge(piece, ids, scratch_);
-    if (cache_.size() < cache_capacity && piece.size() < 256)
-      cache_.emplace(piece, std::vector<std::int32_t>(ids.begin() + static_cast<std::ptrdiff_t>(first), ids.end()));
-  }
-
-  static constexpr std::size_t cache_capacity = 100000;
-  const BpeTokenizer& tokenizer_;
-  std::vector<std::unique_ptr<bpe_detail::MatchData>> match_data_;
-  std::vector<std::string> pieces_, next_pieces_;
-  std::unordered_map<std::string, std::vector<std::int32_t>> cache_;
-  MergeScratch scratch_;
-};
 
 MESHTORCH_DECL BpeTokenizer BpeTokenizer::from_file(const std::filesystem::path& path) {
   const nlohmann::json j = io::read_json_file(path);
@@ -414,10 +202,6 @@ MESHTORCH_DECL BpeTokenizer::BpeTokenizer(const nlohmann::json& j, std::string s
   // from encode_document, so they are not read.
 }
 
-MESHTORCH_DECL std::vector<std::int32_t> BpeTokenizer::encode(std::string_view text) const {
-  return BpeSession(*this).encode(text);
-}
-
 MESHTORCH_DECL std::string BpeTokenizer::decode(std::span<const std::int32_t> ids) const {
   std::string text;
   for (const auto id : ids) {
@@ -438,10 +222,6 @@ MESHTORCH_DECL std::optional<std::int32_t> BpeTokenizer::token_to_id(std::string
 MESHTORCH_DECL std::string BpeTokenizer::describe() const {
   return fmt::format("byte-level BPE ({}, {} tokens, {} merges, {} added)", source_, vocab_.size(), merges_.size(),
                      added_.size());
-}
-
-MESHTORCH_DECL std::unique_ptr<BpeTokenizer::Session> BpeTokenizer::start_session() const {
-  return std::make_unique<BpeSession>(*this);
 }
 
 MESHTORCH_DECL std::string BpeTokenizer::where(std::string_view field) const {
@@ -501,14 +281,14 @@ MESHTORCH_DECL void BpeTokenizer::read_model(const nlohmann::json& model) {
   }
   resize_ids(max_id + 1);
   for (const auto& [token, id] : vocab_) {
-    auto bytes = bpe_detail::token_bytes(token);
+    auto bytes = byte_level::token_bytes(token);
     set_id(id, bytes);
     vocab_by_bytes_.emplace(std::move(bytes), id);
   }
   byte_id_.fill(-1);
   for (int b = 0; b < 256; ++b) {
     std::string key;
-    bpe_detail::append_utf8(bpe_detail::byte_to_code_point()[b], key);
+    byte_level::append_utf8(byte_level::byte_to_code_point()[b], key);
     if (auto it = vocab_.find(key); it != vocab_.end()) byte_id_[b] = it->second;
   }
   if (auto unk = model.find("unk_token"); unk != model.end() && !unk->is_null()) {
@@ -588,14 +368,14 @@ MESHTORCH_DECL void BpeTokenizer::read_pre_tokenizer(const nlohmann::json& pre) 
         throw ConfigError(
             fmt::format("{} must hold 'Regex' or 'String', got {}", where(path + "pattern"), pattern.dump()));
       }
-      steps_.push_back({StepKind::split, std::make_shared<bpe_detail::Regex>(regex, where(path + "pattern")), false});
+      steps_.push_back({StepKind::split, std::make_shared<Pcre2Regex>(regex, where(path + "pattern")), false});
     } else if (type == "ByteLevel") {
       byte_level = true;
       const bool use_regex = flag(step, "use_regex", true, path);
       // GPT-2's pattern, the one HF's ByteLevel applies when use_regex is true.
       static const std::string gpt2 = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
       steps_.push_back({StepKind::byte_level,
-                        use_regex ? std::make_shared<bpe_detail::Regex>(gpt2, where(path + "use_regex")) : nullptr,
+                        use_regex ? std::make_shared<Pcre2Regex>(gpt2, where(path + "use_regex")) : nullptr,
                         flag(step, "add_prefix_space", false, path)});
     } else {
       throw ConfigError(fmt::format("{} is '{}'; supported: Split (Isolated) steps and one ByteLevel step",
@@ -672,106 +452,6 @@ MESHTORCH_DECL void BpeTokenizer::set_id(std::int32_t id, std::string bytes) {
 }
 
 // The leftmost-longest added token of one pass at or after `start`, or begin == text.size().
-MESHTORCH_DECL BpeTokenizer::AddedMatch BpeTokenizer::find_added(std::string_view text, std::size_t start,
-                                                                 bool normalized) const {
-  if (added_.empty()) return {text.size(), text.size(), -1};
-  const auto& table = added_by_first_byte_[normalized];
-  for (auto pos = start; pos < text.size(); ++pos) {
-    for (const auto index : table[static_cast<unsigned char>(text[pos])]) {
-      const auto& token = added_[index];
-      if (text.compare(pos, token.content.size(), token.content) != 0) continue;
-      auto begin = pos, end = pos + token.content.size();
-      if (token.lstrip) begin = std::max(start, whitespace_before(text, begin));
-      if (token.rstrip) end = whitespace_after(text, end);
-      return {begin, end, token.id};
-    }
-  }
-  return {text.size(), text.size(), -1};
-}
-
-MESHTORCH_DECL std::size_t BpeTokenizer::whitespace_before(std::string_view text, std::size_t pos) {
-  while (pos > 0) {
-    auto lead = pos - 1;
-    while (lead > 0 && (static_cast<unsigned char>(text[lead]) & 0xC0) == 0x80) --lead;
-    const auto cps = bpe_detail::code_points(text.substr(lead, pos - lead));
-    if (!cps || cps->size() != 1 || !bpe_detail::is_unicode_whitespace((*cps)[0])) break;
-    pos = lead;
-  }
-  return pos;
-}
-
-MESHTORCH_DECL std::size_t BpeTokenizer::whitespace_after(std::string_view text, std::size_t pos) {
-  while (pos < text.size()) {
-    auto next = pos + 1;
-    while (next < text.size() && (static_cast<unsigned char>(text[next]) & 0xC0) == 0x80) ++next;
-    const auto cps = bpe_detail::code_points(text.substr(pos, next - pos));
-    if (!cps || cps->size() != 1 || !bpe_detail::is_unicode_whitespace((*cps)[0])) break;
-    pos = next;
-  }
-  return pos;
-}
-
-MESHTORCH_DECL void BpeTokenizer::merge(std::string_view piece, std::vector<std::int32_t>& ids, MergeScratch& s) const {
-  if (ignore_merges_)
-    if (auto it = vocab_by_bytes_.find(std::string(piece)); it != vocab_by_bytes_.end()) {
-      ids.push_back(it->second);
-      return;
-    }
-  const auto n = static_cast<std::int32_t>(piece.size());
-  s.id.clear();
-  for (std::int32_t i = 0; i < n; ++i) {
-    const auto byte = static_cast<unsigned char>(piece[i]);
-    auto id = byte_id_[byte];
-    if (id < 0) {
-      if (!unk_id_)
-        throw DataError(fmt::format("{}: byte 0x{} has no token and the model has no unk_token", source_, hex(byte)));
-      if (fuse_unk_ && !s.id.empty() && s.id.back() == *unk_id_) continue;
-      id = *unk_id_;
-    }
-    s.id.push_back(id);
-  }
-  const auto m = static_cast<std::int32_t>(s.id.size());
-  if (m <= 1) {
-    ids.insert(ids.end(), s.id.begin(), s.id.end());
-    return;
-  }
-  s.prev.resize(m);
-  s.next.resize(m);
-  for (std::int32_t i = 0; i < m; ++i) {
-    s.prev[i] = i - 1;
-    s.next[i] = i + 1 < m ? i + 1 : -1;
-  }
-  s.heap.clear();
-  const auto greater = [](const auto& a, const auto& b) { return a.first > b.first; };
-  auto push_pair = [&](std::int32_t left) {
-    const auto right = s.next[left];
-    if (left < 0 || right < 0) return;
-    const auto it = merges_.find(pair_key(s.id[left], s.id[right]));
-    if (it == merges_.end()) return;
-    s.heap.emplace_back((static_cast<std::int64_t>(it->second.rank) << 32) | left, it->second.merged);
-    std::push_heap(s.heap.begin(), s.heap.end(), greater);
-  };
-  for (std::int32_t i = 0; i + 1 < m; ++i) push_pair(i);
-  while (!s.heap.empty()) {
-    std::pop_heap(s.heap.begin(), s.heap.end(), greater);
-    const auto [key, merged] = s.heap.back();
-    s.heap.pop_back();
-    const auto left = static_cast<std::int32_t>(key & 0xFFFFFFFF);
-    const auto rank = static_cast<std::int32_t>(key >> 32);
-    const auto right = s.next[left];
-    if (s.id[left] < 0 || right < 0) continue;  // left was merged away, or is now last
-    const auto it = merges_.find(pair_key(s.id[left], s.id[right]));
-    if (it == merges_.end() || it->second.rank != rank) continue;  // the pair changed since
-    s.id[left] = merged;
-    s.id[right] = -1;
-    s.next[left] = s.next[right];
-    if (s.next[left] >= 0) s.prev[s.next[left]] = left;
-    push_pair(s.prev[left]);
-    push_pair(left);
-  }
-  for (std::int32_t i = 0; i >= 0; i = s.next[i]) ids.push_back(s.id[i]);
-}
-
 MESHTORCH_DECL std::string BpeTokenizer::hex(unsigned char byte) {
   constexpr char digits[] = "0123456789abcdef";
   return {digits[byte >> 4], digits[byte & 0xF]};

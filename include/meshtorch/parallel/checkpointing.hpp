@@ -34,7 +34,7 @@
 #include <meshtorch/train/optimizer.hpp>
 #include <meshtorch/train/state.hpp>
 
-namespace meshtorch::parallel {
+namespace meshtorch {
 
 // AdamW's state with the boxes of the weights it steps.
 MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const train::AdamW& optimizer,
@@ -66,7 +66,7 @@ MESHTORCH_DECL std::optional<train::TrainState> load_training_checkpoint(const s
 // config.json of the model as saved: consolidation turns the checkpoint into an HF folder with it.
 MESHTORCH_DECL std::map<std::string, std::string> config_file(const llama::Config& config, torch::ScalarType dtype);
 
-}  // namespace meshtorch::parallel
+}  // namespace meshtorch
 
 namespace meshtorch::train {
 
@@ -79,11 +79,11 @@ struct Checkpointing<llama::LlamaForCausalLM> {
   static void save(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model, const Optimizer& optimizer,
                    const TrainState& state, const RunIdentity& identity, int keep_checkpoints) {
     auto tensors = weights(model);
-    for (auto& piece : parallel::optimizer_state_pieces(optimizer, tensors)) tensors.push_back(std::move(piece));
-    parallel::save_training_checkpoint(
+    for (auto& piece : meshtorch::optimizer_state_pieces(optimizer, tensors)) tensors.push_back(std::move(piece));
+    meshtorch::save_training_checkpoint(
         exp_dir, tensors, state, identity, comm::single_process_group(),
         {.layout = "one process",
-         .extra_files = parallel::config_file(model->config, model->parameters().front().scalar_type()),
+         .extra_files = meshtorch::config_file(model->config, model->parameters().front().scalar_type()),
          .keep = keep_checkpoints});
   }
 
@@ -91,8 +91,8 @@ struct Checkpointing<llama::LlamaForCausalLM> {
   static std::optional<TrainState> load(const std::filesystem::path& exp_dir, llama::LlamaForCausalLM& model,
                                         Optimizer& optimizer, const RunIdentity& identity) {
     auto tensors = weights(model);
-    for (auto& piece : parallel::optimizer_state_pieces(optimizer, tensors)) tensors.push_back(std::move(piece));
-    return parallel::load_training_checkpoint(exp_dir, tensors, identity, comm::single_process_group());
+    for (auto& piece : meshtorch::optimizer_state_pieces(optimizer, tensors)) tensors.push_back(std::move(piece));
+    return meshtorch::load_training_checkpoint(exp_dir, tensors, identity, comm::single_process_group());
   }
 };
 
@@ -104,7 +104,7 @@ struct Checkpointing<ParallelLlama<M, Styles>> {
   template <class Optimizer>
   static std::vector<io::ShardedTensor> pieces(const Model& model, const Optimizer& optimizer) {
     auto tensors = model.sharded_parameters();
-    for (auto& piece : parallel::optimizer_state_pieces(optimizer, tensors)) tensors.push_back(std::move(piece));
+    for (auto& piece : meshtorch::optimizer_state_pieces(optimizer, tensors)) tensors.push_back(std::move(piece));
     return tensors;
   }
 
@@ -112,18 +112,18 @@ struct Checkpointing<ParallelLlama<M, Styles>> {
   static void save(const std::filesystem::path& exp_dir, Model& model, const Optimizer& optimizer,
                    const TrainState& state, const RunIdentity& identity, int keep_checkpoints) {
     const auto dtype = model.named_parameters().front().second.scalar_type();
-    parallel::save_training_checkpoint(exp_dir, pieces(model, optimizer), state, identity, model.world(),
-                                       {.layout = model.layout(),
-                                        .extra_files = parallel::config_file(model.module()->config, dtype),
-                                        .coordinate = model.coordinate(),
-                                        .keep = keep_checkpoints});
+    meshtorch::save_training_checkpoint(exp_dir, pieces(model, optimizer), state, identity, model.world(),
+                                        {.layout = model.layout(),
+                                         .extra_files = meshtorch::config_file(model.module()->config, dtype),
+                                         .coordinate = model.coordinate(),
+                                         .keep = keep_checkpoints});
   }
 
   template <class Optimizer>
   static std::optional<TrainState> load(const std::filesystem::path& exp_dir, Model& model, Optimizer& optimizer,
                                         const RunIdentity& identity) {
     auto tensors = pieces(model, optimizer);
-    return parallel::load_training_checkpoint(exp_dir, tensors, identity, model.world());
+    return meshtorch::load_training_checkpoint(exp_dir, tensors, identity, model.world());
   }
 };
 
@@ -145,7 +145,7 @@ struct Checkpointing<ParallelLlama<M, Styles>> {
 #include <meshtorch/train/log.hpp>
 #include <meshtorch/train/rng.hpp>
 
-namespace meshtorch::parallel {
+namespace meshtorch {
 
 MESHTORCH_DECL std::vector<io::ShardedTensor> optimizer_state_pieces(const train::AdamW& optimizer,
                                                                      const std::vector<io::ShardedTensor>& weights) {
@@ -238,7 +238,7 @@ MESHTORCH_DECL std::map<std::string, std::string> config_file(const llama::Confi
   return {{"config.json", llama::config_to_json(config, llama::dtype_name(dtype)).dump(2) + "\n"}};
 }
 
-}  // namespace meshtorch::parallel
+}  // namespace meshtorch
 
 namespace meshtorch::train {
 

@@ -24,8 +24,8 @@
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/comm/process_group.hpp>
 #include <meshtorch/error.hpp>
-#include <meshtorch/parallel/process_group.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace c10d {
@@ -261,10 +261,7 @@ class RecordedAllReduceHook : public c10d::CppCommHookInterface<c10::intrusive_p
 MESHTORCH_DECL DistributedDataParallel::DistributedDataParallel(
     std::vector<std::pair<std::string, torch::Tensor>> named, std::shared_ptr<torch::nn::Module> module,
     const comm::AxisGroup& group, DdpOptions options)
-    : module_(std::move(module)),
-      group_(group),
-      options_(options),
-      process_group_(parallel::make_process_group(group)) {
+    : module_(std::move(module)), group_(group), options_(options), process_group_(comm::make_process_group(group)) {
   if (named.empty()) throw ConfigError("DistributedDataParallel: the module has no parameter that requires grad");
   detail::check_same_parameters(group_, named);
 

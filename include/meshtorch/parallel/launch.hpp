@@ -26,8 +26,8 @@
 #include <meshtorch/comm/stack_dump.hpp>
 #include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/layout/mesh.hpp>
+#include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/models/llama/weights.hpp>
-#include <meshtorch/parallel/llama_plan.hpp>
 #include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/args.hpp>
 #include <meshtorch/train/caching_host_allocator.hpp>

@@ -1,11 +1,11 @@
 #pragma once
 // Module wrappers that join models to meshes: one header per technique.
+#include <meshtorch/comm/process_group.hpp>
+#include <meshtorch/models/llama/memory_plan.hpp>
+#include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
-#include <meshtorch/parallel/llama_plan.hpp>
-#include <meshtorch/parallel/memory_plan.hpp>
 #include <meshtorch/parallel/parallelize.hpp>
-#include <meshtorch/parallel/process_group.hpp>
 #include <meshtorch/parallel/rank.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/zero.hpp>

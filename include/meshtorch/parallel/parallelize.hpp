@@ -49,17 +49,17 @@
 #include <meshtorch/io/sharded_tensor.hpp>
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/models/llama/model.hpp>
+#include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
-#include <meshtorch/parallel/grad_clipping.hpp>
-#include <meshtorch/parallel/llama_plan.hpp>
 #include <meshtorch/parallel/parallelize_options.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/zero_stage2.hpp>
 #include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/adamw.hpp>
+#include <meshtorch/train/grad_clipping.hpp>
 #include <meshtorch/train/memory.hpp>
 #include <meshtorch/train/timers.hpp>
 #include <meshtorch/train/train_args.hpp>
@@ -148,7 +148,7 @@ class ParallelLlamaRuntime {
   // exactly one rank is the writer: DP coordinate 0 (every DP rank under ZeRO-2), TP rank 0.
   MESHTORCH_DECL std::vector<io::ShardedTensor> sharded_parameters() const;
   // Clips every gradient this rank trains so that the whole model's gradient norm is at most
-  // `max_norm` (parallel/grad_clipping.hpp); returns the norm before clipping. Every rank calls
+  // `max_norm` (train/grad_clipping.hpp); returns the norm before clipping. Every rank calls
   // it, after backward and before the optimizer step.
   MESHTORCH_DECL double clip_grad_norm(double max_norm) const;
 
@@ -506,9 +506,9 @@ MESHTORCH_DECL std::vector<io::ShardedTensor> ParallelLlamaRuntime::sharded_para
 }
 
 MESHTORCH_DECL double ParallelLlamaRuntime::clip_grad_norm(double max_norm) const {
-  std::vector<ClippedTensor> pieces;
+  std::vector<train::ClippedTensor> pieces;
   for (auto& piece : sharded_parameters()) pieces.push_back({piece.local, piece.writer});
-  return meshtorch::clip_grad_norm(pieces, max_norm, [this](const torch::Tensor& squares) {
+  return train::clip_grad_norm(pieces, max_norm, [this](const torch::Tensor& squares) {
     // Under CPU offload the gradients, and so their squares, are on the host; the sum goes over
     // the world's device (NCCL's GPU) and comes back.
     const torch::Device on(world_.device_name());

@@ -45,7 +45,7 @@
 #include <meshtorch/layout/parallel_style.hpp>
 #include <meshtorch/models/forward_hooks.hpp>
 #include <meshtorch/models/llama/model.hpp>
-#include <meshtorch/parallel/llama_plan.hpp>
+#include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {

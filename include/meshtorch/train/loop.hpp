@@ -27,9 +27,9 @@
 
 #include <meshtorch/data/dataset.hpp>
 #include <meshtorch/data/sampler.hpp>
-#include <meshtorch/parallel/grad_clipping.hpp>
 #include <meshtorch/train/epochs.hpp>
 #include <meshtorch/train/experiment.hpp>
+#include <meshtorch/train/grad_clipping.hpp>
 #include <meshtorch/train/lr_schedule.hpp>
 #include <meshtorch/train/optimizer.hpp>
 #include <meshtorch/train/state.hpp>
@@ -141,7 +141,7 @@ class Loop {
     if constexpr (requires { model_.clip_grad_norm(max_norm); })
       return model_.clip_grad_norm(max_norm);
     else
-      return meshtorch::clip_grad_norm(model_->parameters(), max_norm);
+      return train::clip_grad_norm(model_->parameters(), max_norm);
   }
 
   const TrainArgs& args_;

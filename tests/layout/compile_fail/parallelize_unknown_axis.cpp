@@ -1,4 +1,4 @@
-#include <meshtorch/parallel/llama_plan.hpp>
+#include <meshtorch/models/llama/plan.hpp>
 // An axis kind that no wrapper applies (context parallel is not built yet).
 template <std::size_t N>
 struct CP : meshtorch::AxisExtent<N> {

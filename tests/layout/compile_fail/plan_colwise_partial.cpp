@@ -1,5 +1,5 @@
 // A column-parallel layer cannot start from partial sums.
-#include <meshtorch/parallel/llama_plan.hpp>
+#include <meshtorch/models/llama/plan.hpp>
 namespace mt = meshtorch;
 struct Styles : mt::llama::TensorParallelStyles {
   using lm_head = mt::ColwiseParallel<mt::Partial, mt::Replicate>;

@@ -1,6 +1,6 @@
 // Sequence-parallel norms, but o_proj all-reduces to Replicate: the residual add would mix a
 // sequence shard with a whole sequence.
-#include <meshtorch/parallel/llama_plan.hpp>
+#include <meshtorch/models/llama/plan.hpp>
 namespace mt = meshtorch;
 struct Styles : mt::llama::SequenceParallelStyles {
   using o_proj = mt::RowwiseParallel<mt::Shard<-1>, mt::Replicate>;

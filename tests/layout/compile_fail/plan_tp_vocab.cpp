@@ -1,5 +1,5 @@
 // A vocabulary of 263 tokens cannot be sharded over 2 ranks.
-#include <meshtorch/parallel/llama_plan.hpp>
+#include <meshtorch/models/llama/plan.hpp>
 namespace mt = meshtorch;
 constexpr mt::llama::Config odd_vocab = [] {
   auto c = mt::llama::presets::llama_tiny;

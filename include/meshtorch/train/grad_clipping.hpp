@@ -13,7 +13,7 @@
 #include <meshtorch/error.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
-namespace meshtorch {
+namespace meshtorch::train {
 
 // A trained tensor whose gradient is clipped; `counted`: this rank adds its gradient's norm
 // (false for a copy another rank counts).
@@ -35,7 +35,7 @@ inline double clip_grad_norm(const std::vector<torch::Tensor>& parameters, doubl
   return clip_grad_norm(pieces, max_norm);
 }
 
-}  // namespace meshtorch
+}  // namespace meshtorch::train
 
 #if MESHTORCH_DEFINES(core)
 #include <algorithm>
@@ -43,7 +43,7 @@ inline double clip_grad_norm(const std::vector<torch::Tensor>& parameters, doubl
 
 #include <fmt/format.h>
 
-namespace meshtorch {
+namespace meshtorch::train {
 
 MESHTORCH_DECL double clip_grad_norm(const std::vector<ClippedTensor>& pieces, double max_norm,
                                      const std::function<torch::Tensor(torch::Tensor)>& sum_over_ranks) {
@@ -71,5 +71,5 @@ MESHTORCH_DECL double clip_grad_norm(const std::vector<ClippedTensor>& pieces, d
   return norm;
 }
 
-}  // namespace meshtorch
+}  // namespace meshtorch::train
 #endif  // MESHTORCH_DEFINES(core)

@@ -25,7 +25,7 @@
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/layout/parallel_style.hpp>
 #include <meshtorch/models/llama/config.hpp>
-#include <meshtorch/parallel/memory_plan.hpp>
+#include <meshtorch/models/llama/memory_plan.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::llama {
@@ -384,7 +384,7 @@ struct Plan {
       detail::throw_sequence_not_divisible(seq_length, tp_size);
   }
 
-  // One rank's device memory for a run of the preset on this mesh (parallel/memory_plan.hpp):
+  // One rank's device memory for a run of the preset on this mesh (models/llama/memory_plan.hpp):
   // FSDP over the FSDP axis (HSDP replicates it over DP), else DDP over DP; extents static.
   //   constexpr double peak = Plan<Mesh<FSDP<64>>, presets::llama_3_1_405b>::peak_bytes(run);
   //   static_assert(peak <= 80 * GiB, "does not fit an 80 GiB GPU");

@@ -43,7 +43,7 @@
 #include <meshtorch/models/llama/config.hpp>
 #include <meshtorch/models/loss_chunk.hpp>
 
-namespace meshtorch {
+namespace meshtorch::llama {
 
 inline constexpr double GiB = 1024.0 * 1024.0 * 1024.0;
 
@@ -212,4 +212,4 @@ constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes lay
   return m;
 }
 
-}  // namespace meshtorch
+}  // namespace meshtorch::llama

@@ -7,15 +7,15 @@
 
 #include <meshtorch/comm/axis_group.hpp>
 
-namespace meshtorch::parallel {
+namespace meshtorch::comm {
 
-inline c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const comm::AxisGroup& group) {
+inline c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const AxisGroup& group) {
   auto process_group = c10::make_intrusive<c10d::ProcessGroup>(group.rank(), group.size());
-  const bool cuda = group.device() == comm::Device::cuda;
+  const bool cuda = group.device() == Device::cuda;
   const auto backend_type = cuda ? c10d::ProcessGroup::BackendType::NCCL : c10d::ProcessGroup::BackendType::GLOO;
   process_group->setBackend(cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU, backend_type, group.backend());
   process_group->setDefaultBackend(backend_type);
   return process_group;
 }
 
-}  // namespace meshtorch::parallel
+}  // namespace meshtorch::comm
