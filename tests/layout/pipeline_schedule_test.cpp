@@ -72,6 +72,16 @@ static_assert(has_textbook_bubble<pp::OneFOneB, 4, 8>);
 static_assert(has_textbook_bubble<pp::OneFOneB, 4, 9>);
 static_assert(has_textbook_bubble<pp::OneFOneB, 8, 32>);
 
+// Interleaved 1F1B with m a multiple of p idles (p - 1) / (v m + p - 1): v times the work per rank,
+// the same ramp.
+template <int P, int V, int M>
+constexpr bool has_interleaved_bubble = pp::Schedule<pp::Interleaved1F1B, P, V, M>::bubble_fraction ==
+                                        double(P - 1) / (V * M + P - 1);
+static_assert(has_interleaved_bubble<2, 2, 4>);
+static_assert(has_interleaved_bubble<4, 2, 8>);
+static_assert(has_interleaved_bubble<4, 3, 12>);
+static_assert(has_interleaved_bubble<8, 2, 32>);
+
 // Interleaving shrinks the bubble; ZBV's weight gradients fill most of what is left.
 static_assert(bubble < pp::Schedule<pp::OneFOneB, 4, 1, 8>::bubble_fraction);
 static_assert(pp::Schedule<pp::Interleaved1F1B, 8, 2, 32>::bubble_fraction <
@@ -255,9 +265,16 @@ TEST_CASE("pipeline schedules: print the grids of the documentation", "[.grids]"
     std::printf("%s: %d ticks, bubble %.3f\n%s\n", title, table.ticks, pp::bubble_fraction(table),
                 pp::format_grid(table).c_str());
   };
-  print("GPipe, 4 ranks, 8 micro-batches", pp::make_schedule(ScheduleKind::gpipe, 4, 1, 8));
-  print("1F1B, 4 ranks, 8 micro-batches", pp::make_schedule(ScheduleKind::one_f_one_b, 4, 1, 8));
-  print("Interleaved1F1B, 4 ranks x 2 stages, 8 micro-batches",
-        pp::make_schedule(ScheduleKind::interleaved_1f1b, 4, 2, 8));
-  print("ZBV, 4 ranks x 2 stages, 8 micro-batches", pp::make_schedule(ScheduleKind::zero_bubble_v, 4, 2, 8));
+  print("GPipe, 2 ranks, 4 micro-batches", pp::make_schedule(ScheduleKind::gpipe, 2, 1, 4));
+  print("1F1B, 2 ranks, 4 micro-batches", pp::make_schedule(ScheduleKind::one_f_one_b, 2, 1, 4));
+  print("Interleaved1F1B, 2 ranks x 2 stages, 4 micro-batches",
+        pp::make_schedule(ScheduleKind::interleaved_1f1b, 2, 2, 4));
+  print("ZBV, 2 ranks x 2 stages, 4 micro-batches", pp::make_schedule(ScheduleKind::zero_bubble_v, 2, 2, 4));
+  for (const int ranks : {2, 4, 8})
+    for (const int microbatches : {ranks, 2 * ranks, 4 * ranks})
+      std::printf("| %d | %d | %.3f | %.3f | %.3f | %.3f |\n", ranks, microbatches,
+                  pp::bubble_fraction(pp::make_schedule(ScheduleKind::gpipe, ranks, 1, microbatches)),
+                  pp::bubble_fraction(pp::make_schedule(ScheduleKind::one_f_one_b, ranks, 1, microbatches)),
+                  pp::bubble_fraction(pp::make_schedule(ScheduleKind::interleaved_1f1b, ranks, 2, microbatches)),
+                  pp::bubble_fraction(pp::make_schedule(ScheduleKind::zero_bubble_v, ranks, 2, microbatches)));
 }
