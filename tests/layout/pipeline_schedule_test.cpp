@@ -241,6 +241,10 @@ TEST_CASE("pipeline schedules: a hand-edited table names its problem") {
     CHECK(problem.code == pp::ProblemCode::receive_missing);
     CHECK(problem.rank == 1);
   }
+  SECTION("a receive into the first stage, which has no previous one, is refused") {
+    table.programs[0].insert(table.programs[0].begin(), Action{RECV_F, 0, 0});
+    CHECK(pp::check_schedule(table).code == pp::ProblemCode::transfer_within_rank);
+  }
   SECTION("a stage moved to another rank is refused") {
     table.programs[0][0].stage = 1;
     CHECK(pp::check_schedule(table).code == pp::ProblemCode::stage_on_wrong_rank);

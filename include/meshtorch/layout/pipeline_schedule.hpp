@@ -415,6 +415,11 @@ constexpr Problem check_schedule(ScheduleTable& table) {
                           "a stage's action is on a rank that does not hold it; each stage runs on one rank only (loop "
                           "placement: stage s on rank s mod ranks; ZBV: ranks r and 2 x ranks - 1 - r)",
                           rank, action);
+      if ((action.kind == ActionKind::receive_forward && action.stage == 0) ||
+          (action.kind == ActionKind::receive_backward && action.stage == stages - 1))
+        return problem_at(ProblemCode::transfer_within_rank,
+                          "the first stage receives no activation and the last no gradient; remove that receive", rank,
+                          action);
       detail::StepPositions& step = at(action.stage, action.microbatch);
       switch (action.kind) {
         case ActionKind::forward:
