@@ -3,8 +3,8 @@
 // there are along it, or meshtorch::dynamic). The kind is the class template itself, so code asks
 // for an axis by kind without its extent: Mesh::has<TP>, mesh.size<TP>(), axis<TP>.
 //
-// Adding a kind (CP for context parallel, PP for pipeline parallel) is one more tag below:
-// derive from AxisExtent<N> and give it a name.
+// Adding a kind (CP for context parallel) is one more tag below: derive from AxisExtent<N> and
+// give it a name.
 #include <concepts>
 #include <cstddef>
 #include <string_view>
@@ -39,6 +39,15 @@ struct FSDP : AxisExtent<N> {
 template <std::size_t N>
 struct TP : AxisExtent<N> {
   static constexpr std::string_view name = "TP";
+};
+
+// Pipeline parallel: the model's layers split into stages, one or more per rank; micro-batches flow
+// through them in the order of a schedule (layout/pipeline_schedule.hpp). Put it outside TP, as in
+// Mesh<DP, FSDP, PP, TP>: the outer an axis, the farther apart its ranks, and a stage sends only
+// one activation per micro-batch while TP reduces inside every layer.
+template <std::size_t N>
+struct PP : AxisExtent<N> {
+  static constexpr std::string_view name = "PP";
 };
 
 namespace detail {
