@@ -2,6 +2,7 @@
 // Module wrappers that join models to meshes: one header per technique.
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
+#include <meshtorch/parallel/fsdp_llama.hpp>
 #include <meshtorch/parallel/llama_plan.hpp>
 #include <meshtorch/parallel/memory_plan.hpp>
 #include <meshtorch/parallel/parallelize.hpp>
