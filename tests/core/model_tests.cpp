@@ -151,7 +151,7 @@ TEST_CASE("logits match an independent reference forward pass", "[model]") {
     mt::llama::init_weights(lm);
     // Non-trivial norm weights so that the norms are really tested.
     torch::NoGradGuard no_grad;
-    for (auto& [name, leaf] : mt::llama::weight_modules(*lm))
+    for (auto& [name, leaf] : mt::weight_modules(*lm))
       if (name.find("norm") != std::string::npos) leaf->weight.uniform_(0.5, 1.5);
     const auto ids = torch::randint(0, c.vocab_size, {2, 7}, torch::kLong);
     const auto ours = lm->forward(ids).to(torch::kDouble);

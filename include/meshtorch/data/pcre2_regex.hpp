@@ -41,7 +41,8 @@ class Pcre2Regex {
 };
 
 struct Pcre2MatchData {
-  explicit Pcre2MatchData(const Pcre2Regex& regex) : data(pcre2_match_data_create_from_pattern(regex.code(), nullptr)) {}
+  explicit Pcre2MatchData(const Pcre2Regex& regex)
+      : data(pcre2_match_data_create_from_pattern(regex.code(), nullptr)) {}
   Pcre2MatchData(const Pcre2MatchData&) = delete;
   Pcre2MatchData& operator=(const Pcre2MatchData&) = delete;
   ~Pcre2MatchData() { pcre2_match_data_free(data); }

@@ -1,9 +1,11 @@
 #pragma once
-// FullyShardedDataParallel: PyTorch FSDP2's fully_shard for the Llama modules, over one axis of
-// a mesh (the FSDP axis; the whole world for Mesh<FSDP<dynamic>>).
+// FullyShardedDataParallel: PyTorch FSDP2's fully_shard, over one axis of a mesh (the FSDP
+// axis; the whole world for Mesh<FSDP<dynamic>>), for any module tree whose weights are
+// WeightModules (models/weight_module.hpp). It knows no model: what a family adds (how its
+// weights start, which state-dict tensors are not weights) comes in a FsdpModelAdapter.
 //
 // Each call to fully_shard(module) makes a *unit* of the weights under `module` that no earlier
-// unit took: one per decoder layer, then the root (embedding, final norm, lm_head). Every rank
+// unit took: e.g. one per decoder layer, then the root (embedding, final norm, lm_head). Every rank
 // keeps only its rows of each weight (Shard<0>, the row count padded up to a multiple of the
 // group size), packed into one flat buffer per unit; those row blocks are the leaf tensors the
 // optimizer steps, so gradients and AdamW state are sharded too. Around a unit's forward:
@@ -35,20 +37,22 @@
 // to a multiple of the group size, so each is one strided block of the gathered buffer.
 //
 //   llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta));
-//   FullyShardedDataParallel fsdp(model, mesh.group<FSDP>(), {.device = device});
+//   FullyShardedDataParallel fsdp(model, mesh.group<FSDP>(), {.device = device},
+//                                 llama_fsdp_adapter(config));  // parallel/fsdp_llama.hpp
 //   for (auto& layer : model->model->decoder_layers) fsdp.fully_shard(layer);
 //   fsdp.fully_shard(model);                       // the root, last
 //   fsdp.init_weights();                           // only shards get memory
 //   train::AdamW optimizer(fsdp.named_parameters(), {.lr = lr});
 //   model->loss(ids, ids).backward();              // the hooks do the rest
 //
-//
-// The parts: parallel/fsdp_options.hpp (what it is asked), fsdp_unit.hpp (one unit),
+// The parts: parallel/fsdp_options.hpp (what it is asked), fsdp_model_adapter.hpp (what a model
+// family adds), fsdp_unit.hpp (one unit),
 // fsdp_schedule.hpp (what the units share: prefetching and reductions in flight),
 // fsdp_buffers.hpp (flat buffers, storage and their collectives).
 #include <algorithm>
+#include <concepts>
 #include <cstdint>
-#include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -64,8 +68,10 @@
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/safetensors.hpp>
-#include <meshtorch/models/llama/model.hpp>
+#include <meshtorch/models/forward_hooks.hpp>
+#include <meshtorch/models/weight_module.hpp>
 #include <meshtorch/parallel/fsdp_buffers.hpp>
+#include <meshtorch/parallel/fsdp_model_adapter.hpp>
 #include <meshtorch/parallel/fsdp_options.hpp>
 #include <meshtorch/parallel/fsdp_schedule.hpp>
 #include <meshtorch/parallel/fsdp_unit.hpp>
@@ -73,17 +79,28 @@
 
 namespace meshtorch {
 
+// A module FSDP can hook: LibTorch C++ calls no hooks around a forward, so a unit's module runs
+// its body through a ForwardHooks member named `hooks` (every WeightModule does).
+template <class Impl>
+concept ForwardHooked = std::derived_from<Impl, torch::nn::Module> && requires(Impl& module) {
+  { module.hooks } -> std::same_as<ForwardHooks&>;
+};
+
 // The model-level state: the units, in the order they were made (layers, then the root).
 class FullyShardedDataParallel {
  public:
+  // `root` is the whole tree; its weights are named by their module paths from it
+  // ("model.layers.0.mlp.up_proj.weight"). `adapter` says what the model family adds: without
+  // one, FSDP shards, trains and saves the tree, but init_weights() refuses.
   template <class Holder>
   FullyShardedDataParallel(torch::nn::ModuleHolder<Holder>& root, const comm::AxisGroup& group,
-                           FsdpOptions options = {})
+                           FsdpOptions options = {}, FsdpModelAdapter adapter = {})
       : root_(std::static_pointer_cast<torch::nn::Module>(root.ptr())),
         group_(group),
         options_(options),
+        adapter_(std::move(adapter)),
         schedule_(std::make_shared<FsdpSchedule>(options_)) {
-    for (auto& [name, leaf] : llama::weight_modules(*root_)) all_leaves_.emplace_back(name + ".weight", leaf);
+    for (auto& [name, leaf] : weight_modules(*root_)) all_leaves_.emplace_back(name + ".weight", leaf);
     if (options_.prefetch_layers < 0)
       throw ConfigError(fmt::format("FullyShardedDataParallel: prefetch_layers {} is negative (0: no prefetching)",
                                     options_.prefetch_layers));
@@ -106,6 +123,10 @@ class FullyShardedDataParallel {
   // unit (FSDP2's per-call argument); the root keeps its weights gathered whatever it says.
   template <class Impl>
   FsdpUnit& fully_shard(torch::nn::ModuleHolder<Impl>& module, std::optional<bool> reshard_after_forward = {}) {
+    static_assert(ForwardHooked<Impl>,
+                  "fully_shard: the module has no `ForwardHooks hooks` member (models/forward_hooks.hpp), so FSDP "
+                  "cannot gather its weights before its forward; give it one and run its forward through "
+                  "hooks.around(input, body), or shard its WeightModules (which have hooks) one by one");
     const bool is_root = module.ptr().get() == root_.get();
     const std::string name = module_name(module.ptr().get());
     if (root_sharded_)
@@ -118,9 +139,9 @@ class FullyShardedDataParallel {
           fmt::format("fully_shard: the module is not part of the model this FullyShardedDataParallel "
                       "was built for (rank {})",
                       group_.global_rank()));
-    std::set<const llama::WeightModule*> inside;
-    for (auto& [n, leaf] : llama::weight_modules(*module)) inside.insert(leaf);
-    std::vector<std::pair<std::string, llama::WeightModule*>> leaves;
+    std::set<const WeightModule*> inside;
+    for (auto& [n, leaf] : weight_modules(*module)) inside.insert(leaf);
+    std::vector<std::pair<std::string, WeightModule*>> leaves;
     for (auto& [n, leaf] : all_leaves_)
       if (inside.count(leaf) && !claimed_.count(leaf)) leaves.emplace_back(n, leaf);
     if (leaves.empty())
@@ -149,22 +170,20 @@ class FullyShardedDataParallel {
   // The shards, named as the full weights: what the optimizer steps.
   MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> named_parameters() const;
 
-  // Initialises the shards as llama::init_weights initialises a whole model from the same
-  // seed: every rank draws each full weight in turn (one at a time on the compute device, so
-  // only the biggest weight is ever whole) and keeps its rows.
+  // Initialises the shards as the adapter's `initialise` initialises a whole model from the
+  // same seed: every rank draws each full weight in turn (one at a time on the compute device,
+  // so only the biggest weight is ever whole) and keeps its rows.
   MESHTORCH_DECL void init_weights();
 
-  // Copies this rank's rows of full (HF-named) weights into the shards: `tensors` must hold
-  // every weight with its full shape. `source` names the file in errors.
+  // Copies this rank's rows of full weights, named as named_parameters() names them, into the
+  // shards: `tensors` must hold every weight with its full shape, and nothing else but what the
+  // adapter's `not_a_weight` passes over. `source` names the file in errors. (A folder of a
+  // model family: parallel/fsdp_llama.hpp's llama::load_pretrained_weights.)
   MESHTORCH_DECL void load_full_state_dict(const io::NamedTensors& tensors, const std::string& source);
 
   // This rank's rows of a weight: the first row and the row count (the last ranks may hold
   // fewer rows, or none).
   MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> rows_of(const std::string& name) const;
-
-  // Loads an HF folder's model.safetensors (or the shards its index lists) into the shards.
-  MESHTORCH_DECL void load_pretrained_weights(const std::filesystem::path& dir);
-  MESHTORCH_DECL bool load_pretrained_weights_if_present(const std::filesystem::path& model_name_or_dir);
 
   // Every full weight, gathered (a collective: every rank of the group must call it) and
   // copied to the CPU in the shards' dtype, in the model's parameter order.
@@ -230,8 +249,9 @@ class FullyShardedDataParallel {
   std::shared_ptr<torch::nn::Module> root_;
   comm::AxisGroup group_;
   FsdpOptions options_;
-  std::vector<std::pair<std::string, llama::WeightModule*>> all_leaves_;  // HF names, named_modules order
-  std::set<const llama::WeightModule*> claimed_;
+  FsdpModelAdapter adapter_;
+  std::vector<std::pair<std::string, WeightModule*>> all_leaves_;  // module path + ".weight", named_modules order
+  std::set<const WeightModule*> claimed_;
   std::shared_ptr<FsdpSchedule> schedule_;  // before units_: the units point into it
   std::vector<std::unique_ptr<FsdpUnit>> units_;
   bool root_sharded_ = false;
@@ -240,8 +260,6 @@ class FullyShardedDataParallel {
 }  // namespace meshtorch
 
 #if MESHTORCH_DEFINES(core)
-#include <meshtorch/models/llama/weights.hpp>
-
 namespace meshtorch {
 
 MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> FullyShardedDataParallel::named_parameters() const {
@@ -253,16 +271,17 @@ MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> FullyShardedDa
 
 MESHTORCH_DECL void FullyShardedDataParallel::init_weights() {
   check_root_sharded_for("init_weights");
+  if (!adapter_.initialise)
+    throw ConfigError(
+        fmt::format("FullyShardedDataParallel::init_weights on rank {}: the FsdpModelAdapter given to the "
+                    "constructor has no `initialise` (e.g. llama_fsdp_adapter(config)); or build the model "
+                    "with real weights, which fully_shard keeps",
+                    group_.global_rank()));
   torch::NoGradGuard no_grad;
-  const auto* lm = dynamic_cast<llama::LlamaForCausalLMImpl*>(root_.get());
-  const double std = lm ? lm->config.initializer_range : 0.02;
   for (const auto& [name, leaf] : all_leaves_) {
     auto& p = *find(name);
     auto full = torch::empty(p.full_shape, torch::TensorOptions().device(options_.device).dtype(p.shard.scalar_type()));
-    if (dynamic_cast<llama::RMSNormImpl*>(leaf))
-      full.fill_(1.0);
-    else
-      full.normal_(0.0, std);
+    adapter_.initialise(name, *leaf, full);
     p.shard.copy_(full.narrow(0, p.block.first, p.block.count));
   }
 }
@@ -271,15 +290,19 @@ MESHTORCH_DECL void FullyShardedDataParallel::load_full_state_dict(const io::Nam
                                                                    const std::string& source) {
   torch::NoGradGuard no_grad;
   std::set<std::string> loaded;
-  const auto* lm = dynamic_cast<llama::LlamaForCausalLMImpl*>(root_.get());
   for (const auto& [name, tensor] : tensors) {
     auto* p = find(name);
     if (!p) {
-      if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
-      if (name == "lm_head.weight" && lm && lm->config.tie_word_embeddings) continue;
+      if (adapter_.not_a_weight && adapter_.not_a_weight(name)) continue;
       throw DataError(fmt::format("{}: tensor '{}' is not a weight of this model", source, name));
     }
-    llama::check_weight_dtype(source, name, tensor.scalar_type());
+    // The shards are trained, so floating point: converting integers would train on their values.
+    if (!c10::isFloatingType(tensor.scalar_type()))
+      throw DataError(
+          fmt::format("{}: tensor '{}' is stored as {}, not a floating-point dtype; the model's weights are "
+                      "floating point (F32, F16, BF16 or F64) and converting it would train on its integer "
+                      "values",
+                      source, name, c10::toString(tensor.scalar_type())));
     if (tensor.sizes().vec() != p->full_shape)
       throw DataError(fmt::format("{}: tensor '{}' has shape {}, the model needs {}", source, name,
                                   c10::str(tensor.sizes()), c10::str(c10::IntArrayRef(p->full_shape))));
@@ -294,22 +317,6 @@ MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> FullyShardedDataParallel::r
   const auto* p = find(name);
   if (!p) throw ConfigError(fmt::format("FullyShardedDataParallel: no weight named '{}'", name));
   return {p->block.first, p->block.count};
-}
-
-MESHTORCH_DECL void FullyShardedDataParallel::load_pretrained_weights(const std::filesystem::path& dir) {
-  check_root_sharded_for("load_pretrained_weights");
-  io::NamedTensors all;
-  for (const auto& reader : llama::open_weight_files(dir))
-    for (const auto& entry : reader.header().entries) all.emplace_back(entry.name, reader.read(entry));
-  load_full_state_dict(all, dir.string());
-}
-
-MESHTORCH_DECL bool FullyShardedDataParallel::load_pretrained_weights_if_present(
-    const std::filesystem::path& model_name_or_dir) {
-  if (!std::filesystem::is_directory(model_name_or_dir) || !llama::has_pretrained_weights(model_name_or_dir))
-    return false;
-  load_pretrained_weights(model_name_or_dir);
-  return true;
 }
 
 MESHTORCH_DECL io::NamedTensors FullyShardedDataParallel::full_state_dict() const {
@@ -344,7 +351,7 @@ MESHTORCH_DECL void FullyShardedDataParallel::check_root_sharded(const FsdpUnit&
   if (!root_sharded_)
     throw ConfigError(
         fmt::format("FullyShardedDataParallel: forward of {} before the root was sharded; call "
-                    "fully_shard(model) after the layers",
+                    "fully_shard(root) after the other units",
                     unit.describe()));
 }
 

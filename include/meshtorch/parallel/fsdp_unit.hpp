@@ -13,7 +13,7 @@
 
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/layout/row_block.hpp>
-#include <meshtorch/models/llama/model.hpp>
+#include <meshtorch/models/weight_module.hpp>
 #include <meshtorch/parallel/fsdp_buffers.hpp>
 #include <meshtorch/parallel/fsdp_options.hpp>
 #include <meshtorch/separate_compilation.hpp>
@@ -29,8 +29,8 @@ struct FsdpGradientCopy;
 class FsdpUnit {
  public:
   struct Parameter {
-    std::string name;  // HF name, e.g. "model.layers.0.mlp.up_proj.weight"
-    llama::WeightModule* leaf = nullptr;
+    std::string name;  // module path + ".weight", e.g. "model.layers.0.mlp.up_proj.weight"
+    WeightModule* leaf = nullptr;
     std::vector<std::int64_t> full_shape;
     std::int64_t rows = 0;          // full_shape[0]
     std::int64_t row_numel = 1;     // elements per row
@@ -41,8 +41,7 @@ class FsdpUnit {
     std::int64_t block_numel() const { return block.rows_per_rank * row_numel; }  // one rank's part, padded
   };
 
-  MESHTORCH_DECL FsdpUnit(std::string name, bool is_root,
-                          std::vector<std::pair<std::string, llama::WeightModule*>> leaves,
+  MESHTORCH_DECL FsdpUnit(std::string name, bool is_root, std::vector<std::pair<std::string, WeightModule*>> leaves,
                           const comm::AxisGroup& group, const FsdpOptions& options,
                           std::shared_ptr<FsdpSchedule> schedule);
 
@@ -167,7 +166,7 @@ class FsdpUnit {
 namespace meshtorch {
 
 MESHTORCH_DECL FsdpUnit::FsdpUnit(std::string name, bool is_root,
-                                  std::vector<std::pair<std::string, llama::WeightModule*>> leaves,
+                                  std::vector<std::pair<std::string, WeightModule*>> leaves,
                                   const comm::AxisGroup& group, const FsdpOptions& options,
                                   std::shared_ptr<FsdpSchedule> schedule)
     : name_(std::move(name)), is_root_(is_root), group_(group), options_(options), schedule_(std::move(schedule)) {

@@ -5,6 +5,7 @@
 #include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
+#include <meshtorch/parallel/fsdp_llama.hpp>
 #include <meshtorch/parallel/parallelize.hpp>
 #include <meshtorch/parallel/rank.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>

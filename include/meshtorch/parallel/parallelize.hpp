@@ -54,6 +54,7 @@
 #include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
+#include <meshtorch/parallel/fsdp_llama.hpp>
 #include <meshtorch/parallel/parallelize_options.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/zero_stage2.hpp>
@@ -368,7 +369,7 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
   options_.fsdp.device = options_.device;
   if (groups.tp) plan.validate(model_->config, groups.tp->size(), options_.model_name);
   const auto dtype = model_->parameters().front().scalar_type();
-  for (auto& [name, leaf] : llama::weight_modules(*model_)) {
+  for (auto& [name, leaf] : weight_modules(*model_)) {
     if (!leaf->weight.is_meta())
       throw ConfigError(
           fmt::format("parallelize: '{}.weight' is not on the meta device; build the model with "
@@ -389,7 +390,8 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
     // Under HSDP, DDP's Reducer all-reduces the shards' gradients as autograd delivers them:
     // the reduce-scatters hand their results to autograd at once instead of staying in flight.
     if (groups.dp && groups.dp->size() > 1) options_.fsdp.reduce_scatters_in_flight = 0;
-    fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, *groups.fsdp, options_.fsdp);
+    fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, *groups.fsdp, options_.fsdp,
+                                                       llama_fsdp_adapter(model_->config));
     // As torchtitan: the last layer keeps its weights from forward to backward, which starts
     // with it (resharding would free them only to gather them again at once).
     auto& layers = model_->model->decoder_layers;
@@ -397,7 +399,7 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
       fsdp_->fully_shard(layers[i], i + 1 < layers.size() ? std::nullopt : std::optional<bool>(false));
     fsdp_->fully_shard(model_);
   } else {
-    for (auto& [name, leaf] : llama::weight_modules(*model_))
+    for (auto& [name, leaf] : weight_modules(*model_))
       leaf->materialize(torch::TensorOptions().device(options_.device).dtype(dtype));
   }
 
@@ -589,17 +591,12 @@ MESHTORCH_DECL std::map<std::string, torch::Tensor> ParallelLlamaRuntime::traine
 
 MESHTORCH_DECL void ParallelLlamaRuntime::initialise(torch::ScalarType dtype) {
   torch::NoGradGuard no_grad;
-  const double std = model_->config.initializer_range;
-  std::set<std::string> norms;
-  for (auto& [name, leaf] : llama::weight_modules(*model_))
-    if (dynamic_cast<llama::RMSNormImpl*>(leaf)) norms.insert(name + ".weight");
+  const auto leaves = weight_modules(*model_);  // global_shapes_' order
   const auto trained = trained_by_name();
-  for (const auto& [name, shape] : global_shapes_) {
+  for (std::size_t i = 0; i < global_shapes_.size(); ++i) {
+    const auto& [name, shape] = global_shapes_[i];
     auto full = torch::empty(shape, torch::TensorOptions().device(options_.device).dtype(dtype));
-    if (norms.count(name))
-      full.fill_(1.0);
-    else
-      full.normal_(0.0, std);
+    llama::init_weight(*leaves[i].second, full, model_->config);
     keep_piece(trained, name, piece_of(name, full), "initialisation");
   }
 }

@@ -46,6 +46,7 @@
 #include <meshtorch/models/forward_hooks.hpp>
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/models/llama/plan.hpp>
+#include <meshtorch/models/weight_module.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {
@@ -203,7 +204,7 @@ class TensorParallelRuntime {
 
  private:
   // Colwise / rowwise / sequence parallel / none on one leaf module.
-  MESHTORCH_DECL void apply(const std::string& name, llama::WeightModule& module, const tp_detail::StyleSteps& style,
+  MESHTORCH_DECL void apply(const std::string& name, WeightModule& module, const tp_detail::StyleSteps& style,
                             bool entered);
   // A style's collectives around a module.
   MESHTORCH_DECL void add_enter(ForwardHooks& hooks, const tp_detail::StyleSteps& style);
@@ -211,7 +212,7 @@ class TensorParallelRuntime {
   // The output projection is lm_head, or the embedding matrix when tied; its hooks are the
   // model's head_hooks either way.
   MESHTORCH_DECL void apply_head(const tp_detail::StyleSteps& style);
-  MESHTORCH_DECL void shard(const std::string& name, llama::WeightModule& module, std::int64_t dim);
+  MESHTORCH_DECL void shard(const std::string& name, WeightModule& module, std::int64_t dim);
 
   llama::LlamaForCausalLM model_;
   comm::AxisGroup group_;
@@ -418,7 +419,7 @@ MESHTORCH_DECL torch::Tensor TensorParallelRuntime::vocab_parallel_cross_entropy
   return ((sum_exp.log() - target_logit) * valid).sum();
 }
 
-MESHTORCH_DECL void TensorParallelRuntime::apply(const std::string& name, llama::WeightModule& module,
+MESHTORCH_DECL void TensorParallelRuntime::apply(const std::string& name, WeightModule& module,
                                                  const tp_detail::StyleSteps& style, bool entered) {
   using tp_detail::StyleKind;
   switch (style.kind) {
@@ -503,8 +504,7 @@ MESHTORCH_DECL void TensorParallelRuntime::apply_head(const tp_detail::StyleStep
   add_leave(model_->head_hooks, style);
 }
 
-MESHTORCH_DECL void TensorParallelRuntime::shard(const std::string& name, llama::WeightModule& module,
-                                                 std::int64_t dim) {
+MESHTORCH_DECL void TensorParallelRuntime::shard(const std::string& name, WeightModule& module, std::int64_t dim) {
   torch::NoGradGuard no_grad;
   module.set_weight(tp_detail::chunk_of(module.weight.detach(), group_, dim, name + ".weight"));
   sharded_[name + ".weight"] = dim;

@@ -1,47 +1,16 @@
 #pragma once
-// The leaf layers of the Llama family, each holding one weight and no bias. Their parameters
-// can be created on the meta device (shapes only, no memory) and given real storage later,
-// which LibTorch's own modules cannot do: set_data refuses to move a meta tensor.
+// The leaf layers of the Llama family, each a WeightModule (models/weight_module.hpp): one
+// weight, no bias, creatable on the meta device.
 #include <cstdint>
-#include <functional>
 #include <utility>
-#include <vector>
 
 #include <meshtorch/torch.hpp>
 
-#include <meshtorch/models/forward_hooks.hpp>
 #include <meshtorch/models/llama/config.hpp>
+#include <meshtorch/models/weight_module.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::llama {
-
-class WeightModule : public torch::nn::Module {
- public:
-  torch::Tensor weight;
-  // Run around forward; empty unless a parallel plan set them.
-  ForwardHooks hooks;
-  // Functions of the weight that forward computes with instead of the weight itself, applied in
-  // order (torch.nn.utils.parametrize): e.g. an identity whose backward all-reduces the
-  // gradient, for a weight replicated over ranks that each see part of the data.
-  std::vector<std::function<torch::Tensor(const torch::Tensor&)>> parametrizations;
-
-  MESHTORCH_DECL torch::Tensor weight_in_use() const;
-
-  // Gives the weight fresh, uninitialised storage with `options` (e.g. meta -> cuda/bf16);
-  // the caller initialises it. Keeps the parameter's name and requires_grad.
-  MESHTORCH_DECL void materialize(const torch::TensorOptions& options);
-
-  // Replaces the weight by another tensor of the same shape (used by loaders and by
-  // wrappers that keep parameters as views into flat buffers).
-  MESHTORCH_DECL void replace_weight(const torch::Tensor& replacement);
-
-  // Replaces the weight by a tensor of any shape (a plan's shard of it), keeping the name and
-  // requires_grad.
-  MESHTORCH_DECL void set_weight(const torch::Tensor& replacement);
-
- protected:
-  MESHTORCH_DECL void create_weight(torch::IntArrayRef sizes, const torch::TensorOptions& options);
-};
 
 class LinearImpl : public WeightModule {
  public:
@@ -100,38 +69,6 @@ class Rotary {
 #include <numbers>
 
 namespace meshtorch::llama {
-
-MESHTORCH_DECL torch::Tensor WeightModule::weight_in_use() const {
-  if (parametrizations.empty()) return weight;
-  auto w = weight;
-  for (const auto& p : parametrizations) w = p(w);
-  return w;
-}
-
-MESHTORCH_DECL void WeightModule::materialize(const torch::TensorOptions& options) {
-  auto fresh = torch::empty(weight.sizes(), options.requires_grad(false));
-  fresh.set_requires_grad(weight.requires_grad());
-  weight = fresh;
-  parameters_["weight"] = weight;
-}
-
-MESHTORCH_DECL void WeightModule::replace_weight(const torch::Tensor& replacement) {
-  TORCH_CHECK(replacement.sizes() == weight.sizes(), "replace_weight: shape ", replacement.sizes(), " differs from ",
-              weight.sizes());
-  weight = replacement;
-  parameters_["weight"] = weight;
-}
-
-MESHTORCH_DECL void WeightModule::set_weight(const torch::Tensor& replacement) {
-  auto fresh = replacement.detach();
-  fresh.set_requires_grad(weight.requires_grad());
-  weight = fresh;
-  parameters_["weight"] = weight;
-}
-
-MESHTORCH_DECL void WeightModule::create_weight(torch::IntArrayRef sizes, const torch::TensorOptions& options) {
-  weight = register_parameter("weight", torch::empty(sizes, options.requires_grad(false)));
-}
 
 MESHTORCH_DECL LinearImpl::LinearImpl(std::int64_t in_features, std::int64_t out_features,
                                       const torch::TensorOptions& options) {

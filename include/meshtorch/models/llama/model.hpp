@@ -126,11 +126,12 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaForCausalLM);
 
-// Every weight-holding leaf of the model, in named_modules() order.
-MESHTORCH_DECL std::vector<std::pair<std::string, WeightModule*>> weight_modules(torch::nn::Module& root);
+// HF's _init_weights for one weight: `weight` (the leaf's own, or a full copy of it that a
+// wrapper holding shards draws) ~ N(0, initializer_range) for linears and embeddings, ones for
+// norms. Uses the default generator, so a seed fixes the result.
+MESHTORCH_DECL void init_weight(const WeightModule& leaf, torch::Tensor& weight, const Config& config);
 
-// HF's _init_weights: linear and embedding weights ~ N(0, initializer_range), norms to one.
-// Uses the default generator, so a seed fixes the result.
+// init_weight on every weight, in weight_modules() order.
 MESHTORCH_DECL void init_weights(LlamaForCausalLM& lm);
 
 // Gives every parameter still on the meta device real storage with `options`, then
@@ -302,23 +303,16 @@ MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::loss(const torch::Tensor& inp
   });
 }
 
-MESHTORCH_DECL std::vector<std::pair<std::string, WeightModule*>> weight_modules(torch::nn::Module& root) {
-  std::vector<std::pair<std::string, WeightModule*>> leaves;
-  for (auto& item : root.named_modules()) {
-    if (auto* leaf = dynamic_cast<WeightModule*>(item.value().get())) leaves.emplace_back(item.key(), leaf);
-  }
-  return leaves;
+MESHTORCH_DECL void init_weight(const WeightModule& leaf, torch::Tensor& weight, const Config& config) {
+  torch::NoGradGuard no_grad;
+  if (dynamic_cast<const RMSNormImpl*>(&leaf))
+    weight.fill_(1.0);
+  else
+    weight.normal_(0.0, config.initializer_range);
 }
 
 MESHTORCH_DECL void init_weights(LlamaForCausalLM& lm) {
-  torch::NoGradGuard no_grad;
-  const double std = lm->config.initializer_range;
-  for (auto& [name, leaf] : weight_modules(*lm)) {
-    if (dynamic_cast<RMSNormImpl*>(leaf))
-      leaf->weight.fill_(1.0);
-    else
-      leaf->weight.normal_(0.0, std);
-  }
+  for (auto& [name, leaf] : weight_modules(*lm)) init_weight(*leaf, leaf->weight, lm->config);
 }
 
 MESHTORCH_DECL void materialize(LlamaForCausalLM& lm, const torch::TensorOptions& options) {
