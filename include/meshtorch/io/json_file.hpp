@@ -112,29 +112,29 @@ class BoundsCheck {
   std::string last_key_;
 };
 
-}  // namespace json_detail
-
-template <class Error>
-nlohmann::json parse_json(std::string_view text, const std::string& where, std::string_view document) {
-  json_detail::BoundsCheck<Error> check(where, document);
+// Both parses, checked the same way; Json is nlohmann::json or its key-ordered form.
+template <class Error, class Json>
+Json parse_bounded(std::string_view text, const std::string& where, std::string_view document) {
+  BoundsCheck<Error> check(where, document);
   nlohmann::json::sax_parse(text.begin(), text.end(), &check);
   // Checked: no deeper than the limit, no repeated key, valid; the second pass only builds.
   try {
-    return nlohmann::json::parse(text.begin(), text.end());
+    return Json::parse(text.begin(), text.end());
   } catch (const nlohmann::json::exception& e) {
     throw Error(fmt::format("{}: not valid JSON ({})", where, e.what()));
   }
 }
 
+}  // namespace json_detail
+
+template <class Error>
+nlohmann::json parse_json(std::string_view text, const std::string& where, std::string_view document) {
+  return json_detail::parse_bounded<Error, nlohmann::json>(text, where, document);
+}
+
 template <class Error>
 nlohmann::ordered_json parse_ordered_json(std::string_view text, const std::string& where, std::string_view document) {
-  json_detail::BoundsCheck<Error> check(where, document);
-  nlohmann::json::sax_parse(text.begin(), text.end(), &check);
-  try {
-    return nlohmann::ordered_json::parse(text.begin(), text.end());
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(fmt::format("{}: not valid JSON ({})", where, e.what()));
-  }
+  return json_detail::parse_bounded<Error, nlohmann::ordered_json>(text, where, document);
 }
 
 template <class Error>

@@ -15,13 +15,7 @@
 // in on the meta device; no rank materialises more than its own pieces plus one full weight at a
 // time: each weight is drawn whole (the same random numbers chapter 1 draws, so every layout
 // starts from the same model) or read from the model folder, and only this rank's piece is kept.
-//
-//   using Mesh = meshtorch::Mesh<meshtorch::FSDP<meshtorch::dynamic>, meshtorch::TP<meshtorch::dynamic>>;
-//   auto mesh = meshtorch::comm::init<Mesh>({.extents = {meshtorch::from_world_size, tp}});
-//   llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta));
-//   auto parallel = meshtorch::parallelize(model, mesh, {.device = device});
-//   train::AdamW optimizer(parallel.named_parameters(), {.lr = lr});
-//   parallel.loss(ids, ids).backward();            // every collective is in the wrappers
+// parallelize<Plan>(...) applies a named llama::Plan; docs/parallelize.md has the walk-through.
 //
 // The object owns the wrappers, whose hooks live in the model: keep it alive while the model runs.
 #include <array>
