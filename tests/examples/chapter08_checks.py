@@ -65,6 +65,9 @@ def parity(tools, clipping):
                         **({"zero_optimization": zero} if zero else {}))
             out = engine(tools, 2, ds, "-e", f"stage{stage}", *flags)
             assert f"ZeRO stage {stage}" in out.stdout, out.stdout
+            # Stage 3's module weights are not leaves: measuring the model state asked them for
+            # their .grad, and LibTorch warned 78 times in 8 steps.
+            assert "not a leaf Tensor" not in out.stderr, out.stderr[:2000]
             print(f"stage {stage}:")
             compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/stage{stage}"), LOSS_RTOL)
             if clipping:

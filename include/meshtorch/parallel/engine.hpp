@@ -240,7 +240,10 @@ class Engine {
     };
     for (const auto& p : model_.module()->parameters()) add(bytes.weights, p);
     for (const auto& [name, p] : model_.named_parameters()) add(bytes.weights, p);
-    for (const auto& p : model_.module()->parameters()) add(bytes.gradients, p.grad());
+    // Under stage 3 the module's weights are views of gathered buffers, not leaves: they hold no
+    // gradient, and asking a non-leaf for one makes LibTorch warn (78 times in 8 steps).
+    for (const auto& p : model_.module()->parameters())
+      if (p.is_leaf()) add(bytes.gradients, p.grad());
     for (const auto& [name, p] : model_.named_parameters()) add(bytes.gradients, p.grad());
     for (const auto& [name, t] : optimizer_->state()) add(bytes.optimizer, t);
     return bytes;
