@@ -11,6 +11,12 @@
 // (models/llama/memory_plan.hpp: the trained state, gathered units, reductions in flight,
 // activations, the loss). --json prints the same figures as one JSON object. No LibTorch: it is
 // arithmetic on the config.
+//
+//   meshtorch-plan --pp 4 --schedule interleaved-1f1b --stages-per-rank 2 --microbatches 8 --show-schedule
+//
+// prints a pipeline schedule instead (layout/pipeline_schedule.hpp): checked as the run would
+// check it at start-up, its bubble (the idle share of the table) and, with --show-schedule, the
+// grid of actions per rank and tick. Memory per pipeline stage comes with the pipeline run time.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -20,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/layout/pipeline_schedule.hpp>
 #include <meshtorch/models/llama/config_json.hpp>
 #include <meshtorch/models/llama/memory_plan.hpp>
 #include <meshtorch/models/llama/plan.hpp>
@@ -99,7 +106,51 @@ int main(int argc, char** argv) {
   app.add_option("--loss-chunk", run.loss_chunk, "positions per loss chunk: -1 automatic, 0 all at once")
       ->capture_default_str();
   app.add_flag("--json", json, "print the figures as one JSON object (bytes)");
+  int pp = 1, stages_per_rank = 1, microbatches = 0;
+  std::string schedule;
+  bool show_schedule = false;
+  app.add_option("--schedule", schedule,
+                 "print this pipeline schedule instead of the memory figures: gpipe, 1f1b, interleaved-1f1b or zbv")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zbv"}));
+  app.add_option("--pp", pp, "--schedule: pipeline ranks")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--stages-per-rank", stages_per_rank, "--schedule: stages each pipeline rank holds")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--microbatches", microbatches, "--schedule: micro-batches per step (default: --pp)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--show-schedule", show_schedule, "--schedule: print the grid of actions per rank and tick");
   CLI11_PARSE(app, argc, argv);
+
+  if (!schedule.empty()) {
+    try {
+      namespace pp_ = meshtorch::pp;
+      const auto kind = schedule == "gpipe"  ? pp_::ScheduleKind::gpipe
+                        : schedule == "1f1b" ? pp_::ScheduleKind::one_f_one_b
+                        : schedule == "zbv"  ? pp_::ScheduleKind::zero_bubble_v
+                                             : pp_::ScheduleKind::interleaved_1f1b;
+      const auto table = pp_::make_schedule(kind, pp, stages_per_rank, microbatches > 0 ? microbatches : pp);
+      const double bubble = pp_::bubble_fraction(table);
+      if (json) {
+        std::printf("%s\n", nlohmann::json{{"schedule", std::string(pp_::to_string(kind))},
+                                           {"pp", pp},
+                                           {"stages_per_rank", table.shape.stages_per_rank},
+                                           {"microbatches", table.shape.microbatches},
+                                           {"ticks", table.ticks},
+                                           {"bubble_fraction", bubble}}
+                                .dump()
+                                .c_str());
+      } else {
+        std::printf("pipeline schedule %s: %d ranks x %d stage(s) each, %d micro-batches, %d ticks; bubble %.3f\n",
+                    std::string(pp_::to_string(kind)).c_str(), pp, table.shape.stages_per_rank,
+                    table.shape.microbatches, table.ticks, bubble);
+        if (show_schedule) std::printf("%s", pp_::format_grid(table).c_str());
+      }
+      return 0;
+    } catch (const mt::ConfigError& e) {
+      std::fprintf(stderr, "meshtorch-plan: %s\n", e.what());
+      return 1;
+    }
+  }
 
   try {
     if (world % tp != 0)
