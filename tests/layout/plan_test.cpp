@@ -113,3 +113,8 @@ static_assert(3 * largest_row_shards(presets::llama_tiny, 1, 3).layer >= tp_rank
 static_assert(largest_row_shards(presets::llama_tiny, 1, 4).layer * 4 == tp_rank_parameters(tiny_counts, 1).layer,
               "rows that divide evenly: the shards are exact quarters");
 }  // namespace row_shards
+
+// A pipeline of as many stages as llama-tiny has layers with its embedding and head (4 + 2) is a
+// valid plan; one more is a compile error (layout.compile_fail.plan_pp_more_stages_than_layers).
+static_assert(
+    meshtorch::llama::Plan<meshtorch::Mesh<meshtorch::PP<6>>, meshtorch::llama::presets::llama_tiny>::has_preset);

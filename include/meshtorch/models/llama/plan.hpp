@@ -363,6 +363,15 @@ struct Plan {
         static_assert(problem != TpProblem::tied_embeddings,
                       "Plan<Mesh, Preset>: tie_word_embeddings shares one matrix between embed_tokens and lm_head, "
                       "so both or neither must shard the vocabulary");
+        // Pipeline stages: the decoder layers, the embedding and the head each count as one layer
+        // (torchtitan's input and output weights), and every stage needs at least one.
+        if constexpr (M::template has<PP>) {
+          constexpr std::size_t stages = M::template static_extent<PP>;
+          static_assert(stages == dynamic || Preset.num_hidden_layers + 2 >= static_cast<std::int64_t>(stages),
+                        "Plan<Mesh, Preset>: the mesh's PP extent is more pipeline stages than the preset has "
+                        "layers (num_hidden_layers, plus the embedding and the head); lower the PP extent or "
+                        "choose a deeper model");
+        }
       }
     }
     return true;
