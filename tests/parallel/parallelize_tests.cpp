@@ -41,9 +41,7 @@ double relative_difference(double actual, double expected) { return std::abs(act
 // Trains the layout M and the reference side by side and compares losses and final weights.
 // With micro_batches > 1 each rank's batch is split and its gradients accumulated (no_sync).
 template <mt::MeshType M>
-void check_layout_against_one_process(std::vector<int> extents = {}, mt::ParallelizeOptions options = {},
-                                      int micro_batches = 1) {
-  auto mesh = mt::comm::init<M>({.timeout = std::chrono::seconds(60), .extents = std::move(extents)});
+void check_layout_on(const mt::comm::DeviceMesh<M>& mesh, mt::ParallelizeOptions options = {}, int micro_batches = 1) {
   const auto config = llama::presets::llama_tiny;
 
   torch::manual_seed(7);
@@ -163,6 +161,13 @@ void check_layout_against_one_process(std::vector<int> extents = {}, mt::Paralle
   if (mesh.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+template <mt::MeshType M>
+void check_layout_against_one_process(std::vector<int> extents = {}, mt::ParallelizeOptions options = {},
+                                      int micro_batches = 1) {
+  check_layout_on(mt::comm::init<M>({.timeout = std::chrono::seconds(60), .extents = std::move(extents)}),
+                  std::move(options), micro_batches);
+}
+
 }  // namespace
 
 TEST_CASE("rank body: DDP built by parallelize", "[.][parallelize_ddp]") {
@@ -172,11 +177,12 @@ TEST_CASE("rank body: DDP built by parallelize", "[.][parallelize_ddp]") {
 // Small buckets (several per step, some straddling a layer), one reduce-scatter in flight, and
 // two micro-batches: each is reduce-scattered and summed into the shards.
 TEST_CASE("rank body: ZeRO-2 built by parallelize", "[.][parallelize_zero2]") {
-  check_layout_against_one_process<mt::Mesh<mt::DP<mt::dynamic>>>(
-      {}, {.ddp = {.bucket_cap_mb = 0.05}, .zero_stage2 = true, .zero_stage2_buckets_in_flight = 1}, 2);
+  // One mesh for both runs: a second comm::init in the same process would start a second store on
+  // the master port while the first one may still serve a slower rank.
+  const auto mesh = mt::comm::init<mt::Mesh<mt::DP<mt::dynamic>>>({.timeout = std::chrono::seconds(60)});
+  check_layout_on(mesh, {.ddp = {.bucket_cap_mb = 0.05}, .zero_stage2 = true, .zero_stage2_buckets_in_flight = 1}, 2);
   // And without overlap (DeepSpeed's overlap_comm false): each reduce-scatter waited for at once.
-  check_layout_against_one_process<mt::Mesh<mt::DP<mt::dynamic>>>(
-      {}, {.ddp = {.bucket_cap_mb = 0.05}, .zero_stage2 = true, .zero_stage2_buckets_in_flight = 0}, 2);
+  check_layout_on(mesh, {.ddp = {.bucket_cap_mb = 0.05}, .zero_stage2 = true, .zero_stage2_buckets_in_flight = 0}, 2);
 }
 
 TEST_CASE("rank body: ZeRO-2 with gradient clipping equals one process", "[.][zero2_clipping]") {

@@ -5,6 +5,7 @@
 // Start-up code includes it (parallel/launch.hpp does); the umbrella header does not, so that
 // the translation units that only use a mesh do not compile Gloo's headers, the rendezvous
 // and the watchdog (docs/performance.md "Compile time").
+#include <atomic>
 #include <string>
 #include <utility>
 #include <vector>
@@ -51,7 +52,14 @@ template <MeshType M>
 DeviceMesh<M> MeshStartUp<Deferred>::start(InitOptions options) {
   LaunchEnv env = options.env ? *options.env : launch_env();
   const std::string fingerprint = mesh_fingerprint<M>(options.device, options.fingerprint);
-  auto store = rendezvous(env, options.timeout);
+  // Each init of a process keys its store entries apart. A second init (a test that builds two
+  // meshes in turn) starts a second store on the master port while rank 0 may still serve the
+  // first: a rank that reaches the old one then waits for keys that never come and fails in the
+  // fingerprint check below, instead of reading the old mesh's Gloo addresses and connecting to a
+  // socket that may by then belong to another program.
+  static std::atomic<int> inits{0};
+  c10::intrusive_ptr<c10d::Store> store =
+      c10::make_intrusive<c10d::PrefixStore>(fmt::format("init{}", inits++), rendezvous(env, options.timeout));
   // Before anything that depends on the mesh: ranks that disagree about it stop here.
   check_fingerprints(*store, env.rank, env.world_size, fingerprint, options.timeout);
 
