@@ -13,5 +13,6 @@
 #include <meshtorch/comm/fingerprint.hpp>
 #include <meshtorch/comm/flight_recorder.hpp>
 #include <meshtorch/comm/local_device.hpp>
+#include <meshtorch/comm/point_to_point.hpp>
 #include <meshtorch/comm/redistribute.hpp>
 #include <meshtorch/comm/work.hpp>

@@ -6,5 +6,7 @@
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/layout/mesh_shape.hpp>
 #include <meshtorch/layout/parallel_style.hpp>
+#include <meshtorch/layout/pipeline_schedule.hpp>
+#include <meshtorch/layout/pipeline_split.hpp>
 #include <meshtorch/layout/placement.hpp>
 #include <meshtorch/layout/redistribution.hpp>

@@ -11,6 +11,7 @@
 //   + ZeroRedundancyOptimizer       AdamW state of the owned weights   the owner
 //
 // Every rank calls save and load: both are collectives over the whole job.
+#include <concepts>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -96,11 +97,19 @@ struct Checkpointing<llama::LlamaForCausalLM> {
   }
 };
 
-// A model parallelize() built: its pieces as the mesh type cut them.
-template <MeshType M, llama::LlamaStyles Styles>
-struct Checkpointing<ParallelLlama<M, Styles>> {
-  using Model = ParallelLlama<M, Styles>;
+// A model parallelize() built (ParallelLlama, PipelineLlama): its pieces as the mesh type cut them.
+template <class Model>
+concept ShardedLlamaModel = requires(const Model& model) {
+  { model.sharded_parameters() } -> std::same_as<std::vector<io::ShardedTensor>>;
+  { model.world() } -> std::convertible_to<const comm::AxisGroup&>;
+  { model.layout() } -> std::convertible_to<std::string>;
+  { model.coordinate() } -> std::convertible_to<std::string>;
+  { model.module()->config } -> std::convertible_to<llama::Config>;
+};
 
+template <class Model>
+requires ShardedLlamaModel<Model>
+struct Checkpointing<Model> {
   template <class Optimizer>
   static std::vector<io::ShardedTensor> pieces(const Model& model, const Optimizer& optimizer) {
     auto tensors = model.sharded_parameters();

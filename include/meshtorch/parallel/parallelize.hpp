@@ -50,6 +50,7 @@
 #include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/fsdp_llama.hpp>
 #include <meshtorch/parallel/parallelize_options.hpp>
+#include <meshtorch/parallel/pipeline_llama.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/zero_stage2.hpp>
 #include <meshtorch/separate_compilation.hpp>
@@ -330,10 +331,13 @@ ParallelLlama<M, Styles> parallelize(llama::LlamaForCausalLM model, const comm::
                                      ParallelizeOptions options = {}) {
   return ParallelLlama<M, Styles>(std::move(model), mesh, std::move(options));
 }
+// A mesh with a PP axis gets the pipeline model (parallel/pipeline_llama.hpp).
 template <MeshType M>
-ParallelLlama<M> parallelize(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh,
-                             ParallelizeOptions options = {}) {
-  return ParallelLlama<M>(std::move(model), mesh, std::move(options));
+auto parallelize(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, ParallelizeOptions options = {}) {
+  if constexpr (M::template has<PP>)
+    return PipelineLlama<M>(std::move(model), mesh, options);
+  else
+    return ParallelLlama<M>(std::move(model), mesh, std::move(options));
 }
 
 }  // namespace meshtorch

@@ -8,12 +8,14 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/layout/pipeline_action.hpp>
 #include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/ddp.hpp>
@@ -53,6 +55,19 @@ inline WeightsReadBy parse_weights_read_by(const std::string& text) {
   throw ConfigError(fmt::format("--weights-read-by '{}': use every-rank, rank0 or local-rank0", text));
 }
 
+// For the PP axis: the schedule and the stages (docs/pipeline.md).
+struct PipelineOptions {
+  pp::ScheduleKind schedule = pp::ScheduleKind::one_f_one_b;
+  int stages_per_rank = 1;
+  // Micro-batches each rank's batch is split into for the schedule; 0: as many as stages.
+  int microbatches = 0;
+  // Units (the embedding, each decoder layer, the norm and head) per stage, in stage order; empty:
+  // the split that makes the slowest stage fastest by the cost model (llama::stage_unit_costs).
+  std::vector<int> units_per_stage;
+  // The sequence length the cost model weighs attention at (0: 1024).
+  std::int64_t seq_length = 0;
+};
+
 struct ParallelizeOptions {
   // Where forward and backward compute (the shards live there too unless fsdp.cpu_offload).
   torch::Device device = torch::kCPU;
@@ -77,6 +92,8 @@ struct ParallelizeOptions {
   bool zero_stage2 = false;
   // Reduce-scatters of ZeRO-2 in flight at once (0: each waited for when issued, no overlap).
   int zero_stage2_buckets_in_flight = 2;
+  // For the PP axis.
+  PipelineOptions pipeline;
 };
 
 // The folder to read weights from when -m names a model folder that holds weights; empty for a

@@ -1,4 +1,4 @@
 #include <meshtorch/models/llama/plan.hpp>
-// PP<N> is an axis tag, but parallelize() does not build pipeline stages yet.
+// PP<N> composes with DP; FSDP and TP inside the pipeline stages are not built yet.
 using Mesh = meshtorch::Mesh<meshtorch::FSDP<2>, meshtorch::PP<2>, meshtorch::TP<2>>;
-static_assert(meshtorch::llama::check_parallelizable<Mesh, meshtorch::llama::default_styles<Mesh>>());
+static_assert(meshtorch::llama::check_pipeline_parallelizable<Mesh>());

@@ -65,6 +65,17 @@ class LlamaModelImpl : public torch::nn::Module {
   MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& input_ids,
                                        const std::optional<torch::Tensor>& position_ids = {});
 
+  // Decoder layers [first, end) over hidden states [B, S, hidden] at `positions` ([1 or B, S]),
+  // without the final norm: what forward() runs between the embedding and the norm, and what a
+  // pipeline stage runs of it.
+  MESHTORCH_DECL torch::Tensor run_layers(torch::Tensor hidden, const torch::Tensor& positions, std::int64_t first,
+                                          std::int64_t end);
+
+  // Positions 0..S-1 for every row of a [B, S] batch.
+  static torch::Tensor default_positions(std::int64_t seq_length, const torch::Device& device) {
+    return torch::arange(seq_length, torch::TensorOptions().dtype(torch::kLong).device(device)).unsqueeze(0);
+  }
+
   Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   std::vector<DecoderLayer> decoder_layers;  // typed view of `layers`
@@ -113,6 +124,11 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // logits never exist; the result equals the plain loss up to summation order. Under `hooks`
   // as forward() is, so wrappers see the same calls.
   MESHTORCH_DECL torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels);
+
+  // The sum (fp32) of the token losses of final hidden states [B, S, hidden] (after the norm)
+  // against next-token `targets` [B * S] (-100 ignored): loss()'s head, chunked as it is, for a
+  // caller that divides by its own count (a pipeline's last stage, by the step's tokens).
+  MESHTORCH_DECL torch::Tensor head_loss_sum(const torch::Tensor& hidden, const torch::Tensor& targets);
 
   const Config config;
   LlamaModel model{nullptr};
@@ -222,13 +238,16 @@ MESHTORCH_DECL LlamaModelImpl::LlamaModelImpl(const Config& c, const torch::Tens
 
 MESHTORCH_DECL torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids,
                                                      const std::optional<torch::Tensor>& position_ids) {
-  auto h = embed_tokens(input_ids);
-  auto positions = position_ids
-                       ? *position_ids
-                       : torch::arange(input_ids.size(1), input_ids.options().dtype(torch::kLong)).unsqueeze(0);
-  auto [cos, sin] = rotary.tables(positions, h.scalar_type());
-  for (auto& layer : decoder_layers) h = layer(h, cos, sin);
-  return norm(h);
+  const auto positions = position_ids ? *position_ids : default_positions(input_ids.size(1), input_ids.device());
+  return norm(run_layers(embed_tokens(input_ids), positions, 0, static_cast<std::int64_t>(decoder_layers.size())));
+}
+
+MESHTORCH_DECL torch::Tensor LlamaModelImpl::run_layers(torch::Tensor hidden, const torch::Tensor& positions,
+                                                        std::int64_t first, std::int64_t end) {
+  if (first >= end) return hidden;
+  auto [cos, sin] = rotary.tables(positions, hidden.scalar_type());
+  for (std::int64_t i = first; i < end; ++i) hidden = decoder_layers.at(static_cast<std::size_t>(i))(hidden, cos, sin);
+  return hidden;
 }
 
 MESHTORCH_DECL void check_fits_host_memory(const Config& c, const torch::TensorOptions& options) {
@@ -291,16 +310,20 @@ MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::causal_lm_loss(const torch::T
 MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
   const auto targets = next_token_targets(labels).reshape({-1});
   return hooks.around(input_ids, [&](const torch::Tensor& ids) {
-    const auto hidden = model(ids);
-    const auto rows = head_hooks.before(hidden).reshape({-1, hidden.size(-1)});
-    const auto weight = output_weight();
-    const TokenLossSum token_loss = this->token_loss ? this->token_loss : TokenLossSum(cross_entropy_sum);
-    const auto after = [this, hidden](const torch::Tensor& logits) { return head_hooks.after(hidden, logits); };
-    const auto chunk = loss_chunk_positions(loss_chunk, rows.size(0), weight.size(0));
-    const auto sum = chunk >= rows.size(0) ? token_loss(after(at::linear(rows, weight)), targets)
-                                           : chunked_linear_loss(rows, weight, targets, chunk, after, token_loss);
-    return sum.to(torch::kFloat) / targets.ne(-100).sum().to(torch::kFloat);
+    return head_loss_sum(model(ids), targets) / targets.ne(-100).sum().to(torch::kFloat);
   });
+}
+
+MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::head_loss_sum(const torch::Tensor& hidden,
+                                                                 const torch::Tensor& targets) {
+  const auto rows = head_hooks.before(hidden).reshape({-1, hidden.size(-1)});
+  const auto weight = output_weight();
+  const TokenLossSum token_loss = this->token_loss ? this->token_loss : TokenLossSum(cross_entropy_sum);
+  const auto after = [this, hidden](const torch::Tensor& logits) { return head_hooks.after(hidden, logits); };
+  const auto chunk = loss_chunk_positions(loss_chunk, rows.size(0), weight.size(0));
+  const auto sum = chunk >= rows.size(0) ? token_loss(after(at::linear(rows, weight)), targets)
+                                         : chunked_linear_loss(rows, weight, targets, chunk, after, token_loss);
+  return sum.to(torch::kFloat);
 }
 
 MESHTORCH_DECL void init_weight(const WeightModule& leaf, torch::Tensor& weight, const Config& config) {

@@ -287,6 +287,13 @@ template <class M>
 struct AllAxesWrapped;
 template <class... Axes>
 struct AllAxesWrapped<Mesh<Axes...>> : std::bool_constant<(wrapped_axis<Axes> && ...)> {};
+template <class A>
+inline constexpr bool pipelined_axis =
+    is_axis_of_kind<A, DP> || is_axis_of_kind<A, PP> || is_axis_of_kind<A, FSDP> || is_axis_of_kind<A, TP>;
+template <class M>
+struct AllAxesPipelined;
+template <class... Axes>
+struct AllAxesPipelined<Mesh<Axes...>> : std::bool_constant<(pipelined_axis<Axes> && ...)> {};
 }  // namespace detail
 
 // What parallelize() can build from a mesh type and a plan's styles, checked when it is named.
@@ -298,6 +305,19 @@ consteval bool check_parallelizable() {
   static_assert(M::template has<TP> || std::is_same_v<Styles, NoTensorParallelStyles>,
                 "parallelize: tensor-parallel styles were given but the mesh has no TP axis; add TP<N> to the Mesh "
                 "(e.g. Mesh<DP<2>, FSDP<2>, TP<2>>), or leave the styles to their default");
+  return true;
+}
+
+// What parallelize() can build for a mesh with a PP axis (PipelineLlama), checked when it is named.
+template <MeshType M>
+consteval bool check_pipeline_parallelizable() {
+  static_assert(M::template has<PP>, "check_pipeline_parallelizable: the mesh has no PP axis");
+  static_assert(!M::template has<FSDP> && !M::template has<TP>,
+                "parallelize: a mesh with PP composes with DP so far; FSDP and TP inside the pipeline stages are "
+                "not built yet: use Mesh<DP, PP> (or drop PP for Mesh<DP, FSDP, TP>)");
+  static_assert(detail::AllAxesPipelined<M>::value,
+                "parallelize: the mesh has an axis that no wrapper applies (with PP, parallelize knows DP); "
+                "remove that axis from the Mesh");
   return true;
 }
 

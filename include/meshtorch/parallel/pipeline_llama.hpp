@@ -1,0 +1,443 @@
+#pragma once
+// PipelineLlama<M>: what parallelize() builds for a mesh with a PP axis. The model is cut into
+// stages (pp::StageSplit: the embedding, the decoder layers and the norm with the head as units,
+// split by the cost model or a list), this rank keeps only the weights of the stages the schedule
+// places on it, and step() runs the schedule's table (parallel/pipeline_runtime.hpp) over the
+// micro-batches of this rank's batch. Then, before the optimizer:
+//   - a tied embedding, held by the first stage (to embed) and the last (as the head), gets the
+//     sum of both gradients on both copies, so the two copies stay equal;
+//   - over DP, the replicas' gradients are averaged (one coalesced all-reduce after the schedule).
+// The loss of each micro-batch is its token losses' sum divided by the step's token count on
+// this rank, so the step's gradients and loss are those of chapter 1's mean over the same batch.
+//
+// Weights are drawn in chapter 1's order with its random numbers (a stage draws and drops the
+// weights it does not keep) or read from -m's folder, only those this rank keeps.
+//
+// Axes: PP, with DP for replicas. FSDP and TP inside the stages are refused at compile time by
+// parallelize() until they are built (docs/pipeline.md).
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <meshtorch/torch.hpp>
+
+#include <meshtorch/comm/axis_group.hpp>
+#include <meshtorch/comm/collectives.hpp>
+#include <meshtorch/comm/device_mesh.hpp>
+#include <meshtorch/io/sharded_tensor.hpp>
+#include <meshtorch/layout/mesh.hpp>
+#include <meshtorch/layout/pipeline_schedule.hpp>
+#include <meshtorch/layout/pipeline_split.hpp>
+#include <meshtorch/models/llama/model.hpp>
+#include <meshtorch/models/llama/plan.hpp>
+#include <meshtorch/parallel/parallelize_options.hpp>
+#include <meshtorch/parallel/pipeline_runtime.hpp>
+#include <meshtorch/separate_compilation.hpp>
+
+namespace meshtorch {
+
+// The groups of a mesh with a PP axis that PipelineLlama uses.
+struct PipelineGroups {
+  comm::AxisGroup world;
+  comm::AxisGroup pp;
+  std::optional<comm::AxisGroup> dp;  // absent without a DP axis
+  std::string_view mesh_name;
+  std::string coordinate;  // "rank 3 of 4 on cpu: DP 1 of 2, PP 1 of 2"
+  int replica = 0;         // the DP coordinate: replicas other than 0 write nothing
+};
+
+class PipelineLlamaRuntime {
+ public:
+  MESHTORCH_DECL PipelineLlamaRuntime(llama::LlamaForCausalLM model, PipelineGroups groups,
+                                      const ParallelizeOptions& options);
+  PipelineLlamaRuntime(PipelineLlamaRuntime&&) noexcept = default;
+  PipelineLlamaRuntime& operator=(PipelineLlamaRuntime&&) noexcept = default;
+
+  // Forward and backward of this rank's batch [B, S] under the schedule, B split into the
+  // schedule's micro-batches; afterwards this rank's gradients are final (tied copies summed, DP
+  // replicas averaged). Returns the batch's mean loss on every rank of the PP group.
+  MESHTORCH_DECL torch::Tensor step(const torch::Tensor& input_ids, const torch::Tensor& labels);
+
+  // The weights this rank trains (its stages'), HF-named.
+  MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> named_parameters() const;
+  // Every weight this rank trains as a whole box of the global weight, for checkpoints; of
+  // identical copies (DP replicas, the last stage's tied embedding) one rank writes.
+  MESHTORCH_DECL std::vector<io::ShardedTensor> sharded_parameters() const;
+  // Clipping by the norm of the whole model's gradient, over every stage and replica counted once.
+  MESHTORCH_DECL double clip_grad_norm(double max_norm) const;
+
+  int data_parallel_rank() const { return dp_ ? dp_->rank() : 0; }
+  int data_parallel_size() const { return dp_ ? dp_->size() : 1; }
+  const std::optional<comm::AxisGroup>& data_parallel() const { return dp_; }
+  // The mean over DP of a value every rank of a PP group holds the same (step()'s loss).
+  MESHTORCH_DECL torch::Tensor mean_over_data_parallel(torch::Tensor value) const;
+  // Any sequence length splits over pipeline stages.
+  void validate_sequence(std::int64_t) const {}
+
+  // "Mesh<DP=2, PP=2>: pipeline 1F1B over PP (4 stages: ...) -> DDP over DP", recorded in checkpoints.
+  MESHTORCH_DECL std::string layout() const;
+  const std::string& coordinate() const { return coordinate_; }
+  // "<layout()>; this rank holds stages 1, 3 (...): 123 of the model's 456 parameters, float32".
+  MESHTORCH_DECL std::string summary() const;
+  // The schedule's grid (pp::format_grid), for a chapter's log.
+  std::string schedule_grid() const { return pp::format_grid(runner_->table()); }
+
+  const pp::StageSplit& split() const { return split_; }
+  const std::vector<int>& local_stages() const { return local_stages_; }
+  MESHTORCH_DECL std::int64_t local_numel() const;
+  llama::LlamaForCausalLM& module() { return model_; }
+  const llama::LlamaForCausalLM& module() const { return model_; }
+  const comm::AxisGroup& world() const { return world_; }
+  const comm::AxisGroup& pipeline_group() const { return pp_; }
+
+ private:
+  // Which unit (0 embedding, 1..L layers, L+1 norm and head) an HF weight name belongs to.
+  MESHTORCH_DECL int unit_of(const std::string& name) const;
+  MESHTORCH_DECL bool holds_unit(int unit) const;
+  // Whether this rank keeps the weight: its stages' units, and the tied embedding on the head's stage.
+  MESHTORCH_DECL bool keeps(const std::string& name) const;
+  // The copy another rank writes and counts: the tied embedding on the last stage's rank when the
+  // first stage is elsewhere.
+  MESHTORCH_DECL bool is_tied_copy(const std::string& name) const;
+  MESHTORCH_DECL void initialise();
+  MESHTORCH_DECL void load_weights(const std::filesystem::path& dir);
+  MESHTORCH_DECL torch::Tensor stage_forward(int stage, const torch::Tensor& input, int microbatch);
+  // The weights `stage` computes with (the inputs of its weight-gradient step).
+  MESHTORCH_DECL std::vector<torch::Tensor> stage_weights(int stage) const;
+  MESHTORCH_DECL void sum_tied_gradients();
+
+  llama::LlamaForCausalLM model_;
+  ParallelizeOptions options_;
+  comm::AxisGroup world_, pp_;
+  std::optional<comm::AxisGroup> dp_;
+  std::string_view mesh_name_;
+  std::string coordinate_;
+  int replica_ = 0;
+  pp::StageSplit split_;
+  std::vector<int> local_stages_;
+  std::vector<std::pair<std::string, torch::Tensor>> trained_;  // HF name, weight; model order
+  std::unique_ptr<PipelineRunner> runner_;
+  // Of the step under way: each micro-batch's next-token targets, the step's token count, positions.
+  std::vector<torch::Tensor> targets_;
+  torch::Tensor step_tokens_, positions_;
+};
+
+// The pipeline model of a mesh type with a PP axis (parallelize() returns it for such meshes).
+template <MeshType M>
+class PipelineLlama : public PipelineLlamaRuntime {
+  static_assert(llama::check_pipeline_parallelizable<M>());
+
+ public:
+  using mesh_type = M;
+
+  PipelineLlama(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, const ParallelizeOptions& options)
+      : PipelineLlamaRuntime(std::move(model), groups_of(mesh), options) {}
+
+  static std::string describe() {
+    return M::template has<DP> ? "pipeline stages over PP -> DDP over DP" : "pipeline stages over PP";
+  }
+
+ private:
+  static PipelineGroups groups_of(const comm::DeviceMesh<M>& mesh) {
+    PipelineGroups groups{.world = mesh.world(),
+                          .pp = mesh.template group<PP>(),
+                          .mesh_name = M::name,
+                          .coordinate = mesh.describe()};
+    if constexpr (M::template has<DP>) {
+      groups.dp = mesh.template group<DP>();
+      groups.replica = mesh.template coord<DP>();
+    }
+    return groups;
+  }
+};
+
+}  // namespace meshtorch
+
+#if MESHTORCH_DEFINES(core)
+#include <algorithm>
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <meshtorch/error.hpp>
+#include <meshtorch/models/llama/stage_costs.hpp>
+#include <meshtorch/models/llama/weights.hpp>
+#include <meshtorch/models/weight_module.hpp>
+#include <meshtorch/parallel/activation_checkpointing.hpp>
+#include <meshtorch/train/grad_clipping.hpp>
+
+namespace meshtorch {
+
+namespace pipeline_detail {
+
+inline std::string_view schedule_flag(pp::ScheduleKind kind) {
+  switch (kind) {
+    case pp::ScheduleKind::gpipe:
+      return "gpipe";
+    case pp::ScheduleKind::one_f_one_b:
+      return "1f1b";
+    case pp::ScheduleKind::interleaved_1f1b:
+      return "interleaved-1f1b";
+    case pp::ScheduleKind::zero_bubble_v:
+      return "zbv";
+  }
+  return "?";
+}
+
+}  // namespace pipeline_detail
+
+MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalLM model, PipelineGroups groups,
+                                                          const ParallelizeOptions& options)
+    : model_(std::move(model)),
+      options_(options),
+      world_(std::move(groups.world)),
+      pp_(std::move(groups.pp)),
+      dp_(std::move(groups.dp)),
+      mesh_name_(groups.mesh_name),
+      coordinate_(std::move(groups.coordinate)),
+      replica_(groups.replica) {
+  const auto& config = model_->config;
+  const PipelineOptions& pipeline = options_.pipeline;
+  const int stages = pp_.size() * pipeline.stages_per_rank;
+  const int microbatches = pipeline.microbatches > 0 ? pipeline.microbatches : stages;
+  // The schedule first: its rules name the flags, and it decides where each stage lives.
+  pp::ScheduleTable table = pp::make_schedule(pipeline.schedule, pp_.size(), pipeline.stages_per_rank, microbatches);
+  const int layers = static_cast<int>(config.num_hidden_layers);
+  if (!pipeline.units_per_stage.empty()) {
+    if (static_cast<int>(pipeline.units_per_stage.size()) != stages)
+      throw ConfigError(fmt::format("--units-per-stage lists {} stages, but --pp {} x --stages-per-rank {} makes {}",
+                                    pipeline.units_per_stage.size(), pp_.size(), pipeline.stages_per_rank, stages));
+    split_ = pp::StageSplit(layers, pipeline.units_per_stage);
+  } else {
+    const std::int64_t seq_length = pipeline.seq_length > 0 ? pipeline.seq_length : 1024;
+    split_ = pp::StageSplit(layers, pp::balanced_units(llama::stage_unit_costs(config, seq_length), stages));
+  }
+  for (int s = 0; s < stages; ++s)
+    if (table.shape.rank_of_stage(s) == pp_.rank()) local_stages_.push_back(s);
+
+  // This rank's weights only: the others stay on the meta device.
+  for (auto& [path, leaf] : weight_modules(*model_)) {
+    const std::string name = path + ".weight";
+    if (!keeps(name)) continue;
+    leaf->materialize(torch::TensorOptions().device(options_.device).dtype(leaf->weight.scalar_type()));
+    trained_.emplace_back(name, leaf->weight);
+  }
+  model_->loss_chunk = options_.loss_chunk;
+  checkpoint_activations(model_, options_.activation_checkpointing);
+  if (options_.weights_from.empty())
+    initialise();
+  else
+    load_weights(options_.weights_from);
+
+  const auto dtype = trained_.empty() ? torch::kFloat : trained_.front().second.scalar_type();
+  runner_ = std::make_unique<PipelineRunner>(
+      std::move(table), pp_,
+      PipelineStages{.forward = [this](int stage, const torch::Tensor& input,
+                                       int microbatch) { return stage_forward(stage, input, microbatch); },
+                     .parameters = [this](int stage) { return stage_weights(stage); },
+                     .activation_options = torch::TensorOptions().device(options_.device).dtype(dtype)});
+}
+
+MESHTORCH_DECL int PipelineLlamaRuntime::unit_of(const std::string& name) const {
+  static const std::string layers_prefix = "model.layers.";
+  if (name == "model.embed_tokens.weight") return 0;
+  if (name == "model.norm.weight" || name == "lm_head.weight") return split_.layers() + 1;
+  if (name.rfind(layers_prefix, 0) == 0) return std::stoi(name.substr(layers_prefix.size())) + 1;
+  throw ConfigError(fmt::format("pipeline: the weight {} belongs to no stage unit", name));
+}
+
+MESHTORCH_DECL bool PipelineLlamaRuntime::holds_unit(int unit) const {
+  for (int s : local_stages_) {
+    const pp::StageLayers part = split_.stage(s);
+    if ((unit == 0 && part.embedding) || (unit == split_.layers() + 1 && part.head) ||
+        (unit >= 1 && unit <= split_.layers() && unit - 1 >= part.first_layer && unit - 1 < part.end_layer))
+      return true;
+  }
+  return false;
+}
+
+MESHTORCH_DECL bool PipelineLlamaRuntime::keeps(const std::string& name) const {
+  const int unit = unit_of(name);
+  if (holds_unit(unit)) return true;
+  return unit == 0 && model_->config.tie_word_embeddings && holds_unit(split_.layers() + 1);
+}
+
+MESHTORCH_DECL bool PipelineLlamaRuntime::is_tied_copy(const std::string& name) const {
+  return unit_of(name) == 0 && model_->config.tie_word_embeddings && !holds_unit(0);
+}
+
+MESHTORCH_DECL void PipelineLlamaRuntime::initialise() {
+  torch::NoGradGuard no_grad;
+  // Every weight drawn in chapter 1's order, so that the random numbers match; those this rank
+  // does not keep are drawn into a scratch tensor and dropped.
+  for (auto& [path, leaf] : weight_modules(*model_)) {
+    if (!leaf->weight.is_meta()) {
+      llama::init_weight(*leaf, leaf->weight, model_->config);
+      continue;
+    }
+    auto scratch =
+        torch::empty(leaf->weight.sizes(), torch::TensorOptions().device(options_.device).dtype(leaf->weight.dtype()));
+    llama::init_weight(*leaf, scratch, model_->config);
+  }
+}
+
+MESHTORCH_DECL void PipelineLlamaRuntime::load_weights(const std::filesystem::path& dir) {
+  torch::NoGradGuard no_grad;
+  const auto readers = llama::open_weight_files(dir);
+  for (auto& [name, weight] : trained_) {
+    const io::SafetensorsEntry* entry = nullptr;
+    const io::SafetensorsReader* reader = nullptr;
+    for (const auto& candidate : readers)
+      if (const auto* found = candidate.find(name)) {
+        entry = found;
+        reader = &candidate;
+      }
+    if (!entry) throw ConfigError(fmt::format("{}: the model folder has no weight {}", dir.string(), name));
+    if (entry->shape != weight.sizes().vec())
+      throw ConfigError(fmt::format("{}: {} has shape [{}], the config gives [{}]", reader->path().string(), name,
+                                    fmt::join(entry->shape, ", "), fmt::join(weight.sizes(), ", ")));
+    llama::check_weight_dtype(reader->path().string(), name, entry->dtype);
+    weight.copy_(reader->read(*entry));
+  }
+}
+
+MESHTORCH_DECL std::vector<torch::Tensor> PipelineLlamaRuntime::stage_weights(int stage) const {
+  const pp::StageLayers part = split_.stage(stage);
+  std::vector<torch::Tensor> weights;
+  for (const auto& [name, weight] : trained_) {
+    const int unit = unit_of(name);
+    const bool embedding = unit == 0 && (part.embedding || (part.head && model_->config.tie_word_embeddings));
+    const bool layer = unit >= 1 && unit <= split_.layers() && unit - 1 >= part.first_layer && unit - 1 < part.end_layer;
+    if (embedding || layer || (unit == split_.layers() + 1 && part.head)) weights.push_back(weight);
+  }
+  return weights;
+}
+
+MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::stage_forward(int stage, const torch::Tensor& input,
+                                                                 int microbatch) {
+  const pp::StageLayers part = split_.stage(stage);
+  auto& decoder = *model_->model;
+  torch::Tensor hidden = part.embedding ? decoder.embed_tokens(input) : input;
+  hidden = decoder.run_layers(hidden, positions_, part.first_layer, part.end_layer);
+  if (!part.head) return hidden;
+  return model_->head_loss_sum(decoder.norm(hidden), targets_.at(static_cast<std::size_t>(microbatch))) /
+         step_tokens_;
+}
+
+MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::step(const torch::Tensor& input_ids, const torch::Tensor& labels) {
+  const int microbatches = runner_->microbatches();
+  if (input_ids.dim() != 2 || input_ids.size(0) % microbatches != 0)
+    throw ConfigError(fmt::format("pipeline: a batch of {} rows does not split into --microbatches {} equal "
+                                  "micro-batches; make -b a multiple of {}",
+                                  input_ids.dim() == 2 ? input_ids.size(0) : 0, microbatches, microbatches));
+  const auto id_parts = input_ids.chunk(microbatches, 0);
+  const auto label_parts = labels.chunk(microbatches, 0);
+  targets_.clear();
+  for (const auto& part : label_parts)
+    targets_.push_back(llama::LlamaForCausalLMImpl::next_token_targets(part).reshape({-1}));
+  step_tokens_ = llama::LlamaForCausalLMImpl::next_token_targets(labels).ne(-100).sum().to(torch::kFloat);
+  positions_ = llama::LlamaModelImpl::default_positions(input_ids.size(1), input_ids.device());
+
+  torch::Tensor loss = runner_->run(std::vector<torch::Tensor>(id_parts.begin(), id_parts.end()),
+                                    {input_ids.size(0) / microbatches, input_ids.size(1), model_->config.hidden_size});
+  targets_.clear();
+
+  sum_tied_gradients();
+  if (dp_ && dp_->size() > 1) {
+    std::vector<torch::Tensor> grads;
+    for (const auto& [name, weight] : trained_)
+      if (weight.grad().defined()) grads.push_back(weight.grad());
+    comm::all_reduce_coalesced(*dp_, grads);
+    torch::NoGradGuard no_grad;
+    for (auto& grad : grads) grad.div_(static_cast<double>(dp_->size()));
+  }
+  // The loss lives on the last stage's rank: summed over the PP group, zeros elsewhere.
+  if (!loss.defined()) loss = torch::zeros({}, torch::TensorOptions().device(options_.device).dtype(torch::kFloat));
+  return comm::all_reduce(pp_, loss.reshape({1})).reshape({});
+}
+
+MESHTORCH_DECL void PipelineLlamaRuntime::sum_tied_gradients() {
+  if (!model_->config.tie_word_embeddings) return;
+  const int stages = split_.stages();
+  const int first = runner_->table().shape.rank_of_stage(0), last = runner_->table().shape.rank_of_stage(stages - 1);
+  if (first == last || (pp_.rank() != first && pp_.rank() != last)) return;
+  torch::Tensor weight;
+  for (const auto& [name, tensor] : trained_)
+    if (unit_of(name) == 0) weight = tensor;
+  torch::Tensor own = weight.grad();
+  if (!own.defined()) own = torch::zeros_like(weight);
+  const int peer = pp_.rank() == first ? last : first;
+  auto theirs = torch::empty_like(own);
+  // Both sides add the first stage's gradient to the last's, in that order, so the copies stay equal.
+  const int tag = 2 * stages * runner_->microbatches();  // past the schedule's tags
+  auto receive = comm::receive_async(pp_, theirs, peer, tag);
+  auto send = comm::send_async(pp_, own.contiguous(), peer, tag);
+  receive.wait();
+  send.wait();
+  torch::NoGradGuard no_grad;
+  const torch::Tensor sum = pp_.rank() == first ? own + theirs : theirs + own;
+  if (weight.grad().defined())
+    weight.mutable_grad().copy_(sum);
+  else
+    weight.mutable_grad() = sum;
+}
+
+MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> PipelineLlamaRuntime::named_parameters() const {
+  return trained_;
+}
+
+MESHTORCH_DECL std::vector<io::ShardedTensor> PipelineLlamaRuntime::sharded_parameters() const {
+  std::vector<io::ShardedTensor> pieces;
+  for (const auto& [name, weight] : trained_)
+    pieces.push_back(io::replicated(name, weight, /*writer=*/replica_ == 0 && !is_tied_copy(name)));
+  return pieces;
+}
+
+MESHTORCH_DECL double PipelineLlamaRuntime::clip_grad_norm(double max_norm) const {
+  std::vector<train::ClippedTensor> pieces;
+  for (const auto& [name, weight] : trained_) pieces.push_back({weight, replica_ == 0 && !is_tied_copy(name)});
+  return train::clip_grad_norm(pieces, max_norm, [this](torch::Tensor squares) {
+    return comm::all_reduce(world_, std::move(squares));
+  });
+}
+
+MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::mean_over_data_parallel(torch::Tensor value) const {
+  if (!dp_ || dp_->size() == 1) return value;
+  const auto shape = value.sizes().vec();
+  return comm::all_reduce(*dp_, value.reshape({1})).reshape(shape) / static_cast<double>(dp_->size());
+}
+
+MESHTORCH_DECL std::string PipelineLlamaRuntime::layout() const {
+  const auto& shape = runner_->table().shape;
+  std::string text = fmt::format("{}: pipeline {} over PP ({} stages, {} per rank, {} micro-batches: {})", mesh_name_,
+                                 pp::to_string(shape.kind), shape.stages(), shape.stages_per_rank, shape.microbatches,
+                                 split_.describe());
+  if (dp_) text += " -> DDP over DP";
+  return text;
+}
+
+MESHTORCH_DECL std::int64_t PipelineLlamaRuntime::local_numel() const {
+  std::int64_t numel = 0;
+  for (const auto& [name, weight] : trained_) numel += weight.numel();
+  return numel;
+}
+
+MESHTORCH_DECL std::string PipelineLlamaRuntime::summary() const {
+  const auto counts = model_->config.parameter_counts();
+  std::vector<std::string> stages;
+  for (int s : local_stages_) stages.push_back(std::to_string(s));
+  return fmt::format("{}; {} holds stage{} {}: {} of the model's {} parameters, {} (schedule --schedule {})",
+                     layout(), coordinate_, stages.size() == 1 ? "" : "s", fmt::join(stages, ", "), local_numel(),
+                     counts ? counts->total : 0,
+                     trained_.empty() ? "float32" : llama::dtype_name(trained_.front().second.scalar_type()),
+                     pipeline_detail::schedule_flag(runner_->table().shape.kind));
+}
+
+}  // namespace meshtorch
+#endif  // MESHTORCH_DEFINES(core)

@@ -1,0 +1,93 @@
+// Pipeline stage splits: the units of a stage in model terms, the split that balances a cost
+// model, and a list that does not fit the model refused with the flag.
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include <meshtorch/error.hpp>
+#include <meshtorch/layout/pipeline_split.hpp>
+#include <meshtorch/models/llama/config.hpp>
+#include <meshtorch/models/llama/stage_costs.hpp>
+
+using meshtorch::ConfigError;
+namespace pp = meshtorch::pp;
+
+namespace {
+
+double slowest_of(const std::vector<double>& costs, const std::vector<int>& split) {
+  double slowest = 0;
+  std::size_t unit = 0;
+  for (int n : split) {
+    double sum = 0;
+    for (int i = 0; i < n; ++i) sum += costs[unit++];
+    slowest = std::max(slowest, sum);
+  }
+  return slowest;
+}
+
+}  // namespace
+
+TEST_CASE("pipeline stages: a stage split names each stage's embedding, layers and head") {
+  const pp::StageSplit split(4, {2, 1, 1, 2});
+  CHECK(split.stages() == 4);
+  const auto first = split.stage(0), second = split.stage(1), last = split.stage(3);
+  CHECK(first.embedding);
+  CHECK(first.first_layer == 0);
+  CHECK(first.end_layer == 1);
+  CHECK_FALSE(first.head);
+  CHECK_FALSE(second.embedding);
+  CHECK(second.first_layer == 1);
+  CHECK(second.end_layer == 2);
+  CHECK(last.first_layer == 3);
+  CHECK(last.end_layer == 4);
+  CHECK(last.head);
+  CHECK(split.describe() == "embedding+layer 0 | layer 1 | layer 2 | layer 3+norm+head");
+  // A stage of the embedding alone, and one of the head alone.
+  const pp::StageSplit ends(2, {1, 2, 1});
+  CHECK(ends.stage(0).layers() == 0);
+  CHECK(ends.stage(2).layers() == 0);
+  CHECK(ends.describe() == "embedding | layers 0-1 | norm+head");
+}
+
+TEST_CASE("pipeline stages: a stage list that does not cover the model is refused with the flag") {
+  CHECK_THROWS_WITH(pp::StageSplit(4, {2, 2, 1}),
+                    Catch::Contains("--units-per-stage 2,2,1") && Catch::Contains("plus the embedding and the head (6)"));
+  CHECK_THROWS_WITH(pp::StageSplit(4, {6, 0}), Catch::Contains("at least one unit"));
+  CHECK_THROWS_WITH(pp::balanced_units(std::vector<double>(6, 1.0), 7),
+                    Catch::Contains("every stage needs a unit; lower --pp or --stages-per-rank to 6 stages or fewer"));
+}
+
+TEST_CASE("pipeline stages: the balanced split makes the slowest stage as fast as any contiguous split can") {
+  // Equal layers, a cheap embedding and a costly head: the head's stage takes fewer layers.
+  const std::vector<double> costs{0.1, 1, 1, 1, 1, 1, 1, 1, 1, 2.5};
+  const auto split = pp::balanced_units(costs, 4);
+  REQUIRE(std::accumulate(split.begin(), split.end(), 0) == 10);
+  // Exhaustive check over every contiguous split of 10 units into 4 stages.
+  double best = 1e300;
+  for (int a = 1; a < 10; ++a)
+    for (int b = 1; a + b < 10; ++b)
+      for (int c = 1; a + b + c < 10; ++c) best = std::min(best, slowest_of(costs, {a, b, c, 10 - a - b - c}));
+  CHECK(slowest_of(costs, split) == Approx(best));
+  CHECK(split.back() < split[1]);
+  // Among equal splits, earlier stages hold fewer units.
+  CHECK(pp::balanced_units(std::vector<double>(6, 1.0), 4) == std::vector<int>{1, 1, 2, 2});
+}
+
+TEST_CASE("pipeline stages: llama-100m over 4 stages: the slowest stage within 10% of the mean by the cost model") {
+  // bench/reference/configs/llama-100m/config.json
+  const meshtorch::llama::Config llama_100m{.hidden_size = 768,
+                                            .intermediate_size = 2048,
+                                            .num_hidden_layers = 16,
+                                            .num_attention_heads = 12,
+                                            .num_key_value_heads = 4,
+                                            .vocab_size = 264};
+  const auto* config = &llama_100m;
+  const auto costs = meshtorch::llama::stage_unit_costs(*config, 1024);
+  REQUIRE(costs.size() == static_cast<std::size_t>(config->num_hidden_layers + 2));
+  const auto split = pp::balanced_units(costs, 4);
+  const double total = std::accumulate(costs.begin(), costs.end(), 0.0);
+  INFO(pp::StageSplit(static_cast<int>(config->num_hidden_layers), split).describe());
+  CHECK(slowest_of(costs, split) / (total / 4) <= 1.10);
+}

@@ -1,0 +1,174 @@
+// Pipeline parallel built by parallelize() against one process: every schedule, with DP replicas,
+// with a tied embedding and with clipping. Every rank also trains the one-process reference on
+// the whole global batch; the pipeline's loss (from its last stage, averaged over DP) must equal
+// the reference's step by step (fp32, Gloo), its clipping norm the reference's, and its trained
+// weights the reference's. The rank bodies are tagged and run by CTest (see CMakeLists.txt).
+#include <chrono>
+#include <filesystem>
+#include <map>
+
+#include <catch2/catch.hpp>
+#include <fmt/format.h>
+#include <torch/nn/utils/clip_grad.h>  // the reference norm
+
+#include <meshtorch/comm/comm.hpp>
+#include <meshtorch/comm/init.hpp>
+#include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/checkpointing.hpp>
+#include <meshtorch/parallel/parallelize.hpp>
+
+namespace mt = meshtorch;
+namespace llama = meshtorch::llama;
+
+// Named: the unity build puts this file beside parallelize_tests.cpp.
+namespace pipeline_tests {
+
+constexpr std::int64_t global_batch = 8;
+constexpr std::int64_t seq_length = 32;
+constexpr int steps = 30;
+
+double relative_difference(double actual, double expected) { return std::abs(actual - expected) / std::abs(expected); }
+
+struct PipelineCase {
+  mt::PipelineOptions pipeline;
+  std::vector<int> extents;
+  llama::Config config = llama::presets::llama_tiny;
+  double max_grad_norm = 0;  // 0: no clipping
+};
+
+template <mt::MeshType M>
+void check_pipeline_against_one_process(const PipelineCase& test) {
+  auto mesh = mt::comm::init<M>({.timeout = std::chrono::seconds(60), .extents = test.extents});
+  const auto& config = test.config;
+
+  torch::manual_seed(7);
+  llama::LlamaForCausalLM reference(config, torch::TensorOptions().device(torch::kMeta));
+  llama::materialize(reference, torch::TensorOptions());
+  torch::manual_seed(7);
+  auto parallel = mt::parallelize(llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta)), mesh,
+                                  {.pipeline = test.pipeline});
+  INFO(parallel.summary());
+  WARN(parallel.summary() << "\n" << parallel.schedule_grid());
+
+  mt::train::AdamW reference_optimizer(mt::train::named_trainable_parameters(*reference), {.lr = 1e-3});
+  mt::train::AdamW optimizer(parallel.named_parameters(), {.lr = 1e-3});
+  const std::int64_t local_batch = global_batch / parallel.data_parallel_size();
+
+  torch::manual_seed(11);  // the same global batches on every rank
+  double worst = 0, worst_norm = 0;
+  for (int step = 0; step < steps; ++step) {
+    const auto ids = torch::randint(0, config.vocab_size, {global_batch, seq_length}, torch::kLong);
+    auto expected = reference->loss(ids, ids);
+    expected.backward();
+    double expected_norm = 0;
+    if (test.max_grad_norm > 0)
+      expected_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), test.max_grad_norm);
+    reference_optimizer.step();
+    reference_optimizer.zero_grad();
+
+    const auto local = ids.narrow(0, parallel.data_parallel_rank() * local_batch, local_batch);
+    const auto loss = parallel.step(local, local);
+    if (test.max_grad_norm > 0) {
+      const double norm = parallel.clip_grad_norm(test.max_grad_norm);
+      INFO("step " << step << ": grad norm " << norm << " against one process's " << expected_norm);
+      CHECK(relative_difference(norm, expected_norm) < 1e-4);
+      worst_norm = std::max(worst_norm, relative_difference(norm, expected_norm));
+    }
+    optimizer.step();
+    optimizer.zero_grad();
+    const double actual = parallel.mean_over_data_parallel(loss).template item<double>();
+    INFO("step " << step << ": " << actual << " against one process's " << expected.template item<double>());
+    CHECK(relative_difference(actual, expected.template item<double>()) < 1e-5);
+    worst = std::max(worst, relative_difference(actual, expected.template item<double>()));
+  }
+  WARN(parallel.layout() << ": largest relative loss difference over " << steps << " steps: " << worst
+                         << ", of the clipping norm: " << worst_norm);
+
+  // This rank trains only its stages' weights, and they are the reference's.
+  auto reference_weights = reference->named_parameters();
+  std::int64_t whole = 0;
+  for (const auto& p : reference->parameters()) whole += p.numel();
+  CHECK(parallel.local_numel() < whole);
+  for (const auto& [name, weight] : parallel.named_parameters()) {
+    INFO(name);
+    const auto expected = reference_weights[name].detach();
+    REQUIRE(weight.sizes() == expected.sizes());
+    CHECK(((weight.detach() - expected).abs().max() / expected.abs().max()).template item<double>() < 2e-3);
+  }
+
+  // Saved as global boxes, the checkpoint loads into one process as the reference's weights.
+  const auto dir =
+      std::filesystem::temp_directory_path() / fmt::format("meshtorch-pipeline-{}", mesh.env().master_port);
+  if (mesh.rank() == 0) std::filesystem::remove_all(dir);
+  mt::comm::barrier(mesh.world());
+  auto pieces = parallel.sharded_parameters();
+  for (auto& piece : mt::optimizer_state_pieces(optimizer, pieces)) pieces.push_back(std::move(piece));
+  const auto saved = mt::save_training_checkpoint(dir, pieces, {.global_step = steps, .running_loss = 1.0}, {},
+                                                  mesh.world(), {.layout = parallel.layout()});
+  llama::LlamaForCausalLM restored(config, torch::TensorOptions().device(torch::kMeta));
+  llama::materialize(restored, torch::TensorOptions());
+  mt::train::AdamW restored_optimizer(mt::train::named_trainable_parameters(*restored), {.lr = 1e-3});
+  std::vector<mt::io::ShardedTensor> one_process;
+  for (const auto& item : restored->named_parameters())
+    one_process.push_back(mt::io::replicated(item.key(), item.value(), /*writer=*/true));
+  for (auto& piece : mt::optimizer_state_pieces(restored_optimizer, one_process))
+    one_process.push_back(std::move(piece));
+  mt::checkpoint::load_sharded_checkpoint(saved.folder, one_process);
+  const auto restored_weights = restored->named_parameters();
+  for (const auto& item : reference_weights) {
+    INFO(item.key());
+    CHECK(
+        ((restored_weights[item.key()] - item.value()).abs().max() / item.value().abs().max()).template item<double>() <
+        2e-3);
+  }
+  mt::comm::barrier(mesh.world());
+  if (mesh.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+using Pipeline = mt::Mesh<mt::PP<mt::dynamic>>;
+using ReplicatedPipeline = mt::Mesh<mt::DP<mt::dynamic>, mt::PP<mt::dynamic>>;
+
+}  // namespace pipeline_tests
+
+using namespace pipeline_tests;
+
+TEST_CASE("rank body: GPipe on 2 ranks equals one process", "[.][pipeline_gpipe]") {
+  check_pipeline_against_one_process<Pipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::gpipe, .microbatches = 4}});
+}
+
+TEST_CASE("rank body: 1F1B on 2 ranks with clipping equals one process", "[.][pipeline_1f1b]") {
+  check_pipeline_against_one_process<Pipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::one_f_one_b, .microbatches = 4}, .max_grad_norm = 0.5});
+}
+
+TEST_CASE("rank body: Interleaved 1F1B on 2 ranks equals one process", "[.][pipeline_interleaved]") {
+  check_pipeline_against_one_process<Pipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::interleaved_1f1b, .stages_per_rank = 2, .microbatches = 4}});
+}
+
+TEST_CASE("rank body: ZBV on 2 ranks equals one process", "[.][pipeline_zbv]") {
+  check_pipeline_against_one_process<Pipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::zero_bubble_v, .stages_per_rank = 2, .microbatches = 4}});
+}
+
+TEST_CASE("rank body: 1F1B on 4 ranks, a layer per stage, equals one process", "[.][pipeline_1f1b_4]") {
+  check_pipeline_against_one_process<Pipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::one_f_one_b, .microbatches = 4, .units_per_stage = {2, 1, 1, 2}}});
+}
+
+TEST_CASE("rank body: DP x PP on 4 ranks equals one process", "[.][pipeline_dp]") {
+  check_pipeline_against_one_process<ReplicatedPipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::one_f_one_b, .microbatches = 2},
+       .extents = {mt::from_world_size, 2},
+       .max_grad_norm = 0.5});
+}
+
+TEST_CASE("rank body: a tied embedding under 1F1B on 2 ranks equals one process", "[.][pipeline_tied]") {
+  llama::Config tied = llama::presets::llama_tiny;
+  tied.tie_word_embeddings = true;
+  check_pipeline_against_one_process<Pipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::one_f_one_b, .microbatches = 2},
+       .config = tied,
+       .max_grad_norm = 0.5});
+}
