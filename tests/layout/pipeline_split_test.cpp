@@ -52,8 +52,8 @@ TEST_CASE("pipeline stages: a stage split names each stage's embedding, layers a
 }
 
 TEST_CASE("pipeline stages: a stage list that does not cover the model is refused with the flag") {
-  CHECK_THROWS_WITH(pp::StageSplit(4, {2, 2, 1}),
-                    Catch::Contains("--units-per-stage 2,2,1") && Catch::Contains("plus the embedding and the head (6)"));
+  CHECK_THROWS_WITH(pp::StageSplit(4, {2, 2, 1}), Catch::Contains("--units-per-stage 2,2,1") &&
+                                                      Catch::Contains("plus the embedding and the head (6)"));
   CHECK_THROWS_WITH(pp::StageSplit(4, {6, 0}), Catch::Contains("at least one unit"));
   CHECK_THROWS_WITH(pp::balanced_units(std::vector<double>(6, 1.0), 7),
                     Catch::Contains("every stage needs a unit; lower --pp or --stages-per-rank to 6 stages or fewer"));

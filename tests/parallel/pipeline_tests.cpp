@@ -154,7 +154,8 @@ TEST_CASE("rank body: ZBV on 2 ranks equals one process", "[.][pipeline_zbv]") {
 
 TEST_CASE("rank body: 1F1B on 4 ranks, a layer per stage, equals one process", "[.][pipeline_1f1b_4]") {
   check_pipeline_against_one_process<Pipeline>(
-      {.pipeline = {.schedule = mt::pp::ScheduleKind::one_f_one_b, .microbatches = 4, .units_per_stage = {2, 1, 1, 2}}});
+      {.pipeline = {
+           .schedule = mt::pp::ScheduleKind::one_f_one_b, .microbatches = 4, .units_per_stage = {2, 1, 1, 2}}});
 }
 
 TEST_CASE("rank body: DP x PP on 4 ranks equals one process", "[.][pipeline_dp]") {

@@ -61,6 +61,13 @@ std::string gigabytes(double bytes) {
 
 }  // namespace
 
+// The --schedule spellings, from the one list of them.
+std::vector<std::string> schedule_names() {
+  std::vector<std::string> names;
+  for (const auto& [kind, name] : meshtorch::pp::schedule_flag_names) names.emplace_back(name);
+  return names;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"meshtorch-plan: a Llama model's parameters and memory per rank of a mesh"};
   std::string model = "llama-tiny";
@@ -111,7 +118,7 @@ int main(int argc, char** argv) {
   bool show_schedule = false;
   app.add_option("--schedule", schedule,
                  "print this pipeline schedule instead of the memory figures: gpipe, 1f1b, interleaved-1f1b or zbv")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zbv"}));
+      ->check(CLI::IsMember(schedule_names()));
   app.add_option("--pp", pp, "--schedule: pipeline ranks")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--stages-per-rank", stages_per_rank, "--schedule: stages each pipeline rank holds")
       ->capture_default_str()
@@ -124,10 +131,7 @@ int main(int argc, char** argv) {
   if (!schedule.empty()) {
     try {
       namespace pp_ = meshtorch::pp;
-      const auto kind = schedule == "gpipe"  ? pp_::ScheduleKind::gpipe
-                        : schedule == "1f1b" ? pp_::ScheduleKind::one_f_one_b
-                        : schedule == "zbv"  ? pp_::ScheduleKind::zero_bubble_v
-                                             : pp_::ScheduleKind::interleaved_1f1b;
+      const auto kind = *pp_::parse_schedule_flag(schedule);
       const auto table = pp_::make_schedule(kind, pp, stages_per_rank, microbatches > 0 ? microbatches : pp);
       const double bubble = pp_::bubble_fraction(table);
       if (json) {

@@ -61,8 +61,7 @@ MESHTORCH_DECL Work<torch::Tensor> receive_async(const AxisGroup& group, torch::
   detail::check_peer("recv", group, peer);
   const std::string what = fmt::format("recv from {}", group.global_rank_of(peer));
   detail::check_device(what, group, tensor);
-  if (!tensor.is_contiguous())
-    throw detail::collective_error(what, group, "the receive buffer must be contiguous");
+  if (!tensor.is_contiguous()) throw detail::collective_error(what, group, "the receive buffer must be contiguous");
   std::vector<torch::Tensor> buffers{tensor};
   auto work = detail::issue(what, group, tensor, [&] { return group.backend()->recv(buffers, peer, tag); });
   return {work, [tensor] { return tensor; }, what, group};

@@ -4,10 +4,13 @@
 // table (with the placement of stages on ranks), and the codes of the problems a check can find.
 // Data and names only, so that the generator (pipeline_generate.hpp) and the checks
 // (pipeline_check.hpp) share it without depending on each other; pipeline_schedule.hpp joins them.
+#include <array>
 #include <concepts>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace meshtorch::pp {
@@ -31,6 +34,25 @@ struct Interleaved1F1B {
 struct ZeroBubbleV {
   static constexpr ScheduleKind kind = ScheduleKind::zero_bubble_v;
 };
+
+// The --schedule spelling of each kind (chapter 11, meshtorch-plan).
+inline constexpr std::array<std::pair<ScheduleKind, std::string_view>, 4> schedule_flag_names{
+    {{ScheduleKind::gpipe, "gpipe"},
+     {ScheduleKind::one_f_one_b, "1f1b"},
+     {ScheduleKind::interleaved_1f1b, "interleaved-1f1b"},
+     {ScheduleKind::zero_bubble_v, "zbv"}}};
+
+constexpr std::string_view schedule_flag(ScheduleKind kind) {
+  for (const auto& [value, name] : schedule_flag_names)
+    if (value == kind) return name;
+  return "?";
+}
+
+constexpr std::optional<ScheduleKind> parse_schedule_flag(std::string_view name) {
+  for (const auto& [value, flag] : schedule_flag_names)
+    if (flag == name) return value;
+  return std::nullopt;
+}
 
 template <class T>
 concept ScheduleKindTag = requires {

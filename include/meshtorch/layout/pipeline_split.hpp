@@ -68,8 +68,7 @@ class StageSplit {
       if (st.embedding) part = "embedding";
       if (st.layers() > 0)
         part += (part.empty() ? "" : "+") + std::string(st.layers() == 1 ? "layer " : "layers ") +
-                std::to_string(st.first_layer) +
-                (st.layers() == 1 ? "" : "-" + std::to_string(st.end_layer - 1));
+                std::to_string(st.first_layer) + (st.layers() == 1 ? "" : "-" + std::to_string(st.end_layer - 1));
       if (st.head) part += (part.empty() ? "" : "+") + std::string("norm+head");
       text += (s ? " | " : "") + part;
     }

@@ -99,7 +99,7 @@ struct Checkpointing<llama::LlamaForCausalLM> {
 
 // A model parallelize() built (ParallelLlama, PipelineLlama): its pieces as the mesh type cut them.
 template <class Model>
-concept ShardedLlamaModel = requires(const Model& model) {
+concept ShardedLlamaModel = requires(Model& model) {
   { model.sharded_parameters() } -> std::same_as<std::vector<io::ShardedTensor>>;
   { model.world() } -> std::convertible_to<const comm::AxisGroup&>;
   { model.layout() } -> std::convertible_to<std::string>;

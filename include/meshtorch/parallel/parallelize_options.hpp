@@ -126,4 +126,13 @@ inline FsdpOptions fsdp_options(const train::FsdpArgs& args, torch::ScalarType c
           .prefetch_layers = args.prefetch_layers};
 }
 
+// The pipeline's options from chapter 11's flags; `seq_length` weighs attention in the cost model.
+inline PipelineOptions pipeline_options(const train::PipelineArgs& args, std::int64_t seq_length) {
+  return {.schedule = *pp::parse_schedule_flag(args.schedule),  // the flag's check allows only known names
+          .stages_per_rank = args.stages_per_rank,
+          .microbatches = args.microbatches,
+          .units_per_stage = args.units_per_stage,
+          .seq_length = seq_length};
+}
+
 }  // namespace meshtorch

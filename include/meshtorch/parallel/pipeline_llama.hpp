@@ -109,7 +109,11 @@ class PipelineLlamaRuntime {
   MESHTORCH_DECL torch::Tensor stage_forward(int stage, const torch::Tensor& input, int microbatch);
   // The weights `stage` computes with (the inputs of its weight-gradient step).
   MESHTORCH_DECL std::vector<torch::Tensor> stage_weights(int stage) const;
-  MESHTORCH_DECL void sum_tied_gradients();
+  // Whether this rank holds one of a tied embedding's two copies (first and last stage apart).
+  MESHTORCH_DECL bool tied_gradient_exchanged() const;
+  MESHTORCH_DECL torch::Tensor tied_weight() const;
+  // Adds the other copy's gradient of this step to this one's (`before`: the gradient before it).
+  MESHTORCH_DECL void sum_tied_gradients(const torch::Tensor& before);
 
   llama::LlamaForCausalLM model_;
   ParallelizeOptions options_;
@@ -144,10 +148,8 @@ class PipelineLlama : public PipelineLlamaRuntime {
 
  private:
   static PipelineGroups groups_of(const comm::DeviceMesh<M>& mesh) {
-    PipelineGroups groups{.world = mesh.world(),
-                          .pp = mesh.template group<PP>(),
-                          .mesh_name = M::name,
-                          .coordinate = mesh.describe()};
+    PipelineGroups groups{
+        .world = mesh.world(), .pp = mesh.template group<PP>(), .mesh_name = M::name, .coordinate = mesh.describe()};
     if constexpr (M::template has<DP>) {
       groups.dp = mesh.template group<DP>();
       groups.replica = mesh.template coord<DP>();
@@ -161,6 +163,7 @@ class PipelineLlama : public PipelineLlamaRuntime {
 #if MESHTORCH_DEFINES(core)
 #include <algorithm>
 #include <filesystem>
+#include <stdexcept>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -173,24 +176,6 @@ class PipelineLlama : public PipelineLlamaRuntime {
 #include <meshtorch/train/grad_clipping.hpp>
 
 namespace meshtorch {
-
-namespace pipeline_detail {
-
-inline std::string_view schedule_flag(pp::ScheduleKind kind) {
-  switch (kind) {
-    case pp::ScheduleKind::gpipe:
-      return "gpipe";
-    case pp::ScheduleKind::one_f_one_b:
-      return "1f1b";
-    case pp::ScheduleKind::interleaved_1f1b:
-      return "interleaved-1f1b";
-    case pp::ScheduleKind::zero_bubble_v:
-      return "zbv";
-  }
-  return "?";
-}
-
-}  // namespace pipeline_detail
 
 MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalLM model, PipelineGroups groups,
                                                           const ParallelizeOptions& options)
@@ -313,7 +298,8 @@ MESHTORCH_DECL std::vector<torch::Tensor> PipelineLlamaRuntime::stage_weights(in
   for (const auto& [name, weight] : trained_) {
     const int unit = unit_of(name);
     const bool embedding = unit == 0 && (part.embedding || (part.head && model_->config.tie_word_embeddings));
-    const bool layer = unit >= 1 && unit <= split_.layers() && unit - 1 >= part.first_layer && unit - 1 < part.end_layer;
+    const bool layer =
+        unit >= 1 && unit <= split_.layers() && unit - 1 >= part.first_layer && unit - 1 < part.end_layer;
     if (embedding || layer || (unit == split_.layers() + 1 && part.head)) weights.push_back(weight);
   }
   return weights;
@@ -326,16 +312,20 @@ MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::stage_forward(int stage, cons
   torch::Tensor hidden = part.embedding ? decoder.embed_tokens(input) : input;
   hidden = decoder.run_layers(hidden, positions_, part.first_layer, part.end_layer);
   if (!part.head) return hidden;
-  return model_->head_loss_sum(decoder.norm(hidden), targets_.at(static_cast<std::size_t>(microbatch))) /
-         step_tokens_;
+  return model_->head_loss_sum(decoder.norm(hidden), targets_.at(static_cast<std::size_t>(microbatch))) / step_tokens_;
 }
 
 MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::step(const torch::Tensor& input_ids, const torch::Tensor& labels) {
   const int microbatches = runner_->microbatches();
   if (input_ids.dim() != 2 || input_ids.size(0) % microbatches != 0)
-    throw ConfigError(fmt::format("pipeline: a batch of {} rows does not split into --microbatches {} equal "
-                                  "micro-batches; make -b a multiple of {}",
-                                  input_ids.dim() == 2 ? input_ids.size(0) : 0, microbatches, microbatches));
+    throw ConfigError(
+        fmt::format("pipeline: a batch of {} rows does not split into --microbatches {} equal "
+                    "micro-batches; make -b a multiple of {}",
+                    input_ids.dim() == 2 ? input_ids.size(0) : 0, microbatches, microbatches));
+  // What a tied embedding's gradient held before this step (gradient accumulation): the two copies
+  // exchange only what this step adds.
+  const torch::Tensor tied_before =
+      tied_gradient_exchanged() && tied_weight().grad().defined() ? tied_weight().grad().clone() : torch::Tensor();
   const auto id_parts = input_ids.chunk(microbatches, 0);
   const auto label_parts = labels.chunk(microbatches, 0);
   targets_.clear();
@@ -348,7 +338,7 @@ MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::step(const torch::Tensor& inp
                                     {input_ids.size(0) / microbatches, input_ids.size(1), model_->config.hidden_size});
   targets_.clear();
 
-  sum_tied_gradients();
+  if (tied_gradient_exchanged()) sum_tied_gradients(tied_before);
   if (dp_ && dp_->size() > 1) {
     std::vector<torch::Tensor> grads;
     for (const auto& [name, weight] : trained_)
@@ -362,26 +352,37 @@ MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::step(const torch::Tensor& inp
   return comm::all_reduce(pp_, loss.reshape({1})).reshape({});
 }
 
-MESHTORCH_DECL void PipelineLlamaRuntime::sum_tied_gradients() {
-  if (!model_->config.tie_word_embeddings) return;
-  const int stages = split_.stages();
-  const int first = runner_->table().shape.rank_of_stage(0), last = runner_->table().shape.rank_of_stage(stages - 1);
-  if (first == last || (pp_.rank() != first && pp_.rank() != last)) return;
-  torch::Tensor weight;
+MESHTORCH_DECL bool PipelineLlamaRuntime::tied_gradient_exchanged() const {
+  if (!model_->config.tie_word_embeddings) return false;
+  const auto& shape = runner_->table().shape;
+  const int first = shape.rank_of_stage(0), last = shape.rank_of_stage(shape.stages() - 1);
+  return first != last && (pp_.rank() == first || pp_.rank() == last);
+}
+
+MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::tied_weight() const {
   for (const auto& [name, tensor] : trained_)
-    if (unit_of(name) == 0) weight = tensor;
-  torch::Tensor own = weight.grad();
-  if (!own.defined()) own = torch::zeros_like(weight);
+    if (unit_of(name) == 0) return tensor;
+  throw std::logic_error("pipeline: no embedding on a rank that exchanges its gradient");
+}
+
+MESHTORCH_DECL void PipelineLlamaRuntime::sum_tied_gradients(const torch::Tensor& before) {
+  const auto& shape = runner_->table().shape;
+  const int first = shape.rank_of_stage(0), last = shape.rank_of_stage(shape.stages() - 1);
+  torch::Tensor weight = tied_weight();
+  torch::NoGradGuard no_grad;
+  torch::Tensor added = weight.grad().defined() ? weight.grad() : torch::zeros_like(weight);
+  if (before.defined()) added = added - before;
+  added = added.contiguous();
   const int peer = pp_.rank() == first ? last : first;
-  auto theirs = torch::empty_like(own);
-  // Both sides add the first stage's gradient to the last's, in that order, so the copies stay equal.
-  const int tag = 2 * stages * runner_->microbatches();  // past the schedule's tags
+  auto theirs = torch::empty_like(added);
+  const int tag = 2 * shape.stages() * shape.microbatches;  // past the schedule's tags
   auto receive = comm::receive_async(pp_, theirs, peer, tag);
-  auto send = comm::send_async(pp_, own.contiguous(), peer, tag);
+  auto send = comm::send_async(pp_, added, peer, tag);
   receive.wait();
   send.wait();
-  torch::NoGradGuard no_grad;
-  const torch::Tensor sum = pp_.rank() == first ? own + theirs : theirs + own;
+  // Both sides add the first stage's part to the last's, in that order, so the copies stay equal.
+  torch::Tensor sum = pp_.rank() == first ? added + theirs : theirs + added;
+  if (before.defined()) sum = before + sum;
   if (weight.grad().defined())
     weight.mutable_grad().copy_(sum);
   else
@@ -402,9 +403,8 @@ MESHTORCH_DECL std::vector<io::ShardedTensor> PipelineLlamaRuntime::sharded_para
 MESHTORCH_DECL double PipelineLlamaRuntime::clip_grad_norm(double max_norm) const {
   std::vector<train::ClippedTensor> pieces;
   for (const auto& [name, weight] : trained_) pieces.push_back({weight, replica_ == 0 && !is_tied_copy(name)});
-  return train::clip_grad_norm(pieces, max_norm, [this](torch::Tensor squares) {
-    return comm::all_reduce(world_, std::move(squares));
-  });
+  return train::clip_grad_norm(pieces, max_norm,
+                               [this](torch::Tensor squares) { return comm::all_reduce(world_, std::move(squares)); });
 }
 
 MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::mean_over_data_parallel(torch::Tensor value) const {
@@ -418,7 +418,7 @@ MESHTORCH_DECL std::string PipelineLlamaRuntime::layout() const {
   std::string text = fmt::format("{}: pipeline {} over PP ({} stages, {} per rank, {} micro-batches: {})", mesh_name_,
                                  pp::to_string(shape.kind), shape.stages(), shape.stages_per_rank, shape.microbatches,
                                  split_.describe());
-  if (dp_) text += " -> DDP over DP";
+  if (dp_ && dp_->size() > 1) text += " -> DDP over DP";
   return text;
 }
 
@@ -432,11 +432,11 @@ MESHTORCH_DECL std::string PipelineLlamaRuntime::summary() const {
   const auto counts = model_->config.parameter_counts();
   std::vector<std::string> stages;
   for (int s : local_stages_) stages.push_back(std::to_string(s));
-  return fmt::format("{}; {} holds stage{} {}: {} of the model's {} parameters, {} (schedule --schedule {})",
-                     layout(), coordinate_, stages.size() == 1 ? "" : "s", fmt::join(stages, ", "), local_numel(),
+  return fmt::format("{}; {} holds stage{} {}: {} of the model's {} parameters, {} (schedule --schedule {})", layout(),
+                     coordinate_, stages.size() == 1 ? "" : "s", fmt::join(stages, ", "), local_numel(),
                      counts ? counts->total : 0,
                      trained_.empty() ? "float32" : llama::dtype_name(trained_.front().second.scalar_type()),
-                     pipeline_detail::schedule_flag(runner_->table().shape.kind));
+                     pp::schedule_flag(runner_->table().shape.kind));
 }
 
 }  // namespace meshtorch

@@ -68,12 +68,12 @@ class PipelineRunner {
   int microbatches() const { return table_.shape.microbatches; }
 
  private:
-  struct Slot {  // one stage's state for one micro-batch
-    torch::Tensor input;                         // a leaf requiring grad, except on the first stage
-    torch::Tensor output;                        // activations, or the loss on the last stage
+  struct Slot {            // one stage's state for one micro-batch
+    torch::Tensor input;   // a leaf requiring grad, except on the first stage
+    torch::Tensor output;  // activations, or the loss on the last stage
     std::optional<comm::Work<torch::Tensor>> forward_receive, backward_receive;
-    torch::Tensor grad_output;                   // of `output`, from the next stage
-    torch::Tensor grad_input;                    // of `input`, for the previous stage
+    torch::Tensor grad_output;  // of `output`, from the next stage
+    torch::Tensor grad_input;   // of `input`, for the previous stage
   };
 
   Slot& slot(int stage, int microbatch) { return slots_[{stage, microbatch}]; }
@@ -164,7 +164,7 @@ MESHTORCH_DECL torch::Tensor PipelineRunner::run(const std::vector<torch::Tensor
   for (const auto& [key, left] : slots_)
     if (left.forward_receive || left.backward_receive || left.output.defined())
       throw std::logic_error(fmt::format("pipeline: stage {} micro-batch {} still holds {} after the step", key.first,
-                                      key.second, left.output.defined() ? "its activations" : "a receive"));
+                                         key.second, left.output.defined() ? "its activations" : "a receive"));
   slots_.clear();
   return std::exchange(loss_sum_, torch::Tensor());
 }
@@ -182,8 +182,8 @@ MESHTORCH_DECL void PipelineRunner::forward(int stage, int microbatch, const std
       // The previous stage is on this rank (ZBV's turn): its output, cut from its graph.
       Slot& previous = slot(stage - 1, microbatch);
       if (!previous.output.defined())
-        throw std::logic_error(fmt::format("pipeline: forward of stage {} micro-batch {} before its input exists",
-                                        stage, microbatch));
+        throw std::logic_error(
+            fmt::format("pipeline: forward of stage {} micro-batch {} before its input exists", stage, microbatch));
       received = previous.output.detach();
     }
     current.input = received.requires_grad_(true);
@@ -218,8 +218,8 @@ MESHTORCH_DECL void PipelineRunner::backward_whole(int stage, int microbatch) {
   const torch::Tensor grad = grad_output_of(stage, microbatch);
   Slot& current = slot(stage, microbatch);
   if (!current.output.defined())
-    throw std::logic_error(fmt::format("pipeline: backward of stage {} micro-batch {} before its forward", stage,
-                                    microbatch));
+    throw std::logic_error(
+        fmt::format("pipeline: backward of stage {} micro-batch {} before its forward", stage, microbatch));
   torch::autograd::backward({current.output}, {grad});
   if (stage > 0) current.grad_input = current.input.grad();
   current.input = current.output = current.grad_output = torch::Tensor();

@@ -27,6 +27,8 @@ MESHTORCH_DECL std::string flags_fingerprint(const CLI::App& app);
 #include <limits>
 #include <sstream>
 
+#include <meshtorch/layout/pipeline_action.hpp>
+
 namespace meshtorch::train {
 
 MESHTORCH_DECL std::string flags_fingerprint(const CLI::App& app) {
@@ -184,6 +186,26 @@ MESHTORCH_DECL void FsdpArgs::add_fsdp_flags(CLI::App& app, bool with_cpu_offloa
                  "each gathers when it runs); each costs one layer's gathered weights of memory")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+}
+
+MESHTORCH_DECL void PipelineArgs::add_pipeline_flags(CLI::App& app) {
+  add_extent_flag(app, "--pp", pp, "pipeline stages' ranks (divides the world); the rest is DP");
+  std::vector<std::string> schedules;
+  for (const auto& [kind, name] : pp::schedule_flag_names) schedules.emplace_back(name);
+  app.add_option("--schedule", schedule, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zbv")
+      ->capture_default_str()
+      ->check(CLI::IsMember(schedules));
+  app.add_option("--stages-per-rank", stages_per_rank,
+                 "stages each pipeline rank holds (2 or more for interleaved-1f1b; 2 for zbv)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--microbatches", microbatches,
+                 "micro-batches each rank's batch (-b) is split into for the schedule (default: the number of stages)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--units-per-stage", units_per_stage,
+                 "units (the embedding, each layer, the norm with the head) per stage, comma-separated (default: "
+                 "balanced by each unit's FLOPs)")
+      ->delimiter(',');
 }
 
 MESHTORCH_DECL void add_extent_flag(CLI::App& app, const std::string& name, int& extent, const std::string& help) {

@@ -102,6 +102,12 @@ class Loop {
     step_loss_ += scaled.detach().to(torch::kDouble);
   }
 
+  // The loss of a micro-batch whose forward and backward ran elsewhere (a pipeline's step, which
+  // runs both for each of its own micro-batches): counted in the step's loss as backward() counts it.
+  void add_loss(const torch::Tensor& loss) {
+    step_loss_ += loss.detach().to(torch::kDouble) / static_cast<double>(micro_batches_);
+  }
+
   // The update step: clipping (--max-grad-norm), the scheduled rate, the optimizer's step, and
   // the gradients freed (or, without `set_to_none`, zeroed in place).
   void update(TrainState& state, bool set_to_none = true) {

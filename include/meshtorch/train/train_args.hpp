@@ -4,6 +4,7 @@
 // CLI::App and defines add_to() and fingerprint(), so that this header does not pull in CLI11.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <meshtorch/separate_compilation.hpp>
 
@@ -69,6 +70,19 @@ struct FsdpArgs {
 
   // Defined in train/args.hpp. Without --cpu-offload where the chapter's mesh cannot offload.
   MESHTORCH_DECL void add_fsdp_flags(CLI::App& app, bool with_cpu_offload = true);
+};
+
+// Chapter 11's pipeline flags (docs/pipeline.md): --pp, --schedule, --stages-per-rank,
+// --microbatches, --units-per-stage.
+struct PipelineArgs {
+  int pp = 2;
+  std::string schedule = "1f1b";
+  int stages_per_rank = 1;
+  int microbatches = 0;  // 0: as many as stages
+  std::vector<int> units_per_stage;
+
+  // Defined in train/args.hpp.
+  MESHTORCH_DECL void add_pipeline_flags(CLI::App& app);
 };
 
 // A mesh axis's extent given at start-up (chapters 6 and 7's --tp and --dp): a positive integer,

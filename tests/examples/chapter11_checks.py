@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""End-to-end checks of examples/11-pipeline-parallel against chapter 1, run by CTest on CPU with
+Gloo, fp32, one thread per rank.
+
+usage: chapter11_checks.py MESHRUN CHAPTER1 CHAPTER7 CHAPTER11
+       {1f1b-parity|schedules-parity|dp-pp-parity|resume-across-meshes|stalled-stage|bad-flags}
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from chapter02_checks import CLIP, COMMON, ENV, compare_grad_norms, compare_losses, compare_params, metrics, model_file, run
+from ports import free_port
+
+
+def run_pp(tools, nproc, *args, expect_ok=True):
+    return run([tools["meshrun"], "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "--",
+                tools["chapter11"], *COMMON, *args], expect_ok=expect_ok)
+
+
+def parity(tools, single_batch, nproc, args, steps=20, extra=()):
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["--save-dir", tmp, "--max-steps", str(steps), "--ckpt-freq", str(steps), *extra]
+        run([tools["chapter1"], *COMMON, "-b", str(single_batch), "-e", "one", *flags])
+        out = run_pp(tools, nproc, *args, "-e", "pp", *flags)
+        compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/pp"), 1e-5)
+        if extra == CLIP:
+            compare_grad_norms(metrics(f"{tmp}/one"), metrics(f"{tmp}/pp"), 1e-4)
+        compare_params(model_file(f"{tmp}/one"), model_file(f"{tmp}/pp"), 1e-4)
+        return out
+
+
+def one_f_one_b_parity(tools):
+    # 2 stages on 2 ranks, chapter 1's batch of 4 in 4 micro-batches, clipped every step.
+    out = parity(tools, 4, 2, ["-b", "4", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4"], extra=CLIP)
+    assert "0F0" in out.stdout and "1B3" in out.stdout, "the schedule's grid is not in the log:\n" + out.stdout
+
+
+def schedules_parity(tools):
+    # GPipe, and the two schedules of 2 stages per rank (4 stages of llama-tiny's 6 units).
+    for args in (["--schedule", "gpipe", "--microbatches", "2"],
+                 ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--microbatches", "4"],
+                 ["--schedule", "zbv", "--stages-per-rank", "2", "--microbatches", "4"]):
+        print("---", " ".join(args))
+        parity(tools, 4, 2, ["-b", "4", "--pp", "2", *args], steps=10)
+
+
+def dp_pp_parity(tools):
+    # 4 ranks: 2 replicas (DDP) of a 2-stage pipeline, 2 samples per replica in 2 micro-batches.
+    parity(tools, 4, 4, ["-b", "2", "--pp", "2", "--microbatches", "2"], extra=CLIP)
+
+
+def resume_across_meshes(tools):
+    """PP 2 for 5 steps, then chapter 7's FSDP 2 for 5, then PP 2 again to 15 (global batch 4
+    throughout): the losses and weights of the straight PP run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["--save-dir", tmp, "--ckpt-freq", "5"]
+        pp = ["-b", "4", "--pp", "2", "--microbatches", "2"]
+        run_pp(tools, 2, *pp, *flags, "-e", "straight", "--max-steps", "15")
+        run_pp(tools, 2, *pp, *flags, "-e", "moved", "--max-steps", "5")
+        fsdp = run([tools["meshrun"], "--nproc-per-node", "2", "--master-port", str(free_port()), "--",
+                    tools["chapter7"], *COMMON, "-b", "2", "--tp", "1", *flags, "-e", "moved", "--max-steps", "10"])
+        assert "resumed from" in fsdp.stdout, fsdp.stdout
+        back = run_pp(tools, 2, *pp, *flags, "-e", "moved", "--max-steps", "15")
+        assert "resumed from" in back.stdout, back.stdout
+        compare_losses(metrics(f"{tmp}/straight"), metrics(f"{tmp}/moved"), 1e-5)
+        compare_params(model_file(f"{tmp}/straight"), model_file(f"{tmp}/moved"), 1e-4)
+
+
+def stalled_stage(tools):
+    """Rank 1 (the last stage) stopped with SIGSTOP under --timeout 20: every rank ends within 40 s
+    and the report names rank 1."""
+    cmd = [tools["meshrun"], "--nproc-per-node", "2", "--master-port", str(free_port()), "--prefix-output", "--",
+           tools["chapter11"], *COMMON, "-b", "4", "--pp", "2", "--microbatches", "2", "--timeout", "20",
+           "--log-freq", "1", "--max-steps", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while "global_step=3" not in "".join(lines):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        time.sleep(0.2)
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    ranks = {}
+    for pid in children:
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        rank = next((e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"RANK=")), None)
+        ranks[rank] = int(pid)
+    os.kill(ranks["1"], signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        code = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.kill(ranks["1"], signal.SIGKILL)
+        proc.kill()
+        sys.exit("meshrun still runs 60 s after rank 1 stopped:\n" + "".join(lines))
+    reader.join(10)
+    elapsed = time.monotonic() - stopped
+    output = "".join(lines)
+    print(output[-4000:])
+    print(f"meshrun exited with {code} {elapsed:.1f} s after rank 1 stopped")
+    assert code != 0, "meshrun exited with 0"
+    assert elapsed < 40, f"the job ended {elapsed:.1f} s after the stop"
+    assert re.search(r"rank 1\b", output[output.find("global_step=3"):]), "the report does not name rank 1"
+
+
+def bad_flags(tools):
+    """Schedules that cannot run are refused at start-up, naming the flag and the fix."""
+    cases = [
+        (["--schedule", "1f1b", "--microbatches", "1"], "1F1B needs at least as many micro-batches as stages"),
+        (["--schedule", "zbv", "--stages-per-rank", "1"], "--stages-per-rank"),
+        (["--schedule", "interleaved-1f1b"], "--stages-per-rank"),
+        (["--units-per-stage", "2,2"], "--units-per-stage 2,2"),
+        (["--stages-per-rank", "4", "--schedule", "interleaved-1f1b"], "lower --pp or --stages-per-rank"),
+        (["-b", "3", "--microbatches", "2"], "make -b a multiple of 2"),
+        (["--grad-accum", "2"], "use --microbatches"),
+    ]
+    for args, needle in cases:
+        started = time.monotonic()
+        proc = run_pp(tools, 2, "-b", "4", "--pp", "2", "--max-steps", "2", *args, expect_ok=False)
+        text = proc.stdout + proc.stderr
+        print(f"{' '.join(args)}: exit {proc.returncode} in {time.monotonic() - started:.1f} s")
+        assert proc.returncode != 0, text
+        assert needle in text, f"{needle!r} not in:\n{text}"
+
+
+if __name__ == "__main__":
+    tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter7": sys.argv[3], "chapter11": sys.argv[4]}
+    {"1f1b-parity": one_f_one_b_parity, "schedules-parity": schedules_parity, "dp-pp-parity": dp_pp_parity,
+     "resume-across-meshes": resume_across_meshes, "stalled-stage": stalled_stage,
+     "bad-flags": bad_flags}[sys.argv[5]](tools)
