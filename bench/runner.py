@@ -6,6 +6,9 @@
 - fsdp, tp, 2d: chapters 4, 6 and 7, 2 ranks x 1 thread on the CPU over Gloo: our
   04-fully-sharded-data-parallel, 06-tensor-parallel and 07-2d-parallel under meshrun against the
   guide's FSDP2, tensor-parallel and 2D scripts under torchrun (opt-in: --only fsdp,tp,2d);
+- pp: chapter 11, 2 ranks x 1 thread on the CPU over Gloo: our 11-pipeline-parallel under meshrun
+  against PyTorch's torch.distributed.pipelining (PipelineStage and its schedules) under torchrun,
+  per schedule, the same split into stages and the same micro-batches (opt-in: --only pp);
 - ch1-bf16: chapter 1 in bfloat16 (opt-in: --only ch1-bf16);
 - ch5: chapter 5's memory savers against their cost, each beside the Python stack's (opt-in:
   --only ch5): activation checkpointing at llama-100m, sequence 1024, 2 ranks of FSDP (also with
@@ -21,6 +24,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -53,9 +57,9 @@ DDP_DEFAULTS = {"llama-tiny": (3, ["off", "on"]), "llama-100m": (1, ["off"])}
 DDP_QUICK = {"llama-tiny": dict(steps=8, warmup=3), "llama-100m": dict(steps=3, warmup=1)}
 DDP_RANKS = 2
 # A plain bench/run runs DEFAULT_SECTIONS (about 16 minutes on 2 idle cores); the others would take
-# it past 20 minutes (fsdp + tp + 2d about 6 more at llama-tiny, ch1-bf16 about as long as ch1), so
-# they are opt-in through --only.
-SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "zero2", "ch5", "ch1-bf16", "compile-time"]
+# it past 20 minutes (fsdp + tp + 2d about 6 more at llama-tiny, pp about 2 with its three schedules,
+# ch1-bf16 about as long as ch1), so they are opt-in through --only.
+SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "pp", "zero2", "ch5", "ch1-bf16", "compile-time"]
 DEFAULT_SECTIONS = ["ch1", "ddp", "compile-time"]
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 IMPL_NAMES = {"ours": "meshtorch", "hf-eager": "HF eager", "hf-compile": "HF compile",
@@ -94,8 +98,9 @@ def parse_args():
     p.add_argument("--ddp-bin", default=str(ROOT / "build" / "bin" / "02-distributed-data-parallel"),
                    help="our chapter-2 binary")
     p.add_argument("--par-sizes", default="llama-tiny",
-                   help="sizes of the fsdp, tp and 2d sections (comma-separated: " + ", ".join(DDP_SIZES) + ")")
-    p.add_argument("--par-reps", type=int, default=None, help="repetitions of the fsdp, tp and 2d sections (default 3)")
+                   help="sizes of the fsdp, tp, 2d and pp sections (comma-separated: " + ", ".join(DDP_SIZES) + ")")
+    p.add_argument("--par-reps", type=int, default=None,
+                   help="repetitions of the fsdp, tp, 2d and pp sections (default 3)")
     p.add_argument("--fsdp-variants", default="reshard",
                    help="fsdp section variants, comma-separated: reshard (reshard_after_forward on, the guide's "
                         "setting; each side prefetches as it does by default), keep (--no-reshard-after-forward), "
@@ -107,6 +112,13 @@ def parse_args():
     p.add_argument("--tp-bin", default=str(ROOT / "build" / "bin" / "06-tensor-parallel"), help="our chapter-6 binary")
     p.add_argument("--2d-bin", dest="twod_bin", default=str(ROOT / "build" / "bin" / "07-2d-parallel"),
                    help="our chapter-7 binary")
+    p.add_argument("--pp-bin", default=str(ROOT / "build" / "bin" / "11-pipeline-parallel"), help="our chapter-11 binary")
+    p.add_argument("--pp-schedules", default="1f1b,interleaved-1f1b,zbv",
+                   help="pp section schedules, comma-separated: " + ", ".join(PP_SCHEDULES)
+                        + " (interleaved-1f1b and zbv with 2 stages per rank)")
+    p.add_argument("--pp-microbatches", type=int, default=4,
+                   help="micro-batches per step in the pp section, both sides (divides each size's batch: "
+                        "llama-tiny 8, llama-100m 4)")
     p.add_argument("--bf16-compile-sizes", default="",
                    help="sizes at which ch1-bf16 also runs the torch.compile variant (default: none)")
     p.add_argument("--meshrun", default=str(ROOT / "build" / "bin" / "meshrun"), help="our launcher")
@@ -576,16 +588,36 @@ PAR_SECTIONS = {
                reference="train_llm_ch6.py", ours="meshtorch TP", theirs="PyTorch TP"),
     "2d": dict(title="Chapter 7 2D parallel", chapter="07-2d-parallel", bin_arg="twod_bin",
                reference="train_llm_ch7.py", ours="meshtorch 2D", theirs="PyTorch 2D"),
+    # Both sides time the whole schedule (every forward and backward) as one phase, "pipeline".
+    "pp": dict(title="Chapter 11 pipeline parallel", chapter="11-pipeline-parallel", bin_arg="pp_bin",
+               reference="train_llm_ch11.py", ours="meshtorch PP", theirs="PyTorch PP",
+               phases=["data", "pipeline", "update"], variant_label="schedule"),
 }
 PAR_RANKS = 2
+# The pp section: the DDP section's sizes, but a batch that splits into 4 micro-batches at llama-100m.
+PP_SIZES = {s: dict(v, batch=4) if s == "llama-100m" else dict(v) for s, v in DDP_SIZES.items()}
+# --stages-per-rank of each schedule: 2 where the schedule holds several stages per rank (ZBV: exactly 2).
+PP_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2}
 FSDP_VARIANTS = {"reshard": ["--reshard-after-forward"], "keep": ["--no-reshard-after-forward"],
                  "offload": ["--cpu-offload", "--reshard-after-forward"],
                  "noprefetch": ["--reshard-after-forward", "--prefetch-layers", "0"],
                  "ac": ["--reshard-after-forward", "--activation-checkpointing", "full"]}
 
 
+def par_sizes(kind):
+    """The sizes table of one section: the DDP section's, but the pp section's own batch."""
+    return PP_SIZES if kind == "pp" else DDP_SIZES
+
+
 def par_variants(kind, args):
     """{variant name: flags given to both sides} of one section."""
+    if kind == "pp":
+        names = [v for v in args.pp_schedules.split(",") if v]
+        unknown = [v for v in names if v not in PP_SCHEDULES]
+        if unknown:
+            sys.exit(f"bench/run: unknown --pp-schedules {', '.join(unknown)}; known: {', '.join(PP_SCHEDULES)}")
+        return {v: ["--pp", str(PAR_RANKS), "--schedule", v, "--stages-per-rank", str(PP_SCHEDULES[v]),
+                    "--microbatches", str(args.pp_microbatches)] for v in names}
     if kind == "fsdp":
         names = [v for v in args.fsdp_variants.split(",") if v]
         unknown = [v for v in names if v not in FSDP_VARIANTS]
@@ -610,19 +642,52 @@ def par_command(kind, side, spec, flags, name, args, corpus, runs_dir):
     torchrun = Path(sys.executable).parent / "torchrun"
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
     return [*launcher, "--standalone", "--nproc-per-node", str(PAR_RANKS),
-            str(REFERENCE / PAR_SECTIONS[kind]["reference"]), *common, "--warmup-steps", str(spec["warmup"])]
+            str(REFERENCE / PAR_SECTIONS[kind]["reference"]), *common, "--warmup-steps", str(spec["warmup"]),
+            *(pp_reference_flags(spec, flags) if kind == "pp" else [])]
+
+
+def pp_reference_flags(spec, flags):
+    """What the PyTorch side of the pp section needs beyond the shared flags: our binary's split into
+    stages, given explicitly (ours splits by itself and logs it; the tables check both logs), and
+    for ZBV the handshake Gloo refuses left out (see train_llm_ch11.py)."""
+    from train_llm_ch11 import balanced_units, unit_costs  # torch and transformers: imported only here
+
+    value = lambda flag: flags[flags.index(flag) + 1]
+    stages = int(value("--pp")) * int(value("--stages-per-rank"))
+    config = json.loads((Path(spec["config"]) / "config.json").read_text())
+    units = balanced_units(unit_costs(config, spec["seq"]), stages)
+    return ["--units-per-stage", ",".join(map(str, units))] + (
+        ["--skip-self-handshake"] if value("--schedule") == "zbv" else [])
+
+
+def pp_details(summary, name, spec, runs_dir):
+    """Adds to a pp run's summary what metrics_summary leaves out: the median of its "pipeline"
+    phase, every step's loss, and the split into stages its log names."""
+    records = read_jsonl(runs_dir / name / "metrics.jsonl")
+    measured = [r for r in records if r["global_step"] > spec["warmup"]] or records
+    if all("time/pipeline" in r for r in measured):
+        summary["time/pipeline"] = statistics.median(r["time/pipeline"] for r in measured)
+    summary["losses"] = [r["running_loss"] for r in records]
+    found = re.search(r"micro-batches: ([^)]*)\)", (runs_dir / f"{name}.log").read_text(errors="replace"))
+    summary["split"] = found.group(1) if found else None
+    return summary
 
 
 def par_tables(kind, results, sizes, variants, reps, args):
     meta = PAR_SECTIONS[kind]
+    phases = meta.get("phases", PHASES)
+    variant = meta.get("variant_label", "variant")
     r2 = lambda v: f"{v:.2f}" if v is not None else "—"
     med = lambda runs, key="tokens_per_s": median_of(list(runs.values()), key)
+    shared = ("with pipeline parallelism the ranks of a pipeline share one batch, split into "
+              f"{args.pp_microbatches} micro-batches" if kind == "pp" else
+              "with tensor parallelism the ranks of a TP group share one batch")
     lines = [f"{PAR_RANKS} ranks x 1 thread on the CPU, Gloo over loopback, {args.dtype}. tokens/s counts the global "
-             "batch (data-parallel ranks x batch x sequence: with tensor parallelism the ranks of a TP group share "
-             "one batch). Figures are medians over repetitions of each run's median step after warm-up; every ratio "
+             f"batch (data-parallel ranks x batch x sequence: {shared}). Figures are medians over repetitions of each "
+             "run's median step after warm-up; every ratio "
              "is the median over repetitions of the ratio within a repetition (ours / PyTorch; tokens/s: above 1 means "
              "we are faster; ms and memory: below 1 means we use less).", "",
-             f"| model | variant | {meta['ours']} tokens/s | {meta['theirs']} tokens/s | ours / PyTorch "
+             f"| model | {variant} | {meta['ours']} tokens/s | {meta['theirs']} tokens/s | ours / PyTorch "
              f"| {meta['ours']} rank 0 peak RSS GB | {meta['theirs']} rank 0 peak RSS GB | ours / PyTorch |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for size in sizes:
@@ -631,31 +696,67 @@ def par_tables(kind, results, sizes, variants, reps, args):
             lines.append(f"| {size} | {v} | {fmt(med(o))} | {fmt(med(t))} | {r2(paired(o, t, 'tokens_per_s'))} "
                          f"| {fmt(med(o, 'peak_rss_gb'), 2)} | {fmt(med(t, 'peak_rss_gb'), 2)} "
                          f"| {r2(paired(o, t, 'peak_rss_gb'))} |")
-    keys = ["tokens_per_s", "time/total", *[f"time/{p}" for p in PHASES], "peak_rss_gb", "wall_s"]
+    keys = ["tokens_per_s", "time/total", *[f"time/{p}" for p in phases], "peak_rss_gb", "wall_s"]
     for size in sizes:
-        spec = DDP_SIZES[size]
+        spec = par_sizes(kind)[size]
         lines += ["", f"### {meta['title']}, {size}: per-rank batch {spec['batch']} x sequence {spec['seq']}, "
                       f"{spec['steps']} steps of which {spec['warmup']} warm-up, {reps} repetition(s)", "",
-                  "| variant | run | tokens/s (min–max) | ms/step | data | forward | backward | update | rank 0 peak RSS GB "
-                  "| process s | load avg (min–max) |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  f"| {variant} | run | tokens/s (min–max) | ms/step | " + " | ".join(phases)
+                  + " | rank 0 peak RSS GB | process s | load avg (min–max) |",
+                  "| --- | --- |" + " ---: |" * (len(phases) + 5)]
         for v in variants:
             for side in ("ours", "torch"):
                 runs = results.get((size, v, side), {})
                 label = meta["ours"] if side == "ours" else meta["theirs"]
                 if not runs:
-                    lines.append(f"| {v} | {label} | not run |  |  |  |  |  |  |  |  |")
+                    lines.append(f"| {v} | {label} | not run |" + "  |" * (len(phases) + 4))
                     continue
                 tps = [r["tokens_per_s"] for r in runs.values()]
                 load = [r["loadavg"] for r in runs.values()]
                 cells = [f"{fmt(med(runs))} ({fmt(min(tps))}–{fmt(max(tps))})", fmt(med(runs, "time/total"))]
-                cells += [fmt(med(runs, f"time/{p}"), 2) for p in PHASES]
+                cells += [fmt(med(runs, f"time/{p}"), 2) for p in phases]
                 cells += [fmt(med(runs, "peak_rss_gb"), 2), fmt(med(runs, "wall_s")), f"{min(load):.2f}–{max(load):.2f}"]
                 lines.append(f"| {v} | {label} | " + " | ".join(cells) + " |")
             o, t = results.get((size, v, "ours"), {}), results.get((size, v, "torch"), {})
             if o and t:
                 lines.append(f"| {v} | ours / PyTorch | " + " | ".join(r2(paired(o, t, k)) for k in keys) + " |")
+    if kind == "pp":
+        lines += pp_loss_table(results, sizes, variants)
     return "\n".join(lines) + "\n"
+
+
+def pp_loss_table(results, sizes, variants):
+    """Markdown lines: per schedule, the split each side logged and the loss curves. The two stacks
+    draw different initial weights and data orders (different random generators), so their curves
+    agree only roughly; within one stack every schedule must give the same losses as the first one
+    (the same model and batches, only the order of the work changes)."""
+    first_run = lambda runs: runs[min(runs)] if runs else None
+    fmt_losses = lambda r: f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f}" if r and r.get("losses") else "—"
+
+    def largest_gap(a, b):
+        if not a or not b or not a.get("losses") or not b.get("losses"):
+            return "—"
+        return f"{max(abs(x - y) for x, y in zip(a['losses'], b['losses'])):.2g}"
+
+    lines = ["", "Loss curves (each side's first repetition; → joins the first and the last step's loss). \"same "
+             "split\": the split PyTorch was given equals the one our binary logged. Ours and PyTorch's start from "
+             "different initial weights and see the batches in a different order, so their curves agree only "
+             "roughly; within one stack every schedule runs the same model on the same batches, so its losses "
+             f"must equal the {variants[0]} run's (the last two columns, largest difference over the steps).", "",
+             "| model | schedule | split (ours) | same split | meshtorch loss | PyTorch loss | largest step gap ours "
+             f"− PyTorch | meshtorch vs its {variants[0]} | PyTorch vs its {variants[0]} |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for size in sizes:
+        base = {side: first_run(results.get((size, variants[0], side), {})) for side in ("ours", "torch")}
+        for v in variants:
+            o, t = (first_run(results.get((size, v, side), {})) for side in ("ours", "torch"))
+            cell = lambda text: str(text).replace("|", "\\|")  # the split's stage separator, in a table cell
+            split = cell((o or t or {}).get("split") or "—")
+            same = "yes" if o and t and o.get("split") and o.get("split") == t.get("split") else (
+                "**no**: PyTorch " + cell(t.get("split")) if o and t else "—")
+            lines.append(f"| {size} | {v} | {split} | {same} | {fmt_losses(o)} | {fmt_losses(t)} | {largest_gap(o, t)} "
+                         f"| {largest_gap(o, base['ours'])} | {largest_gap(t, base['torch'])} |")
+    return lines
 
 
 # The zero2 section: ZeRO stage 2 (chapter 8's engine) against PyTorch's DDP +
@@ -763,7 +864,7 @@ def par_section(kind, args, corpus, runs_dir, out, machine):
             sys.exit(f"bench/run: unknown size {size!r} in --par-sizes; known: {', '.join(DDP_SIZES)}")
     if args.quick:
         for s, q in DDP_QUICK.items():
-            DDP_SIZES[s].update(q)
+            par_sizes(kind)[s].update(q)
     reps = 1 if args.quick else (args.par_reps or 3)
     variants = par_variants(kind, args)
     started = time.perf_counter()
@@ -772,7 +873,7 @@ def par_section(kind, args, corpus, runs_dir, out, machine):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     for size in sizes:
-        spec = DDP_SIZES[size]
+        spec = par_sizes(kind)[size]
         for rep in range(1, reps + 1):
             for v, flags in variants.items():
                 # Ours first in odd repetitions, theirs first in even ones, as in the DDP section.
@@ -783,6 +884,8 @@ def par_section(kind, args, corpus, runs_dir, out, machine):
                     name = f"{kind}-{size}-{v}-{side}-r{rep}"
                     cmd = par_command(kind, side, spec, flags, name, args, corpus, runs_dir)
                     summary = run_cmd(cmd, spec, name, args, runs_dir, env)
+                    if summary is not None and kind == "pp":
+                        summary = pp_details(summary, name, spec, runs_dir)
                     if summary is not None:
                         results.setdefault((size, v, side), {})[rep] = summary
     loadavg_end = os.getloadavg()[0]
@@ -803,7 +906,7 @@ def par_section(kind, args, corpus, runs_dir, out, machine):
     (out / f"{kind}.json").write_text(json.dumps(
         {"machine": {**machine, "loadavg_start": loadavg_start, "loadavg_end": loadavg_end, "bench_minutes": minutes},
          "args": vars(args), "variants": variants,
-         "sizes": {s: {k: str(v) for k, v in DDP_SIZES[s].items()} for s in sizes},
+         "sizes": {s: {k: str(v) for k, v in par_sizes(kind)[s].items()} for s in sizes},
          "runs": [{"size": s, "variant": v, "side": side, "rep": rep, **r}
                   for (s, v, side), runs in results.items() for rep, r in runs.items()]},
         indent=1))

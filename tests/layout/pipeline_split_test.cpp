@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/layout/pipeline_schedule.hpp>
 #include <meshtorch/layout/pipeline_split.hpp>
 #include <meshtorch/models/llama/config.hpp>
 #include <meshtorch/models/llama/stage_costs.hpp>
@@ -90,4 +91,16 @@ TEST_CASE("pipeline stages: llama-100m over 4 stages: the slowest stage within 1
   const double total = std::accumulate(costs.begin(), costs.end(), 0.0);
   INFO(pp::StageSplit(static_cast<int>(config->num_hidden_layers), split).describe());
   CHECK(slowest_of(costs, split) / (total / 4) <= 1.10);
+}
+
+TEST_CASE("pipeline stages: the micro-batches each stage holds at once, per schedule") {
+  using pp::ScheduleKind;
+  // GPipe keeps every micro-batch on every stage until backward; 1F1B at most p - s on stage s.
+  CHECK(pp::microbatches_in_flight(pp::make_schedule(ScheduleKind::gpipe, 2, 1, 4)) == std::vector<int>{4, 4});
+  CHECK(pp::microbatches_in_flight(pp::make_schedule(ScheduleKind::one_f_one_b, 2, 1, 4)) == std::vector<int>{2, 1});
+  CHECK(pp::microbatches_in_flight(pp::make_schedule(ScheduleKind::one_f_one_b, 4, 1, 8)) ==
+        std::vector<int>{4, 3, 2, 1});
+  // Of a schedule with static extents.
+  using S = pp::Schedule<pp::OneFOneB, 2, 1, 8>;
+  CHECK(pp::microbatches_in_flight(S::table()) == std::vector<int>{2, 1});
 }

@@ -16,6 +16,8 @@
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/parallelize.hpp>
 
+#include "one_process_load.hpp"
+
 namespace mt = meshtorch;
 namespace llama = meshtorch::llama;
 
@@ -133,30 +135,7 @@ void check_layout_on(const mt::comm::DeviceMesh<M>& mesh, mt::ParallelizeOptions
 
   // Loaded into one process (a world of one, other boxes than were saved), the checkpoint is the
   // reference's weights and AdamW state.
-  llama::LlamaForCausalLM restored(config, torch::TensorOptions().device(torch::kMeta));
-  llama::materialize(restored, torch::TensorOptions());
-  mt::train::AdamW restored_optimizer(mt::train::named_trainable_parameters(*restored), {.lr = 1e-3});
-  std::vector<mt::io::ShardedTensor> one_process;
-  for (const auto& item : restored->named_parameters())
-    one_process.push_back(mt::io::replicated(item.key(), item.value(), /*writer=*/true));
-  for (auto& piece : mt::optimizer_state_pieces(restored_optimizer, one_process))
-    one_process.push_back(std::move(piece));
-  mt::checkpoint::load_sharded_checkpoint(saved.folder, one_process);
-  const auto expected_state = reference_optimizer.state();
-  std::map<std::string, torch::Tensor> restored_state;
-  for (const auto& [name, tensor] : restored_optimizer.state()) restored_state[name] = tensor;
-  for (const auto& [name, tensor] : expected_state) {
-    INFO(name);
-    const auto difference = ((restored_state.at(name) - tensor).abs().max() / tensor.abs().max().clamp_min(1e-30));
-    CHECK(difference.template item<double>() < 2e-3);
-  }
-  const auto restored_weights = restored->named_parameters();
-  for (const auto& item : reference_weights) {
-    INFO(item.key());
-    CHECK(
-        ((restored_weights[item.key()] - item.value()).abs().max() / item.value().abs().max()).template item<double>() <
-        2e-3);
-  }
+  mt::testing::check_loads_as_reference(saved.folder, config, reference, reference_optimizer);
   mt::comm::barrier(mesh.world());
   if (mesh.rank() == 0) std::filesystem::remove_all(dir);
 }

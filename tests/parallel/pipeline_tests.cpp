@@ -17,6 +17,8 @@
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/parallelize.hpp>
 
+#include "one_process_load.hpp"
+
 namespace mt = meshtorch;
 namespace llama = meshtorch::llama;
 
@@ -96,7 +98,8 @@ void check_pipeline_against_one_process(const PipelineCase& test) {
     CHECK(((weight.detach() - expected).abs().max() / expected.abs().max()).template item<double>() < 2e-3);
   }
 
-  // Saved as global boxes, the checkpoint loads into one process as the reference's weights.
+  // Saved as global boxes, the checkpoint loads into one process as the reference's weights and
+  // AdamW state.
   const auto dir =
       std::filesystem::temp_directory_path() / fmt::format("meshtorch-pipeline-{}", mesh.env().master_port);
   if (mesh.rank() == 0) std::filesystem::remove_all(dir);
@@ -105,22 +108,7 @@ void check_pipeline_against_one_process(const PipelineCase& test) {
   for (auto& piece : mt::optimizer_state_pieces(optimizer, pieces)) pieces.push_back(std::move(piece));
   const auto saved = mt::save_training_checkpoint(dir, pieces, {.global_step = steps, .running_loss = 1.0}, {},
                                                   mesh.world(), {.layout = parallel.layout()});
-  llama::LlamaForCausalLM restored(config, torch::TensorOptions().device(torch::kMeta));
-  llama::materialize(restored, torch::TensorOptions());
-  mt::train::AdamW restored_optimizer(mt::train::named_trainable_parameters(*restored), {.lr = 1e-3});
-  std::vector<mt::io::ShardedTensor> one_process;
-  for (const auto& item : restored->named_parameters())
-    one_process.push_back(mt::io::replicated(item.key(), item.value(), /*writer=*/true));
-  for (auto& piece : mt::optimizer_state_pieces(restored_optimizer, one_process))
-    one_process.push_back(std::move(piece));
-  mt::checkpoint::load_sharded_checkpoint(saved.folder, one_process);
-  const auto restored_weights = restored->named_parameters();
-  for (const auto& item : reference_weights) {
-    INFO(item.key());
-    CHECK(
-        ((restored_weights[item.key()] - item.value()).abs().max() / item.value().abs().max()).template item<double>() <
-        2e-3);
-  }
+  mt::testing::check_loads_as_reference(saved.folder, config, reference, reference_optimizer);
   mt::comm::barrier(mesh.world());
   if (mesh.rank() == 0) std::filesystem::remove_all(dir);
 }

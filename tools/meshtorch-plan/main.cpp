@@ -21,15 +21,18 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/pipeline_schedule.hpp>
+#include <meshtorch/layout/pipeline_split.hpp>
 #include <meshtorch/models/llama/config_json.hpp>
 #include <meshtorch/models/llama/memory_plan.hpp>
 #include <meshtorch/models/llama/plan.hpp>
+#include <meshtorch/models/llama/stage_costs.hpp>
 #include <meshtorch/parallel/checkpoint_selection.hpp>
 
 namespace mt = meshtorch;
@@ -59,14 +62,14 @@ std::string gigabytes(double bytes) {
   return out;
 }
 
-}  // namespace
-
 // The --schedule spellings, from the one list of them.
 std::vector<std::string> schedule_names() {
   std::vector<std::string> names;
   for (const auto& [kind, name] : meshtorch::pp::schedule_flag_names) names.emplace_back(name);
   return names;
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"meshtorch-plan: a Llama model's parameters and memory per rank of a mesh"};
@@ -134,19 +137,57 @@ int main(int argc, char** argv) {
       const auto kind = *pp_::parse_schedule_flag(schedule);
       const auto table = pp_::make_schedule(kind, pp, stages_per_rank, microbatches > 0 ? microbatches : pp);
       const double bubble = pp_::bubble_fraction(table);
+      // The stages of -m as the run cuts them (by FLOPs at -s), and what each keeps in flight.
+      const auto config = llama::resolve_model(model);
+      llama::validate(config, model);
+      const int layers = static_cast<int>(config.num_hidden_layers);
+      const auto in_flight = pp_::microbatches_in_flight(table);
+      const auto counts = *config.parameter_counts();
+      nlohmann::json stages = nlohmann::json::array();
+      std::string split_problem;  // a schedule of more stages than -m has units still prints
+      pp_::StageSplit split;
+      try {
+        split = pp_::StageSplit(layers,
+                                pp_::balanced_units(llama::stage_unit_costs(config, run.seq), table.shape.stages()));
+      } catch (const mt::ConfigError& e) {
+        split_problem = model + ": " + e.what();
+      }
+      for (int s = 0; s < split.stages(); ++s) {
+        const auto part = split.stage(s);
+        const std::int64_t parameters =
+            (part.embedding || (part.head && config.tie_word_embeddings) ? counts.embedding : 0) +
+            part.layers() * (counts.attention + counts.mlp + counts.layer_norms) +
+            (part.head ? counts.final_norm + counts.head : 0);
+        stages.push_back({{"stage", s},
+                          {"rank", table.shape.rank_of_stage(s)},
+                          {"holds", split.describe_stage(s)},
+                          {"parameters", parameters},
+                          {"microbatches_in_flight", in_flight[static_cast<std::size_t>(s)]}});
+      }
       if (json) {
         std::printf("%s\n", nlohmann::json{{"schedule", std::string(pp_::to_string(kind))},
                                            {"pp", pp},
                                            {"stages_per_rank", table.shape.stages_per_rank},
                                            {"microbatches", table.shape.microbatches},
                                            {"ticks", table.ticks},
-                                           {"bubble_fraction", bubble}}
+                                           {"bubble_fraction", bubble},
+                                           {"stages", split_problem.empty() ? stages : nlohmann::json(nullptr)},
+                                           {"stages_problem", split_problem}}
                                 .dump()
                                 .c_str());
       } else {
         std::printf("pipeline schedule %s: %d ranks x %d stage(s) each, %d micro-batches, %d ticks; bubble %.3f\n",
                     std::string(pp_::to_string(kind)).c_str(), pp, table.shape.stages_per_rank,
                     table.shape.microbatches, table.ticks, bubble);
+        if (!split_problem.empty())
+          std::printf("no stages of %s: %s\n", model.c_str(), split_problem.c_str());
+        else
+          std::printf("stages of %s (split by FLOPs at sequence %lld):\n", model.c_str(),
+                      static_cast<long long>(run.seq));
+        for (const auto& stage : stages)
+          std::printf("  stage %d on rank %d: %s, %lld parameters, %d micro-batches' activations at once\n",
+                      stage["stage"].get<int>(), stage["rank"].get<int>(), stage["holds"].get<std::string>().c_str(),
+                      stage["parameters"].get<long long>(), stage["microbatches_in_flight"].get<int>());
         if (show_schedule) std::printf("%s", pp_::format_grid(table).c_str());
       }
       return 0;

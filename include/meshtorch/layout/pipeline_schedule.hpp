@@ -55,6 +55,24 @@ inline ScheduleTable make_schedule(ScheduleKind kind, int ranks, int stages_per_
   return table;
 }
 
+// For each stage, the most micro-batches whose activations it holds at once: forwards run whose
+// backward (ZBV: weight gradient) has not. What the schedule costs in activation memory: GPipe's
+// first stage holds every micro-batch, 1F1B's at most as many as there are stages.
+constexpr std::vector<int> microbatches_in_flight(const ScheduleTable& table) {
+  std::vector<int> held(static_cast<std::size_t>(table.shape.stages()), 0), most = held;
+  for (const std::vector<Action>& program : table.programs)
+    for (const Action& action : program) {
+      auto& count = held[static_cast<std::size_t>(action.stage)];
+      if (action.kind == ActionKind::forward) {
+        ++count;
+        most[static_cast<std::size_t>(action.stage)] = std::max(most[static_cast<std::size_t>(action.stage)], count);
+      } else if (action.kind == ActionKind::backward || action.kind == ActionKind::backward_weight) {
+        --count;
+      }
+    }
+  return most;
+}
+
 // The grid of a checked table, a row per rank and a column per tick, like PyTorch's
 // _format_pipeline_order turned on its side: "0F1" is stage 0's forward of micro-batch 1; "." idles.
 inline std::string format_grid(const ScheduleTable& table) {

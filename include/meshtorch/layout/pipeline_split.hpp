@@ -59,19 +59,22 @@ class StageSplit {
             .head = end == layers_ + 2};
   }
 
+  // "embedding+layers 0-1": what stage s holds.
+  std::string describe_stage(int s) const {
+    const StageLayers st = stage(s);
+    std::string part;
+    if (st.embedding) part = "embedding";
+    if (st.layers() > 0)
+      part += (part.empty() ? "" : "+") + std::string(st.layers() == 1 ? "layer " : "layers ") +
+              std::to_string(st.first_layer) + (st.layers() == 1 ? "" : "-" + std::to_string(st.end_layer - 1));
+    if (st.head) part += (part.empty() ? "" : "+") + std::string("norm+head");
+    return part;
+  }
+
   // "embedding+layers 0-1 | layers 2-3 | norm+head": a line for logs.
   std::string describe() const {
     std::string text;
-    for (int s = 0; s < stages(); ++s) {
-      const StageLayers st = stage(s);
-      std::string part;
-      if (st.embedding) part = "embedding";
-      if (st.layers() > 0)
-        part += (part.empty() ? "" : "+") + std::string(st.layers() == 1 ? "layer " : "layers ") +
-                std::to_string(st.first_layer) + (st.layers() == 1 ? "" : "-" + std::to_string(st.end_layer - 1));
-      if (st.head) part += (part.empty() ? "" : "+") + std::string("norm+head");
-      text += (s ? " | " : "") + part;
-    }
+    for (int s = 0; s < stages(); ++s) text += (s ? " | " : "") + describe_stage(s);
     return text;
   }
 

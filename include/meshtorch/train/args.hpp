@@ -189,6 +189,9 @@ MESHTORCH_DECL void FsdpArgs::add_fsdp_flags(CLI::App& app, bool with_cpu_offloa
 }
 
 MESHTORCH_DECL void PipelineArgs::add_pipeline_flags(CLI::App& app) {
+  // -b keeps its meaning (the batch of a data-parallel rank per step): the pipeline cuts it.
+  if (auto* batch = app.get_option_no_throw("--batch-size"))
+    batch->description("samples per data-parallel rank and step, split into --microbatches micro-batches");
   add_extent_flag(app, "--pp", pp, "pipeline stages' ranks (divides the world); the rest is DP");
   std::vector<std::string> schedules;
   for (const auto& [kind, name] : pp::schedule_flag_names) schedules.emplace_back(name);
