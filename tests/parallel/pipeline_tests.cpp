@@ -116,6 +116,18 @@ void check_pipeline_against_one_process(const PipelineCase& test) {
 using Pipeline = mt::Mesh<mt::PP<mt::dynamic>>;
 using ReplicatedPipeline = mt::Mesh<mt::DP<mt::dynamic>, mt::PP<mt::dynamic>>;
 
+// An identity whose backward counts its runs: placed in a graph, it tells whether a part of the
+// graph ran twice.
+struct CountingIdentity : torch::autograd::Function<CountingIdentity> {
+  static inline int backward_runs = 0;
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    ++backward_runs;
+    return grads;
+  }
+};
+
 }  // namespace pipeline_tests
 
 using namespace pipeline_tests;
@@ -160,4 +172,46 @@ TEST_CASE("rank body: a tied embedding under 1F1B on 2 ranks equals one process"
       {.pipeline = {.schedule = mt::pp::ScheduleKind::one_f_one_b, .microbatches = 2},
        .config = tied,
        .max_grad_norm = 0.5});
+}
+
+TEST_CASE("split backward: the input step, then the weight step, equal one backward and run each node once",
+          "[single]") {
+  torch::manual_seed(3);
+  const auto w1 = torch::randn({16, 8}, torch::requires_grad()), w2 = torch::randn({4, 16}, torch::requires_grad());
+  const auto norm = torch::rand({16}, torch::requires_grad());
+  const auto x0 = torch::randn({5, 8});
+  const auto grad_output = torch::randn({5, 4});
+  // x -> [count] -> x W1^T * norm -> relu -> [count] -> W2: two layers' worth of weight nodes.
+  const auto stage = [&](const torch::Tensor& x) {
+    auto h = torch::relu(at::linear(CountingIdentity::apply(x), w1) * norm);
+    return at::linear(CountingIdentity::apply(h), w2);
+  };
+
+  auto x = x0.clone().requires_grad_(true);
+  stage(x).backward(grad_output);
+  const auto expected =
+      std::vector<torch::Tensor>{x.grad().clone(), w1.grad().clone(), w2.grad().clone(), norm.grad().clone()};
+  for (auto w : {w1, w2, norm}) w.mutable_grad() = torch::Tensor();
+  CHECK(CountingIdentity::backward_runs == 2);
+
+  CountingIdentity::backward_runs = 0;
+  auto input = x0.clone().requires_grad_(true);
+  mt::SplitBackward split(stage(input), grad_output, input, {w1, w2, norm});
+  const auto input_gradient = split.input_gradient();
+  CHECK(CountingIdentity::backward_runs == 2);
+  CHECK_FALSE(w1.grad().defined());  // the weight step has not run
+  split.weight_gradients();
+  CHECK(CountingIdentity::backward_runs == 2);  // nothing on the input's path ran again
+  CHECK(torch::allclose(input_gradient, expected[0]));
+  CHECK(torch::allclose(w1.grad(), expected[1]));
+  CHECK(torch::allclose(w2.grad(), expected[2]));
+  CHECK(torch::allclose(norm.grad(), expected[3]));
+
+  // Without an input (a first stage's token ids), the weight step is one backward.
+  for (auto w : {w1, w2, norm}) w.mutable_grad() = torch::Tensor();
+  mt::SplitBackward whole(stage(x0), grad_output, torch::Tensor(), {w1, w2, norm});
+  CHECK_FALSE(whole.input_gradient().defined());
+  whole.weight_gradients();
+  CHECK(torch::allclose(w1.grad(), expected[1]));
+  CHECK(torch::allclose(norm.grad(), expected[3]));
 }

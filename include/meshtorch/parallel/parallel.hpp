@@ -11,6 +11,7 @@
 #include <meshtorch/parallel/pipeline_llama.hpp>
 #include <meshtorch/parallel/pipeline_runtime.hpp>
 #include <meshtorch/parallel/rank.hpp>
+#include <meshtorch/parallel/split_backward.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/parallel/zero.hpp>
 #include <meshtorch/parallel/zero_stage2.hpp>

@@ -9,8 +9,8 @@
 //      the last stage's forward returns the micro-batch's loss, already scaled.
 //   B  backward: from the loss (last stage) or the gradient received from the next stage; the
 //      gradient of the stage's input is what goes back.
-//   I, W  backward split (ZBV): the input gradient at once (autograd.grad with the graph kept),
-//      the weight gradients later (backward with the stage's parameters as its only inputs).
+//   I, W  backward split (ZBV): the input gradient at once, the weight gradients later, each part
+//      of the graph run once (parallel/split_backward.hpp).
 //   SEND_*, RECV_*  one tensor between neighbour stages on other ranks. Shapes are known to both
 //      sides, so nothing but the data moves; sends are asynchronous and waited at the step's end,
 //      receives are posted when the table says and waited where their data is used.
@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -32,6 +33,7 @@
 #include <meshtorch/comm/axis_group.hpp>
 #include <meshtorch/comm/point_to_point.hpp>
 #include <meshtorch/layout/pipeline_schedule.hpp>
+#include <meshtorch/parallel/split_backward.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {
@@ -72,8 +74,9 @@ class PipelineRunner {
     torch::Tensor input;   // a leaf requiring grad, except on the first stage
     torch::Tensor output;  // activations, or the loss on the last stage
     std::optional<comm::Work<torch::Tensor>> forward_receive, backward_receive;
-    torch::Tensor grad_output;  // of `output`, from the next stage
-    torch::Tensor grad_input;   // of `input`, for the previous stage
+    torch::Tensor grad_output;             // of `output`, from the next stage
+    torch::Tensor grad_input;              // of `input`, for the previous stage
+    std::shared_ptr<SplitBackward> split;  // between I and W
   };
 
   Slot& slot(int stage, int microbatch) { return slots_[{stage, microbatch}]; }
@@ -228,17 +231,19 @@ MESHTORCH_DECL void PipelineRunner::backward_whole(int stage, int microbatch) {
 MESHTORCH_DECL void PipelineRunner::backward_input(int stage, int microbatch) {
   const torch::Tensor grad = grad_output_of(stage, microbatch);
   Slot& current = slot(stage, microbatch);
-  if (stage > 0)  // the first stage's input is token ids: no gradient to pass on
-    current.grad_input = torch::autograd::grad({current.output}, {current.input}, {grad}, /*retain_graph=*/true)[0];
+  // The first stage's input is token ids: no gradient to pass on.
+  current.split = std::make_shared<SplitBackward>(current.output, grad, stage > 0 ? current.input : torch::Tensor(),
+                                                  stages_.parameters(stage));
+  current.grad_input = current.split->input_gradient();
 }
 
 MESHTORCH_DECL void PipelineRunner::backward_weight(int stage, int microbatch) {
   Slot& current = slot(stage, microbatch);
-  std::vector<torch::Tensor> weights;
-  for (const torch::Tensor& parameter : stages_.parameters(stage))
-    if (parameter.requires_grad()) weights.push_back(parameter);
-  torch::autograd::backward({current.output}, {current.grad_output}, /*retain_graph=*/false, /*create_graph=*/false,
-                            weights);
+  if (!current.split)
+    throw std::logic_error(fmt::format("pipeline: weight gradient of stage {} micro-batch {} before its input gradient",
+                                       stage, microbatch));
+  current.split->weight_gradients();
+  current.split.reset();
   current.input = current.output = current.grad_output = torch::Tensor();
 }
 
