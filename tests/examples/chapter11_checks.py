@@ -3,7 +3,7 @@
 Gloo, fp32, one thread per rank.
 
 usage: chapter11_checks.py MESHRUN CHAPTER1 CHAPTER7 CHAPTER11
-       {1f1b-parity|schedules-parity|dp-pp-parity|resume-across-meshes|stalled-stage|bad-flags}
+       {1f1b-parity|schedules-parity|dp-pp-parity|pp-tp-parity|resume-across-meshes|stalled-stage|bad-flags}
 """
 import os
 import re
@@ -53,6 +53,13 @@ def schedules_parity(tools):
 def dp_pp_parity(tools):
     # 4 ranks: 2 replicas (DDP) of a 2-stage pipeline, 2 samples per replica in 2 micro-batches.
     parity(tools, 4, 4, ["-b", "2", "--pp", "2", "--microbatches", "2"], extra=CLIP)
+
+
+def pp_tp_parity(tools):
+    # 4 ranks: 2 stages, each split over 2 TP ranks (sequence parallel), ZBV with 2 stages per rank.
+    parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--tp", "2", "--microbatches", "2"], extra=CLIP)
+    parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--tp", "2", "--schedule", "zbv", "--stages-per-rank", "2",
+                         "--microbatches", "2"], steps=10)
 
 
 def resume_across_meshes(tools):
@@ -132,6 +139,6 @@ def bad_flags(tools):
 
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter7": sys.argv[3], "chapter11": sys.argv[4]}
-    {"1f1b-parity": one_f_one_b_parity, "schedules-parity": schedules_parity, "dp-pp-parity": dp_pp_parity,
+    {"1f1b-parity": one_f_one_b_parity, "schedules-parity": schedules_parity, "dp-pp-parity": dp_pp_parity, "pp-tp-parity": pp_tp_parity,
      "resume-across-meshes": resume_across_meshes, "stalled-stage": stalled_stage,
      "bad-flags": bad_flags}[sys.argv[5]](tools)

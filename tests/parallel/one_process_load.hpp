@@ -34,8 +34,9 @@ inline void check_loads_as_reference(const std::filesystem::path& folder, const 
   auto restored_weights = restored->named_parameters();
   for (const auto& item : reference->named_parameters()) {
     INFO(item.key());
-    CHECK(((restored_weights[item.key()] - item.value()).abs().max() / item.value().abs().max()).template item<double>() <
-          2e-3);
+    CHECK(
+        ((restored_weights[item.key()] - item.value()).abs().max() / item.value().abs().max()).template item<double>() <
+        2e-3);
   }
 }
 

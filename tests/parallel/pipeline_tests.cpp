@@ -91,11 +91,12 @@ void check_pipeline_against_one_process(const PipelineCase& test) {
   std::int64_t whole = 0;
   for (const auto& p : reference->parameters()) whole += p.numel();
   CHECK(parallel.local_numel() < whole);
-  for (const auto& [name, weight] : parallel.named_parameters()) {
-    INFO(name);
-    const auto expected = reference_weights[name].detach();
-    REQUIRE(weight.sizes() == expected.sizes());
-    CHECK(((weight.detach() - expected).abs().max() / expected.abs().max()).template item<double>() < 2e-3);
+  for (const auto& piece : parallel.sharded_parameters()) {
+    INFO(piece.name << " " << mt::io::to_string(piece.box));
+    const auto expected =
+        mt::io::view_of(reference_weights[piece.name].detach(), mt::io::whole(piece.global_shape), piece.box);
+    REQUIRE(piece.local.sizes() == expected.sizes());
+    CHECK(((piece.local.detach() - expected).abs().max() / expected.abs().max()).template item<double>() < 2e-3);
   }
 
   // Saved as global boxes, the checkpoint loads into one process as the reference's weights and
@@ -115,6 +116,7 @@ void check_pipeline_against_one_process(const PipelineCase& test) {
 
 using Pipeline = mt::Mesh<mt::PP<mt::dynamic>>;
 using ReplicatedPipeline = mt::Mesh<mt::DP<mt::dynamic>, mt::PP<mt::dynamic>>;
+using TensorParallelPipeline = mt::Mesh<mt::PP<mt::dynamic>, mt::TP<mt::dynamic>>;
 
 // An identity whose backward counts its runs: placed in a graph, it tells whether a part of the
 // graph ran twice.
@@ -163,6 +165,19 @@ TEST_CASE("rank body: DP x PP on 4 ranks equals one process", "[.][pipeline_dp]"
       {.pipeline = {.schedule = mt::pp::ScheduleKind::one_f_one_b, .microbatches = 2},
        .extents = {mt::from_world_size, 2},
        .max_grad_norm = 0.5});
+}
+
+TEST_CASE("rank body: PP x TP (sequence parallel) on 4 ranks with clipping equals one process", "[.][pipeline_tp]") {
+  check_pipeline_against_one_process<TensorParallelPipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::one_f_one_b, .microbatches = 2},
+       .extents = {mt::from_world_size, 2},
+       .max_grad_norm = 0.5});
+}
+
+TEST_CASE("rank body: ZBV with TP in each stage on 4 ranks equals one process", "[.][pipeline_zbv_tp]") {
+  check_pipeline_against_one_process<TensorParallelPipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::zero_bubble_v, .stages_per_rank = 2, .microbatches = 2},
+       .extents = {mt::from_world_size, 2}});
 }
 
 TEST_CASE("rank body: a tied embedding under 1F1B on 2 ranks equals one process", "[.][pipeline_tied]") {

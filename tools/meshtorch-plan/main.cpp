@@ -185,9 +185,10 @@ int main(int argc, char** argv) {
           std::printf("stages of %s (split by FLOPs at sequence %lld):\n", model.c_str(),
                       static_cast<long long>(run.seq));
         for (const auto& stage : stages)
-          std::printf("  stage %d on rank %d: %s, %lld parameters, %d micro-batches' activations at once\n",
+          std::printf("  stage %d on rank %d: %s, %lld parameters, %d %s activations at once\n",
                       stage["stage"].get<int>(), stage["rank"].get<int>(), stage["holds"].get<std::string>().c_str(),
-                      stage["parameters"].get<long long>(), stage["microbatches_in_flight"].get<int>());
+                      stage["parameters"].get<long long>(), stage["microbatches_in_flight"].get<int>(),
+                      stage["microbatches_in_flight"].get<int>() == 1 ? "micro-batch's" : "micro-batches'");
         if (show_schedule) std::printf("%s", pp_::format_grid(table).c_str());
       }
       return 0;

@@ -13,8 +13,8 @@
 // Weights are drawn in chapter 1's order with its random numbers (a stage draws and drops the
 // weights it does not keep) or read from -m's folder, only those this rank keeps.
 //
-// Axes: PP, with DP for replicas. FSDP and TP inside the stages are refused at compile time by
-// parallelize() until they are built (docs/pipeline.md).
+// Axes: PP, with TP inside every stage (the plan's styles, as chapter 6) and DP for replicas.
+// FSDP inside the stages is refused at compile time until it is built (docs/pipeline.md).
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -37,6 +37,7 @@
 #include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/parallel/parallelize_options.hpp>
 #include <meshtorch/parallel/pipeline_runtime.hpp>
+#include <meshtorch/parallel/tensor_parallel.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {
@@ -46,6 +47,12 @@ struct PipelineGroups {
   comm::AxisGroup world;
   comm::AxisGroup pp;
   std::optional<comm::AxisGroup> dp;  // absent without a DP axis
+  std::optional<comm::AxisGroup> tp;  // absent without a TP axis
+  // With TP: the plan's styles as values, its config check, and whether it cuts the sequence
+  // between layers (sequence parallel), which sets the shape stages pass.
+  const tp_detail::PlanSteps* tp_steps = nullptr;
+  void (*validate_tp)(const llama::Config& config, std::int64_t tp_size, std::string_view source) = nullptr;
+  bool sequence_parallel = false;
   std::string_view mesh_name;
   std::string coordinate;  // "rank 3 of 4 on cpu: DP 1 of 2, PP 1 of 2"
   int replica = 0;         // the DP coordinate: replicas other than 0 write nothing
@@ -76,8 +83,8 @@ class PipelineLlamaRuntime {
   const std::optional<comm::AxisGroup>& data_parallel() const { return dp_; }
   // The mean over DP of a value every rank of a PP group holds the same (step()'s loss).
   MESHTORCH_DECL torch::Tensor mean_over_data_parallel(torch::Tensor value) const;
-  // Any sequence length splits over pipeline stages.
-  void validate_sequence(std::int64_t) const {}
+  // Any sequence length splits over pipeline stages; sequence parallel cuts it over TP.
+  MESHTORCH_DECL void validate_sequence(std::int64_t seq_length) const;
 
   // "Mesh<DP=2, PP=2>: pipeline 1F1B over PP (4 stages: ...) -> DDP over DP", recorded in checkpoints.
   MESHTORCH_DECL std::string layout() const;
@@ -104,6 +111,11 @@ class PipelineLlamaRuntime {
   // The copy another rank writes and counts: the tied embedding on the last stage's rank when the
   // first stage is elsewhere.
   MESHTORCH_DECL bool is_tied_copy(const std::string& name) const;
+  // Where this rank's piece of a weight lies in the whole: its TP chunk, or all of it.
+  MESHTORCH_DECL io::Box piece_box(const std::string& name) const;
+  // Whether this rank writes (and counts in the gradient norm) its piece of the weight: one of
+  // identical copies (DP replicas, TP ranks of a weight TP leaves whole, a tied copy).
+  MESHTORCH_DECL bool writes(const std::string& name) const;
   MESHTORCH_DECL void initialise();
   MESHTORCH_DECL void load_weights(const std::filesystem::path& dir);
   MESHTORCH_DECL torch::Tensor stage_forward(int stage, const torch::Tensor& input, int microbatch);
@@ -124,7 +136,10 @@ class PipelineLlamaRuntime {
   int replica_ = 0;
   pp::StageSplit split_;
   std::vector<int> local_stages_;
-  std::vector<std::pair<std::string, torch::Tensor>> trained_;  // HF name, weight; model order
+  std::vector<std::pair<std::string, torch::Tensor>> trained_;      // HF name, weight; model order
+  std::map<std::string, std::vector<std::int64_t>> global_shapes_;  // HF name -> whole shape
+  std::unique_ptr<TensorParallelRuntime> tp_;
+  bool sequence_parallel_ = false;
   std::unique_ptr<PipelineRunner> runner_;
   // Of the step under way: each micro-batch's next-token targets, the step's token count, positions.
   std::vector<torch::Tensor> targets_;
@@ -135,24 +150,44 @@ class PipelineLlamaRuntime {
 template <MeshType M>
 class PipelineLlama : public PipelineLlamaRuntime {
   static_assert(llama::check_pipeline_parallelizable<M>());
+  static constexpr bool has_tp = M::template has<TP>;
 
  public:
   using mesh_type = M;
+  using plan = llama::Plan<M>;
 
   PipelineLlama(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, const ParallelizeOptions& options)
       : PipelineLlamaRuntime(std::move(model), groups_of(mesh), options) {}
 
   static std::string describe() {
-    return M::template has<DP> ? "pipeline stages over PP -> DDP over DP" : "pipeline stages over PP";
+    std::string out = "pipeline stages over PP";
+    if constexpr (has_tp) out += " -> tensor parallel over TP (" + plan::describe_styles() + ") in each stage";
+    if constexpr (M::template has<DP>) out += " -> DDP over DP";
+    return out;
   }
 
  private:
+  static constexpr tp_detail::PlanSteps tp_steps = [] {
+    if constexpr (has_tp) {
+      static_assert(tp_detail::check_applicable<typename plan::styles>());
+      return tp_detail::plan_steps_of<plan>();
+    } else {
+      return tp_detail::PlanSteps{};
+    }
+  }();
+
   static PipelineGroups groups_of(const comm::DeviceMesh<M>& mesh) {
     PipelineGroups groups{
         .world = mesh.world(), .pp = mesh.template group<PP>(), .mesh_name = M::name, .coordinate = mesh.describe()};
     if constexpr (M::template has<DP>) {
       groups.dp = mesh.template group<DP>();
       groups.replica = mesh.template coord<DP>();
+    }
+    if constexpr (has_tp) {
+      groups.tp = mesh.template group<TP>();
+      groups.tp_steps = &tp_steps;
+      groups.validate_tp = &plan::validate;
+      groups.sequence_parallel = plan::sequence_parallel;
     }
     return groups;
   }
@@ -186,7 +221,8 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
       dp_(std::move(groups.dp)),
       mesh_name_(groups.mesh_name),
       coordinate_(std::move(groups.coordinate)),
-      replica_(groups.replica) {
+      replica_(groups.replica),
+      sequence_parallel_(groups.tp && groups.sequence_parallel) {
   const auto& config = model_->config;
   const PipelineOptions& pipeline = options_.pipeline;
   const int stages = pp_.size() * pipeline.stages_per_rank;
@@ -206,13 +242,23 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
   for (int s = 0; s < stages; ++s)
     if (table.shape.rank_of_stage(s) == pp_.rank()) local_stages_.push_back(s);
 
+  for (auto& [path, leaf] : weight_modules(*model_)) global_shapes_[path + ".weight"] = leaf->weight.sizes().vec();
+  // Tensor parallel inside every stage: each weight becomes its TP chunk (still on meta).
+  if (groups.tp) {
+    groups.validate_tp(config, groups.tp->size(), options_.model_name);
+    tp_ = std::make_unique<TensorParallelRuntime>(model_, *groups.tp, *groups.tp_steps);
+  }
   // This rank's weights only: the others stay on the meta device.
+  std::map<std::string, torch::Tensor> by_name;
   for (auto& [path, leaf] : weight_modules(*model_)) {
     const std::string name = path + ".weight";
-    if (!keeps(name)) continue;
-    leaf->materialize(torch::TensorOptions().device(options_.device).dtype(leaf->weight.scalar_type()));
-    trained_.emplace_back(name, leaf->weight);
+    if (keeps(name)) {
+      leaf->materialize(torch::TensorOptions().device(options_.device).dtype(leaf->weight.scalar_type()));
+      trained_.emplace_back(name, leaf->weight);
+    }
+    by_name[name] = leaf->weight;
   }
+  if (tp_) tp_->sum_norm_gradients_into(by_name);  // the norms of other stages never get a gradient
   model_->loss_chunk = options_.loss_chunk;
   checkpoint_activations(model_, options_.activation_checkpointing);
   if (options_.weights_from.empty())
@@ -257,18 +303,34 @@ MESHTORCH_DECL bool PipelineLlamaRuntime::is_tied_copy(const std::string& name) 
   return unit_of(name) == 0 && model_->config.tie_word_embeddings && !holds_unit(0);
 }
 
+MESHTORCH_DECL io::Box PipelineLlamaRuntime::piece_box(const std::string& name) const {
+  auto box = io::whole(global_shapes_.at(name));
+  if (tp_)
+    if (const auto dim = tp_->shard_dim(name)) box = io::chunk(box, *dim, tp_->group().rank(), tp_->group().size());
+  return box;
+}
+
+MESHTORCH_DECL bool PipelineLlamaRuntime::writes(const std::string& name) const {
+  if (replica_ != 0 || is_tied_copy(name)) return false;
+  return !tp_ || tp_->shard_dim(name) || tp_->group().rank() == 0;
+}
+
+MESHTORCH_DECL void PipelineLlamaRuntime::validate_sequence(std::int64_t seq_length) const {
+  if (sequence_parallel_ && seq_length % tp_->group().size() != 0)
+    throw ConfigError(fmt::format("-s {}: sequence parallel cuts every sequence over TP {}; use a multiple of {}",
+                                  seq_length, tp_->group().size(), tp_->group().size()));
+}
+
 MESHTORCH_DECL void PipelineLlamaRuntime::initialise() {
   torch::NoGradGuard no_grad;
-  // Every weight drawn in chapter 1's order, so that the random numbers match; those this rank
-  // does not keep are drawn into a scratch tensor and dropped.
+  // Every weight drawn whole in chapter 1's order, so that the random numbers match; this rank
+  // keeps its piece of its stages' weights and drops the rest.
   for (auto& [path, leaf] : weight_modules(*model_)) {
-    if (!leaf->weight.is_meta()) {
-      llama::init_weight(*leaf, leaf->weight, model_->config);
-      continue;
-    }
-    auto scratch =
-        torch::empty(leaf->weight.sizes(), torch::TensorOptions().device(options_.device).dtype(leaf->weight.dtype()));
-    llama::init_weight(*leaf, scratch, model_->config);
+    const std::string name = path + ".weight";
+    const auto& shape = global_shapes_.at(name);
+    auto full = torch::empty(shape, torch::TensorOptions().device(options_.device).dtype(leaf->weight.dtype()));
+    llama::init_weight(*leaf, full, model_->config);
+    if (!leaf->weight.is_meta()) leaf->weight.copy_(io::view_of(full, io::whole(shape), piece_box(name)));
   }
 }
 
@@ -284,11 +346,12 @@ MESHTORCH_DECL void PipelineLlamaRuntime::load_weights(const std::filesystem::pa
         reader = &candidate;
       }
     if (!entry) throw ConfigError(fmt::format("{}: the model folder has no weight {}", dir.string(), name));
-    if (entry->shape != weight.sizes().vec())
+    const auto& shape = global_shapes_.at(name);
+    if (entry->shape != shape)
       throw ConfigError(fmt::format("{}: {} has shape [{}], the config gives [{}]", reader->path().string(), name,
-                                    fmt::join(entry->shape, ", "), fmt::join(weight.sizes(), ", ")));
+                                    fmt::join(entry->shape, ", "), fmt::join(shape, ", ")));
     llama::check_weight_dtype(reader->path().string(), name, entry->dtype);
-    weight.copy_(reader->read(*entry));
+    weight.copy_(io::view_of(reader->read(*entry), io::whole(shape), piece_box(name)));
   }
 }
 
@@ -334,8 +397,13 @@ MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::step(const torch::Tensor& inp
   step_tokens_ = llama::LlamaForCausalLMImpl::next_token_targets(labels).ne(-100).sum().to(torch::kFloat);
   positions_ = llama::LlamaModelImpl::default_positions(input_ids.size(1), input_ids.device());
 
+  // Sequence parallel passes each rank's slice of the sequence from stage to stage.
+  const std::int64_t passed_positions =
+      sequence_parallel_ ? input_ids.size(1) / tp_->group().size() : input_ids.size(1);
+  if (tp_) tp_->begin_backward_in_pieces();
   torch::Tensor loss = runner_->run(std::vector<torch::Tensor>(id_parts.begin(), id_parts.end()),
-                                    {input_ids.size(0) / microbatches, input_ids.size(1), model_->config.hidden_size});
+                                    {input_ids.size(0) / microbatches, passed_positions, model_->config.hidden_size});
+  if (tp_) tp_->end_backward_in_pieces();
   targets_.clear();
 
   if (tied_gradient_exchanged()) sum_tied_gradients(tied_before);
@@ -396,13 +464,13 @@ MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> PipelineLlamaR
 MESHTORCH_DECL std::vector<io::ShardedTensor> PipelineLlamaRuntime::sharded_parameters() const {
   std::vector<io::ShardedTensor> pieces;
   for (const auto& [name, weight] : trained_)
-    pieces.push_back(io::replicated(name, weight, /*writer=*/replica_ == 0 && !is_tied_copy(name)));
+    pieces.push_back(io::sharded(name, weight, global_shapes_.at(name), piece_box(name), writes(name)));
   return pieces;
 }
 
 MESHTORCH_DECL double PipelineLlamaRuntime::clip_grad_norm(double max_norm) const {
   std::vector<train::ClippedTensor> pieces;
-  for (const auto& [name, weight] : trained_) pieces.push_back({weight, replica_ == 0 && !is_tied_copy(name)});
+  for (const auto& [name, weight] : trained_) pieces.push_back({weight, writes(name)});
   return train::clip_grad_norm(pieces, max_norm,
                                [this](torch::Tensor squares) { return comm::all_reduce(world_, std::move(squares)); });
 }
@@ -418,6 +486,7 @@ MESHTORCH_DECL std::string PipelineLlamaRuntime::layout() const {
   std::string text = fmt::format("{}: pipeline {} over PP ({} stages, {} per rank, {} micro-batches: {})", mesh_name_,
                                  pp::to_string(shape.kind), shape.stages(), shape.stages_per_rank, shape.microbatches,
                                  split_.describe());
+  if (tp_) text += fmt::format(" -> tensor parallel over TP{}", sequence_parallel_ ? " (sequence parallel)" : "");
   if (dp_ && dp_->size() > 1) text += " -> DDP over DP";
   return text;
 }

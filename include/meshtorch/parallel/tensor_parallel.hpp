@@ -147,13 +147,20 @@ class NormGradientSum : public std::enable_shared_from_this<NormGradientSum> {
   // On a norm weight (a parametrization): TP x its gradient, summed when the backward ends.
   MESHTORCH_DECL torch::Tensor partial_gradient_of(const torch::Tensor& weight, const std::string& name);
 
+  // For a caller that runs backward in pieces from other starts than the loss (a pipeline's
+  // stages, micro-batch by micro-batch): the partials accumulate through all of them, and
+  // sum_now() sums once, after the last.
+  void expect_sum_by_caller() { queued_for_ = summed_by_caller; }
+  void sum_now() { sum(); }
+
  private:
   MESHTORCH_DECL void queue_sum();
   MESHTORCH_DECL void sum();
 
   comm::AxisGroup group_;
   std::vector<std::pair<std::string, torch::Tensor>> trained_;
-  std::int64_t queued_for_ = -1;  // the graph task the sum is queued for; -1: none
+  static constexpr std::int64_t summed_by_caller = -2;
+  std::int64_t queued_for_ = -1;  // the graph task the sum is queued for; -1: none; summed_by_caller
 };
 
 }  // namespace tp_detail
@@ -181,6 +188,11 @@ class TensorParallelRuntime {
   void sum_norm_gradients_into(const std::map<std::string, torch::Tensor>& trained_by_name) {
     norm_gradients_->use_trained(trained_by_name);
   }
+
+  // Backward run by the caller in pieces (a pipeline's schedule): between the two calls the norms'
+  // partial gradients accumulate, and the second sums them over TP once.
+  void begin_backward_in_pieces() { norm_gradients_->expect_sum_by_caller(); }
+  void end_backward_in_pieces() { norm_gradients_->sum_now(); }
 
   // The full (unsharded) value of every parameter under its HF name, gathered over TP; every rank
   // of the group gets them. For saving a checkpoint that a single process or transformers loads.

@@ -312,9 +312,9 @@ consteval bool check_parallelizable() {
 template <MeshType M>
 consteval bool check_pipeline_parallelizable() {
   static_assert(M::template has<PP>, "check_pipeline_parallelizable: the mesh has no PP axis");
-  static_assert(!M::template has<FSDP> && !M::template has<TP>,
-                "parallelize: a mesh with PP composes with DP so far; FSDP and TP inside the pipeline stages are "
-                "not built yet: use Mesh<DP, PP> (or drop PP for Mesh<DP, FSDP, TP>)");
+  static_assert(!M::template has<FSDP>,
+                "parallelize: a mesh with PP composes with DP and TP so far; FSDP inside the pipeline stages is not "
+                "built yet: use Mesh<DP, PP, TP> (or drop PP for Mesh<DP, FSDP, TP>)");
   static_assert(detail::AllAxesPipelined<M>::value,
                 "parallelize: the mesh has an axis that no wrapper applies (with PP, parallelize knows DP); "
                 "remove that axis from the Mesh");
