@@ -1,17 +1,49 @@
 #pragma once
-// A sharded checkpoint loaded into one process (a world of one, whole tensors: other boxes than any
-// layout saved) must hold the one-process reference's weights and AdamW state: the check every
-// layout's parity test ends with.
+// The end of every layout's parity test: its pieces and AdamW state saved as a checkpoint, which,
+// loaded into one process (a world of one, whole tensors: other boxes than any layout saved), must
+// hold the one-process reference's weights and AdamW state.
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
 
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
 
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 
 namespace meshtorch::testing {
+
+// A checkpoint of a parallel model and its optimizer in a fresh folder of the temporary directory,
+// named after `tag` and the master port (so runs beside each other do not meet); remove() deletes
+// it once every rank is done with it.
+class TemporaryCheckpoint {
+ public:
+  template <class Parallel>
+  TemporaryCheckpoint(const std::string& tag, const comm::AxisGroup& world, int master_port, const Parallel& parallel,
+                      train::AdamW& optimizer, std::int64_t step)
+      : world_(world), dir_(std::filesystem::temp_directory_path() / fmt::format("meshtorch-{}-{}", tag, master_port)) {
+    if (world_.rank() == 0) std::filesystem::remove_all(dir_);
+    comm::barrier(world_);
+    pieces = parallel.sharded_parameters();
+    for (auto& piece : optimizer_state_pieces(optimizer, pieces)) pieces.push_back(std::move(piece));
+    saved = save_training_checkpoint(dir_, pieces, {.global_step = step, .running_loss = 1.0}, {}, world_,
+                                     {.layout = parallel.layout()});
+  }
+
+  void remove() {
+    comm::barrier(world_);
+    if (world_.rank() == 0) std::filesystem::remove_all(dir_);
+  }
+
+  std::vector<io::ShardedTensor> pieces;  // what was saved: the model's, then AdamW's
+  checkpoint::SavedCheckpoint saved;
+
+ private:
+  comm::AxisGroup world_;
+  std::filesystem::path dir_;
+};
 
 inline void check_loads_as_reference(const std::filesystem::path& folder, const llama::Config& config,
                                      llama::LlamaForCausalLM& reference, train::AdamW& reference_optimizer) {

@@ -116,16 +116,10 @@ void check_layout_on(const mt::comm::DeviceMesh<M>& mesh, mt::ParallelizeOptions
   // Saved, each rank writes only its own pieces, straight from the tensors it trains: no rank
   // copies anything (the peak of elements held during the save is what training holds), and in
   // a sharded layout no rank writes a whole weight matrix.
-  const auto dir =
-      std::filesystem::temp_directory_path() / fmt::format("meshtorch-parallelize-{}", mesh.env().master_port);
-  if (mesh.rank() == 0) std::filesystem::remove_all(dir);
-  mt::comm::barrier(mesh.world());
-  auto pieces = parallel.sharded_parameters();
-  for (auto& piece : mt::optimizer_state_pieces(optimizer, pieces)) pieces.push_back(std::move(piece));
-  const auto saved = mt::save_training_checkpoint(dir, pieces, {.global_step = steps, .running_loss = 1.0}, {},
-                                                  mesh.world(), {.layout = parallel.layout()});
-  CHECK(saved.written.largest_staging_numel == 0);
-  for (const auto& piece : pieces) {
+  mt::testing::TemporaryCheckpoint checkpoint("parallelize", mesh.world(), mesh.env().master_port, parallel, optimizer,
+                                              steps);
+  CHECK(checkpoint.saved.written.largest_staging_numel == 0);
+  for (const auto& piece : checkpoint.pieces) {
     const bool matrix = piece.global_shape.size() == 2 && piece.name.rfind("optimizer/", 0) != 0;
     if (!matrix || !piece.writer) continue;
     INFO(piece.name << " " << mt::io::to_string(piece.box));
@@ -135,9 +129,8 @@ void check_layout_on(const mt::comm::DeviceMesh<M>& mesh, mt::ParallelizeOptions
 
   // Loaded into one process (a world of one, other boxes than were saved), the checkpoint is the
   // reference's weights and AdamW state.
-  mt::testing::check_loads_as_reference(saved.folder, config, reference, reference_optimizer);
-  mt::comm::barrier(mesh.world());
-  if (mesh.rank() == 0) std::filesystem::remove_all(dir);
+  mt::testing::check_loads_as_reference(checkpoint.saved.folder, config, reference, reference_optimizer);
+  checkpoint.remove();
 }
 
 template <mt::MeshType M>

@@ -101,17 +101,10 @@ void check_pipeline_against_one_process(const PipelineCase& test) {
 
   // Saved as global boxes, the checkpoint loads into one process as the reference's weights and
   // AdamW state.
-  const auto dir =
-      std::filesystem::temp_directory_path() / fmt::format("meshtorch-pipeline-{}", mesh.env().master_port);
-  if (mesh.rank() == 0) std::filesystem::remove_all(dir);
-  mt::comm::barrier(mesh.world());
-  auto pieces = parallel.sharded_parameters();
-  for (auto& piece : mt::optimizer_state_pieces(optimizer, pieces)) pieces.push_back(std::move(piece));
-  const auto saved = mt::save_training_checkpoint(dir, pieces, {.global_step = steps, .running_loss = 1.0}, {},
-                                                  mesh.world(), {.layout = parallel.layout()});
-  mt::testing::check_loads_as_reference(saved.folder, config, reference, reference_optimizer);
-  mt::comm::barrier(mesh.world());
-  if (mesh.rank() == 0) std::filesystem::remove_all(dir);
+  mt::testing::TemporaryCheckpoint checkpoint("pipeline", mesh.world(), mesh.env().master_port, parallel, optimizer,
+                                              steps);
+  mt::testing::check_loads_as_reference(checkpoint.saved.folder, config, reference, reference_optimizer);
+  checkpoint.remove();
 }
 
 using Pipeline = mt::Mesh<mt::PP<mt::dynamic>>;

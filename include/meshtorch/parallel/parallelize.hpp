@@ -288,14 +288,7 @@ class ParallelLlama : public ParallelLlamaRuntime {
   }
 
  private:
-  static constexpr tp_detail::PlanSteps tp_steps = [] {
-    if constexpr (has_tp) {
-      static_assert(tp_detail::check_applicable<typename plan::styles>());
-      return tp_detail::plan_steps_of<plan>();
-    } else {
-      return tp_detail::PlanSteps{};
-    }
-  }();
+  static constexpr const tp_detail::PlanSteps& tp_steps = tp_detail::plan_steps_if_tp<plan>;
 
   static ParallelGroups groups_of(const comm::DeviceMesh<M>& mesh, const ParallelizeOptions& options) {
     ParallelGroups groups{.world = mesh.world(), .mesh_name = M::name, .coordinate = mesh.describe()};

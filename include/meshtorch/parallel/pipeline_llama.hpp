@@ -167,14 +167,7 @@ class PipelineLlama : public PipelineLlamaRuntime {
   }
 
  private:
-  static constexpr tp_detail::PlanSteps tp_steps = [] {
-    if constexpr (has_tp) {
-      static_assert(tp_detail::check_applicable<typename plan::styles>());
-      return tp_detail::plan_steps_of<plan>();
-    } else {
-      return tp_detail::PlanSteps{};
-    }
-  }();
+  static constexpr const tp_detail::PlanSteps& tp_steps = tp_detail::plan_steps_if_tp<plan>;
 
   static PipelineGroups groups_of(const comm::DeviceMesh<M>& mesh) {
     PipelineGroups groups{

@@ -121,6 +121,17 @@ constexpr PlanSteps plan_steps_of() {
   return out;
 }
 
+// The steps of a plan whose mesh may have no TP axis: none then (every wrapper of a mesh type asks).
+template <class PlanT>
+inline constexpr PlanSteps plan_steps_if_tp = [] {
+  if constexpr (PlanT::has_tp) {
+    static_assert(check_applicable<typename PlanT::styles>());
+    return plan_steps_of<PlanT>();
+  } else {
+    return PlanSteps{};
+  }
+}();
+
 // The weights of the sequence-parallel norms: each rank's gradient of one covers its part of the
 // sequence, and the weight's gradient is their sum over TP (the style's weight Redistribution,
 // Partial -> Replicate: an all-reduce). Summed as backward reaches each norm, that is one
