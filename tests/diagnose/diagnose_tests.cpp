@@ -346,6 +346,34 @@ TEST_CASE("a collective every member reached but none completed blames no rank",
              Catch::StartsWith("no rank is missing from all_reduce #5 over the world group [0, 1] (gloo)"));
 }
 
+TEST_CASE("a stopped pipeline stage is named by the receive that waits for it; a send and its receive are no desync",
+          "[analysis]") {
+  // Three stages: rank 0 sent 6 activations to rank 1 and waits for nothing; rank 1 received them,
+  // sent 4 on to rank 2 and stopped; rank 2 waits for the 5th. Each rank numbers its own messages,
+  // so rank 1's count (10) passes rank 2's wait (#5) although rank 1 never sent it.
+  FlightRecorder r0(64), r1(64), r2(64);
+  int messages = 0;
+  const std::vector<int> stages{0, 1, 2};
+  run(r0, &messages, "PP send/recv", stages, "send to 1", 6);
+  run(r1, &messages, "PP send/recv", stages, "recv from 0", 6);
+  run(r1, &messages, "PP send/recv", stages, "send to 2", 4);
+  run(r2, &messages, "PP send/recv", stages, "recv from 1", 5, 1);
+  const json stopped = {{"1", {{"responsive", false}, {"progress", r1.progress()}}}};
+  const auto verdict = analyse_hang(rank_reports_from_dumps({dump_of(0, 3, r0, stopped), dump_of(2, 3, r2, stopped)}));
+  INFO(verdict.text());
+  CHECK(verdict.culprits == std::vector<int>{1});
+  CHECK_THAT(verdict.summary, Catch::StartsWith("rank 1 did not arrive at its side of recv from 1 #5 over the PP "
+                                                "send/recv group [0, 1, 2] (gloo), where rank 2 is waiting"));
+  CHECK_THAT(verdict.summary, Catch::Contains("it stopped responding"));
+
+  // Every rank's dump, rank 1 alive but busy: still rank 1, and no desync from the messages' names.
+  const auto busy = analyse_hang(rank_reports_from_dumps({dump_of(0, 3, r0), dump_of(1, 3, r1), dump_of(2, 3, r2)}));
+  INFO(busy.text());
+  CHECK(busy.culprits == std::vector<int>{1});
+  CHECK_THAT(busy.summary, Catch::StartsWith("rank 1 did not arrive at its side of recv from 1 #5"));
+  CHECK_THAT(busy.summary, !Catch::Contains("desync"));
+}
+
 TEST_CASE("meshtorch-diagnose says when there is nothing to read", "[analysis]") {
   const auto dir = fresh_dir("empty");
   int code = 0;

@@ -29,6 +29,11 @@
 
 namespace meshtorch::comm {
 
+// How a point-to-point message is named in the records: "send to 3", "recv from 1" (global ranks;
+// comm/point_to_point.hpp). The hang analysis reads the peer back from the name.
+inline constexpr std::string_view send_prefix = "send to ";
+inline constexpr std::string_view receive_prefix = "recv from ";
+
 enum class CollectiveState { scheduled, waiting, completed, failed };
 
 inline const char* to_string(CollectiveState state) {

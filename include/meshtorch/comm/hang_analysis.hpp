@@ -21,6 +21,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include <meshtorch/comm/flight_recorder.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::comm {
@@ -78,8 +79,10 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
 
 #if MESHTORCH_DEFINES(programs)
 #include <algorithm>
+#include <charconv>
 #include <cstdlib>
 #include <set>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -121,6 +124,17 @@ MESHTORCH_DECL std::string tensor_text(const nlohmann::json& entry) {
 MESHTORCH_DECL void add_tensor(RankReport& report, const nlohmann::json& entry) {
   if (auto text = tensor_text(entry); !text.empty())
     report.tensors[{entry.value("group", ""), entry.value("seq", std::uint64_t{0})}] = text;
+}
+
+// The peer (a global rank) of a send or receive the flight recorder recorded; none for a collective.
+MESHTORCH_DECL std::optional<int> point_to_point_peer(std::string_view op) {
+  for (const std::string_view prefix : {send_prefix, receive_prefix})
+    if (op.substr(0, prefix.size()) == prefix) {
+      int peer = -1;
+      const auto rest = op.substr(prefix.size());
+      if (std::from_chars(rest.data(), rest.data() + rest.size(), peer).ec == std::errc() && peer >= 0) return peer;
+    }
+  return std::nullopt;
 }
 
 MESHTORCH_DECL std::uint64_t issued_on(const RankReport& report, const std::string& group) {
@@ -235,7 +249,8 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
       std::map<std::pair<std::string, std::string>, std::vector<int>> by_op;
       for (int r : ranks)
         if (auto report = reports.find(r); report != reports.end())
-          if (auto op = detail::op_at(report->second, name, seq)) by_op[{*op, ""}].push_back(r);
+          if (auto op = detail::op_at(report->second, name, seq); op && !detail::point_to_point_peer(*op))
+            by_op[{*op, ""}].push_back(r);  // a send and its receive differ by name, and are no desync
       if (by_op.size() == 1) {
         // One op: its members must all pass the same shape and dtype (where recorded).
         std::map<std::pair<std::string, std::string>, std::vector<int>> by_tensor;
@@ -290,10 +305,13 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
     const auto& w = *report.waiting;
     auto group = members.find(w.group);
     if (group == members.end()) continue;
+    // A send or receive waits for its one peer; and its number counts this rank's own messages,
+    // which other ranks' counts need not match (a pipeline's first and last stages differ).
+    const std::optional<int> peer = detail::point_to_point_peer(w.op);
     for (int m : group->second) {
-      if (m == rank) continue;
+      if (m == rank || (peer && m != *peer)) continue;
       auto other = reports.find(m);
-      if (other != reports.end() && detail::issued_on(other->second, w.group) >= w.seq) continue;
+      if (!peer && other != reports.end() && detail::issued_on(other->second, w.group) >= w.seq) continue;
       blocked_by[rank].push_back(m);
       auto& places = missing_from[m];
       auto where = std::find_if(places.begin(), places.end(),
@@ -330,7 +348,8 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
     std::optional<CollectiveRef> last;
     if (report != reports.end()) last = report->second.last;
     auto where = missing_from.find(root);
-    if (where != missing_from.end() && where->second.front().seq > 1) {
+    if (where != missing_from.end() && where->second.front().seq > 1 &&
+        !detail::point_to_point_peer(where->second.front().op)) {
       const auto& w = where->second.front();
       const std::uint64_t reached = w.seq - 1;
       const bool published_behind = report == reports.end() || detail::issued_on(report->second, w.group) < reached;
@@ -349,9 +368,10 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
     if (where != missing_from.end()) {
       std::vector<std::string> places;
       for (const auto& w : where->second)
-        places.push_back(fmt::format("{}, where {} {} waiting{}", describe_collective(w.op, w.seq, w.group),
-                                     ranks_phrase(w.waiters), w.waiters.size() == 1 ? "is" : "are",
-                                     w.seconds >= 0 ? fmt::format(" for {:.1f} s", w.seconds) : ""));
+        places.push_back(fmt::format(
+            "{}{}, where {} {} waiting{}", detail::point_to_point_peer(w.op) ? "its side of " : "",
+            describe_collective(w.op, w.seq, w.group), ranks_phrase(w.waiters), w.waiters.size() == 1 ? "is" : "are",
+            w.seconds >= 0 ? fmt::format(" for {:.1f} s", w.seconds) : ""));
       line =
           fmt::format("rank {} did not arrive at {}; {}; {}", root, fmt::join(places, ", nor at "), state, last_text);
     } else {

@@ -38,16 +38,21 @@ MESHTORCH_DECL CommError collective_error(std::string_view collective, const Axi
 // takes it over.
 inline thread_local std::uint64_t last_recorded = 0;
 
+// What a record numbers: the group's collectives, or its point-to-point messages (sends and
+// receives), numbered apart because each rank sends and receives its own count of them (a
+// pipeline's first and last stages differ), while every member issues the same collectives.
+enum class Traffic { collective, message };
+
 MESHTORCH_DECL std::uint64_t record_collective(std::string_view collective, const AxisGroup& group,
-                                               const at::Tensor& tensor);
+                                               const at::Tensor& tensor, Traffic traffic = Traffic::collective);
 
 // Issues a c10d call, turning its synchronous errors into CommErrors, and records it (with the
 // shape and dtype of `tensor`, when given) in the flight recorder.
 template <class Issue>
 c10::intrusive_ptr<c10d::Work> issue(std::string_view collective, const AxisGroup& group, const at::Tensor& tensor,
-                                     Issue&& call) {
+                                     Issue&& call, Traffic traffic = Traffic::collective) {
   // Recorded before it is issued: an issue that blocks (a communicator set up lazily) shows.
-  const std::uint64_t record = record_collective(collective, group, tensor);
+  const std::uint64_t record = record_collective(collective, group, tensor, traffic);
   try {
     auto work = std::forward<Issue>(call)();
     last_recorded = record;
@@ -133,7 +138,7 @@ MESHTORCH_DECL CommError collective_error(std::string_view collective, const Axi
 }
 
 MESHTORCH_DECL std::uint64_t record_collective(std::string_view collective, const AxisGroup& group,
-                                               const at::Tensor& tensor) {
+                                               const at::Tensor& tensor, Traffic traffic) {
   auto& recorder = FlightRecorder::instance();
   if (!recorder.enabled() || !group.backend()) return 0;
   std::string backend_name;
@@ -141,7 +146,11 @@ MESHTORCH_DECL std::uint64_t record_collective(std::string_view collective, cons
     backend_name = group.backend()->getBackendName();
   } catch (const std::exception&) {
   }
-  return recorder.record(group.backend().get(), group.axis_name(), group.ranks(), backend_name, collective,
+  // The recorder numbers per key: a group's messages get a key of their own beside its collectives'.
+  const void* key = group.backend().get();
+  if (traffic == Traffic::message) key = static_cast<const char*>(key) + 1;
+  const std::string axis = traffic == Traffic::message ? group.axis_name() + " send/recv" : group.axis_name();
+  return recorder.record(key, axis, group.ranks(), backend_name, collective,
                          tensor.defined() ? std::span<const std::int64_t>(tensor.sizes().data(), tensor.sizes().size())
                                           : std::span<const std::int64_t>(),
                          tensor.defined() ? c10::toString(tensor.scalar_type()) : "");
