@@ -185,10 +185,16 @@ constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes lay
   const double layer_input = h * d * tokens / tp;  // what a checkpointed layer keeps (a sequence shard)
   const std::int64_t checkpointed =
       run.checkpoint_every > 0 ? (c.num_hidden_layers + run.checkpoint_every - 1) / run.checkpoint_every : 0;
+  // The loss: vocab-parallel logits under TP (loss parallel).
+  const double vocab = static_cast<double>(c.vocab_size) / tp;
+  const std::int64_t rows = run.batch * run.seq;
+  const std::int64_t chunk = loss_chunk_positions(run.loss_chunk, rows, static_cast<std::int64_t>(vocab));
   m.activations = static_cast<double>(checkpointed) * layer_input +
                   static_cast<double>(c.num_hidden_layers - checkpointed) * per_layer +
                   (4 * h + h * d) * tokens / tp  // the final norm (sequence shard)
-                  + h * d * tokens;              // its output, the output projection's input
+                  // its output, which the whole loss's output projection (at::linear) saves; the
+                  // chunked loss saves only the gradients it computed in forward
+                  + (chunk >= rows ? h * d * tokens : 0);
   // While a layer's backward runs: the gradients of its largest activations, and, when the last
   // layer is checkpointed, its recomputed activations (a checkpointed layer further down is
   // recomputed after later layers freed theirs).
@@ -196,10 +202,6 @@ constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes lay
       (h + 2 * static_cast<double>(c.intermediate_size) / tp) * d * tokens +
       (run.checkpoint_every > 0 && (c.num_hidden_layers - 1) % run.checkpoint_every == 0 ? per_layer : 0);
 
-  // The loss: vocab-parallel logits under TP (loss parallel).
-  const double vocab = static_cast<double>(c.vocab_size) / tp;
-  const std::int64_t rows = run.batch * run.seq;
-  const std::int64_t chunk = loss_chunk_positions(run.loss_chunk, rows, static_cast<std::int64_t>(vocab));
   double loss_working_set = 0;
   if (chunk >= rows) {
     m.loss = 4 * vocab * tokens;                // log_softmax's output, fp32
