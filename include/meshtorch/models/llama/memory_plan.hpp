@@ -42,10 +42,12 @@
 // With tensor parallel, q, kv and i are a rank's slice; with sequence parallel the norms see a
 // sequence shard, while the projections' inputs are gathered whole. Other buffers (rotary
 // tables, the allocator's rounding, communication staging, a forward's temporaries inside a
-// layer) are not counted. Measured on the CPU (tests/core, a counting allocator), what autograd
-// holds after forward and the step's peak are within 10% of the timeline's, with and without
-// checkpointing and the chunked loss, and with FSDP on one rank (bf16 compute too), where a
-// reduce-scatter's send buffer lives until it is waited for, as on a GPU.
+// layer, the device copy of a reduce-scatter's output in the shards' dtype on its way to the
+// host with cpu_offload and bf16 shards, a 1/n-th of a unit for an instant) are not counted.
+// Measured on the CPU (tests/core, a counting allocator), what autograd holds after forward and
+// the step's peak are within 10% of the timeline's, with and without checkpointing and the
+// chunked loss, and with FSDP on one rank (bf16 compute too), where a reduce-scatter's send
+// buffer lives until it is waited for, as on a GPU.
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -329,9 +331,9 @@ constexpr StepBytes step_bytes(const llama::Config& c, LayoutSizes layout, RunSh
 // The timeline of one training step (one micro-batch) on one rank: visit(event) after each event,
 // in the order they happen, with the live bytes by part. The order is the code's:
 //   FSDP (parallel/fsdp_schedule.hpp, fsdp_unit.hpp, parallelize.hpp): the root's pre-forward
-//     gathers it and issues the first prefetch_layers layers' all-gathers; each layer's gathers
-//     its weights (its all-gather waited for and copied out into the full weights, then its buffer
-//     freed), after issuing the all-gather of the layer prefetch_layers ahead, and its post-forward
+//     gathers it and issues the first prefetch_layers layers' all-gathers; each layer's pre-forward
+//     gathers its weights (its all-gather waited for and copied out into the full weights, then its
+//     buffer freed), after issuing the all-gather of the layer prefetch_layers ahead; its post-forward
 //     frees them, except the last layer's, which parallelize keeps for backward, which starts with
 //     it. In backward each other layer's pre-backward (the gradient of its output) gathers it again
 //     and issues the all-gathers of the prefetch_layers layers before it; once autograd has all of
