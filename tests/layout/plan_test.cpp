@@ -16,12 +16,20 @@ using Plan405b = llama::Plan<mt::Mesh<mt::FSDP<8>, mt::TP<8>>, llama::presets::l
 static_assert(Plan8b::has_tp && Plan405b::tp_extent == 8);
 
 // One rank's device memory for a preset, checked when it compiles: the guide's 405B recipe (seq
-// 4096, batch 1, bf16 compute over fp32 shards in host memory, every layer checkpointed) fits an
-// 80 GiB GPU on 64 ranks of FSDP; without checkpointing the activations alone do not.
+// 4096, batch 1, bf16 compute over fp32 shards in host memory, every layer checkpointed) on 64
+// ranks of FSDP peaks at 87.3 GB (81.3 GiB), over an 80 GiB GPU, while the second layer of
+// backward issues its reduce-scatter (the memory timeline below); without prefetching it fits.
+// Without checkpointing the activations alone do not.
 constexpr mt::llama::RunShape recipe{
     .batch = 1, .seq = 4096, .compute_bytes = 2, .checkpoint_every = 1, .cpu_offload = true};
+constexpr mt::llama::RunShape recipe_without_prefetch = [] {
+  auto run = recipe;
+  run.prefetch_layers = 0;
+  return run;
+}();
 using Recipe405b = llama::Plan<mt::Mesh<mt::FSDP<64>>, llama::presets::llama_3_1_405b>;
-static_assert(Recipe405b::peak_bytes(recipe) <= 80 * mt::llama::GiB);
+static_assert(Recipe405b::peak_bytes(recipe) > 80 * mt::llama::GiB);
+static_assert(Recipe405b::peak_bytes(recipe_without_prefetch) <= 80 * mt::llama::GiB);
 static_assert(Recipe405b::memory(recipe).trained_state() == 0 && Recipe405b::memory(recipe).host > 100e9);
 static_assert(Recipe405b::memory({.batch = 1, .seq = 4096, .cpu_offload = true}).activations > 80 * mt::llama::GiB);
 // Stepping AdamW in backward holds one unit's gradient shards, the largest unit's at most (for
@@ -43,6 +51,88 @@ static_assert(peak_saved > Fsdp8b::memory(fp32_state).optimizer - 1 &&
               peak_saved < Fsdp8b::memory(fp32_state).optimizer + 1);
 // 2D: the TP extent divides what a rank holds and computes.
 static_assert(Plan405b::memory(recipe).gathered < Recipe405b::memory(recipe).gathered / 4);
+
+// The memory timeline (memory_plan.hpp): the device memory after each event of one step, whose
+// peak is the most held at one moment, not the sum of the parts. At 405B (the guide's run:
+// meshtorch-plan -m llama-3.1-405b --world 64 --dtype bfloat16 -s 4096 --activation-checkpointing
+// full --cpu-offload), the peak is the reduce-scatter of layer 124, the second in backward: the
+// first with another one in flight, while nearly every checkpointed input is still held.
+namespace timeline {
+namespace presets = meshtorch::llama::presets;
+using meshtorch::llama::MemoryPart;
+constexpr mt::llama::RunShape guide{
+    .batch = 1, .seq = 4096, .compute_bytes = 2, .state_bytes = 2, .checkpoint_every = 1, .cpu_offload = true};
+constexpr auto guide_memory = Recipe405b::memory(guide);
+constexpr auto counts = *presets::llama_3_1_405b.parameter_counts();
+constexpr double layer = static_cast<double>(counts.attention + counts.mlp + counts.layer_norms);
+constexpr double root = static_cast<double>(counts.embedding + counts.head + counts.final_norm);
+constexpr double tokens = 4096, hidden = 16384;
+constexpr bool near(double a, double b) { return a - b < 1e-9 * b && b - a < 1e-9 * b; }
+static_assert(guide_memory.at_peak.what == "backward: its reduce-scatter issued" && guide_memory.at_peak.layer == 124);
+// What is held then (every row count divides by 64: no padding): the root gathered since forward,
+// layer 124's full weights, layer 123's prefetched all-gather buffer and its input (a bf16 shard
+// copied from the host); layer 124's bf16 gradients, their fp32 casts, its send buffer and layer
+// 125's still in flight (with their outputs, a 64th each), and the final norm's gradient; the
+// inputs of layers 0-124; and the output weight's gradient. The root's gradients wait in autograd
+// until the embedding's arrive, at the end of backward, for the root's reduce-scatter.
+static_assert(near(guide_memory.at_peak[MemoryPart::gathered], 2 * root + 2 * 2 * layer + 2 * layer / 64));
+static_assert(near(guide_memory.at_peak[MemoryPart::reductions],
+                   2 * layer + 4 * layer + 2 * (4 * layer + 4 * layer / 64) + 2 * hidden));
+static_assert(near(guide_memory.at_peak[MemoryPart::activations], 125 * hidden * 2 * tokens));
+static_assert(near(guide_memory.at_peak[MemoryPart::loss], 2 * static_cast<double>(counts.head)));
+static_assert(guide_memory.at_peak[MemoryPart::trained_state] == 0 && guide_memory.at_peak[MemoryPart::working] == 0);
+static_assert(guide_memory.peak() > 87e9 && guide_memory.peak() < 87.5e9);
+// The parts at their largest do not all live at once.
+static_assert(guide_memory.peak() < guide_memory.gathered + guide_memory.reductions + guide_memory.activations +
+                                        guide_memory.loss + guide_memory.backward_peak);
+// Each lever moves the peak by what it holds then: without prefetching, layer 123's buffer and
+// input; with every reduce-scatter waited for at once, layer 125's send buffer and output.
+constexpr auto with = [](auto change) {
+  auto run = guide;
+  change(run);
+  return Recipe405b::memory(run);
+};
+static_assert(near(guide_memory.peak() - with([](auto& run) { run.prefetch_layers = 0; }).peak(),
+                   2 * layer + 2 * layer / 64));
+static_assert(near(guide_memory.peak() - with([](auto& run) { run.reduce_scatters_in_flight = 0; }).peak(),
+                   4 * layer + 4 * layer / 64));
+
+// The order of events: forward gathers each layer after its prefetch was issued and frees it
+// after saving its input, except the last; backward reduce-scatters the layers from the last,
+// the root after them; the step ends where it started.
+constexpr auto index_of = [](const auto& events, std::string_view what, std::int64_t layer) {
+  for (std::size_t i = 0; i < events.size(); ++i)
+    if (events[i].what == what && events[i].layer == layer) return static_cast<std::int64_t>(i);
+  return std::int64_t{-1};
+};
+constexpr bool guide_order = [] {
+  const auto events = mt::llama::memory_timeline(
+      presets::llama_3_1_405b, {.data_parallel = mt::llama::DataParallelKind::fsdp, .data_parallel_ranks = 64}, guide);
+  const auto at = [&](std::string_view what, std::int64_t layer) { return index_of(events, what, layer); };
+  return events.front().what == "step starts: the trained state on the device" &&
+         events.back().what == "zero_grad: the gradients freed" && events.back().live() == events.front().live() &&
+         at("forward: a later layer's all-gather issued (prefetch)", 0) < at("forward: its weights gathered", 0) &&
+         at("forward: its input saved (checkpointed)", 0) < at("forward: its weights freed", 0) &&
+         at("forward: its weights freed", 125) == -1 &&       // kept for backward, which starts with it
+         at("backward: its all-gather issued", 125) == -1 &&  // so not gathered again
+         at("backward: its all-gather issued", 124) > at("backward: its reduce-scatter issued", 125) &&
+         at("backward: its all-gather issued", 123) == -1 &&  // layer 124 prefetched it
+         at("backward: its reduce-scatter issued", 0) < at("backward: the root's reduce-scatter issued", -1) &&
+         at("backward: the embedding's gradient", -1) < at("backward: the root's reduce-scatter issued", -1);
+}();
+static_assert(guide_order);
+
+// Without FSDP on one rank (the CPU measurement's layout, tests/core): the step starts with the
+// weights and AdamW's state, holds the activations and the loss after forward, and its peak is
+// where the whole loss's gradient is taken: log_softmax's fp32 output's and the logits'.
+constexpr mt::llama::RunShape tiny_run{.batch = 4, .seq = 128, .compute_bytes = 4, .loss_chunk = 0};
+constexpr auto tiny =
+    mt::llama::estimate_memory(presets::llama_tiny, {.data_parallel = mt::llama::DataParallelKind::ddp}, tiny_run);
+static_assert(tiny.start == tiny.weights + tiny.optimizer && tiny.gathered == 0 && tiny.reductions == 0);
+static_assert(near(tiny.after_forward - tiny.start, tiny.activations + tiny.loss));
+static_assert(tiny.at_peak.what == "backward: the loss's gradient and the logits'");
+static_assert(near(tiny.step_peak(), tiny.activations + tiny.loss + 2 * 4 * 264 * 512));
+}  // namespace timeline
 
 // Without a TP axis nothing is sharded inside layers.
 using DpPlan = llama::Plan<mt::Mesh<mt::DP<mt::dynamic>>>;

@@ -2,15 +2,17 @@
 //
 //   meshtorch-plan -m llama-3.1-70b --world 64 --tp 8 --data-parallel fsdp --dtype bfloat16
 //   meshtorch-plan -m llama-3.1-405b --world 64 --dtype float32 --compute-dtype bfloat16 \
-//       --seq-length 4096 --activation-checkpointing full --cpu-offload --json
+//       --seq-length 4096 --activation-checkpointing full --cpu-offload --timeline
 //
 // Prints the tensor-parallel plan (chapter 6's), whether the model splits over the TP size
 // (the same check the examples run at start-up), and per rank: parameters, and bytes of weights,
 // gradients and AdamW state under DDP, ZeRO-1/2 or FSDP over the data-parallel ranks, the
-// largest unit that is gathered whole, and the device memory at the step's peak
+// largest unit that is gathered whole, and the device memory over one step
 // (models/llama/memory_plan.hpp: the trained state, gathered units, reductions in flight,
-// activations, the loss). --json prints the same figures as one JSON object. No LibTorch: it is
-// arithmetic on the config.
+// activations, the loss), each part at its largest and at the step's peak, the most the device
+// holds at one moment of the step's timeline; --timeline prints that timeline, one line per event
+// (the layers between each pass's first and last two collapsed). --json prints the same figures
+// as one JSON object (with --timeline, every event). No LibTorch: it is arithmetic on the config.
 //
 //   meshtorch-plan --pp 4 --schedule interleaved-1f1b --stages-per-rank 2 --microbatches 8 --show-schedule
 //
@@ -20,7 +22,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -60,6 +64,63 @@ std::string gigabytes(double bytes) {
   char out[32];
   std::snprintf(out, sizeof out, "%.2f GB", bytes / 1e9);
   return out;
+}
+
+// An event as the timeline prints it: "backward, layer 12: its reduce-scatter issued".
+std::string event_label(const mt::llama::MemoryEvent& e) {
+  std::string what(e.what);
+  if (e.layer < 0) return what;
+  const auto colon = what.find(": ");
+  if (colon == std::string::npos) return what + " (layer " + std::to_string(e.layer) + ")";
+  return what.substr(0, colon) + ", layer " + std::to_string(e.layer) + what.substr(colon);
+}
+
+// The timeline, one line per event, in GB. Each run of consecutive layers (forward's 0, 1, ...;
+// backward's from the last down) prints its first two and last two layers whole and the ones
+// between as one line, unless the peak is among them: that layer prints whole too.
+void print_timeline(const std::vector<mt::llama::MemoryEvent>& events, std::size_t peak) {
+  std::printf(
+      "\ndevice memory after each event of the step (the layers between the first and last two of\n"
+      "each pass collapsed; the peak marked):\n");
+  const auto line = [&](std::size_t i) {
+    std::printf("  %-80s %10s%s\n", event_label(events[i]).c_str(), gigabytes(events[i].live()).c_str(),
+                i == peak ? "  <- peak" : "");
+  };
+  std::size_t i = 0;
+  while (i < events.size()) {
+    if (events[i].layer < 0) {
+      line(i++);
+      continue;
+    }
+    // The blocks of one pass: [begin, end) of each layer's consecutive events.
+    std::vector<std::pair<std::size_t, std::size_t>> blocks;
+    while (i < events.size() && events[i].layer >= 0) {
+      const std::size_t begin = i;
+      while (i < events.size() && events[i].layer == events[begin].layer) ++i;
+      blocks.emplace_back(begin, i);
+    }
+    for (std::size_t k = 0; k < blocks.size();) {
+      const auto whole = [&](std::size_t block) {
+        return block < 2 || block + 2 >= blocks.size() || (peak >= blocks[block].first && peak < blocks[block].second);
+      };
+      if (whole(k)) {
+        for (std::size_t e = blocks[k].first; e < blocks[k].second; ++e) line(e);
+        ++k;
+        continue;
+      }
+      const std::size_t first = k;
+      double low = events[blocks[k].first].live(), high = low;
+      for (; k < blocks.size() && !whole(k); ++k)
+        for (std::size_t e = blocks[k].first; e < blocks[k].second; ++e)
+          low = std::min(low, events[e].live()), high = std::max(high, events[e].live());
+      const auto layer = [&](std::size_t block) { return events[blocks[block].first].layer; };
+      std::printf("  %-80s %s to %s\n",
+                  ("... layers " + std::to_string(layer(first)) + " to " + std::to_string(layer(k - 1)) + " (" +
+                   std::to_string(k - first) + "), each as the layers around them")
+                      .c_str(),
+                  gigabytes(low).c_str(), gigabytes(high).c_str());
+    }
+  }
 }
 
 // The --schedule spellings, from the one list of them.
@@ -116,6 +177,9 @@ int main(int argc, char** argv) {
   app.add_option("--loss-chunk", run.loss_chunk, "positions per loss chunk: -1 automatic, 0 all at once")
       ->capture_default_str();
   app.add_flag("--json", json, "print the figures as one JSON object (bytes)");
+  bool timeline = false;
+  app.add_flag("--timeline", timeline,
+               "print the device memory after each event of one step (with --json: every event, in bytes)");
   int pp = 1, stages_per_rank = 1, microbatches = 0;
   std::string schedule;
   bool show_schedule = false;
@@ -218,8 +282,21 @@ int main(int argc, char** argv) {
     run.state_bytes = static_cast<std::int64_t>(bytes);
     run.compute_bytes = (compute_dtype.empty() ? dtype : compute_dtype) == "bfloat16" ? 2 : 4;
     run.checkpoint_every = mt::parse_activation_checkpointing(checkpointing).every;
-    const auto estimate =
-        mt::llama::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, run);
+    const mt::llama::LayoutSizes layout{.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp};
+    const auto estimate = mt::llama::estimate_memory(config, layout, run);
+    const auto events = mt::llama::memory_timeline(config, layout, run);
+    // The peak's event: the first with the most bytes, as estimate_memory picks it.
+    std::size_t peak_index = 0;
+    for (std::size_t i = 1; i < events.size(); ++i)
+      if (events[i].live() > events[peak_index].live()) peak_index = i;
+    const auto parts_json = [](const mt::llama::MemoryEvent& e) {
+      // MemoryPart's order.
+      constexpr const char* keys[] = {"trained_state", "gathered", "reductions", "activations", "loss", "working"};
+      static_assert(std::size(keys) == mt::llama::memory_part_count);
+      nlohmann::json parts;
+      for (std::size_t p = 0; p < mt::llama::memory_part_count; ++p) parts[keys[p]] = e.parts[p];
+      return parts;
+    };
     const auto sizes = tp_rank_sizes(config, tp);
     const double root = static_cast<double>(sizes.root());
     const double largest = std::max(static_cast<double>(sizes.layer), root);
@@ -245,7 +322,18 @@ int main(int argc, char** argv) {
                             {"activations_bytes", estimate.activations},
                             {"loss_bytes", estimate.loss},
                             {"backward_peak_bytes", estimate.backward_peak},
-                            {"peak_bytes", estimate.peak()}};
+                            {"start_bytes", estimate.start},
+                            {"peak_bytes", estimate.peak()},
+                            {"peak_event",
+                             {{"what", std::string(estimate.at_peak.what)},
+                              {"layer", estimate.at_peak.layer},
+                              {"parts_bytes", parts_json(estimate.at_peak)}}}};
+      if (timeline) {
+        nlohmann::json list = nlohmann::json::array();
+        for (const auto& e : events)
+          list.push_back({{"what", std::string(e.what)}, {"layer", e.layer}, {"live_bytes", e.live()}});
+        out["timeline"] = std::move(list);
+      }
       std::printf("%s\n", out.dump(2).c_str());
       return 0;
     }
@@ -273,19 +361,28 @@ int main(int argc, char** argv) {
       std::printf("  %-22s %14s  (%s, whole over FSDP: its weights and their gradients)\n", "largest gathered unit",
                   gigabytes(2 * largest * bytes).c_str(), largest == root ? "the root" : "one decoder layer");
 
-    std::printf(
-        "\ndevice memory per rank at the step's peak (batch %lld x sequence %lld, compute %s, checkpointing %s):\n",
-        static_cast<long long>(run.batch), static_cast<long long>(run.seq),
-        run.compute_bytes == 2 ? "bfloat16" : "float32", checkpointing.c_str());
-    std::printf("  %-28s %14s\n", "weights, gradients, AdamW", gigabytes(estimate.trained_state()).c_str());
+    std::printf("\ndevice memory per rank over one step (batch %lld x sequence %lld, compute %s, checkpointing %s):\n",
+                static_cast<long long>(run.batch), static_cast<long long>(run.seq),
+                run.compute_bytes == 2 ? "bfloat16" : "float32", checkpointing.c_str());
+    // Each part at its largest, and what the device holds of it at the step's peak (the
+    // timeline's event with the most bytes): the second column adds up to the peak.
+    std::printf("  %-28s %14s %14s\n", "", "largest", "at the peak");
+    using Part = mt::llama::MemoryPart;
+    const auto part = [&](Part p, double largest) {
+      std::printf("  %-28s %14s %14s\n", std::string(mt::llama::memory_part_names[static_cast<std::size_t>(p)]).c_str(),
+                  gigabytes(largest).c_str(), gigabytes(estimate.at_peak[p]).c_str());
+    };
+    part(Part::trained_state, estimate.trained_state());
     if (kind == mt::llama::DataParallelKind::fsdp) {
-      std::printf("  %-28s %14s\n", "gathered units", gigabytes(estimate.gathered).c_str());
-      std::printf("  %-28s %14s\n", "gradients being reduced", gigabytes(estimate.reductions).c_str());
+      part(Part::gathered, estimate.gathered);
+      part(Part::reductions, estimate.reductions);
     }
-    std::printf("  %-28s %14s\n", "activations", gigabytes(estimate.activations).c_str());
-    std::printf("  %-28s %14s\n", "loss", gigabytes(estimate.loss).c_str());
-    std::printf("  %-28s %14s\n", "backward's extra at once", gigabytes(estimate.backward_peak).c_str());
-    std::printf("  %-28s %14s\n", "peak", gigabytes(estimate.peak()).c_str());
+    part(Part::activations, estimate.activations);
+    part(Part::loss, estimate.loss);
+    part(Part::working, estimate.backward_peak);
+    std::printf("  %-28s %14s %14s  (%s)\n", "peak", "", gigabytes(estimate.peak()).c_str(),
+                event_label(estimate.at_peak).c_str());
+    if (timeline) print_timeline(events, peak_index);
     std::printf(
         "\nNot counted: the allocator's rounding and caching (reserved beyond allocated), communication\n"
         "staging, LibTorch's workspace.\n");

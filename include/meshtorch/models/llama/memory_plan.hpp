@@ -3,27 +3,35 @@
 // layout and the run's shape: arithmetic only (constexpr), so meshtorch-plan prints it before
 // anything launches and a preset can static_assert that it fits.
 //
-// The parts, in bytes per rank:
-//   weights, gradients, optimizer   the trained state: replicated (DDP), AdamW state sharded
-//                                   (ZeRO-1), gradients too (ZeRO-2) or everything (FSDP) over the
-//                                   data-parallel ranks; on the host with cpu_offload (FSDP); with
-//                                   optimizer_in_backward (FSDP) one unit's gradient shards, not
-//                                   the model's; with optimizer_offload the AdamW state on the
-//                                   host, beside a copy of the weights it steps and their gradients
-//   gathered                        FSDP: the unit running, the prefetched ones and the root kept
-//                                   from forward to backward, in the compute dtype
-//   reductions                      FSDP: a unit's full gradients and the reduce-scatters' buffers
-//   activations                     what autograd keeps from forward to backward: per decoder
-//                                   layer per token, counted from the model's ops (below); a
-//                                   checkpointed layer keeps only its input
-//   loss                            the loss's own: fp32 log-probabilities of every position, or,
-//                                   chunked, the gradients of the rows and the output weight
-//   backward_peak                   what backward adds at once on top, the larger of: the loss's
-//                                   gradient (or one chunk's logits), and a layer's backward (the
-//                                   gradients of its largest activations; the last layer recomputed
-//                                   when it is checkpointed)
-// The peak is what stays (weights, AdamW state, gathered units, reductions) plus the larger of
-// activations + loss + backward_peak (backward's start) and the gradients (its end).
+// The memory is a timeline (for_each_memory_event, memory_timeline): the bytes the device holds
+// after each event of one training step, in the order the code makes them (FSDP's gathers and
+// frees per unit with prefetch, activations saved and freed layer by layer, the loss, gradients
+// made, cast and reduce-scatters issued and waited for per unit, the optimizer's step); the peak
+// is the most held at one moment, which is less than the sum of the parts, as they do not all
+// live at once (backward frees a layer's activations as it makes its gradients; the root's
+// gradients are reduced when the activations are gone).
+//
+// The parts each event holds (MemoryPart), in bytes per rank:
+//   trained state       weights, gradients and AdamW state on the device: replicated (DDP), AdamW
+//                       state sharded (ZeRO-1), gradients too (ZeRO-2) or everything (FSDP) over
+//                       the data-parallel ranks; on the host with cpu_offload (FSDP); with
+//                       optimizer_in_backward (FSDP) one unit's gradient shards, not the model's;
+//                       with optimizer_offload the AdamW state on the host, beside a copy of the
+//                       weights it steps and their gradients. Gradients appear as backward makes
+//                       them (DDP's buckets on more than one rank keep them across steps)
+//   gathered            FSDP: all-gather buffers in flight, the full weights of the unit running,
+//                       and the root's, kept from forward to backward, in the compute dtype
+//   reductions          FSDP: a unit's full gradients, their fp32 casts, the send buffers and
+//                       outputs of the reduce-scatters in flight
+//   activations         what autograd keeps from forward to backward: per decoder layer per token,
+//                       counted from the model's ops (below); a checkpointed layer keeps only its
+//                       input, and is recomputed in backward
+//   loss                the loss's own: fp32 log-probabilities of every position, or, chunked, the
+//                       gradients of the rows and the output weight
+//   working             what an op needs while it runs: the loss's logits (a chunk's), a layer's
+//                       backward (the gradients of its largest activations)
+// MemoryEstimate keeps each part's size (the trained state) or its largest over the step (the
+// others), and the timeline's peak event with the parts it holds.
 //
 // What a decoder layer keeps per token (h hidden, q and kv the query and key/value widths, i the
 // intermediate size, d the compute dtype's bytes), from LlamaDecoderLayer's forward:
@@ -33,11 +41,19 @@
 //   MLP              the normed input of gate/up (h d); gate, silu(gate), up, their product (4i d)
 // With tensor parallel, q, kv and i are a rank's slice; with sequence parallel the norms see a
 // sequence shard, while the projections' inputs are gathered whole. Other buffers (rotary
-// tables, the allocator's rounding, communication staging) are not counted. Measured on the CPU
-// (tests/core, a counting allocator), what autograd holds after forward and the step's peak are
-// within 10% of these figures, with and without checkpointing and the chunked loss.
+// tables, the allocator's rounding, communication staging, a forward's temporaries inside a
+// layer, the device copy of a reduce-scatter's output in the shards' dtype on its way to the
+// host with cpu_offload and bf16 shards, a 1/n-th of a unit for an instant) are not counted.
+// Measured on the CPU (tests/core, a counting allocator), what autograd holds after forward and
+// the step's peak are within 10% of the timeline's, with and without checkpointing and the
+// chunked loss, and with FSDP on one rank (bf16 compute too), where a reduce-scatter's send
+// buffer lives until it is waited for, as on a GPU.
 #include <algorithm>
+#include <array>
+#include <cstddef>
 #include <cstdint>
+#include <string_view>
+#include <vector>
 
 #include <meshtorch/layout/row_block.hpp>
 #include <meshtorch/models/llama/config.hpp>
@@ -70,22 +86,6 @@ struct LayoutSizes {
   DataParallelKind data_parallel = DataParallelKind::fsdp;
   std::int64_t data_parallel_ranks = 1;  // FSDP (or DP for ddp/zero) ranks
   std::int64_t tp = 1;
-};
-
-struct MemoryEstimate {
-  double weights = 0, gradients = 0, optimizer = 0;  // on the device
-  double host = 0;                                   // offloaded trained state (or AdamW's part of it)
-  double gathered = 0, reductions = 0;
-  double activations = 0, loss = 0, backward_peak = 0;
-  constexpr double trained_state() const { return weights + gradients + optimizer; }
-  // What a step holds on top of what stays: backward frees a layer's activations as it makes
-  // that layer's gradients, so the two peak at opposite ends of it (activations at its start,
-  // gradients at its end) and the step's peak is the larger.
-  constexpr double step_peak() const {
-    const double forward_and_backward = activations + loss + backward_peak;
-    return forward_and_backward > gradients ? forward_and_backward : gradients;
-  }
-  constexpr double peak() const { return weights + optimizer + gathered + reductions + step_peak(); }
 };
 
 // Bytes one decoder layer keeps per token of this rank (see the header comment).
@@ -132,11 +132,55 @@ constexpr TpRankParameters largest_row_shards(const llama::Config& c, std::int64
           .final_norm = rows(h, 1)};
 }
 
-constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes layout, RunShape run) {
+// What a rank holds, by part: each event of the timeline carries every part's live bytes.
+enum class MemoryPart : std::size_t { trained_state, gathered, reductions, activations, loss, working };
+inline constexpr std::size_t memory_part_count = 6;
+inline constexpr std::array<std::string_view, memory_part_count> memory_part_names{
+    "weights, gradients, AdamW", "gathered units", "gradients being reduced", "activations", "loss",
+    "working set at once"};
+
+// One moment of a training step: what just happened and what the rank's device holds after it.
+struct MemoryEvent {
+  std::string_view what;    // "forward: ...", "backward: ...", or the step's own ("optimizer step")
+  std::int64_t layer = -1;  // the decoder layer whose forward or backward it belongs to; -1 for none
+  std::array<double, memory_part_count> parts{};  // live bytes after the event, by MemoryPart
+  constexpr double operator[](MemoryPart part) const { return parts[static_cast<std::size_t>(part)]; }
+  constexpr double live() const {
+    double sum = 0;
+    for (const double bytes : parts) sum += bytes;
+    return sum;
+  }
+};
+
+struct MemoryEstimate {
+  // The parts' sizes (bytes per rank), each on its own: the trained state wherever it lives...
+  double weights = 0, gradients = 0, optimizer = 0;  // on the device
+  double host = 0;                                   // offloaded trained state (or AdamW's part of it)
+  // ... and what a step adds, each part at its largest over the step's timeline (not all at the
+  // same moment): MemoryPart's gathered, reductions, activations, loss and working.
+  double gathered = 0, reductions = 0;
+  double activations = 0, loss = 0, backward_peak = 0;
+  // From the timeline (memory_timeline): what the device holds when the step starts (the
+  // trained state there) and when its forward ends, and the event after which it holds the
+  // most, with what that is.
+  double start = 0, after_forward = 0;
+  MemoryEvent at_peak;
+  constexpr double trained_state() const { return weights + gradients + optimizer; }
+  // The step's peak: the most the device holds at one moment, not the sum of the parts, which do
+  // not all live at once (backward frees a layer's activations as it makes its gradients).
+  constexpr double peak() const { return at_peak.live(); }
+  // What the step holds at its peak on top of what it started with.
+  constexpr double step_peak() const { return peak() - start; }
+};
+
+namespace memory_detail {
+
+// The trained state's parts (weights, gradients, optimizer, host) of estimate_memory.
+constexpr MemoryEstimate trained_state(const llama::Config& c, LayoutSizes layout, RunShape run) {
   MemoryEstimate m;
   const auto counts = c.parameter_counts().value_or(llama::Config::ParameterCounts{});
-  const double tp = static_cast<double>(layout.tp), n = static_cast<double>(layout.data_parallel_ranks);
-  const double state = static_cast<double>(run.state_bytes), d = static_cast<double>(run.compute_bytes);
+  const double n = static_cast<double>(layout.data_parallel_ranks);
+  const double state = static_cast<double>(run.state_bytes);
   const auto rank_parameters = tp_rank_parameters(counts, layout.tp);
   const double layer = static_cast<double>(rank_parameters.layer);
   const double root = static_cast<double>(rank_parameters.root());
@@ -164,51 +208,388 @@ constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes lay
     m.host = 2 * m.optimizer;
     m.optimizer = 0;
   }
+  return m;
+}
 
-  // FSDP's gathered units (when there is more than one rank, or offload moves them) and their
-  // gradients: the root kept from forward to backward, the running layer and the prefetched
-  // ones; in backward a layer's full gradients (autograd's, in the compute dtype) and the send
-  // buffers in the reduce dtype (fp32) of the reduce-scatters in flight plus the one being issued.
-  if (fsdp && (n > 1 || run.cpu_offload)) {
-    const double layers_gathered =
-        run.reshard_after_forward
-            ? 1 + static_cast<double>(std::min<std::int64_t>(run.prefetch_layers, c.num_hidden_layers - 1))
-            : static_cast<double>(c.num_hidden_layers);
-    m.gathered = (root + layers_gathered * layer) * d;
-    m.reductions = layer * d + static_cast<double>(run.reduce_scatters_in_flight + 1) * layer * 4;
-  }
+// One FSDP unit's buffers in bytes (FsdpUnit, parallel/fsdp_unit.hpp). All-gather: the shard cast
+// to the compute dtype or copied from the host (`input`; none when the shard already is that)
+// into a buffer of every rank's padded shard (`gathered`), copied out into the full weights (the
+// same size) before the buffer is freed. Reduce-scatter: autograd's full gradients in the
+// compute dtype, each cast to the reduce dtype (fp32, parallelize's fsdp_options) when that
+// differs, concatenated into the send buffer (every rank's padded block); the output is this
+// rank's block, which lands as the shard's gradient in the shards' dtype (host memory with
+// cpu_offload).
+struct UnitBytes {
+  double gathered = 0, input = 0, full_gradients = 0, casts = 0, send = 0, output = 0, landed = 0;
+};
+
+// Everything the timeline adds and removes, in bytes per rank, from the config and the run.
+struct StepBytes {
+  std::int64_t layers = 0;
+  bool fsdp = false, cpu_offload = false, optimizer_in_backward = false, reshard_after_forward = true;
+  bool gradients_throughout = false;  // DDP's Reducer (DDP, ZeRO-1 on n > 1): its buckets are the gradients
+  bool gradient_shards = false;       // ZeRO-2 on n > 1: each gradient reduce-scattered into its rows at once
+  std::int64_t prefetch = 0, in_flight = 0, checkpoint_every = 0;
+  bool chunked_loss = false;
+  double start = 0;  // the trained state on the device when the step starts
+  UnitBytes layer_unit, root_unit;
+  // Without FSDP: the gradients autograd accumulates (the parameters' dtype), whole and as ZeRO-2's rows.
+  double layer_gradients = 0, layer_gradient_shard = 0;
+  // The root's gradients (FSDP: autograd's full ones, waiting for the root's reduce-scatter).
+  double head_gradient = 0, head_gradient_shard = 0;  // the loss's output weight's (the embedding's when tied)
+  double embedding_gradient = 0, embedding_gradient_shard = 0;  // untied only: tied accumulates into the head's
+  double final_norm_gradient = 0;
+  // Activations and the loss.
+  double per_layer = 0, layer_input = 0, final_norm = 0, head_input = 0;
+  double loss_kept = 0, rows_gradient = 0, loss_forward_working = 0, loss_backward_working = 0;
+  double layer_working = 0;
+};
+
+constexpr StepBytes step_bytes(const llama::Config& c, LayoutSizes layout, RunShape run) {
+  StepBytes b;
+  const auto counts = c.parameter_counts().value_or(llama::Config::ParameterCounts{});
+  const double tp = static_cast<double>(layout.tp), n = static_cast<double>(layout.data_parallel_ranks);
+  const double s = static_cast<double>(run.state_bytes), d = static_cast<double>(run.compute_bytes);
+  constexpr double reduce = 4;  // FSDP reduces in fp32 (parallelize's fsdp_options)
+  const auto rank_parameters = tp_rank_parameters(counts, layout.tp);
+  const auto shard = largest_row_shards(c, layout.tp, layout.data_parallel_ranks);
+  b.layers = c.num_hidden_layers;
+  b.fsdp = layout.data_parallel == DataParallelKind::fsdp;
+  b.cpu_offload = b.fsdp && run.cpu_offload;
+  b.optimizer_in_backward = b.fsdp && run.optimizer_in_backward;
+  b.reshard_after_forward = run.reshard_after_forward;
+  b.gradients_throughout = !b.fsdp && layout.data_parallel != DataParallelKind::zero2 && n > 1;
+  b.gradient_shards = layout.data_parallel == DataParallelKind::zero2 && n > 1;
+  b.prefetch = std::max<std::int64_t>(run.prefetch_layers, 0);
+  b.in_flight = std::max<std::int64_t>(run.reduce_scatters_in_flight, 0);
+  b.checkpoint_every = run.checkpoint_every;
+
+  const auto unit = [&](double full, double shard_numel) {
+    UnitBytes u;
+    u.gathered = n * shard_numel * d;
+    u.input = (s != d || b.cpu_offload) ? shard_numel * d : 0;
+    u.full_gradients = full * d;
+    u.casts = d != reduce ? full * reduce : 0;
+    u.send = n * shard_numel * reduce;
+    u.output = shard_numel * reduce;
+    u.landed = b.cpu_offload ? 0 : shard_numel * s;
+    return u;
+  };
+  b.layer_unit = unit(static_cast<double>(rank_parameters.layer), static_cast<double>(shard.layer));
+  b.root_unit = unit(static_cast<double>(rank_parameters.root()), static_cast<double>(shard.root()));
+
+  // Gradients: FSDP's in the compute dtype (autograd's, of the gathered weights), else in the
+  // parameters' (the trained state's).
+  const double g = b.fsdp ? d : s;
+  const bool tied = counts.head == 0;
+  b.layer_gradients = static_cast<double>(rank_parameters.layer) * s;
+  b.layer_gradient_shard = static_cast<double>(shard.layer) * s;
+  b.head_gradient = static_cast<double>(tied ? rank_parameters.embedding : rank_parameters.head) * g;
+  b.head_gradient_shard = static_cast<double>(tied ? shard.embedding : shard.head) * s;
+  b.embedding_gradient = tied ? 0 : static_cast<double>(rank_parameters.embedding) * g;
+  b.embedding_gradient_shard = tied ? 0 : static_cast<double>(shard.embedding) * s;
+  b.final_norm_gradient = static_cast<double>(rank_parameters.final_norm) * g;
 
   // Activations of the tokens this rank computes.
   const double tokens = static_cast<double>(run.batch) * static_cast<double>(run.seq);
   const double h = static_cast<double>(c.hidden_size);
-  const double per_layer = layer_activation_bytes_per_token(c, layout.tp, run.compute_bytes) * tokens;
-  const double layer_input = h * d * tokens / tp;  // what a checkpointed layer keeps (a sequence shard)
-  const std::int64_t checkpointed =
-      run.checkpoint_every > 0 ? (c.num_hidden_layers + run.checkpoint_every - 1) / run.checkpoint_every : 0;
-  m.activations = static_cast<double>(checkpointed) * layer_input +
-                  static_cast<double>(c.num_hidden_layers - checkpointed) * per_layer +
-                  (4 * h + h * d) * tokens / tp  // the final norm (sequence shard)
-                  + h * d * tokens;              // its output, the output projection's input
-  // While a layer's backward runs: the gradients of its largest activations, and, when the last
-  // layer is checkpointed, its recomputed activations (a checkpointed layer further down is
-  // recomputed after later layers freed theirs).
-  const double layer_working_set =
-      (h + 2 * static_cast<double>(c.intermediate_size) / tp) * d * tokens +
-      (run.checkpoint_every > 0 && (c.num_hidden_layers - 1) % run.checkpoint_every == 0 ? per_layer : 0);
+  b.per_layer = layer_activation_bytes_per_token(c, layout.tp, run.compute_bytes) * tokens;
+  b.layer_input = h * d * tokens / tp;           // what a checkpointed layer keeps (a sequence shard)
+  b.final_norm = (4 * h + h * d) * tokens / tp;  // as a layer's norms (sequence shard)
+  // While a layer's backward runs: the gradients of its largest activations.
+  b.layer_working = (h + 2 * static_cast<double>(c.intermediate_size) / tp) * d * tokens;
 
-  // The loss: vocab-parallel logits under TP (loss parallel).
+  // The loss: vocab-parallel logits under TP (loss parallel), over the rows the head gathers whole.
   const double vocab = static_cast<double>(c.vocab_size) / tp;
   const std::int64_t rows = run.batch * run.seq;
   const std::int64_t chunk = loss_chunk_positions(run.loss_chunk, rows, static_cast<std::int64_t>(vocab));
-  double loss_working_set = 0;
-  if (chunk >= rows) {
-    m.loss = 4 * vocab * tokens;                // log_softmax's output, fp32
-    loss_working_set = 2 * 4 * vocab * tokens;  // its gradient and the logits' gradient
+  b.chunked_loss = chunk < rows;
+  b.rows_gradient = h * d * tokens;
+  if (!b.chunked_loss) {
+    b.head_input = h * d * tokens;     // at::linear saves the final norm's output
+    b.loss_kept = 4 * vocab * tokens;  // log_softmax's output, fp32
+    // Forward: the logits, their fp32 copy (cross_entropy_sum's .to(kFloat), none in fp32) and
+    // log_softmax's output at once; backward: its gradient and the logits' gradient.
+    b.loss_forward_working = (d + (d != 4 ? 4 : 0)) * vocab * tokens;
+    b.loss_backward_working = 2 * 4 * vocab * tokens;
   } else {
-    m.loss = h * d * tokens + (static_cast<double>(counts.head ? counts.head : counts.embedding) / tp) * d;
-    loss_working_set = 3 * 4 * vocab * static_cast<double>(chunk);  // one chunk's logits, forward and backward
+    // ChunkedLinearLoss keeps the gradients of the rows and of the output weight from forward;
+    // each chunk's logits, forward and backward, live only while it runs.
+    b.loss_kept = b.rows_gradient + b.head_gradient;
+    b.loss_forward_working = 3 * 4 * vocab * static_cast<double>(chunk);
   }
-  m.backward_peak = std::max(loss_working_set, layer_working_set);
+
+  // The trained state on the device when the step starts: the weights, AdamW's state, and the
+  // gradients where DDP's buckets keep them across steps (elsewhere zero_grad freed them).
+  const auto state = trained_state(c, layout, run);
+  b.start = state.weights + state.optimizer + (b.gradients_throughout ? state.gradients : 0);
+  return b;
+}
+
+}  // namespace memory_detail
+
+// The timeline of one training step (one micro-batch) on one rank: visit(event) after each event,
+// in the order they happen, with the live bytes by part. The order is the code's:
+//   FSDP (parallel/fsdp_schedule.hpp, fsdp_unit.hpp, parallelize.hpp): the root's pre-forward
+//     gathers it and issues the first prefetch_layers layers' all-gathers; each layer's pre-forward
+//     gathers its weights (its all-gather waited for and copied out into the full weights, then its
+//     buffer freed), after issuing the all-gather of the layer prefetch_layers ahead; its post-forward
+//     frees them, except the last layer's, which parallelize keeps for backward, which starts with
+//     it. In backward each other layer's pre-backward (the gradient of its output) gathers it again
+//     and issues the all-gathers of the prefetch_layers layers before it; once autograd has all of
+//     a unit's gradients its post-backward casts them to fp32, issues their reduce-scatter into a
+//     new send buffer, frees the full weights, and only then waits for the oldest reduce-scatter
+//     when more than reduce_scatters_in_flight are in flight (so one more send buffer lives while
+//     it is issued); autograd frees the full gradients when that returns. The root's gradients
+//     (the output weight's from the loss, the final norm's, the embedding's last) wait in autograd
+//     until the embedding's arrive at the end of backward. Backward's final callback waits for
+//     the reduce-scatters left.
+//   Activations (the header comment): a layer's are saved in its forward (a checkpointed layer's
+//     input only); in backward a checkpointed layer is recomputed, then the layer's backward runs
+//     (its working set) and frees them as it makes the weights' gradients; a checkpointed layer's
+//     input is freed when its recomputation's backward, the reduce-scatter included, is done.
+//   The loss (models/llama/model.hpp, chunked_loss.hpp): the whole loss keeps log_softmax's fp32
+//     output; the chunked one computes the gradients of the rows and the output weight in
+//     forward, chunk by chunk, keeps them, and backward scales them into new tensors.
+//   Without FSDP the gradients accumulate as autograd makes them, into DDP's buckets (allocated
+//   across steps on more than one rank), ZeRO-2's rows, or the parameters' .grad; zero_grad
+//   frees them after the optimizer's step (AdamW's fused kernel: no temporaries).
+template <class Visit>
+constexpr void for_each_memory_event(const llama::Config& c, LayoutSizes layout, RunShape run, Visit&& visit) {
+  const memory_detail::StepBytes b = memory_detail::step_bytes(c, layout, run);
+  MemoryEvent now;
+  using enum MemoryPart;
+  const auto add = [&](MemoryPart part, double bytes) { now.parts[static_cast<std::size_t>(part)] += bytes; };
+  const auto event = [&](std::string_view what, std::int64_t layer) {
+    now.what = what;
+    now.layer = layer;
+    visit(static_cast<const MemoryEvent&>(now));
+  };
+  const std::int64_t L = b.layers;
+  const auto checkpointed = [&](std::int64_t i) { return b.checkpoint_every > 0 && i % b.checkpoint_every == 0; };
+  // parallelize keeps the last layer gathered from its forward to its backward.
+  const auto reshards = [&](std::int64_t i) { return b.reshard_after_forward && i != L - 1; };
+  // Gradients outside FSDP: into DDP's buckets (already there), ZeRO-2's rows, or .grad.
+  double device_gradients = 0;
+  const auto gradient = [&](double whole, double rows) {
+    if (b.gradients_throughout) return;
+    const double bytes = b.gradient_shards ? rows : whole;
+    add(trained_state, bytes);
+    device_gradients += bytes;
+  };
+  // FSDP's reduce-scatters, in the order backward issues them: layers L-1 ... 0, then the root.
+  std::int64_t issued = 0, finished = 0;
+  const auto unit_of = [&](std::int64_t position) -> const memory_detail::UnitBytes& {
+    return position == L ? b.root_unit : b.layer_unit;
+  };
+  const auto finish_oldest = [&](std::int64_t layer) {
+    const auto& u = unit_of(finished++);
+    add(reductions, -(u.send + u.output));
+    add(trained_state, u.landed);
+    device_gradients += u.landed;
+    event("backward: the oldest reduce-scatter waited for, its gradients landed", layer);
+    if (b.optimizer_in_backward && u.landed > 0) {
+      add(trained_state, -u.landed);
+      device_gradients -= u.landed;
+      event("backward: AdamW stepped that unit and freed its gradients", layer);
+    }
+  };
+  const auto reduce_scatter = [&](const memory_detail::UnitBytes& u, std::int64_t layer) {
+    const bool root = layer < 0;
+    if (u.casts > 0) {
+      add(reductions, u.casts);
+      event(root ? "backward: the root's gradients cast to fp32" : "backward: its gradients cast to fp32", layer);
+    }
+    add(reductions, u.send + u.output);
+    ++issued;
+    event(root ? "backward: the root's reduce-scatter issued" : "backward: its reduce-scatter issued", layer);
+    add(gathered, -u.gathered);
+    add(reductions, -u.casts);
+    event(root ? "backward: the root's weights and the fp32 casts freed"
+               : "backward: its weights and the fp32 casts freed",
+          layer);
+    while (issued - finished > b.in_flight) finish_oldest(layer);
+  };
+
+  now.parts[static_cast<std::size_t>(trained_state)] = b.start;
+  event("step starts: the trained state on the device", -1);
+
+  // Forward. The root's pre-forward wraps the whole model: it gathers the root and issues the
+  // first layers' all-gathers, which run while the root's gather is copied out.
+  std::int64_t forward_issued = 0;  // layers 0 .. forward_issued-1 have their all-gather issued
+  const auto& lu = b.layer_unit;
+  const auto& ru = b.root_unit;
+  if (b.fsdp) {
+    add(gathered, ru.gathered + ru.input);
+    event("forward: the root's all-gather issued", -1);
+    for (; forward_issued < std::min(b.prefetch, L); ++forward_issued) {
+      add(gathered, lu.gathered + lu.input);
+      event("forward: a first layer's all-gather issued (prefetch)", -1);
+    }
+    add(gathered, ru.gathered);
+    event("forward: the root's weights gathered", -1);
+    add(gathered, -(ru.gathered + ru.input));
+    event("forward: the root's all-gather buffer freed", -1);
+  }
+  for (std::int64_t i = 0; i < L; ++i) {
+    if (b.fsdp) {
+      if (forward_issued <= i) {
+        add(gathered, lu.gathered + lu.input);
+        forward_issued = i + 1;
+        event("forward: its all-gather issued", i);
+      }
+      for (; forward_issued <= std::min(i + b.prefetch, L - 1); ++forward_issued) {
+        add(gathered, lu.gathered + lu.input);
+        event("forward: a later layer's all-gather issued (prefetch)", i);
+      }
+      add(gathered, lu.gathered);
+      event("forward: its weights gathered", i);
+      add(gathered, -(lu.gathered + lu.input));
+      event("forward: its all-gather buffer freed", i);
+    }
+    if (checkpointed(i)) {
+      add(activations, b.layer_input);
+      event("forward: its input saved (checkpointed)", i);
+    } else {
+      add(activations, b.per_layer);
+      event("forward: its activations saved", i);
+    }
+    if (b.fsdp && reshards(i)) {
+      add(gathered, -lu.gathered);
+      event("forward: its weights freed", i);
+    }
+  }
+  add(activations, b.final_norm + b.head_input);
+  event("forward: the final norm's activations saved", -1);
+  add(working, b.loss_forward_working);
+  event(b.chunked_loss ? "forward: the loss, one chunk's logits and their gradients at a time"
+                       : "forward: the loss's logits, in fp32 and log-softmaxed",
+        -1);
+  add(working, -b.loss_forward_working);
+  add(loss, b.loss_kept);
+  event(b.chunked_loss ? "forward: the loss's gradients of the rows and the output weight kept"
+                       : "forward: the loss's fp32 log-probabilities kept",
+        -1);
+
+  // Backward: the loss, then the final norm. The output weight's gradient is the root's: with
+  // FSDP it waits for the root's reduce-scatter at the end; without, it is the weight's .grad.
+  const auto head_gradient = [&] {
+    if (b.fsdp)
+      add(loss, b.head_gradient);
+    else
+      gradient(b.head_gradient, b.head_gradient_shard);
+  };
+  if (b.chunked_loss) {
+    add(loss, b.rows_gradient);
+    head_gradient();
+    event("backward: the loss's kept gradients scaled into new ones", -1);
+    add(loss, -b.loss_kept);
+    event("backward: the loss's kept gradients freed", -1);
+  } else {
+    add(working, b.loss_backward_working);
+    event("backward: the loss's gradient and the logits'", -1);
+    add(working, -b.loss_backward_working);
+    add(loss, b.rows_gradient - b.loss_kept);
+    add(activations, -b.head_input);
+    head_gradient();
+    event("backward: the output projection's gradients (the log-probabilities freed)", -1);
+  }
+  add(activations, -b.final_norm);
+  add(loss, -b.rows_gradient);
+  if (b.fsdp)
+    add(reductions, b.final_norm_gradient);
+  else
+    gradient(b.final_norm_gradient, 0);
+  event("backward: the final norm's gradients (its activations freed)", -1);
+
+  std::int64_t backward_issued = L;  // layers backward_issued .. L-1 have their backward all-gather issued
+  for (std::int64_t i = L - 1; i >= 0; --i) {
+    if (b.fsdp && reshards(i)) {
+      // The pre-backward hook: gather this layer unless a later one prefetched it, and prefetch.
+      if (backward_issued > i) {
+        add(gathered, lu.gathered + lu.input);
+        backward_issued = i;
+        event("backward: its all-gather issued", i);
+      }
+      for (; backward_issued > std::max<std::int64_t>(i - b.prefetch, 0);) {
+        --backward_issued;
+        add(gathered, lu.gathered + lu.input);
+        event("backward: an earlier layer's all-gather issued (prefetch)", i);
+      }
+      add(gathered, lu.gathered);
+      event("backward: its weights gathered", i);
+      add(gathered, -(lu.gathered + lu.input));
+      event("backward: its all-gather buffer freed", i);
+    }
+    if (checkpointed(i)) {
+      add(activations, b.per_layer);
+      event("backward: its activations recomputed", i);
+    }
+    add(working, b.layer_working);
+    event("backward: its working set", i);
+    add(working, -b.layer_working);
+    add(activations, -b.per_layer);
+    if (b.fsdp)
+      add(reductions, lu.full_gradients);
+    else
+      gradient(b.layer_gradients, b.layer_gradient_shard);
+    event("backward: its weights' gradients (its activations freed)", i);
+    if (b.fsdp) {
+      reduce_scatter(lu, i);
+      add(reductions, -lu.full_gradients);
+      event("backward: its full gradients freed", i);
+    }
+    if (checkpointed(i)) {
+      add(activations, -b.layer_input);
+      event("backward: its input freed (checkpointed)", i);
+    }
+  }
+
+  // The embedding's gradient completes the root's: with FSDP its reduce-scatter follows.
+  if (b.fsdp)
+    add(reductions, b.embedding_gradient);
+  else
+    gradient(b.embedding_gradient, b.embedding_gradient_shard);
+  event("backward: the embedding's gradient", -1);
+  if (b.fsdp) {
+    reduce_scatter(ru, -1);
+    add(loss, -b.head_gradient);
+    add(reductions, -(b.final_norm_gradient + b.embedding_gradient));
+    event("backward: the root's full gradients freed", -1);
+    while (finished < issued) finish_oldest(-1);  // backward's final callback
+  }
+  event("optimizer step", -1);
+  add(trained_state, -device_gradients);
+  event("zero_grad: the gradients freed", -1);
+}
+
+// The timeline as a list (constexpr: a transient vector, e.g. memory_timeline(...).size()).
+constexpr std::vector<MemoryEvent> memory_timeline(const llama::Config& c, LayoutSizes layout, RunShape run) {
+  std::vector<MemoryEvent> events;
+  for_each_memory_event(c, layout, run, [&](const MemoryEvent& e) { events.push_back(e); });
+  return events;
+}
+
+// The parts' sizes, and the peak from the timeline.
+constexpr MemoryEstimate estimate_memory(const llama::Config& c, LayoutSizes layout, RunShape run) {
+  MemoryEstimate m = memory_detail::trained_state(c, layout, run);
+
+  // What a step adds, each part at its largest over the timeline, and the timeline's peak.
+  bool first = true, in_backward = false;
+  double before = 0;
+  for_each_memory_event(c, layout, run, [&](const MemoryEvent& e) {
+    using enum MemoryPart;
+    if (first) m.start = e.live();
+    if (first || e.live() > m.at_peak.live()) m.at_peak = e;
+    if (!in_backward && e.what.starts_with("backward")) m.after_forward = before, in_backward = true;
+    before = e.live();
+    m.gathered = std::max(m.gathered, e[gathered]);
+    m.reductions = std::max(m.reductions, e[reductions]);
+    m.activations = std::max(m.activations, e[activations]);
+    m.loss = std::max(m.loss, e[loss]);
+    m.backward_peak = std::max(m.backward_peak, e[working]);
+    first = false;
+  });
   return m;
 }
 
