@@ -331,7 +331,7 @@ TEST_CASE(
 // buffer lives until it is waited for, a unit later, as on a GPU (on the CPU with more ranks Gloo's
 // callback frees it as soon as the sums arrive). What the step holds after forward and at its
 // peak, against the memory timeline: the all-gather buffers beside the full weights, the
-// prefetched layer, the fp32 casts and the send buffers of two reduce-scatters at once.
+// prefetched layer, and a reduce-scatter's send buffer in flight while the next unit gathers.
 TEST_CASE("the memory timeline's FSDP events are what one rank holds, with bf16 compute and checkpointing",
           "[memory]") {
   auto& counter = mt::train::CpuAllocationCounter::install();
@@ -344,9 +344,9 @@ TEST_CASE("the memory timeline's FSDP events are what one rank holds, with bf16 
     ~Restore() { at::globalContext().setUserEnabledMkldnn(mkldnn); }
   } restore{mkldnn};
   // llama-tiny at 512 tokens, where activations make most of the peak, and with 8 layers at 16
-  // tokens, where the peak is a layer's reduce-scatter being issued (as at 405B): the gathered
-  // root, the layer's full weights and gradients, their fp32 casts, its send buffer and the one
-  // in flight, the next layer's prefetched all-gather, and the gradients landed so far.
+  // tokens, where the peak is a layer of backward gathered (as at 405B): the gathered root, the
+  // layer's full weights and their all-gather buffer, the next layer's prefetched all-gather, the
+  // previous layer's send buffer in flight, and the gradients landed so far.
   struct Shape {
     std::int64_t vocab, layers, batch, seq;
   };

@@ -616,7 +616,10 @@ TEST_CASE("fsdp steps after the first take their large host blocks from the cach
   // unit-sized clone comes and goes in backward any more). About one block per unit and step is
   // made for one given back: the total does not grow. It may differ by one unit-sized block
   // between two runs: Gloo's thread gives a reduce-scatter's send buffer back when the sums
-  // arrive, before or after the next unit asks for a block of that size.
+  // arrive, before or after the next unit asks for a block of that size. Since the post-backward
+  // runs in FSDP2's order (a unit's weights freed, then its send buffer made: the send buffer takes
+  // the gathered block, and the next unit's gather, with that send still in flight, makes a
+  // block), 8 of each step's 12 large blocks come from the cache here, the total still flat.
   std::size_t largest_unit_bytes = 0;
   for (const auto& unit : sharded.fsdp->units())
     largest_unit_bytes = std::max(largest_unit_bytes, static_cast<std::size_t>(unit->gathered_numel()) * 4);
@@ -626,6 +629,6 @@ TEST_CASE("fsdp steps after the first take their large host blocks from the cach
   // Each of the 4 steps allocates, for each of the 3 units, at least its gathered buffer, its full
   // weights and its reduce-scatter's send buffer.
   CHECK(stats.large_allocations >= 4 * 3 * 3);
-  CHECK(stats.served_from_cache >= stats.large_allocations * 3 / 4);
+  CHECK(stats.served_from_cache >= stats.large_allocations * 5 / 8);
   CHECK(cache.reserved_bytes() <= reserved + largest_unit_bytes);
 }

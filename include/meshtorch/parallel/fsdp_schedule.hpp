@@ -126,11 +126,14 @@ MESHTORCH_DECL void FsdpSchedule::before_backward(FsdpUnit& unit) {
 
 MESHTORCH_DECL std::vector<torch::Tensor> FsdpSchedule::after_backward(FsdpUnit& unit,
                                                                        const std::vector<torch::Tensor>& full_grads) {
+  // The oldest reductions finish before this one's send buffer exists (FSDP2's order): they had
+  // this unit's whole backward to run in, and their buffers are not held beside the new one.
+  if (in_flight_ > 0)
+    while (static_cast<std::int64_t>(reductions_.size()) >= in_flight_) finish_oldest_reduction();
   auto reduction = unit.start_reduce_scatter(full_grads);
   if (in_flight_ == 0) return unit.shard_gradients(reduction);
   queue_final_callback_once();
   reductions_.push_back(std::move(reduction));
-  while (static_cast<std::int64_t>(reductions_.size()) > in_flight_) finish_oldest_reduction();
   return std::vector<torch::Tensor>(full_grads.size());
 }
 

@@ -21,8 +21,8 @@
 //                       them (DDP's buckets on more than one rank keep them across steps)
 //   gathered            FSDP: all-gather buffers in flight, the full weights of the unit running,
 //                       and the root's, kept from forward to backward, in the compute dtype
-//   reductions          FSDP: a unit's full gradients, their fp32 casts, the send buffers and
-//                       outputs of the reduce-scatters in flight
+//   reductions          FSDP: a unit's full gradients, the send buffers and outputs of the
+//                       reduce-scatters in flight
 //   activations         what autograd keeps from forward to backward: per decoder layer per token,
 //                       counted from the model's ops (below); a checkpointed layer keeps only its
 //                       input, and is recomputed in backward
@@ -215,12 +215,12 @@ constexpr MemoryEstimate trained_state(const llama::Config& c, LayoutSizes layou
 // to the compute dtype or copied from the host (`input`; none when the shard already is that)
 // into a buffer of every rank's padded shard (`gathered`), copied out into the full weights (the
 // same size) before the buffer is freed. Reduce-scatter: autograd's full gradients in the
-// compute dtype, each cast to the reduce dtype (fp32, parallelize's fsdp_options) when that
-// differs, concatenated into the send buffer (every rank's padded block); the output is this
+// compute dtype, packed into the send buffer (every rank's padded block) in the reduce dtype
+// (fp32, parallelize's fsdp_options), cast as they are packed; the output is this
 // rank's block, which lands as the shard's gradient in the shards' dtype (host memory with
 // cpu_offload).
 struct UnitBytes {
-  double gathered = 0, input = 0, full_gradients = 0, casts = 0, send = 0, output = 0, landed = 0;
+  double gathered = 0, input = 0, full_gradients = 0, send = 0, output = 0, landed = 0;
 };
 
 // Everything the timeline adds and removes, in bytes per rank, from the config and the run.
@@ -269,7 +269,6 @@ constexpr StepBytes step_bytes(const llama::Config& c, LayoutSizes layout, RunSh
     u.gathered = n * shard_numel * d;
     u.input = (s != d || b.cpu_offload) ? shard_numel * d : 0;
     u.full_gradients = full * d;
-    u.casts = d != reduce ? full * reduce : 0;
     u.send = n * shard_numel * reduce;
     u.output = shard_numel * reduce;
     u.landed = b.cpu_offload ? 0 : shard_numel * s;
@@ -337,10 +336,10 @@ constexpr StepBytes step_bytes(const llama::Config& c, LayoutSizes layout, RunSh
 //     frees them, except the last layer's, which parallelize keeps for backward, which starts with
 //     it. In backward each other layer's pre-backward (the gradient of its output) gathers it again
 //     and issues the all-gathers of the prefetch_layers layers before it; once autograd has all of
-//     a unit's gradients its post-backward casts them to fp32, issues their reduce-scatter into a
-//     new send buffer, frees the full weights, and only then waits for the oldest reduce-scatter
-//     when more than reduce_scatters_in_flight are in flight (so one more send buffer lives while
-//     it is issued); autograd frees the full gradients when that returns. The root's gradients
+//     a unit's gradients its post-backward, in FSDP2's order, first waits for the oldest
+//     reduce-scatters until fewer than reduce_scatters_in_flight are in flight (their send buffers
+//     freed), frees the full weights, and only then issues its own into a new send buffer, casting
+//     each gradient to fp32 as it is packed; autograd frees the full gradients when that returns. The root's gradients
 //     (the output weight's from the loss, the final norm's, the embedding's last) wait in autograd
 //     until the embedding's arrive at the end of backward. Backward's final callback waits for
 //     the reduce-scatters left.
@@ -396,19 +395,14 @@ constexpr void for_each_memory_event(const llama::Config& c, LayoutSizes layout,
   };
   const auto reduce_scatter = [&](const memory_detail::UnitBytes& u, std::int64_t layer) {
     const bool root = layer < 0;
-    if (u.casts > 0) {
-      add(reductions, u.casts);
-      event(root ? "backward: the root's gradients cast to fp32" : "backward: its gradients cast to fp32", layer);
-    }
+    if (b.in_flight > 0)
+      while (issued - finished >= b.in_flight) finish_oldest(layer);
+    add(gathered, -u.gathered);
+    event(root ? "backward: the root's weights freed" : "backward: its weights freed", layer);
     add(reductions, u.send + u.output);
     ++issued;
     event(root ? "backward: the root's reduce-scatter issued" : "backward: its reduce-scatter issued", layer);
-    add(gathered, -u.gathered);
-    add(reductions, -u.casts);
-    event(root ? "backward: the root's weights and the fp32 casts freed"
-               : "backward: its weights and the fp32 casts freed",
-          layer);
-    while (issued - finished > b.in_flight) finish_oldest(layer);
+    while (issued - finished > b.in_flight) finish_oldest(layer);  // none in flight: waited at once
   };
 
   now.parts[static_cast<std::size_t>(trained_state)] = b.start;
