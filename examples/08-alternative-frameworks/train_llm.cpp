@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
   args.add_to(app);
   CLI11_PARSE(app, argc, argv);
 
-  return mt::comm::run_recorded([&] {
+  return mt::diagnostics::run_recorded([&] {
     auto config = mt::train::DeepSpeedConfig::read(args.deepspeed_config);
     if (app.get_option("--log-freq")->count() == 0) args.log_freq = config.steps_per_print;
 

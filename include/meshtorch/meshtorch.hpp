@@ -11,12 +11,12 @@
 // checkpoint engine (checkpoint/; its box algebra, io/sharded_tensor.hpp, comes with
 // parallelize.hpp).
 #include <meshtorch/comm/comm.hpp>
-#include <meshtorch/comm/error_file.hpp>
 #include <meshtorch/data/builtin_corpus.hpp>
 #include <meshtorch/data/dataset.hpp>
 #include <meshtorch/data/loader.hpp>
 #include <meshtorch/data/sampler.hpp>
 #include <meshtorch/data/tokenizer.hpp>
+#include <meshtorch/diagnostics/error_file.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/io/atomic_file.hpp>
 #include <meshtorch/io/file_digest.hpp>

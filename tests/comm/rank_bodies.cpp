@@ -18,6 +18,7 @@
 
 using namespace meshtorch;
 using namespace meshtorch::comm;
+using namespace meshtorch::diagnostics;
 using namespace std::chrono_literals;
 
 namespace {

@@ -140,7 +140,7 @@ TEST_CASE("FSDP with CPU offload on a GPU clips by the global norm, whose gradie
 
 TEST_CASE("a collective the stream waits for is completed in the flight recorder once the GPU has run it", "[cuda]") {
   REQUIRE(torch::cuda::is_available());
-  auto& recorder = mt::comm::FlightRecorder::instance();
+  auto& recorder = mt::diagnostics::FlightRecorder::instance();
   REQUIRE(recorder.enabled());
   const mt::comm::AxisGroup group("FSDP", {0}, 0, {}, 10s, mt::comm::Device::cuda, {}, 0);
   int backend = 0;

@@ -14,12 +14,12 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include <meshtorch/comm/collective_failure.hpp>
 #include <meshtorch/comm/env.hpp>
-#include <meshtorch/comm/flight_recorder.hpp>
-#include <meshtorch/comm/hang_analysis.hpp>
+#include <meshtorch/diagnostics/collective_failure.hpp>
+#include <meshtorch/diagnostics/flight_recorder.hpp>
+#include <meshtorch/diagnostics/hang_analysis.hpp>
 
-using namespace meshtorch::comm;
+using namespace meshtorch::diagnostics;
 using nlohmann::json;
 namespace fs = std::filesystem;
 
@@ -385,15 +385,15 @@ TEST_CASE("meshtorch-diagnose says when there is nothing to read", "[analysis]")
 TEST_CASE("the timeout comes from the flag, else MESHTORCH_TIMEOUT, else 600 s", "[recorder]") {
   using std::chrono::milliseconds;
   ::unsetenv("MESHTORCH_TIMEOUT");
-  CHECK(collective_timeout() == milliseconds(600'000));
-  CHECK(collective_timeout(20) == milliseconds(20'000));
+  CHECK(meshtorch::comm::collective_timeout() == milliseconds(600'000));
+  CHECK(meshtorch::comm::collective_timeout(20) == milliseconds(20'000));
   ::setenv("MESHTORCH_TIMEOUT", "2.5", 1);
-  CHECK(collective_timeout() == milliseconds(2'500));
-  CHECK(collective_timeout(20) == milliseconds(20'000));  // the flag wins
+  CHECK(meshtorch::comm::collective_timeout() == milliseconds(2'500));
+  CHECK(meshtorch::comm::collective_timeout(20) == milliseconds(20'000));  // the flag wins
   ::setenv("MESHTORCH_TIMEOUT", "soon", 1);
-  CHECK_THROWS_WITH(collective_timeout(),
+  CHECK_THROWS_WITH(meshtorch::comm::collective_timeout(),
                     Catch::Contains("MESHTORCH_TIMEOUT='soon' is not a positive number of seconds"));
   ::setenv("MESHTORCH_TIMEOUT", "0", 1);
-  CHECK_THROWS_AS(collective_timeout(), meshtorch::EnvError);
+  CHECK_THROWS_AS(meshtorch::comm::collective_timeout(), meshtorch::EnvError);
   ::unsetenv("MESHTORCH_TIMEOUT");
 }

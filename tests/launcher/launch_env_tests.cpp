@@ -4,7 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <meshtorch/comm/env.hpp>
-#include <meshtorch/comm/error_file.hpp>
+#include <meshtorch/diagnostics/error_file.hpp>
 
 using meshtorch::EnvError;
 using meshtorch::comm::expand_slurm_nodelist;
@@ -158,7 +158,7 @@ TEST_CASE("the error file holds torchelastic's JSON layout with the exception ch
   } catch (...) {
     error = std::current_exception();
   }
-  auto json = meshtorch::comm::error_file_json(error);
+  auto json = meshtorch::diagnostics::error_file_json(error);
   INFO(json);
   CHECK_THAT(json, Catch::StartsWith("{\"message\": {\"message\": \""));
   CHECK_THAT(json, Catch::Contains("loading model"));

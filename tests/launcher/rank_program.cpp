@@ -10,7 +10,7 @@
 #include <string>
 
 #include <meshtorch/comm/env.hpp>
-#include <meshtorch/comm/error_file.hpp>
+#include <meshtorch/diagnostics/error_file.hpp>
 
 namespace {
 
@@ -35,7 +35,7 @@ int sleep_long() {
 //   fail-first-attempt CODE     rank 0 exits with CODE on attempt 0; every rank succeeds on a restart
 //   elastic DIR                 write DIR/attempt<A>-rank<R>.txt as env does; sleep on attempt 0, end on later ones
 int main(int argc, char** argv) {
-  return meshtorch::comm::run_recorded([&]() -> int {
+  return meshtorch::diagnostics::run_recorded([&]() -> int {
     std::string mode = argc > 1 ? argv[1] : "";
     auto env = meshtorch::comm::launch_env();
     auto argument = [&](int i) { return i < argc ? std::string(argv[i]) : std::string(); };

@@ -5,8 +5,8 @@
 #include <catch2/catch.hpp>
 
 #include <meshtorch/comm/comm.hpp>
-#include <meshtorch/comm/flight_recorder.hpp>
 #include <meshtorch/comm/init.hpp>
+#include <meshtorch/diagnostics/flight_recorder.hpp>
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
 
@@ -125,13 +125,13 @@ TEST_CASE("the chunked loss under TP (loss parallel, and Megatron's gathered log
 // recorder's entries after `last_id`.
 std::vector<nlohmann::json> all_reduces_after(std::uint64_t last_id) {
   std::vector<nlohmann::json> found;
-  for (const auto& entry : mt::comm::FlightRecorder::instance().entries())
+  for (const auto& entry : mt::diagnostics::FlightRecorder::instance().entries())
     if (entry["id"].get<std::uint64_t>() > last_id && entry["op"] == "all_reduce") found.push_back(entry);
   return found;
 }
 
 std::uint64_t last_recorded_id() {
-  const auto entries = mt::comm::FlightRecorder::instance().entries();
+  const auto entries = mt::diagnostics::FlightRecorder::instance().entries();
   return entries.empty() ? 0 : entries.back()["id"].get<std::uint64_t>();
 }
 

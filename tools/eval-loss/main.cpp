@@ -21,7 +21,7 @@ int main(int argc, char** argv) {
   app.add_option("-s,--seq-length", seq)->capture_default_str();
   app.add_option("--seed", seed)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  return mt::comm::run_recorded([&] {
+  return mt::diagnostics::run_recorded([&] {
     mt::llama::LlamaForCausalLM model(mt::llama::resolve_model(model_dir));
     mt::llama::load_pretrained_weights(model, model_dir);
     torch::NoGradGuard no_grad;

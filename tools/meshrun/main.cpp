@@ -100,7 +100,7 @@ void report(const Failure& f, int attempt) {
   if (!f.message.empty())
     say("  error file " + f.error_file + ": " + f.message);
   else
-    say("  no error file at " + f.error_file + " (a program records one with meshtorch::comm::run_recorded)");
+    say("  no error file at " + f.error_file + " (a program records one with meshtorch::diagnostics::run_recorded)");
   if (!f.log_file.empty()) say("  its stderr: " + f.log_file);
   // A rank that ended on a stalled collective names who stalled it: that is the rank to look at.
   if (!f.culprit.empty()) {
@@ -641,7 +641,7 @@ class Supervisor {
   }
 
   // Every rank of the job writes the stacks of its threads to its log (SIGUSR1, which launch()
-  // handles: comm/stack_dump.hpp). Node 0 passes the request to every node; another node asks
+  // handles: diagnostics/stack_dump.hpp). Node 0 passes the request to every node; another node asks
   // node 0, so that each rank is asked once.
   void request_stacks(const std::string& why) {
     if (node_zero_) {

@@ -15,10 +15,10 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
-#include <meshtorch/comm/hang_analysis.hpp>
+#include <meshtorch/diagnostics/hang_analysis.hpp>
 
 namespace fs = std::filesystem;
-namespace mc = meshtorch::comm;
+namespace mc = meshtorch::diagnostics;
 
 namespace {
 

@@ -315,7 +315,7 @@ int main(int argc, char** argv) {
   app.add_option("--metrics", metrics, "a metrics.jsonl whose step times --timeout is compared with (default: -e's)");
   app.allow_extras();  // a chapter's own flags, passed along with the rest
   CLI11_PARSE(app, argc, argv);
-  return mt::comm::run_recorded([&] {
+  return mt::diagnostics::run_recorded([&] {
     using Mesh = mt::Mesh<mt::DP<mt::dynamic>>;
     auto run = mt::launch<Mesh>(args, {mt::from_world_size});
     const auto& world = run.mesh.world();

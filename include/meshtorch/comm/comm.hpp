@@ -2,17 +2,17 @@
 // The run-time communication layer: launch environment, the device mesh and its groups,
 // collectives, redistribution and differentiable collectives, the flight recorder.
 // Start-up code also includes comm/init.hpp (comm::init: rendezvous, Gloo/NCCL groups, the
-// watchdog); the watchdog and hang analysis are comm/watchdog.hpp and comm/hang_analysis.hpp.
+// watchdog); the watchdog and hang analysis are diagnostics/watchdog.hpp and diagnostics/hang_analysis.hpp.
 #include <meshtorch/comm/axis_group.hpp>
-#include <meshtorch/comm/collective_failure.hpp>
 #include <meshtorch/comm/collectives.hpp>
 #include <meshtorch/comm/device.hpp>
 #include <meshtorch/comm/device_mesh.hpp>
 #include <meshtorch/comm/differentiable.hpp>
 #include <meshtorch/comm/env.hpp>
-#include <meshtorch/comm/fingerprint.hpp>
-#include <meshtorch/comm/flight_recorder.hpp>
 #include <meshtorch/comm/local_device.hpp>
 #include <meshtorch/comm/point_to_point.hpp>
 #include <meshtorch/comm/redistribute.hpp>
 #include <meshtorch/comm/work.hpp>
+#include <meshtorch/diagnostics/collective_failure.hpp>
+#include <meshtorch/diagnostics/fingerprint.hpp>
+#include <meshtorch/diagnostics/flight_recorder.hpp>

@@ -20,10 +20,10 @@
 #include <meshtorch/comm/backend.hpp>
 #include <meshtorch/comm/device_mesh.hpp>
 #include <meshtorch/comm/env.hpp>
-#include <meshtorch/comm/fingerprint.hpp>
 #include <meshtorch/comm/local_device.hpp>
 #include <meshtorch/comm/rendezvous.hpp>
-#include <meshtorch/comm/watchdog.hpp>
+#include <meshtorch/diagnostics/fingerprint.hpp>
+#include <meshtorch/diagnostics/watchdog.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/layout/mesh_shape.hpp>
@@ -61,7 +61,7 @@ DeviceMesh<M> MeshStartUp<Deferred>::start(InitOptions options) {
   c10::intrusive_ptr<c10d::Store> store =
       c10::make_intrusive<c10d::PrefixStore>(fmt::format("init{}", inits++), rendezvous(env, options.timeout));
   // Before anything that depends on the mesh: ranks that disagree about it stop here.
-  check_fingerprints(*store, env.rank, env.world_size, fingerprint, options.timeout);
+  diagnostics::check_fingerprints(*store, env.rank, env.world_size, fingerprint, options.timeout);
 
   DeviceMesh<M> mesh(env, MeshShape<M>::resolve(env.world_size, options.extents));
   mesh.device_ = options.device;
@@ -125,7 +125,8 @@ DeviceMesh<M> MeshStartUp<Deferred>::start(InitOptions options) {
     mesh.node_ = make_group("node", prefix, std::move(node_ranks));
   }
   // Progress reports through the store, so a stalled collective names its culprit.
-  if (env.world_size > 1) Watchdog::instance().attach(store, env.rank, env.world_size, options.timeout);
+  if (env.world_size > 1)
+    diagnostics::Watchdog::instance().attach(store, env.rank, env.world_size, options.timeout, host_name());
   return mesh;
 }
 

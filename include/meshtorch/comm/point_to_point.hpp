@@ -49,7 +49,7 @@ inline void check_peer(std::string_view what, const AxisGroup& group, int peer) 
 
 MESHTORCH_DECL Work<torch::Tensor> send_async(const AxisGroup& group, const torch::Tensor& tensor, int peer, int tag) {
   detail::check_peer("send", group, peer);
-  const std::string what = fmt::format("{}{}", send_prefix, group.global_rank_of(peer));
+  const std::string what = fmt::format("{}{}", diagnostics::send_prefix, group.global_rank_of(peer));
   detail::check_device(what, group, tensor);
   torch::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
   std::vector<torch::Tensor> buffers{buffer};
@@ -60,7 +60,7 @@ MESHTORCH_DECL Work<torch::Tensor> send_async(const AxisGroup& group, const torc
 
 MESHTORCH_DECL Work<torch::Tensor> receive_async(const AxisGroup& group, torch::Tensor tensor, int peer, int tag) {
   detail::check_peer("recv", group, peer);
-  const std::string what = fmt::format("{}{}", receive_prefix, group.global_rank_of(peer));
+  const std::string what = fmt::format("{}{}", diagnostics::receive_prefix, group.global_rank_of(peer));
   detail::check_device(what, group, tensor);
   if (!tensor.is_contiguous()) throw detail::collective_error(what, group, "the receive buffer must be contiguous");
   std::vector<torch::Tensor> buffers{tensor};

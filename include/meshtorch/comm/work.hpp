@@ -10,9 +10,9 @@
 // watchdog.
 //
 // Every collective issued through detail::issue and waited through Work::wait is recorded in the
-// flight recorder (comm/flight_recorder.hpp); a failed wait is reported (comm/collective_failure.hpp)
+// flight recorder (diagnostics/flight_recorder.hpp); a failed wait is reported (diagnostics/collective_failure.hpp)
 // to the watchdog, which, once armed by launch(), names the rank that stalled and ends the
-// process (comm/watchdog.hpp).
+// process (diagnostics/watchdog.hpp).
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -24,7 +24,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <meshtorch/comm/axis_group.hpp>
-#include <meshtorch/comm/flight_recorder.hpp>
+#include <meshtorch/diagnostics/flight_recorder.hpp>
 #include <meshtorch/error.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
@@ -58,7 +58,7 @@ c10::intrusive_ptr<c10d::Work> issue(std::string_view collective, const AxisGrou
     last_recorded = record;
     return work;
   } catch (const std::exception& e) {
-    FlightRecorder::instance().failed(record);
+    diagnostics::FlightRecorder::instance().failed(record);
     throw collective_error(collective, group, e.what());
   }
 }
@@ -129,7 +129,7 @@ class Work {
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <fmt/format.h>
 
-#include <meshtorch/comm/collective_failure.hpp>
+#include <meshtorch/diagnostics/collective_failure.hpp>
 
 namespace meshtorch::comm::detail {
 
@@ -139,7 +139,7 @@ MESHTORCH_DECL CommError collective_error(std::string_view collective, const Axi
 
 MESHTORCH_DECL std::uint64_t record_collective(std::string_view collective, const AxisGroup& group,
                                                const at::Tensor& tensor, Traffic traffic) {
-  auto& recorder = FlightRecorder::instance();
+  auto& recorder = diagnostics::FlightRecorder::instance();
   if (!recorder.enabled() || !group.backend()) return 0;
   std::string backend_name;
   try {
@@ -158,7 +158,7 @@ MESHTORCH_DECL std::uint64_t record_collective(std::string_view collective, cons
 
 MESHTORCH_DECL void wait_collective(c10d::Work& work, std::uint64_t record, const std::string& collective,
                                     const AxisGroup& group) {
-  FlightRecorder::instance().waiting(record);
+  diagnostics::FlightRecorder::instance().waiting(record);
   try {
     // Gloo's wait throws once the timeout passes without completion.
     if (group.device() == Device::cpu)
@@ -166,7 +166,7 @@ MESHTORCH_DECL void wait_collective(c10d::Work& work, std::uint64_t record, cons
     else
       work.wait();
   } catch (const std::exception& e) {
-    report_collective_failure(record, collective + " over the " + group.describe(), e.what());
+    diagnostics::report_collective_failure(record, collective + " over the " + group.describe(), e.what());
     throw collective_error(collective, group, fmt::format("{} (timeout {} ms)", e.what(), group.timeout().count()));
   }
   record_completion(record, group);
@@ -198,7 +198,7 @@ MESHTORCH_DECL std::shared_ptr<c10::Event> pooled_device_event(c10::Device devic
 
 MESHTORCH_DECL void record_completion(std::uint64_t record, const AxisGroup& group) {
   if (!record) return;
-  auto& recorder = FlightRecorder::instance();
+  auto& recorder = diagnostics::FlightRecorder::instance();
   // On the CPU the wait ended it. A GPU group bound to no device cannot say which stream waited.
   if (group.device() == Device::cpu || group.cuda_device() < 0) {
     recorder.completed(record);

@@ -170,9 +170,9 @@ class DistributedDataParallel {
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
-#include <meshtorch/comm/collective_failure.hpp>
 #include <meshtorch/comm/collectives.hpp>
-#include <meshtorch/comm/flight_recorder.hpp>
+#include <meshtorch/diagnostics/collective_failure.hpp>
+#include <meshtorch/diagnostics/flight_recorder.hpp>
 
 namespace meshtorch {
 
@@ -239,13 +239,13 @@ class RecordedAllReduceHook : public c10d::CppCommHookInterface<c10::intrusive_p
     const auto record = comm::detail::record_collective("DDP all_reduce", group_, tensors[0]);
     auto future = state_->allreduce(tensors)->getFuture();
     // The Reducer waits for it at the end of backward; from here it is pending.
-    comm::FlightRecorder::instance().waiting(record);
+    diagnostics::FlightRecorder::instance().waiting(record);
     // On NCCL the callback runs once the all-reduce is queued, on a stream ordered after it.
     future->addCallback([record, group = group_,
                          what = "DDP all_reduce of gradient bucket " + std::to_string(bucket.getIndex()) +
                                 " over the " + group_.describe()](c10::ivalue::Future& done) {
       if (done.hasError())
-        comm::report_collective_failure(record, what, done.tryRetrieveErrorMessage());
+        diagnostics::report_collective_failure(record, what, done.tryRetrieveErrorMessage());
       else
         comm::detail::record_completion(record, group);
     });

@@ -2,11 +2,11 @@
 // launch<Mesh>(args): the start of every distributed chapter, in one call: intra-op threads,
 // where this rank sits (torchrun, meshrun, Slurm or OpenMPI variables), its device and dtype, the
 // mesh (rendezvous, every flag compared across ranks, one process group per axis) and the
-// rank's banner; then the seed. It arms the watchdog (comm/watchdog.hpp): rendezvous and every
+// rank's banner; then the seed. It arms the watchdog (diagnostics/watchdog.hpp): rendezvous and every
 // collective are bounded by --timeout (or MESHTORCH_TIMEOUT, else 600 s), and a collective that
 // stalls ends every rank with an error naming the rank that did not arrive, after writing the
 // flight recorder to flight_recorder_dir(args) and every thread's stack to the log (also on
-// SIGUSR1: comm/stack_dump.hpp).
+// SIGUSR1: diagnostics/stack_dump.hpp).
 //
 //   using Mesh = mt::Mesh<mt::FSDP<mt::dynamic>, mt::TP<mt::dynamic>>;
 //   auto run = mt::launch<Mesh>(args, {mt::from_world_size, args.tp});
@@ -23,8 +23,8 @@
 #include <meshtorch/comm/device_mesh.hpp>
 #include <meshtorch/comm/env.hpp>
 #include <meshtorch/comm/init.hpp>
-#include <meshtorch/comm/stack_dump.hpp>
-#include <meshtorch/comm/watchdog.hpp>
+#include <meshtorch/diagnostics/stack_dump.hpp>
+#include <meshtorch/diagnostics/watchdog.hpp>
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/models/llama/weights.hpp>
@@ -71,8 +71,8 @@ Launch<M> launch(const train::TrainArgs& args, std::vector<int> extents = {}, co
                              .fingerprint = args.fingerprint() + plan,
                              .env = env,
                              .extents = std::move(extents)});
-  if (mesh.world_size() > 1) comm::Watchdog::instance().arm(flight_recorder_dir(args, env));
-  comm::install_stack_dumps();  // SIGUSR1 (meshrun --dump-stacks) writes every thread's stack
+  if (mesh.world_size() > 1) diagnostics::Watchdog::instance().arm(flight_recorder_dir(args, env));
+  diagnostics::install_stack_dumps();  // SIGUSR1 (meshrun --dump-stacks) writes every thread's stack
   train::Logger log(mesh.rank());
   log.info(fmt::format("{}; {} intra-op thread(s){}", mesh.describe(), torch::get_num_threads(),
                        host_allocator.empty() ? "" : fmt::format("; {} CPU allocator", host_allocator)));

@@ -16,14 +16,14 @@
 #include <meshtorch/checkpoint/manifest.hpp>
 #include <meshtorch/checkpoint/save.hpp>
 #include <meshtorch/comm/backend.hpp>
-#include <meshtorch/comm/hang_analysis.hpp>
 #include <meshtorch/comm/init.hpp>
 #include <meshtorch/comm/rendezvous.hpp>
-#include <meshtorch/comm/stack_dump.hpp>
 #include <meshtorch/comm/store_gate.hpp>
-#include <meshtorch/comm/watchdog.hpp>
 #include <meshtorch/data/text_tokenizer.hpp>
 #include <meshtorch/data/token_cache.hpp>
+#include <meshtorch/diagnostics/hang_analysis.hpp>
+#include <meshtorch/diagnostics/stack_dump.hpp>
+#include <meshtorch/diagnostics/watchdog.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/launch.hpp>
 #include <meshtorch/train/args.hpp>

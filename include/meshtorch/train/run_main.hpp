@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-#include <meshtorch/comm/error_file.hpp>
+#include <meshtorch/diagnostics/error_file.hpp>
 #include <meshtorch/train/args.hpp>
 
 namespace meshtorch::train {
@@ -21,7 +21,7 @@ int run_main(int argc, char** argv, const std::string& description, Body&& body)
   Args args;
   args.add_to(app);
   CLI11_PARSE(app, argc, argv);
-  return comm::run_recorded([&] { return body(std::as_const(args)); });
+  return diagnostics::run_recorded([&] { return body(std::as_const(args)); });
 }
 
 template <class Args, class Body>

@@ -19,7 +19,7 @@
 //
 // The dump is also written on request (SIGUSR2, or dump_flight_recorder()) and, best effort, on
 // a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, which std::abort raises). Where
-// comm/stack_dump.hpp is installed, every thread's stack goes to the log on SIGUSR1, before the
+// diagnostics/stack_dump.hpp is installed, every thread's stack goes to the log on SIGUSR1, before the
 // watchdog ends a rank, and on a fatal signal.
 #include <atomic>
 #include <chrono>
@@ -34,10 +34,10 @@
 #include <nlohmann/json_fwd.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <meshtorch/comm/hang_analysis.hpp>
+#include <meshtorch/diagnostics/hang_analysis.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 // The exit code of a process the watchdog ends: a collective timed out or failed.
 inline constexpr int watchdog_exit_code = 124;
@@ -50,15 +50,16 @@ class Watchdog {
   MESHTORCH_DECL static Watchdog& instance();
 
   // Starts publishing this rank's progress through `store` (over a connection of its own, so a
-  // collective's store traffic never waits behind it). Called by comm::init.
+  // collective's store traffic never waits behind it). Called by comm::init, which names the host
+  // for the dumps.
   MESHTORCH_DECL void attach(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
-                             std::chrono::milliseconds timeout);
+                             std::chrono::milliseconds timeout, std::string host);
 
   // From now on a collective that fails or stalls ends the process after naming the culprit.
   // `dump_dir` is where the flight recorder is written.
   MESHTORCH_DECL void arm(std::filesystem::path dump_dir);
 
-  // Writes every thread's stack to the log: set by install_stack_dumps() (comm/stack_dump.hpp,
+  // Writes every thread's stack to the log: set by install_stack_dumps() (diagnostics/stack_dump.hpp,
   // which launch() calls), so that only programs that want it link backward-cpp and libdw. From
   // then on SIGUSR1 asks for the stacks, and the watchdog writes them before it ends a rank.
   using StackDumper = void (*)(int rank, const std::string& reason);
@@ -87,7 +88,7 @@ class Watchdog {
   MESHTORCH_DECL nlohmann::json read_peers();
 
  private:
-  // Collectives report their failures here once armed (comm/collective_failure.hpp): unarmed,
+  // Collectives report their failures here once armed (diagnostics/collective_failure.hpp): unarmed,
   // collective_failed only marks the record failed, which is what happens with no handler.
   MESHTORCH_DECL static void install_failure_handler();
 
@@ -129,6 +130,7 @@ class Watchdog {
   mutable std::mutex mutex_;
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_ = 0, world_size_ = 1;
+  std::string host_;  // in the dumps
   std::chrono::milliseconds timeout_{600'000};
   std::filesystem::path dump_dir_;
   std::atomic<bool> armed_{false}, ending_{false}, dump_requested_{false}, store_answers_{true};
@@ -150,7 +152,7 @@ inline std::filesystem::path dump_flight_recorder(const std::string& reason = "r
   return Watchdog::instance().dump(reason);
 }
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics
 
 #if MESHTORCH_DEFINES(programs)
 #include <pthread.h>
@@ -172,11 +174,10 @@ inline std::filesystem::path dump_flight_recorder(const std::string& reason = "r
 #include <string.h>
 #include <time.h>
 
-#include <meshtorch/comm/collective_failure.hpp>
-#include <meshtorch/comm/env.hpp>
-#include <meshtorch/comm/flight_recorder.hpp>
+#include <meshtorch/diagnostics/collective_failure.hpp>
+#include <meshtorch/diagnostics/flight_recorder.hpp>
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 MESHTORCH_DECL Watchdog& Watchdog::instance() {
   // Never destroyed: its thread is stopped by an atexit handler, and signal handlers use it.
@@ -185,7 +186,7 @@ MESHTORCH_DECL Watchdog& Watchdog::instance() {
 }
 
 MESHTORCH_DECL void Watchdog::attach(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
-                                     std::chrono::milliseconds timeout) {
+                                     std::chrono::milliseconds timeout, std::string host) {
   c10::intrusive_ptr<c10d::Store> own;
   try {
     own = store->clone();
@@ -198,6 +199,7 @@ MESHTORCH_DECL void Watchdog::attach(const c10::intrusive_ptr<c10d::Store>& stor
     store_ = std::move(own);
     rank_ = rank;
     world_size_ = world_size;
+    host_ = std::move(host);
     timeout_ = timeout;
   }
   std::call_once(started_, [this] {
@@ -245,7 +247,7 @@ MESHTORCH_DECL std::filesystem::path Watchdog::dump(const std::string& reason, c
       {"rank", rank_},
       {"world_size", world_size_},
       {"pid", static_cast<long>(::getpid())},
-      {"host", host_name()},
+      {"host", host_},
       {"reason", reason},
       {"time_s", std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()},
       {"timeout_s", std::chrono::duration<double>(timeout_).count()},
@@ -478,5 +480,5 @@ MESHTORCH_DECL void Watchdog::on_fatal_signal(int signo) {
   ::raise(signo);
 }
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics
 #endif  // MESHTORCH_DEFINES(programs)

@@ -17,7 +17,7 @@
 #include <meshtorch/error.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 namespace detail {
 
@@ -35,7 +35,7 @@ inline std::string fingerprint_key(int rank) { return "meshtorch/fingerprint/" +
 MESHTORCH_DECL void check_fingerprints(c10d::Store& store, int rank, int world_size, const std::string& fingerprint,
                                        std::chrono::milliseconds timeout);
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics
 
 #if MESHTORCH_DEFINES(core)
 #include <algorithm>
@@ -43,7 +43,7 @@ MESHTORCH_DECL void check_fingerprints(c10d::Store& store, int rank, int world_s
 
 #include <fmt/format.h>
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 namespace detail {
 
@@ -115,5 +115,5 @@ MESHTORCH_DECL void check_fingerprints(c10d::Store& store, int rank, int world_s
   if (verdict != "ok") throw CommError(fmt::format("mesh init on rank {}: {}", rank, verdict));
 }
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics
 #endif  // MESHTORCH_DEFINES(core)

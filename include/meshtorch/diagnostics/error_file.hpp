@@ -12,7 +12,7 @@
 
 #include <meshtorch/separate_compilation.hpp>
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 namespace detail {
 
@@ -54,7 +54,7 @@ int run_recorded(Body&& body) {
   }
 }
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics
 
 #if MESHTORCH_DEFINES(core)
 #include <chrono>
@@ -65,7 +65,7 @@ int run_recorded(Body&& body) {
 #include <cxxabi.h>
 #endif
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 namespace detail {
 
@@ -153,5 +153,5 @@ MESHTORCH_DECL bool record_error(const std::exception_ptr& error) {
   return static_cast<bool>(file);
 }
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics
 #endif  // MESHTORCH_DEFINES(core)

@@ -1,6 +1,6 @@
 #pragma once
 // Where a failed collective is reported. Work::wait and DDP's bucket hook call
-// report_collective_failure; the watchdog (comm/watchdog.hpp), armed by launch(), installs
+// report_collective_failure; the watchdog (diagnostics/watchdog.hpp), armed by launch(), installs
 // itself as the handler: it names the culprit, dumps the flight recorder and ends the process.
 // Kept apart from the watchdog so that code which only issues collectives compiles neither the
 // watchdog nor its hang analysis and JSON (docs/performance.md "Compile time"): only the
@@ -9,9 +9,9 @@
 #include <cstdint>
 #include <string>
 
-#include <meshtorch/comm/flight_recorder.hpp>
+#include <meshtorch/diagnostics/flight_recorder.hpp>
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 // `record` is the flight recorder's id of the collective, `collective` what it was and over
 // which group, `what` the backend's message. Returns if the process is to go on (the caller
@@ -34,4 +34,4 @@ inline void report_collective_failure(std::uint64_t record, const std::string& c
   FlightRecorder::instance().failed(record);  // no watchdog in this process
 }
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics

@@ -20,7 +20,7 @@
 
 #include <meshtorch/separate_compilation.hpp>
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 // Installs the capture handler and the SIGUSR1 request, and hands the watchdog its dumper.
 // Idempotent.
@@ -32,7 +32,7 @@ MESHTORCH_DECL std::string all_thread_stacks();
 // Writes every thread's stack to stderr, framed so that a log reader finds it.
 MESHTORCH_DECL void write_all_thread_stacks(int rank, const std::string& reason);
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics
 
 #if MESHTORCH_DEFINES(programs)
 #include <dirent.h>
@@ -65,9 +65,9 @@ MESHTORCH_DECL void write_all_thread_stacks(int rank, const std::string& reason)
 #define MESHTORCH_HAS_BACKWARD 0
 #endif
 
-#include <meshtorch/comm/watchdog.hpp>
+#include <meshtorch/diagnostics/watchdog.hpp>
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 namespace stack_dump_detail {
 
@@ -234,5 +234,5 @@ MESHTORCH_DECL void install_stack_dumps() {
   });
 }
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics
 #endif  // MESHTORCH_DEFINES(programs)

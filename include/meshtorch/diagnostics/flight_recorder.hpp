@@ -27,7 +27,7 @@
 
 #include <meshtorch/separate_compilation.hpp>
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 // How a point-to-point message is named in the records: "send to 3", "recv from 1" (global ranks;
 // comm/point_to_point.hpp). The hang analysis reads the peer back from the name.
@@ -212,13 +212,13 @@ class FlightRecorder {
   std::unordered_map<const void*, RecordedGroup*> by_backend_;
 };
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics
 
 #if MESHTORCH_DEFINES(core)
 #include <algorithm>
 #include <cstdlib>
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 MESHTORCH_DECL std::string_view collective_kind(std::string_view op) {
   for (std::string_view kind : {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier"})
@@ -356,5 +356,5 @@ MESHTORCH_DECL void FlightRecorder::set_state_locked(FlightEntry& entry, Collect
   if (state == CollectiveState::completed && entry.seq > group.completed) group.completed = entry.seq;
 }
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics
 #endif  // MESHTORCH_DEFINES(core)

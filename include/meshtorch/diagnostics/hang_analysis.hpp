@@ -21,10 +21,10 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include <meshtorch/comm/flight_recorder.hpp>
+#include <meshtorch/diagnostics/flight_recorder.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 struct GroupProgress {
   std::string name;
@@ -75,7 +75,7 @@ MESHTORCH_DECL std::map<int, RankReport> rank_reports_from_dumps(const std::vect
 // The verdict on the reports of every rank (see above): the culprits, a summary line and details.
 MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports);
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics
 
 #if MESHTORCH_DEFINES(programs)
 #include <algorithm>
@@ -88,7 +88,7 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
-namespace meshtorch::comm {
+namespace meshtorch::diagnostics {
 
 MESHTORCH_DECL std::string HangVerdict::text() const {
   std::string out = summary;
@@ -404,5 +404,5 @@ MESHTORCH_DECL HangVerdict analyse_hang(const std::map<int, RankReport>& reports
   return verdict;
 }
 
-}  // namespace meshtorch::comm
+}  // namespace meshtorch::diagnostics
 #endif  // MESHTORCH_DEFINES(programs)
