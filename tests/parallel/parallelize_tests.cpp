@@ -43,15 +43,21 @@ double relative_difference(double actual, double expected) { return std::abs(act
 // Trains the layout M and the reference side by side and compares losses and final weights.
 // With micro_batches > 1 each rank's batch is split and its gradients accumulated (no_sync).
 template <mt::MeshType M>
-void check_layout_on(const mt::comm::DeviceMesh<M>& mesh, mt::ParallelizeOptions options = {}, int micro_batches = 1) {
+void check_layout_on(const mt::comm::DeviceMesh<M>& mesh, mt::ParallelizeOptions options = {}, int micro_batches = 1,
+                     std::optional<mt::ZeroStage2Options> zero_stage2 = std::nullopt) {
   const auto config = llama::presets::llama_tiny;
 
   torch::manual_seed(7);
   llama::LlamaForCausalLM reference(config, torch::TensorOptions().device(torch::kMeta));
   llama::materialize(reference, torch::TensorOptions());
   torch::manual_seed(7);
-  auto parallel =
-      mt::parallelize(llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta)), mesh, options);
+  auto build = [&] {
+    llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta));
+    if constexpr (M::template has<mt::DP> && !M::template has<mt::FSDP>)
+      if (zero_stage2) return mt::parallelize(std::move(model), mesh, options, *zero_stage2);
+    return mt::parallelize(std::move(model), mesh, options);
+  };
+  auto parallel = build();
   INFO(mesh.shape().to_string() << " on rank " << mesh.rank() << ": " << parallel.describe());
 
   mt::train::AdamW reference_optimizer(mt::train::named_trainable_parameters(*reference), {.lr = 1e-3});
@@ -106,7 +112,7 @@ void check_layout_on(const mt::comm::DeviceMesh<M>& mesh, mt::ParallelizeOptions
                                 << " steps: " << worst_weight);
   std::int64_t whole = 0;
   for (const auto& p : reference->parameters()) whole += p.numel();
-  if (M::template has<mt::TP> || M::template has<mt::FSDP> || options.zero_stage2) {
+  if (M::template has<mt::TP> || M::template has<mt::FSDP> || zero_stage2) {
     CHECK(held < whole);
   } else {
     CHECK(held == whole);
@@ -123,7 +129,7 @@ void check_layout_on(const mt::comm::DeviceMesh<M>& mesh, mt::ParallelizeOptions
     const bool matrix = piece.global_shape.size() == 2 && piece.name.rfind("optimizer/", 0) != 0;
     if (!matrix || !piece.writer) continue;
     INFO(piece.name << " " << mt::io::to_string(piece.box));
-    if (M::template has<mt::TP> || M::template has<mt::FSDP> || options.zero_stage2)
+    if (M::template has<mt::TP> || M::template has<mt::FSDP> || zero_stage2)
       CHECK(piece.local.numel() < piece.global_shape[0] * piece.global_shape[1]);
   }
 
@@ -152,9 +158,9 @@ TEST_CASE("rank body: ZeRO-2 built by parallelize", "[.][parallelize_zero2]") {
   // One mesh for both runs: a second comm::init in the same process would start a second store on
   // the master port while the first one may still serve a slower rank.
   const auto mesh = mt::comm::init<mt::Mesh<mt::DP<mt::dynamic>>>({.timeout = std::chrono::seconds(60)});
-  check_layout_on(mesh, {.ddp = {.bucket_cap_mb = 0.05}, .zero_stage2 = true, .zero_stage2_buckets_in_flight = 1}, 2);
+  check_layout_on(mesh, {}, 2, mt::ZeroStage2Options{.bucket_cap_mb = 0.05, .buckets_in_flight = 1});
   // And without overlap (DeepSpeed's overlap_comm false): each reduce-scatter waited for at once.
-  check_layout_on(mesh, {.ddp = {.bucket_cap_mb = 0.05}, .zero_stage2 = true, .zero_stage2_buckets_in_flight = 0}, 2);
+  check_layout_on(mesh, {}, 2, mt::ZeroStage2Options{.bucket_cap_mb = 0.05, .buckets_in_flight = 0});
 }
 
 TEST_CASE("rank body: ZeRO-2 with gradient clipping equals one process", "[.][zero2_clipping]") {
@@ -165,7 +171,7 @@ TEST_CASE("rank body: ZeRO-2 with gradient clipping equals one process", "[.][ze
   llama::materialize(reference, torch::TensorOptions());
   torch::manual_seed(7);
   auto parallel = mt::parallelize(llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta)), mesh,
-                                  {.zero_stage2 = true});
+                                  {}, mt::ZeroStage2Options{});
   REQUIRE(parallel.zero_stage2() != nullptr);
   CHECK(parallel.zero_stage2()->bucket_count() > 0);
   mt::train::AdamW reference_optimizer(mt::train::named_trainable_parameters(*reference), {.lr = 1e-3});

@@ -214,12 +214,16 @@ class Engine {
     if (config_.reduce_bucket_size)
       options.ddp.bucket_cap_mb =
           static_cast<double>(*config_.reduce_bucket_size * c10::elementSize(dtype)) / (1024.0 * 1024.0);
-    options.zero_stage2 = config_.zero_stage == 2;
-    options.zero_stage2_buckets_in_flight = config_.overlap_comm ? 2 : 0;
     options.fsdp = {.cpu_offload = config_.offload_param,
                     .mixed_precision = {.param_dtype = run_.dtype, .reduce_dtype = torch::kFloat}};
-    return parallelize(llama::LlamaForCausalLM(llama_config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
-                       run_.mesh, std::move(options));
+    llama::LlamaForCausalLM model(llama_config, torch::TensorOptions().device(torch::kMeta).dtype(dtype));
+    if constexpr (!shards_weights)
+      if (config_.zero_stage == 2) {
+        const ZeroStage2Options zero_stage2{.bucket_cap_mb = options.ddp.bucket_cap_mb,
+                                            .buckets_in_flight = config_.overlap_comm ? 2 : 0};
+        return parallelize(std::move(model), run_.mesh, std::move(options), zero_stage2);
+      }
+    return parallelize(std::move(model), run_.mesh, std::move(options));
   }
 
   std::unique_ptr<train::Optimizer> build_optimizer() {

@@ -1,6 +1,7 @@
 #pragma once
-// How ParallelLlama (parallel/parallelize.hpp) fills its pieces from a model folder: every rank
-// reading only the rows its pieces lie in, or one reader per group (the world's rank 0, or each
+// How ParallelLlama (parallel/parallelize.hpp) fills its pieces: drawn as chapter 1 draws the
+// whole weights (initialise), or from a model folder, every rank reading only the rows its pieces
+// lie in, or one reader per group (the world's rank 0, or each
 // node's) reading each weight whole and broadcasting it. The reader lists the folder's weights
 // first, so that a bad folder is an error on every rank, not a hang in the next broadcast.
 #include <cstdint>
@@ -71,6 +72,39 @@ inline torch::Tensor view_of_buffer(torch::Tensor& buffer, const std::vector<std
 }
 
 }  // namespace parallelize_detail
+
+MESHTORCH_DECL std::string ParallelLlamaRuntime::load_report() const {
+  constexpr double mib = 1024.0 * 1024.0;
+  return fmt::format(
+      "weights from {} read by {}: this rank read {} of the model's {} elements; resident set "
+      "+{:.0f} MiB at the peak of loading, its pieces {:.0f} MiB",
+      options_.weights_from.string(), to_string(options_.weights_read_by), read_elements_,
+      model_->config.num_parameters(), static_cast<double>(load_rss_growth_) / mib,
+      static_cast<double>(local_bytes()) / mib);
+}
+
+MESHTORCH_DECL void ParallelLlamaRuntime::keep_piece(const std::map<std::string, torch::Tensor>& trained,
+                                                     const std::string& name, const torch::Tensor& piece,
+                                                     const std::string& source) {
+  torch::NoGradGuard no_grad;
+  auto target = trained.at(name);
+  if (piece.sizes() != target.sizes())
+    throw DataError(fmt::format("{}: tensor '{}' gives a piece of shape {}, this rank holds {}", source, name,
+                                c10::str(piece.sizes()), c10::str(target.sizes())));
+  target.copy_(piece);
+}
+
+MESHTORCH_DECL void ParallelLlamaRuntime::initialise(torch::ScalarType dtype) {
+  torch::NoGradGuard no_grad;
+  const auto leaves = weight_modules(*model_);  // global_shapes_' order
+  const auto trained = trained_by_name();
+  for (std::size_t i = 0; i < global_shapes_.size(); ++i) {
+    const auto& [name, shape] = global_shapes_[i];
+    auto full = torch::empty(shape, torch::TensorOptions().device(options_.device).dtype(dtype));
+    llama::init_weight(*leaves[i].second, full, model_->config);
+    keep_piece(trained, name, piece_of(name, full), "initialisation");
+  }
+}
 
 MESHTORCH_DECL void ParallelLlamaRuntime::load_weights(const std::filesystem::path& dir) {
   using parallelize_detail::rows_shape;

@@ -9,7 +9,7 @@
 //   FSDP                    fully_shard per decoder layer, then the root               group<FSDP>()
 //   DP                      replication: gradients all-reduced in buckets (DDP)        group<DP>()
 //                           (with FSDP: HSDP, the shards' gradients all-reduced;
-//                           with options.zero_stage2: reduce-scattered, ZeRO-2)
+//                           with ZeroStage2Options: reduce-scattered, ZeRO-2)
 //
 // The data-parallel group (the sampler's and the loss') is DP and FSDP merged. The model comes
 // in on the meta device; no rank materialises more than its own pieces plus one full weight at a
@@ -84,6 +84,9 @@ struct ParallelPlan {
   // Refuses a sequence length the styles cannot split (llama::Plan::validate_sequence).
   void (*validate_sequence)(std::int64_t seq_length, std::int64_t tp_size) = nullptr;
   std::string wrappers;  // ParallelLlama::describe()
+  // ZeRO-2 instead of DDP over DP: set only by the constructor that takes ZeroStage2Options,
+  // which the mesh type allows (DP, no FSDP) at compile time.
+  std::optional<ZeroStage2Options> zero_stage2;
 };
 
 // What ParallelLlama<Mesh> does, for the wrappers its mesh type chose (given as groups and the
@@ -238,6 +241,7 @@ class ParallelLlamaRuntime {
   std::unique_ptr<FullyShardedDataParallel> fsdp_;
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ZeroStage2> zero2_;
+  std::optional<ZeroStage2Options> zero2_options_;  // ZeRO-2 asked for (ParallelPlan::zero_stage2)
 };
 
 // The parallel model of a mesh type: checks the mesh and the styles at compile time, and hands
@@ -254,11 +258,19 @@ class ParallelLlama : public ParallelLlamaRuntime {
   static constexpr bool has_dp = M::template has<DP>;
 
   ParallelLlama(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, ParallelizeOptions options)
-      : ParallelLlamaRuntime(std::move(model), groups_of(mesh, options), options,
-                             {.tp_steps = has_tp ? &tp_steps : nullptr,
-                              .validate = has_tp ? &plan::validate : nullptr,
-                              .validate_sequence = &plan::validate_sequence,
-                              .wrappers = describe()}) {}
+      : ParallelLlamaRuntime(std::move(model), groups_of(mesh, options), options, plan_values()) {}
+
+  // ZeRO-2 over DP instead of DDP (parallel/zero_stage2.hpp): each bucket's gradients are
+  // reduce-scattered, every rank keeps and steps its rows of each weight, and the next forward
+  // all-gathers them. Only a mesh with a DP axis and no FSDP may ask (a compile error otherwise).
+  ParallelLlama(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, ParallelizeOptions options,
+                ZeroStage2Options zero_stage2)
+      : ParallelLlamaRuntime(std::move(model), groups_of(mesh, options), options, plan_values(zero_stage2)) {
+    static_assert(has_dp && !has_fsdp,
+                  "ZeRO-2 (ZeroStage2Options) shards gradients and optimizer state over a DP axis and keeps "
+                  "whole weights: it needs a mesh with DP and no FSDP, such as Mesh<DP<dynamic>>; FSDP already "
+                  "shards gradients, optimizer state and weights (ZeRO-3), so drop ZeroStage2Options there");
+  }
 
   // "TP(styles) -> FSDP per layer + root -> DDP": the wrappers this mesh type applied, for logs.
   static std::string describe() {
@@ -289,6 +301,14 @@ class ParallelLlama : public ParallelLlamaRuntime {
 
  private:
   static constexpr const tp_detail::PlanSteps& tp_steps = tp_detail::plan_steps_if_tp<plan>;
+
+  static ParallelPlan plan_values(std::optional<ZeroStage2Options> zero_stage2 = std::nullopt) {
+    return {.tp_steps = has_tp ? &tp_steps : nullptr,
+            .validate = has_tp ? &plan::validate : nullptr,
+            .validate_sequence = &plan::validate_sequence,
+            .wrappers = describe(),
+            .zero_stage2 = zero_stage2};
+  }
 
   static ParallelGroups groups_of(const comm::DeviceMesh<M>& mesh, const ParallelizeOptions& options) {
     ParallelGroups groups{.world = mesh.world(), .mesh_name = M::name, .coordinate = mesh.describe()};
@@ -332,6 +352,16 @@ auto parallelize(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh,
   else
     return ParallelLlama<M>(std::move(model), mesh, std::move(options));
 }
+// ZeRO-2 over the DP axis instead of DDP: a mesh with DP and no FSDP (ParallelLlama's constructor
+// says so at compile time), and no PP.
+template <MeshType M>
+ParallelLlama<M> parallelize(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, ParallelizeOptions options,
+                             ZeroStage2Options zero_stage2) {
+  static_assert(!M::template has<PP>,
+                "ZeRO-2 (ZeroStage2Options) on a mesh with PP: pipeline stages replicate over DP with DDP; "
+                "drop ZeroStage2Options or the PP axis");
+  return ParallelLlama<M>(std::move(model), mesh, std::move(options), zero_stage2);
+}
 
 }  // namespace meshtorch
 
@@ -352,6 +382,7 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
       wrappers_(std::move(plan.wrappers)),
       validate_sequence_(plan.validate_sequence),
       replica_(groups.replica),
+      zero2_options_(plan.zero_stage2),
       data_parallel_(std::move(groups.data_parallel)) {
   // What building and filling the pieces adds to the resident set at its peak is kept: the
   // measure that no rank held the whole model.
@@ -407,15 +438,7 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
 
   // 5. Replication over DP: DDP's bucketed all-reduce of whatever this rank trains (nothing to
   //    do for a DP axis of one rank).
-  if (options_.zero_stage2 && !groups.dp)
-    throw ConfigError(
-        fmt::format("parallelize: zero_stage2 shards gradients over a DP axis, and {} has none", mesh_name_));
   if (groups.dp) {
-    if (options_.zero_stage2 && groups.fsdp)
-      throw ConfigError(
-          fmt::format("parallelize: zero_stage2 on {}: FSDP already shards gradients (and weights); "
-                      "use ZeRO-2 on a mesh with DP and no FSDP",
-                      mesh_name_));
     if (groups.dp->size() > 1) replicate(*groups.dp);
   }
   // The sequence-parallel norms' gradients are summed over TP where the optimizer reads them.
@@ -432,11 +455,8 @@ MESHTORCH_DECL void ParallelLlamaRuntime::replicate(const comm::AxisGroup& dp) {
     throw ConfigError(
         "parallelize: cpu_offload on an HSDP mesh (DP and FSDP) is not supported yet: the "
         "offloaded shards cannot be all-reduced over the DP axis's NCCL group");
-  if (options_.zero_stage2)
-    zero2_ =
-        std::make_unique<ZeroStage2>(std::move(replicated), dp,
-                                     ZeroStage2Options{.bucket_cap_mb = options_.ddp.bucket_cap_mb,
-                                                       .buckets_in_flight = options_.zero_stage2_buckets_in_flight});
+  if (zero2_options_)
+    zero2_ = std::make_unique<ZeroStage2>(std::move(replicated), dp, *zero2_options_);
   else
     ddp_ = std::make_unique<DistributedDataParallel>(std::move(replicated), dp, options_.ddp);
 }
@@ -554,42 +574,9 @@ MESHTORCH_DECL std::int64_t ParallelLlamaRuntime::local_bytes() const {
   return n;
 }
 
-MESHTORCH_DECL std::string ParallelLlamaRuntime::load_report() const {
-  constexpr double mib = 1024.0 * 1024.0;
-  return fmt::format(
-      "weights from {} read by {}: this rank read {} of the model's {} elements; resident set "
-      "+{:.0f} MiB at the peak of loading, its pieces {:.0f} MiB",
-      options_.weights_from.string(), to_string(options_.weights_read_by), read_elements_,
-      model_->config.num_parameters(), static_cast<double>(load_rss_growth_) / mib,
-      static_cast<double>(local_bytes()) / mib);
-}
-
-MESHTORCH_DECL void ParallelLlamaRuntime::keep_piece(const std::map<std::string, torch::Tensor>& trained,
-                                                     const std::string& name, const torch::Tensor& piece,
-                                                     const std::string& source) {
-  torch::NoGradGuard no_grad;
-  auto target = trained.at(name);
-  if (piece.sizes() != target.sizes())
-    throw DataError(fmt::format("{}: tensor '{}' gives a piece of shape {}, this rank holds {}", source, name,
-                                c10::str(piece.sizes()), c10::str(target.sizes())));
-  target.copy_(piece);
-}
-
 MESHTORCH_DECL std::map<std::string, torch::Tensor> ParallelLlamaRuntime::trained_by_name() const {
   const auto named = named_parameters();
   return {named.begin(), named.end()};
-}
-
-MESHTORCH_DECL void ParallelLlamaRuntime::initialise(torch::ScalarType dtype) {
-  torch::NoGradGuard no_grad;
-  const auto leaves = weight_modules(*model_);  // global_shapes_' order
-  const auto trained = trained_by_name();
-  for (std::size_t i = 0; i < global_shapes_.size(); ++i) {
-    const auto& [name, shape] = global_shapes_[i];
-    auto full = torch::empty(shape, torch::TensorOptions().device(options_.device).dtype(dtype));
-    llama::init_weight(*leaves[i].second, full, model_->config);
-    keep_piece(trained, name, piece_of(name, full), "initialisation");
-  }
 }
 
 }  // namespace meshtorch

@@ -86,12 +86,8 @@ struct ParallelizeOptions {
   FsdpOptions fsdp;
   // For the DP axis.
   DdpOptions ddp;
-  // ZeRO stage 2 over DP instead of DDP (parallel/zero_stage2.hpp): each bucket's gradients are
-  // reduce-scattered, every rank keeps and steps its rows of each weight, and the next forward
-  // all-gathers them. ddp.bucket_cap_mb sizes the buckets. Not with FSDP, which shards more.
-  bool zero_stage2 = false;
-  // Reduce-scatters of ZeRO-2 in flight at once (0: each waited for when issued, no overlap).
-  int zero_stage2_buckets_in_flight = 2;
+  // (ZeRO-2 over DP instead of DDP is not an option here but parallelize's last argument,
+  // ZeroStage2Options, which the mesh type allows or refuses at compile time.)
   // For the PP axis.
   PipelineOptions pipeline;
 };
