@@ -42,10 +42,8 @@ int train(const mt::train::TrainArgs& args) {
 
   // Epoch after epoch from where the checkpoint left off, until --num-epochs or --max-steps.
   for (auto state = loop.resume(); loop.next_step(state); loop.end_step(state)) {
-    for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
-      const auto input_ids = loop.next_batch();
-      loop.backward(loop.timed("forward", [&] { return model->loss(input_ids, /*labels=*/input_ids); }));
-    }
+    for (const auto& batch : loop.micro_batches())  // --grad-accum of them; fetching is the "data" phase
+      loop.backward(loop.timed("forward", [&] { return model->loss(batch.input_ids, /*labels=*/batch.input_ids); }));
     loop.timed("update", [&] { loop.update(state); });  // clip, the scheduled rate, step, zero_grad
   }
   return 0;

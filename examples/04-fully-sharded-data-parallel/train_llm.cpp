@@ -61,12 +61,11 @@ int train(const Chapter4Args& args) {
 
   mt::train::Loop loop(args, model, optimizer, blocks, sampler, mesh.rank(), device);
   for (auto state = loop.resume(); loop.next_step(state); loop.end_step(state)) {
-    for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
-      const auto input_ids = loop.next_batch();
+    for (const auto& batch : loop.micro_batches()) {
       // Forward: the units' hooks all-gather each layer's weights before it runs and free them
       // after. Backward: each unit's weights are gathered again before its backward; its gradients
       // are reduce-scattered into the shards' .grad (accumulating over micro-batches) after it.
-      loop.backward(loop.timed("forward", [&] { return model.loss(input_ids, /*labels=*/input_ids); }));
+      loop.backward(loop.timed("forward", [&] { return model.loss(batch.input_ids, /*labels=*/batch.input_ids); }));
     }
     loop.timed("update", [&] { loop.update(state); });
   }

@@ -73,12 +73,11 @@ int train(const Chapter5Args& args) {
   mt::train::Loop loop(args, model, optimizer, blocks, sampler, mesh.rank(), device);
   for (auto state = loop.resume(); loop.next_step(state); loop.end_step(state)) {
     optimizer.set_lr(loop.lr(state));  // before backward, which may step
-    for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
-      const auto input_ids = loop.next_batch();
+    for (const auto& batch : loop.micro_batches()) {
       // Forward: each layer keeps only its input; the next layer's weights are already on their
       // way. Backward, per layer: re-gather, recompute the forward, backward, reduce-scatter (left
       // running; with --optimizer-in-backward, the layer's AdamW step once it lands).
-      loop.backward(loop.timed("forward", [&] { return model.loss(input_ids, /*labels=*/input_ids); }));
+      loop.backward(loop.timed("forward", [&] { return model.loss(batch.input_ids, /*labels=*/batch.input_ids); }));
     }
     loop.timed("update", [&] {
       if (!args.optimizer_in_backward) loop.update(state, /*set_to_none=*/!args.cpu_offload);

@@ -52,12 +52,8 @@ int train(const Chapter7Args& args) {
 
   mt::train::Loop loop(args, model, optimizer, blocks, sampler, mesh.rank(), device);
   for (auto state = loop.resume(); loop.next_step(state); loop.end_step(state)) {
-    for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
-      // All micro-batches but the last skip the DP all-reduce (FSDP still reduce-scatters).
-      const auto no_sync = loop.no_sync_unless_last(micro);
-      const auto input_ids = loop.next_batch();
-      loop.backward(loop.timed("forward", [&] { return model.loss(input_ids, /*labels=*/input_ids); }));
-    }
+    for (const auto& batch : loop.micro_batches())  // no DP all-reduce but on the last (FSDP reduce-scatters each)
+      loop.backward(loop.timed("forward", [&] { return model.loss(batch.input_ids, /*labels=*/batch.input_ids); }));
     loop.timed("update", [&] { loop.update(state); });
   }
   return 0;

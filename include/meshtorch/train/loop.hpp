@@ -5,10 +5,8 @@
 //
 //   mt::train::Loop loop(args, model, optimizer, blocks, sampler, rank, device);
 //   for (auto state = loop.resume(); loop.next_step(state); loop.end_step(state)) {
-//     for (std::int64_t micro = 0; micro < sampler.micro_batches(); ++micro) {
-//       const auto input_ids = loop.next_batch();  // the "data" phase
-//       loop.backward(loop.timed("forward", [&] { return model.loss(input_ids, /*labels=*/input_ids); }));
-//     }
+//     for (const auto& batch : loop.micro_batches())  // the "data" phase, no_sync but on the last
+//       loop.backward(loop.timed("forward", [&] { return model.loss(batch.input_ids, batch.input_ids); }));
 //     loop.timed("update", [&] { loop.update(state); });  // clip, the scheduled rate, step, zero_grad
 //   }
 //
@@ -21,7 +19,9 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <variant>
 
 #include <meshtorch/torch.hpp>
 
@@ -43,6 +43,19 @@ namespace meshtorch::train {
 // averaged over the data-parallel ranks and whose clipping sees every rank's piece).
 template <class Model>
 class Loop {
+  static constexpr bool has_no_sync = requires(Model & model) { model.no_sync(); };
+  // The no_sync guard of a model that has one (a parallel model); chapter 1's has none.
+  template <class M>
+  struct NoSyncOf {
+    using type = std::monostate;
+  };
+  template <class M>
+  requires requires(M& model) { model.no_sync(); }
+  struct NoSyncOf<M> {
+    using type = decltype(std::declval<M&>().no_sync());
+  };
+  using NoSyncGuard = typename NoSyncOf<Model>::type;
+
  public:
   // The schedule peaks at the rate `optimizer` was built with (chapter 2's may be scaled).
   Loop(const TrainArgs& args, Model& model, Optimizer& optimizer, const data::TokenBlocks& blocks,
@@ -79,13 +92,26 @@ class Loop {
     return input_ids;
   }
 
-  // DDP's no_sync on all micro-batches of a step but the last, so that only the last one's
-  // backward all-reduces the gradients summed so far (chapter 2 spells it out).
-  auto no_sync_unless_last(std::int64_t micro) {
-    std::optional<decltype(model_.no_sync())> no_sync;
-    if (micro + 1 < micro_batches_) no_sync.emplace(model_.no_sync());
-    return no_sync;
-  }
+  // One micro-batch of a step: this rank's batch and, on all but the step's last, the model's
+  // no_sync guard (DDP's), which ends with the loop's iteration, so that only the last
+  // micro-batch's backward all-reduces the gradients summed so far (chapter 2 spells it out).
+  class MicroBatch {
+   public:
+    torch::Tensor input_ids;
+
+    MicroBatch(Loop& loop, bool last) {
+      if constexpr (has_no_sync)
+        if (!last) no_sync_.emplace(loop.model_.no_sync());
+      input_ids = loop.next_batch();
+    }
+
+   private:
+    std::optional<NoSyncGuard> no_sync_;
+  };
+
+  // The step's micro-batches (--grad-accum of them), each fetched as the loop reaches it:
+  //   for (const auto& batch : loop.micro_batches()) loop.backward(... batch.input_ids ...);
+  auto micro_batches() { return MicroBatches{*this}; }
 
   // Runs `work` as the phase `phase` and returns its value (PhaseTimers::timed).
   template <class Work>
@@ -134,6 +160,24 @@ class Loop {
   const Logger& log() const { return experiment_.log(); }
 
  private:
+  // The range micro_batches() returns: an input range whose elements are made as they are read.
+  struct MicroBatches {
+    Loop& loop;
+    struct End {};
+    struct Iterator {
+      Loop* loop;
+      std::int64_t index;
+      MicroBatch operator*() const { return MicroBatch(*loop, index + 1 == loop->micro_batches_); }
+      Iterator& operator++() {
+        ++index;
+        return *this;
+      }
+      bool operator==(End) const { return index == loop->micro_batches_; }
+    };
+    Iterator begin() const { return {&loop, 0}; }
+    End end() const { return {}; }
+  };
+
   torch::Tensor zero_loss() const {
     return torch::zeros({}, torch::TensorOptions().device(device_).dtype(torch::kDouble));
   }
