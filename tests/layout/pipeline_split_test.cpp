@@ -10,7 +10,9 @@
 #include <meshtorch/layout/pipeline_schedule.hpp>
 #include <meshtorch/layout/pipeline_split.hpp>
 #include <meshtorch/models/llama/config.hpp>
+#include <meshtorch/models/llama/memory_plan.hpp>
 #include <meshtorch/models/llama/stage_costs.hpp>
+#include <meshtorch/models/llama/stage_memory.hpp>
 
 using meshtorch::ConfigError;
 namespace pp = meshtorch::pp;
@@ -103,4 +105,57 @@ TEST_CASE("pipeline stages: the micro-batches each stage holds at once, per sche
   // Of a schedule with static extents.
   using S = pp::Schedule<pp::OneFOneB, 2, 1, 8>;
   CHECK(pp::microbatches_in_flight(S::table()) == std::vector<int>{2, 1});
+}
+
+TEST_CASE("pipeline stages: each stage's memory is its share of the model's state plus the micro-batches it holds") {
+  namespace llama = meshtorch::llama;
+  const auto config = llama::presets::llama_tiny;
+  const llama::RunShape run{.batch = 1, .seq = 256, .compute_bytes = 4, .state_bytes = 4};
+  const llama::LayoutSizes ddp{.data_parallel = llama::DataParallelKind::ddp};
+  const auto one_process = llama::memory_detail::step_bytes(config, ddp, run);
+  const auto counts = *config.parameter_counts();
+  const pp::StageSplit split(static_cast<int>(config.num_hidden_layers), {3, 3});  // embedding+2 layers | 2+head
+
+  for (const auto kind : {pp::ScheduleKind::gpipe, pp::ScheduleKind::one_f_one_b}) {
+    const auto table = pp::make_schedule(kind, 2, 1, 4);
+    const auto in_flight = pp::microbatches_in_flight(table);
+    std::vector<llama::StageMemory> stages;
+    for (int s = 0; s < 2; ++s) stages.push_back(llama::stage_memory(config, ddp, run, split.stage(s), in_flight[s]));
+    INFO(pp::to_string(kind));
+    // The stages hold the model's parameters once (llama-tiny's head is its own).
+    REQUIRE_FALSE(config.tie_word_embeddings);
+    CHECK(stages[0].parameters + stages[1].parameters == counts.total);
+    // Weights, gradients and two AdamW moments, each in fp32.
+    CHECK(stages[0].trained_state == 16.0 * static_cast<double>(stages[0].parameters));
+    // A micro-batch's activations: the layers' as one process keeps them, and the loss's on the last stage.
+    CHECK(stages[0].activations == 2 * one_process.per_layer);
+    CHECK(stages[1].activations ==
+          2 * one_process.per_layer + one_process.final_norm + one_process.head_input + one_process.loss_kept);
+    // GPipe's stages hold all 4 micro-batches; 1F1B's first 2 (the ranks), its last 1.
+    CHECK(stages[0].peak() ==
+          stages[0].trained_state + in_flight[0] * stages[0].activations + one_process.layer_working);
+    // One stage per rank: the rank's peak is its stage's.
+    CHECK(llama::rank_peak(table, 0, stages) == Approx(stages[0].peak()).epsilon(1e-12));
+    CHECK(llama::rank_peak(table, 1, stages) == Approx(stages[1].peak()).epsilon(1e-12));
+  }
+
+  // A tied embedding is held by the first stage and, as the head, by the last: twice.
+  auto tied = config;
+  tied.tie_word_embeddings = true;
+  const auto tied_counts = *tied.parameter_counts();
+  CHECK(llama::stage_memory(tied, ddp, run, split.stage(0), 1).parameters +
+            llama::stage_memory(tied, ddp, run, split.stage(1), 1).parameters ==
+        tied_counts.total + tied_counts.embedding);
+
+  // Interleaved, 2 stages per rank: a rank counts only what its two stages hold at one moment, which
+  // is no more than the sum of each stage's own most.
+  const pp::StageSplit four(static_cast<int>(config.num_hidden_layers), {2, 1, 1, 2});
+  const auto table = pp::make_schedule(pp::ScheduleKind::interleaved_1f1b, 2, 2, 4);
+  const auto in_flight = pp::microbatches_in_flight(table);
+  std::vector<llama::StageMemory> stages;
+  for (int s = 0; s < 4; ++s) stages.push_back(llama::stage_memory(config, ddp, run, four.stage(s), in_flight[s]));
+  const double separately = stages[0].peak() + stages[2].peak();
+  const double together = llama::rank_peak(table, 0, stages);
+  CHECK(together > stages[0].trained_state + stages[2].trained_state);
+  CHECK(together <= separately);
 }

@@ -18,7 +18,7 @@
 //
 // prints a pipeline schedule instead (layout/pipeline_schedule.hpp): checked as the run would
 // check it at start-up, its bubble (the idle share of the table) and, with --show-schedule, the
-// grid of actions per rank and tick. Memory per pipeline stage comes with the pipeline run time.
+// grid of actions per rank and tick, and the memory of each stage and rank (models/llama/stage_memory.hpp).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -37,6 +37,7 @@
 #include <meshtorch/models/llama/memory_plan.hpp>
 #include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/models/llama/stage_costs.hpp>
+#include <meshtorch/models/llama/stage_memory.hpp>
 #include <meshtorch/parallel/checkpoint_selection.hpp>
 
 namespace mt = meshtorch;
@@ -207,6 +208,14 @@ int main(int argc, char** argv) {
       const int layers = static_cast<int>(config.num_hidden_layers);
       const auto in_flight = pp_::microbatches_in_flight(table);
       const auto counts = *config.parameter_counts();
+      if (auto problem = llama::first_tp_problem<llama::SequenceParallelStyles>(config, tp))
+        throw mt::ConfigError(model + ": " + std::string(*problem) + " (" + std::to_string(tp) + ")");
+      // Memory per stage: a micro-batch of -b sequences, weights and AdamW in --dtype, TP inside.
+      run.state_bytes = dtype == "bfloat16" ? 2 : 4;
+      run.compute_bytes = (compute_dtype.empty() ? dtype : compute_dtype) == "bfloat16" ? 2 : 4;
+      run.checkpoint_every = mt::parse_activation_checkpointing(checkpointing).every;
+      const mt::llama::LayoutSizes stage_layout{.data_parallel = mt::llama::DataParallelKind::ddp, .tp = tp};
+      std::vector<mt::llama::StageMemory> memory;
       nlohmann::json stages = nlohmann::json::array();
       std::string split_problem;  // a schedule of more stages than -m has units still prints
       pp_::StageSplit split;
@@ -222,12 +231,22 @@ int main(int argc, char** argv) {
             (part.embedding || (part.head && config.tie_word_embeddings) ? counts.embedding : 0) +
             part.layers() * (counts.attention + counts.mlp + counts.layer_norms) +
             (part.head ? counts.final_norm + counts.head : 0);
+        memory.push_back(
+            mt::llama::stage_memory(config, stage_layout, run, part, in_flight[static_cast<std::size_t>(s)]));
         stages.push_back({{"stage", s},
                           {"rank", table.shape.rank_of_stage(s)},
                           {"holds", split.describe_stage(s)},
                           {"parameters", parameters},
-                          {"microbatches_in_flight", in_flight[static_cast<std::size_t>(s)]}});
+                          {"microbatches_in_flight", in_flight[static_cast<std::size_t>(s)]},
+                          {"trained_state_bytes", memory.back().trained_state},
+                          {"activation_bytes_per_microbatch", memory.back().activations},
+                          {"peak_bytes", memory.back().peak()}});
       }
+      // A rank's stages together, as its program holds them at once.
+      nlohmann::json ranks = nlohmann::json::array();
+      if (split_problem.empty())
+        for (int r = 0; r < pp; ++r)
+          ranks.push_back({{"rank", r}, {"peak_bytes", mt::llama::rank_peak(table, r, memory)}});
       if (json) {
         std::printf("%s\n", nlohmann::json{{"schedule", std::string(pp_::to_string(kind))},
                                            {"pp", pp},
@@ -236,6 +255,7 @@ int main(int argc, char** argv) {
                                            {"ticks", table.ticks},
                                            {"bubble_fraction", bubble},
                                            {"stages", split_problem.empty() ? stages : nlohmann::json(nullptr)},
+                                           {"ranks", split_problem.empty() ? ranks : nlohmann::json(nullptr)},
                                            {"stages_problem", split_problem}}
                                 .dump()
                                 .c_str());
@@ -246,13 +266,25 @@ int main(int argc, char** argv) {
         if (!split_problem.empty())
           std::printf("no stages of %s: %s\n", model.c_str(), split_problem.c_str());
         else
-          std::printf("stages of %s (split by FLOPs at sequence %lld):\n", model.c_str(),
-                      static_cast<long long>(run.seq));
+          std::printf(
+              "stages of %s (split by FLOPs at sequence %lld; memory per TP rank of %d, micro-batches of %lld "
+              "sequence%s, %s; DDP inside the stages):\n",
+              model.c_str(), static_cast<long long>(run.seq), tp, static_cast<long long>(run.batch),
+              run.batch == 1 ? "" : "s", dtype.c_str());
         for (const auto& stage : stages)
-          std::printf("  stage %d on rank %d: %s, %lld parameters, %d %s activations at once\n",
-                      stage["stage"].get<int>(), stage["rank"].get<int>(), stage["holds"].get<std::string>().c_str(),
-                      stage["parameters"].get<long long>(), stage["microbatches_in_flight"].get<int>(),
-                      stage["microbatches_in_flight"].get<int>() == 1 ? "micro-batch's" : "micro-batches'");
+          std::printf(
+              "  stage %d on rank %d: %s, %lld parameters, %d %s activations at once: %s state + %d x %s "
+              "activations, peak %s\n",
+              stage["stage"].get<int>(), stage["rank"].get<int>(), stage["holds"].get<std::string>().c_str(),
+              stage["parameters"].get<long long>(), stage["microbatches_in_flight"].get<int>(),
+              stage["microbatches_in_flight"].get<int>() == 1 ? "micro-batch's" : "micro-batches'",
+              human(stage["trained_state_bytes"].get<double>(), "B").c_str(),
+              stage["microbatches_in_flight"].get<int>(),
+              human(stage["activation_bytes_per_microbatch"].get<double>(), "B").c_str(),
+              human(stage["peak_bytes"].get<double>(), "B").c_str());
+        for (const auto& rank : ranks)
+          std::printf("  rank %d: peak %s (its stages' state, the activations its program holds at once)\n",
+                      rank["rank"].get<int>(), human(rank["peak_bytes"].get<double>(), "B").c_str());
         if (show_schedule) std::printf("%s", pp_::format_grid(table).c_str());
       }
       return 0;
