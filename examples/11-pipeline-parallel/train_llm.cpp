@@ -60,6 +60,8 @@ int train(const Chapter11Args& args) {
     loop.add_loss(loop.timed("pipeline", [&] { return model.step(input_ids, /*labels=*/input_ids); }));
     loop.timed("update", [&] { loop.update(state); });
   }
+  // How balanced the stages were and how long each rank waited, measured (every rank takes part).
+  if (const auto balance = model.stage_balance(); !balance.empty()) log.info(balance);
   return 0;
 }
 

@@ -39,6 +39,16 @@ def one_f_one_b_parity(tools):
     # 2 stages on 2 ranks, chapter 1's batch of 4 in 4 micro-batches, clipped every step.
     out = parity(tools, 4, 2, ["-b", "4", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4"], extra=CLIP)
     assert "0F0" in out.stdout and "1B3" in out.stdout, "the schedule's grid is not in the log:\n" + out.stdout
+    # The measured balance: each stage's compute per step, the slowest over the mean, each rank's idle share.
+    balance = re.search(r"pipeline, (\d+) steps after the first: compute per step by stage: 0 ([0-9.]+) ms, "
+                        r"1 ([0-9.]+) ms \(slowest / mean ([0-9.]+)\); idle per rank: 0 (\d+)%, 1 (\d+)% "
+                        r"\(the table's bubble: 20%\)", out.stdout)
+    assert balance, "the measured stage balance is not in the log:\n" + out.stdout
+    steps, stage0, stage1, ratio, idle0, idle1 = balance.groups()
+    assert int(steps) == 19 and float(stage0) > 0 and float(stage1) > 0, balance.group(0)
+    assert abs(float(ratio) - max(float(stage0), float(stage1)) * 2 / (float(stage0) + float(stage1))) < 0.01, \
+        balance.group(0)
+    assert 0 <= int(idle0) < 100 and 0 <= int(idle1) < 100, balance.group(0)
 
 
 def schedules_parity(tools):

@@ -91,6 +91,10 @@ class PipelineLlamaRuntime {
   const std::string& coordinate() const { return coordinate_; }
   // "<layout()>; this rank holds stages 1, 3 (...): 123 of the model's 456 parameters, float32".
   MESHTORCH_DECL std::string summary() const;
+  // What the schedule's steps measured, gathered over the PP group (every rank of it must call):
+  // each stage's compute time per step, the slowest over the mean, and each rank's idle share
+  // beside the table's bubble. "" before a step after the first.
+  MESHTORCH_DECL std::string stage_balance() const;
   // The schedule's grid (pp::format_grid), for a chapter's log.
   std::string schedule_grid() const { return pp::format_grid(runner_->table()); }
 
@@ -191,6 +195,7 @@ class PipelineLlama : public PipelineLlamaRuntime {
 #if MESHTORCH_DEFINES(core)
 #include <algorithm>
 #include <filesystem>
+#include <numeric>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -369,6 +374,41 @@ MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::stage_forward(int stage, cons
   hidden = decoder.run_layers(hidden, positions_, part.first_layer, part.end_layer);
   if (!part.head) return hidden;
   return model_->head_loss_sum(decoder.norm(hidden), targets_.at(static_cast<std::size_t>(microbatch))) / step_tokens_;
+}
+
+MESHTORCH_DECL std::string PipelineLlamaRuntime::stage_balance() const {
+  const auto& times = runner_->times();
+  const int stages = runner_->stages(), ranks = pp_.size();
+  // Each stage's compute, then each rank's step time, summed over the group: every stage and rank
+  // is filled by the one rank that measured it.
+  auto measured = torch::zeros({stages + ranks}, torch::kDouble);
+  for (int s = 0; s < stages && static_cast<std::size_t>(s) < times.stage_compute.size(); ++s)
+    measured[s] = times.stage_compute[static_cast<std::size_t>(s)];
+  measured[stages + pp_.rank()] = times.steps;
+  const torch::Device on(pp_.device_name());
+  auto steps = torch::full({1}, static_cast<double>(times.step_count), torch::kDouble);
+  measured = comm::all_reduce(pp_, measured.to(on), comm::ReduceOp::sum).cpu();
+  steps = comm::all_reduce(pp_, steps.to(on), comm::ReduceOp::min).cpu();
+  const double count = steps.item<double>();
+  if (count < 1) return "";
+  std::vector<double> per_stage(static_cast<std::size_t>(stages));
+  for (int s = 0; s < stages; ++s) per_stage[static_cast<std::size_t>(s)] = measured[s].item<double>() / count;
+  const double mean = std::accumulate(per_stage.begin(), per_stage.end(), 0.0) / stages;
+  std::string stage_list, idle_list;
+  for (int s = 0; s < stages; ++s)
+    stage_list += fmt::format("{}{} {:.1f} ms", s ? ", " : "", s, per_stage[static_cast<std::size_t>(s)] * 1e3);
+  for (int r = 0; r < ranks; ++r) {
+    double busy = 0;
+    for (int s = 0; s < stages; ++s)
+      if (runner_->table().shape.rank_of_stage(s) == r) busy += per_stage[static_cast<std::size_t>(s)];
+    const double step = measured[stages + r].item<double>() / count;
+    idle_list += fmt::format("{}{} {:.0f}%", r ? ", " : "", r, step > 0 ? 100 * (1 - busy / step) : 0.0);
+  }
+  return fmt::format(
+      "pipeline, {:.0f} steps after the first: compute per step by stage: {} (slowest / mean {:.2f}); idle per "
+      "rank: {} (the table's bubble: {:.0f}%)",
+      count, stage_list, *std::max_element(per_stage.begin(), per_stage.end()) / mean, idle_list,
+      100 * pp::bubble_fraction(runner_->table()));
 }
 
 MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::step(const torch::Tensor& input_ids, const torch::Tensor& labels) {

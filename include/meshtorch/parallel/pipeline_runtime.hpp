@@ -18,6 +18,7 @@
 // A received tensor becomes a fresh leaf for each micro-batch (no hooks or graph carried over
 // from the last step's use of a buffer), and every activation and gradient is released as soon
 // as the backward that needed it has run.
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -62,6 +63,16 @@ class PipelineRunner {
   MESHTORCH_DECL torch::Tensor run(const std::vector<torch::Tensor>& microbatches,
                                    std::vector<std::int64_t> activation_shape);
 
+  // Host seconds this rank spent computing each stage (F, B, I and W, not the waits for data)
+  // and running whole steps, summed over the steps after the first: what balance and idle time
+  // are measured from. On a GPU they are enqueue times unless the device is synchronised.
+  struct Times {
+    std::vector<double> stage_compute;  // indexed by stage; 0 for stages of other ranks
+    double steps = 0;
+    int step_count = 0;
+  };
+  const Times& times() const { return times_; }
+
   const pp::ScheduleTable& table() const { return table_; }
   const comm::AxisGroup& group() const { return group_; }
   // Whether this rank holds the stage.
@@ -85,6 +96,10 @@ class PipelineRunner {
     return ((backward ? stages() : 0) + sender) * microbatches() + microbatch;
   }
   int peer_of_stage(int stage) const { return table_.shape.rank_of_stage(stage); }
+  void add_compute(int stage, std::chrono::steady_clock::time_point start) {
+    times_.stage_compute[static_cast<std::size_t>(stage)] +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
 
   MESHTORCH_DECL void forward(int stage, int microbatch, const std::vector<torch::Tensor>& microbatches);
   MESHTORCH_DECL torch::Tensor grad_output_of(int stage, int microbatch);
@@ -98,6 +113,8 @@ class PipelineRunner {
   std::map<std::pair<int, int>, Slot> slots_;
   std::vector<comm::Work<torch::Tensor>> sends_;
   torch::Tensor loss_sum_;
+  Times times_;  // of the steps after the first
+  bool warmed_up_ = false;
 };
 
 }  // namespace meshtorch
@@ -123,6 +140,8 @@ MESHTORCH_DECL torch::Tensor PipelineRunner::run(const std::vector<torch::Tensor
   slots_.clear();
   sends_.clear();
   loss_sum_ = torch::Tensor();
+  times_.stage_compute.resize(static_cast<std::size_t>(stages()), 0.0);
+  const auto step_start = std::chrono::steady_clock::now();
   const int last = stages() - 1;
   for (const pp::Action& action : table_.programs.at(static_cast<std::size_t>(group_.rank()))) {
     const int s = action.stage, m = action.microbatch;
@@ -136,9 +155,12 @@ MESHTORCH_DECL torch::Tensor PipelineRunner::run(const std::vector<torch::Tensor
       case pp::ActionKind::backward_input:
         backward_input(s, m);
         break;
-      case pp::ActionKind::backward_weight:
+      case pp::ActionKind::backward_weight: {
+        const auto start = std::chrono::steady_clock::now();
         backward_weight(s, m);
+        add_compute(s, start);
         break;
+      }
       case pp::ActionKind::send_forward:
         sends_.push_back(comm::send_async(group_, slot(s, m).output.detach(), peer_of_stage(s + 1), tag(false, s, m)));
         break;
@@ -169,6 +191,13 @@ MESHTORCH_DECL torch::Tensor PipelineRunner::run(const std::vector<torch::Tensor
       throw std::logic_error(fmt::format("pipeline: stage {} micro-batch {} still holds {} after the step", key.first,
                                          key.second, left.output.defined() ? "its activations" : "a receive"));
   slots_.clear();
+  if (!warmed_up_) {  // the first step's allocations and first touches are not the schedule's
+    warmed_up_ = true;
+    times_ = {};
+  } else {
+    times_.steps += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+    ++times_.step_count;
+  }
   return std::exchange(loss_sum_, torch::Tensor());
 }
 
@@ -191,7 +220,9 @@ MESHTORCH_DECL void PipelineRunner::forward(int stage, int microbatch, const std
     }
     current.input = received.requires_grad_(true);
   }
+  const auto start = std::chrono::steady_clock::now();
   torch::Tensor output = stages_.forward(stage, current.input, microbatch);
+  add_compute(stage, start);
   if (stage == stages() - 1) {
     const torch::Tensor detached = output.detach();
     loss_sum_ = loss_sum_.defined() ? loss_sum_ + detached : detached.clone();
@@ -223,7 +254,9 @@ MESHTORCH_DECL void PipelineRunner::backward_whole(int stage, int microbatch) {
   if (!current.output.defined())
     throw std::logic_error(
         fmt::format("pipeline: backward of stage {} micro-batch {} before its forward", stage, microbatch));
+  const auto start = std::chrono::steady_clock::now();
   torch::autograd::backward({current.output}, {grad});
+  add_compute(stage, start);
   if (stage > 0) current.grad_input = current.input.grad();
   current.input = current.output = current.grad_output = torch::Tensor();
 }
@@ -232,9 +265,11 @@ MESHTORCH_DECL void PipelineRunner::backward_input(int stage, int microbatch) {
   const torch::Tensor grad = grad_output_of(stage, microbatch);
   Slot& current = slot(stage, microbatch);
   // The first stage's input is token ids: no gradient to pass on.
+  const auto start = std::chrono::steady_clock::now();
   current.split = std::make_shared<SplitBackward>(current.output, grad, stage > 0 ? current.input : torch::Tensor(),
                                                   stages_.parameters(stage));
   current.grad_input = current.split->input_gradient();
+  add_compute(stage, start);
 }
 
 MESHTORCH_DECL void PipelineRunner::backward_weight(int stage, int microbatch) {

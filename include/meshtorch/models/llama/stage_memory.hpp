@@ -41,8 +41,8 @@ constexpr StageMemory stage_memory(const llama::Config& c, LayoutSizes layout, R
 
   StageMemory m;
   m.microbatches_in_flight = microbatches_in_flight;
-  m.parameters = layers * rank.layer + (holds_embedding ? rank.embedding : 0) +
-                 (stage.head ? rank.head + rank.final_norm : 0);
+  m.parameters =
+      layers * rank.layer + (holds_embedding ? rank.embedding : 0) + (stage.head ? rank.head + rank.final_norm : 0);
   m.trained_state = 4 * static_cast<double>(m.parameters) * static_cast<double>(run.state_bytes);
   for (std::int64_t layer = stage.first_layer; layer < stage.end_layer; ++layer) {
     const bool checkpointed = run.checkpoint_every > 0 && layer % run.checkpoint_every == 0;
