@@ -41,6 +41,9 @@ UNITS = [
     ("plan2d", "meshtorch_plan2d.cpp", "+ a 2D Llama plan (FSDP<4> x TP<8>, llama-3.1-8b) applied to a model", []),
     ("umbrella-separate", "meshtorch_umbrella.cpp", "+ `<meshtorch/meshtorch.hpp>`, separate compilation", SEPARATE),
     ("plan2d-separate", "meshtorch_plan2d.cpp", "+ the 2D plan, separate compilation", SEPARATE),
+    ("pipeline-separate", "meshtorch_pipeline.cpp",
+     "+ a pipeline mesh (DP<2> x PP<4> x TP<8>, llama-3.1-8b, interleaved 1F1B) stepped, separate compilation",
+     SEPARATE),
     ("src", "meshtorch_src.cpp", "`<meshtorch/src/core.hpp>`: the core part's separately compiled functions, once per program", SEPARATE),
 ]
 
@@ -107,7 +110,15 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--build", default=str(ROOT / "build"))
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "compile-time.md"))
+    p.add_argument("--only", default="", help="comma-separated unit keys (torch is always timed, as the base)")
     args = p.parse_args()
+    if args.only:
+        keep = {"torch", *args.only.split(",")}
+        unknown = keep - {name for name, *_ in UNITS}
+        if unknown:
+            sys.exit(f"compile_time.py: --only: no unit {', '.join(sorted(unknown))}; the units are "
+                     f"{', '.join(name for name, *_ in UNITS)}")
+        UNITS[:] = [unit for unit in UNITS if unit[0] in keep]
 
     build = Path(args.build)
     found = flags_from_compile_commands(build / "compile_commands.json") if (build / "compile_commands.json").exists() else None
