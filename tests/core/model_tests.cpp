@@ -1,4 +1,6 @@
 // The Llama model, its config and its weight files.
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -420,4 +422,84 @@ TEST_CASE("a model too large for this process's memory is refused before anythin
       CHECK_NOTHROW(mt::llama::LlamaForCausalLM(big, torch::TensorOptions().device(torch::kMeta)));
   }
   fs::remove_all(dir);
+}
+
+TEST_CASE("context parallel's head-tail split gives every rank the same causal work, and names the lengths that split",
+          "[cp]") {
+  namespace cp = mt::cp;
+  for (int ranks : {1, 2, 4, 8}) {
+    INFO(ranks << " ranks");
+    for (int r = 0; r < ranks; ++r) CHECK(cp::causal_work(r, ranks) == cp::causal_work(0, ranks));
+    // Every chunk held exactly once.
+    std::vector<int> held(static_cast<std::size_t>(2 * ranks), 0);
+    for (int r = 0; r < ranks; ++r)
+      for (int chunk : cp::chunks_of(r, ranks)) ++held[static_cast<std::size_t>(chunk)];
+    CHECK(std::ranges::all_of(held, [](int n) { return n == 1; }));
+  }
+  static_assert(cp::chunks_of(1, 4) == std::array<int, 2>{1, 6});
+  CHECK(cp::sequence_split_problem(4096, 4).empty());
+  CHECK(cp::sequence_split_problem(4100, 4) ==
+        "-s/--seq-length 4100 does not split into 2 x --cp 4 equal chunks (context parallel's balanced causal "
+        "split); use a multiple of 8: 4096 or 4104");
+  CHECK(cp::sequence_split_problem(100, 2, 2).find("a multiple of --tp 2 positions") != std::string::npos);
+}
+
+// The blockwise attention under context parallel's ring, in one process: each of N simulated ranks
+// holds its two head-tail chunks of the queries and meets every key/value chunk; the merged
+// outputs, put back in sequence order, are causal attention over the whole sequence, and the
+// gradients of q, k and v (each rank's summed) are its gradients.
+TEST_CASE("blockwise attention merged by log-sum-exp equals causal attention, values and gradients", "[cp]") {
+  namespace cp = mt::cp;
+  torch::manual_seed(3);
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    for (int ranks : {1, 2, 4}) {
+      for (const std::int64_t kv_heads : {4, 2}) {  // multi-head, and grouped-query
+        INFO(c10::toString(dtype) << ", " << ranks << " ranks, " << kv_heads << " key/value heads");
+        const std::int64_t batch = 2, heads = 4, chunk = 5, dim = 8, seq = 2 * ranks * chunk;
+        const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+        const auto options = torch::TensorOptions().dtype(dtype);
+        const auto q = torch::randn({batch, heads, seq, dim}, options).requires_grad_(true);
+        const auto k = torch::randn({batch, kv_heads, seq, dim}, options).requires_grad_(true);
+        const auto v = torch::randn({batch, kv_heads, seq, dim}, options).requires_grad_(true);
+        const auto grad = torch::randn({batch, heads, seq, dim}, options);
+
+        const auto expected = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, scale,
+                                                               /*enable_gqa=*/kv_heads < heads);
+        expected.backward(grad);
+        const auto expected_dq = q.grad().clone(), expected_dk = k.grad().clone(), expected_dv = v.grad().clone();
+        q.mutable_grad() = torch::Tensor();
+        k.mutable_grad() = torch::Tensor();
+        v.mutable_grad() = torch::Tensor();
+
+        std::vector<torch::Tensor> key_chunks, value_chunks;
+        std::vector<int> all_chunks;
+        for (int c = 0; c < 2 * ranks; ++c) {
+          key_chunks.push_back(k.narrow(2, c * chunk, chunk));
+          value_chunks.push_back(v.narrow(2, c * chunk, chunk));
+          all_chunks.push_back(c);
+        }
+        std::vector<torch::Tensor> outputs(static_cast<std::size_t>(2 * ranks));
+        for (int r = 0; r < ranks; ++r) {
+          const auto held = cp::chunks_of(r, ranks);
+          const std::vector<int> q_chunks(held.begin(), held.end());
+          std::vector<torch::Tensor> queries;
+          for (int c : q_chunks) queries.push_back(q.narrow(2, c * chunk, chunk));
+          const auto out = cp::attend_chunks(queries, q_chunks, key_chunks, value_chunks, all_chunks, scale);
+          outputs[static_cast<std::size_t>(held[0])] = out.narrow(2, 0, chunk);
+          outputs[static_cast<std::size_t>(held[1])] = out.narrow(2, chunk, chunk);
+        }
+        const auto got = torch::cat(outputs, 2);
+        got.backward(grad);
+        const double tolerance = dtype == torch::kFloat ? 1e-5 : 2e-2;
+        const auto relative = [](const torch::Tensor& a, const torch::Tensor& b) {
+          return ((a.to(torch::kFloat) - b.to(torch::kFloat)).abs().max() / b.to(torch::kFloat).abs().max())
+              .item<double>();
+        };
+        CHECK(relative(got, expected) < tolerance);
+        CHECK(relative(q.grad(), expected_dq) < tolerance);
+        CHECK(relative(k.grad(), expected_dk) < tolerance);
+        CHECK(relative(v.grad(), expected_dv) < tolerance);
+      }
+    }
+  }
 }

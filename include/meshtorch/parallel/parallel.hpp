@@ -4,6 +4,8 @@
 #include <meshtorch/models/llama/memory_plan.hpp>
 #include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/models/llama/stage_costs.hpp>
+#include <meshtorch/models/llama/stage_memory.hpp>
+#include <meshtorch/parallel/blockwise_attention.hpp>
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/fsdp_llama.hpp>
