@@ -78,8 +78,8 @@ inline torch::Tensor sum_heads(const torch::Tensor& grad, std::int64_t kv_heads)
 inline torch::Tensor scores(const torch::Tensor& q, const torch::Tensor& k, ChunkVisibility seen, double scale) {
   auto s = torch::matmul(q.to(torch::kFloat), k.to(torch::kFloat).transpose(-2, -1)) * scale;
   if (seen == ChunkVisibility::causal) {
-    const auto above = torch::ones({q.size(2), k.size(2)}, torch::TensorOptions().dtype(torch::kBool).device(q.device()))
-                           .triu(1);
+    const auto above =
+        torch::ones({q.size(2), k.size(2)}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
     s = s.masked_fill(above, -std::numeric_limits<float>::infinity());
   }
   return s;
@@ -128,8 +128,8 @@ MESHTORCH_DECL std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> attend_ba
     const auto go = grad_out.to(torch::kFloat);
     const auto p = (blockwise_detail::scores(q, kr, seen, scale) - total.lse.unsqueeze(-1)).exp();
     dv = torch::matmul(p.transpose(-2, -1), go);
-    const auto ds = p * (torch::matmul(go, vr.to(torch::kFloat).transpose(-2, -1)) -
-                         (go * total.out).sum(-1, /*keepdim=*/true));
+    const auto ds =
+        p * (torch::matmul(go, vr.to(torch::kFloat).transpose(-2, -1)) - (go * total.out).sum(-1, /*keepdim=*/true));
     dq = torch::matmul(ds, kr.to(torch::kFloat)) * scale;
     dk = torch::matmul(ds.transpose(-2, -1), q.to(torch::kFloat)) * scale;
   }
@@ -174,7 +174,8 @@ struct AttendChunks : torch::autograd::Function<AttendChunks> {
     const double scale = ctx->saved_data["scale"].toDouble();
     const std::size_t nq = q_chunks.size(), nkv = kv_chunks.size();
     const std::vector<torch::Tensor> queries(saved.begin(), saved.begin() + nq),
-        keys(saved.begin() + nq, saved.begin() + nq + nkv), values(saved.begin() + nq + nkv, saved.begin() + nq + 2 * nkv);
+        keys(saved.begin() + nq, saved.begin() + nq + nkv),
+        values(saved.begin() + nq + nkv, saved.begin() + nq + 2 * nkv);
     const auto results = saved.begin() + nq + 2 * nkv;  // out, lse per query chunk
     std::vector<std::int64_t> split;
     for (const auto& q : queries) split.push_back(q.size(2));

@@ -6,6 +6,7 @@
 #include <meshtorch/models/llama/stage_costs.hpp>
 #include <meshtorch/models/llama/stage_memory.hpp>
 #include <meshtorch/parallel/blockwise_attention.hpp>
+#include <meshtorch/parallel/context_parallel_attention.hpp>
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/fsdp_llama.hpp>
