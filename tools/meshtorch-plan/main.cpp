@@ -61,6 +61,23 @@ std::string human(double value, const char* unit) {
   return out;
 }
 
+// -m's config, checked as a run checks it, with a TP split the plan can make.
+llama::Config checked_config(const std::string& model, int tp) {
+  auto config = llama::resolve_model(model);
+  llama::validate(config, model);
+  if (auto problem = llama::first_tp_problem<llama::SequenceParallelStyles>(config, tp))
+    throw mt::ConfigError(model + ": " + std::string(*problem) + " (" + std::to_string(tp) + ")");
+  return config;
+}
+
+// The run's dtypes (--dtype, --compute-dtype) and --activation-checkpointing into its shape.
+void set_dtypes_and_checkpointing(mt::llama::RunShape& run, const std::string& dtype, const std::string& compute_dtype,
+                                  const std::string& checkpointing) {
+  run.state_bytes = dtype == "bfloat16" ? 2 : 4;
+  run.compute_bytes = (compute_dtype.empty() ? dtype : compute_dtype) == "bfloat16" ? 2 : 4;
+  run.checkpoint_every = mt::parse_activation_checkpointing(checkpointing).every;
+}
+
 std::string gigabytes(double bytes) {
   char out[32];
   std::snprintf(out, sizeof out, "%.2f GB", bytes / 1e9);
@@ -203,17 +220,12 @@ int main(int argc, char** argv) {
       const auto table = pp_::make_schedule(kind, pp, stages_per_rank, microbatches > 0 ? microbatches : pp);
       const double bubble = pp_::bubble_fraction(table);
       // The stages of -m as the run cuts them (by FLOPs at -s), and what each keeps in flight.
-      const auto config = llama::resolve_model(model);
-      llama::validate(config, model);
+      const auto config = checked_config(model, tp);
       const int layers = static_cast<int>(config.num_hidden_layers);
       const auto in_flight = pp_::microbatches_in_flight(table);
       const auto counts = *config.parameter_counts();
-      if (auto problem = llama::first_tp_problem<llama::SequenceParallelStyles>(config, tp))
-        throw mt::ConfigError(model + ": " + std::string(*problem) + " (" + std::to_string(tp) + ")");
       // Memory per stage: a micro-batch of -b sequences, weights and AdamW in --dtype, TP inside.
-      run.state_bytes = dtype == "bfloat16" ? 2 : 4;
-      run.compute_bytes = (compute_dtype.empty() ? dtype : compute_dtype) == "bfloat16" ? 2 : 4;
-      run.checkpoint_every = mt::parse_activation_checkpointing(checkpointing).every;
+      set_dtypes_and_checkpointing(run, dtype, compute_dtype, checkpointing);
       const mt::llama::LayoutSizes stage_layout{.data_parallel = mt::llama::DataParallelKind::ddp, .tp = tp};
       std::vector<mt::llama::StageMemory> memory;
       nlohmann::json stages = nlohmann::json::array();
@@ -227,10 +239,7 @@ int main(int argc, char** argv) {
       }
       for (int s = 0; s < split.stages(); ++s) {
         const auto part = split.stage(s);
-        const std::int64_t parameters =
-            (part.embedding || (part.head && config.tie_word_embeddings) ? counts.embedding : 0) +
-            part.layers() * (counts.attention + counts.mlp + counts.layer_norms) +
-            (part.head ? counts.final_norm + counts.head : 0);
+        const std::int64_t parameters = mt::llama::stage_parameters(mt::llama::tp_rank_parameters(counts, 1), part);
         memory.push_back(
             mt::llama::stage_memory(config, stage_layout, run, part, in_flight[static_cast<std::size_t>(s)]));
         stages.push_back({{"stage", s},
@@ -297,12 +306,8 @@ int main(int argc, char** argv) {
   try {
     if (world % tp != 0)
       throw mt::ConfigError("--world " + std::to_string(world) + " is not a multiple of --tp " + std::to_string(tp));
-    const auto config = llama::resolve_model(model);
-    llama::validate(config, model);
-    if (auto problem = llama::first_tp_problem<llama::SequenceParallelStyles>(config, tp))
-      throw mt::ConfigError(model + ": " + std::string(*problem) + " (" + std::to_string(tp) + ")");
+    const auto config = checked_config(model, tp);
     const std::int64_t dp = world / tp;
-    const double bytes = dtype == "bfloat16" ? 2 : 4;
     const auto kind = data_parallel == "ddp"     ? mt::llama::DataParallelKind::ddp
                       : data_parallel == "zero"  ? mt::llama::DataParallelKind::zero1
                       : data_parallel == "zero2" ? mt::llama::DataParallelKind::zero2
@@ -311,9 +316,8 @@ int main(int argc, char** argv) {
       throw mt::ConfigError("--cpu-offload needs --data-parallel fsdp (FSDP's offload of its shards)");
     if (run.optimizer_in_backward && kind != mt::llama::DataParallelKind::fsdp)
       throw mt::ConfigError("--optimizer-in-backward needs --data-parallel fsdp (FSDP steps each unit in backward)");
-    run.state_bytes = static_cast<std::int64_t>(bytes);
-    run.compute_bytes = (compute_dtype.empty() ? dtype : compute_dtype) == "bfloat16" ? 2 : 4;
-    run.checkpoint_every = mt::parse_activation_checkpointing(checkpointing).every;
+    set_dtypes_and_checkpointing(run, dtype, compute_dtype, checkpointing);
+    const double bytes = static_cast<double>(run.state_bytes);
     const mt::llama::LayoutSizes layout{.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp};
     const auto estimate = mt::llama::estimate_memory(config, layout, run);
     const auto events = mt::llama::memory_timeline(config, layout, run);

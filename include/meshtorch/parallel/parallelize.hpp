@@ -193,8 +193,8 @@ class ParallelLlamaRuntime {
   MESHTORCH_DECL void step_units_in_backward(train::AdamW& optimizer, double max_grad_norm, std::int64_t micro_batches);
 
  private:
-  // 5. DDP (or ZeRO-2) over a DP axis of more than one rank.
-  MESHTORCH_DECL void replicate(const comm::AxisGroup& dp);
+  // 5. DDP (or, with `zero_stage2`, ZeRO-2) over a DP axis of more than one rank.
+  MESHTORCH_DECL void replicate(const comm::AxisGroup& dp, const std::optional<ZeroStage2Options>& zero_stage2);
 
   // Copies this rank's piece of a weight (in any dtype) into the tensor it trains.
   MESHTORCH_DECL static void keep_piece(const std::map<std::string, torch::Tensor>& trained, const std::string& name,
@@ -241,7 +241,6 @@ class ParallelLlamaRuntime {
   std::unique_ptr<FullyShardedDataParallel> fsdp_;
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ZeroStage2> zero2_;
-  std::optional<ZeroStage2Options> zero2_options_;  // ZeRO-2 asked for (ParallelPlan::zero_stage2)
 };
 
 // The parallel model of a mesh type: checks the mesh and the styles at compile time, and hands
@@ -382,7 +381,6 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
       wrappers_(std::move(plan.wrappers)),
       validate_sequence_(plan.validate_sequence),
       replica_(groups.replica),
-      zero2_options_(plan.zero_stage2),
       data_parallel_(std::move(groups.data_parallel)) {
   // What building and filling the pieces adds to the resident set at its peak is kept: the
   // measure that no rank held the whole model.
@@ -439,7 +437,7 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
   // 5. Replication over DP: DDP's bucketed all-reduce of whatever this rank trains (nothing to
   //    do for a DP axis of one rank).
   if (groups.dp) {
-    if (groups.dp->size() > 1) replicate(*groups.dp);
+    if (groups.dp->size() > 1) replicate(*groups.dp, plan.zero_stage2);
   }
   // The sequence-parallel norms' gradients are summed over TP where the optimizer reads them.
   if (tp_) tp_->sum_norm_gradients_into(trained_by_name());
@@ -447,7 +445,8 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
 
 MESHTORCH_DECL ParallelLlamaRuntime::~ParallelLlamaRuntime() = default;
 
-MESHTORCH_DECL void ParallelLlamaRuntime::replicate(const comm::AxisGroup& dp) {
+MESHTORCH_DECL void ParallelLlamaRuntime::replicate(const comm::AxisGroup& dp,
+                                                    const std::optional<ZeroStage2Options>& zero_stage2) {
   std::vector<std::pair<std::string, torch::Tensor>> replicated;
   for (auto& [name, tensor] : named_parameters())
     if (tensor.numel() > 0) replicated.emplace_back(name, tensor);
@@ -455,8 +454,8 @@ MESHTORCH_DECL void ParallelLlamaRuntime::replicate(const comm::AxisGroup& dp) {
     throw ConfigError(
         "parallelize: cpu_offload on an HSDP mesh (DP and FSDP) is not supported yet: the "
         "offloaded shards cannot be all-reduced over the DP axis's NCCL group");
-  if (zero2_options_)
-    zero2_ = std::make_unique<ZeroStage2>(std::move(replicated), dp, *zero2_options_);
+  if (zero_stage2)
+    zero2_ = std::make_unique<ZeroStage2>(std::move(replicated), dp, *zero_stage2);
   else
     ddp_ = std::make_unique<DistributedDataParallel>(std::move(replicated), dp, options_.ddp);
 }

@@ -155,12 +155,9 @@ MESHTORCH_DECL torch::Tensor PipelineRunner::run(const std::vector<torch::Tensor
       case pp::ActionKind::backward_input:
         backward_input(s, m);
         break;
-      case pp::ActionKind::backward_weight: {
-        const auto start = std::chrono::steady_clock::now();
+      case pp::ActionKind::backward_weight:
         backward_weight(s, m);
-        add_compute(s, start);
         break;
-      }
       case pp::ActionKind::send_forward:
         sends_.push_back(comm::send_async(group_, slot(s, m).output.detach(), peer_of_stage(s + 1), tag(false, s, m)));
         break;
@@ -277,7 +274,9 @@ MESHTORCH_DECL void PipelineRunner::backward_weight(int stage, int microbatch) {
   if (!current.split)
     throw std::logic_error(fmt::format("pipeline: weight gradient of stage {} micro-batch {} before its input gradient",
                                        stage, microbatch));
+  const auto start = std::chrono::steady_clock::now();
   current.split->weight_gradients();
+  add_compute(stage, start);
   current.split.reset();
   current.input = current.output = current.grad_output = torch::Tensor();
 }

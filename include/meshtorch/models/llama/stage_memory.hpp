@@ -28,28 +28,32 @@ struct StageMemory {
   constexpr double peak() const { return trained_state + activations * microbatches_in_flight + working; }
 };
 
+// The parameters a stage holds of one TP rank's `rank` (tp_rank_parameters): its layers, the
+// embedding on the first stage, the final norm and the head on the last, which also holds a copy
+// of a tied embedding (the two copies' gradients are summed).
+constexpr std::int64_t stage_parameters(const TpRankParameters& rank, pp::StageLayers stage) {
+  const bool holds_embedding = stage.embedding || (stage.head && rank.head == 0);
+  return (stage.end_layer - stage.first_layer) * rank.layer + (holds_embedding ? rank.embedding : 0) +
+         (stage.head ? rank.head + rank.final_norm : 0);
+}
+
 // `run` is one micro-batch's shape (run.batch: its sequences); `layout.tp` splits the stage.
 constexpr StageMemory stage_memory(const llama::Config& c, LayoutSizes layout, RunShape run, pp::StageLayers stage,
                                    int microbatches_in_flight) {
   layout.data_parallel = DataParallelKind::ddp;  // stages replicate over DP (no FSDP inside them yet)
   const auto counts = c.parameter_counts().value_or(llama::Config::ParameterCounts{});
-  const auto rank = tp_rank_parameters(counts, layout.tp);
   const auto bytes = memory_detail::step_bytes(c, layout, run);
-  const std::int64_t layers = stage.end_layer - stage.first_layer;
-  // The head's stage holds a copy of a tied embedding (the two copies' gradients are summed).
-  const bool holds_embedding = stage.embedding || (stage.head && counts.head == 0);
 
   StageMemory m;
   m.microbatches_in_flight = microbatches_in_flight;
-  m.parameters =
-      layers * rank.layer + (holds_embedding ? rank.embedding : 0) + (stage.head ? rank.head + rank.final_norm : 0);
+  m.parameters = stage_parameters(tp_rank_parameters(counts, layout.tp), stage);
   m.trained_state = 4 * static_cast<double>(m.parameters) * static_cast<double>(run.state_bytes);
   for (std::int64_t layer = stage.first_layer; layer < stage.end_layer; ++layer) {
     const bool checkpointed = run.checkpoint_every > 0 && layer % run.checkpoint_every == 0;
     m.activations += checkpointed ? bytes.layer_input : bytes.per_layer;
   }
   if (stage.head) m.activations += bytes.final_norm + bytes.head_input + bytes.loss_kept;
-  if (layers > 0) m.working = bytes.layer_working;
+  if (stage.end_layer > stage.first_layer) m.working = bytes.layer_working;
   if (stage.head)
     m.working = std::max({m.working, bytes.loss_forward_working, bytes.loss_backward_working + bytes.rows_gradient});
   return m;
