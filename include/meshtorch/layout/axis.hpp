@@ -3,8 +3,7 @@
 // there are along it, or meshtorch::dynamic). The kind is the class template itself, so code asks
 // for an axis by kind without its extent: Mesh::has<TP>, mesh.size<TP>(), axis<TP>.
 //
-// Adding a kind (CP for context parallel) is one more tag below: derive from AxisExtent<N> and
-// give it a name.
+// Adding a kind is one more tag below: derive from AxisExtent<N> and give it a name.
 #include <concepts>
 #include <cstddef>
 #include <string_view>
@@ -48,6 +47,16 @@ struct TP : AxisExtent<N> {
 template <std::size_t N>
 struct PP : AxisExtent<N> {
   static constexpr std::string_view name = "PP";
+};
+
+// Context parallel: every layer's sequence split over the ranks, each holding two chunks in the
+// head-tail order (layout/context_split.hpp) and meeting the others' keys and values in attention.
+// The CP ranks of a replica hold different tokens of the same batch, so their gradients are summed
+// like data-parallel ones (FSDP shards over FSDP x CP). Put it inside PP and outside TP, as
+// torchtitan does: Mesh<DP, FSDP, PP, CP, TP>.
+template <std::size_t N>
+struct CP : AxisExtent<N> {
+  static constexpr std::string_view name = "CP";
 };
 
 namespace detail {

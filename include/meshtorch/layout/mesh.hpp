@@ -115,7 +115,7 @@ template <class... Axes>
 struct Mesh : detail::MeshStaticSize<detail::dynamic_count<Axes...>() == 0, detail::static_product<Axes...>()> {
   static_assert((Axis<Axes> && ...),
                 "Mesh takes only axis tags, and an argument is not one; "
-                "use DP<N>, FSDP<N> or TP<N> (N a number or meshtorch::dynamic)");
+                "use DP<N>, FSDP<N>, PP<N>, CP<N> or TP<N> (N a number or meshtorch::dynamic)");
   static_assert(sizeof...(Axes) > 0, "Mesh has no axes; give it at least one, e.g. Mesh<DP<meshtorch::dynamic>>");
   static_assert(detail::kinds_unique<Axes...>(),
                 "Mesh repeats an axis kind (e.g. Mesh<DP<2>, DP<4>>); use each kind once, "
