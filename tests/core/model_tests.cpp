@@ -441,7 +441,10 @@ TEST_CASE("context parallel's head-tail split gives every rank the same causal w
   CHECK(cp::sequence_split_problem(4100, 4) ==
         "-s/--seq-length 4100 does not split into 2 x --cp 4 equal chunks (context parallel's balanced causal "
         "split); use a multiple of 8: 4096 or 4104");
-  CHECK(cp::sequence_split_problem(100, 2, 2).find("a multiple of --tp 2 positions") != std::string::npos);
+  CHECK(cp::sequence_split_problem(100, 2, 2).empty());  // each rank's 50 positions split over TP 2
+  CHECK(cp::sequence_split_problem(100, 2, 4) ==
+        "-s/--seq-length 100 does not split into 2 x --cp 2 equal chunks with each rank's positions a multiple of "
+        "--tp 4 (context parallel's balanced causal split); use a multiple of 8: 96 or 104");
 }
 
 // The blockwise attention under context parallel's ring, in one process: each of N simulated ranks

@@ -7,7 +7,11 @@
 // rank holds and which of them a query chunk sees.
 #include <array>
 #include <cstdint>
+#include <numeric>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 
 namespace meshtorch::cp {
 
@@ -36,17 +40,32 @@ constexpr double causal_work(int rank, int ranks) {
   return work;
 }
 
-// Whether a sequence of `seq_length` positions splits into 2 * ranks equal chunks (each a multiple
-// of `also_divisible_by`: the TP size under sequence parallel); the error names the flag and the
-// nearest lengths that work. Empty when it splits.
-inline std::string sequence_split_problem(std::int64_t seq_length, std::int64_t ranks,
-                                          std::int64_t also_divisible_by = 1) {
-  const std::int64_t unit = 2 * ranks * also_divisible_by;
+// How the keys and values reach every rank (--cp-rotate; parallel/context_parallel_attention.hpp):
+// passed around a ring, overlapped with compute, or gathered once per layer.
+enum class Rotate : std::uint8_t { ring, allgather };
+
+inline constexpr std::array<std::pair<Rotate, std::string_view>, 2> rotate_names{
+    {{Rotate::ring, "ring"}, {Rotate::allgather, "allgather"}}};
+
+constexpr std::string_view to_string(Rotate rotate) { return rotate == Rotate::ring ? "ring" : "allgather"; }
+
+// The --cp-rotate value named `text`, or nothing.
+constexpr std::optional<Rotate> parse_rotate(std::string_view text) {
+  for (const auto& [rotate, name] : rotate_names)
+    if (name == text) return rotate;
+  return std::nullopt;
+}
+
+// Whether a sequence of `seq_length` positions splits into 2 * ranks equal chunks, with each rank's
+// positions a multiple of `tp` (sequence parallel cuts them over TP inside the rank); the error
+// names the flags and the nearest lengths that work. Empty when it splits.
+inline std::string sequence_split_problem(std::int64_t seq_length, std::int64_t ranks, std::int64_t tp = 1) {
+  const std::int64_t unit = std::lcm(2 * ranks, ranks * tp);
   if (ranks >= 1 && seq_length > 0 && seq_length % unit == 0) return "";
   const std::int64_t below = seq_length / unit * unit, above = below + unit;
   std::string why = "-s/--seq-length " + std::to_string(seq_length) + " does not split into 2 x --cp " +
                     std::to_string(ranks) + " equal chunks";
-  if (also_divisible_by > 1) why += " of a multiple of --tp " + std::to_string(also_divisible_by) + " positions";
+  if (tp > 1) why += " with each rank's positions a multiple of --tp " + std::to_string(tp);
   return why + " (context parallel's balanced causal split); use a multiple of " + std::to_string(unit) + ": " +
          (below > 0 ? std::to_string(below) + " or " : "") + std::to_string(above);
 }

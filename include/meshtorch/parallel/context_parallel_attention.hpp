@@ -12,8 +12,6 @@
 #include <array>
 #include <cstdint>
 #include <optional>
-#include <string_view>
-#include <utility>
 #include <vector>
 
 #include <meshtorch/torch.hpp>
@@ -37,13 +35,9 @@ MESHTORCH_DECL torch::Tensor allgather_attention(const torch::Tensor& q, const t
 MESHTORCH_DECL torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                             const comm::AxisGroup& group, double scale);
 
-// How the keys and values reach every rank (--cp-rotate).
-enum class Rotate : std::uint8_t { ring, allgather };
-
-inline constexpr std::array<std::pair<Rotate, std::string_view>, 2> rotate_names{
-    {{Rotate::ring, "ring"}, {Rotate::allgather, "allgather"}}};
-
-inline std::string_view to_string(Rotate rotate) { return rotate == Rotate::ring ? "ring" : "allgather"; }
+// Causal attention by the method `rotate` names.
+MESHTORCH_DECL torch::Tensor split_attention(Rotate rotate, const torch::Tensor& q, const torch::Tensor& k,
+                                             const torch::Tensor& v, const comm::AxisGroup& group, double scale);
 
 }  // namespace meshtorch::cp
 
@@ -171,6 +165,11 @@ MESHTORCH_DECL torch::Tensor ring_attention(const torch::Tensor& q, const torch:
   ring_detail::check_chunks("cp::ring_attention", q, k, v);
   if (group.size() == 1) return attend_chunks({q}, {0}, {k}, {v}, {0}, scale);
   return ring_detail::RingAttention::apply(q, k, v, group, scale);
+}
+
+MESHTORCH_DECL torch::Tensor split_attention(Rotate rotate, const torch::Tensor& q, const torch::Tensor& k,
+                                             const torch::Tensor& v, const comm::AxisGroup& group, double scale) {
+  return rotate == Rotate::ring ? ring_attention(q, k, v, group, scale) : allgather_attention(q, k, v, group, scale);
 }
 
 MESHTORCH_DECL torch::Tensor allgather_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -5,13 +5,16 @@
 //
 //   axis in the mesh type   applied                                                   over
 //   TP                      the plan's styles: tensor + sequence + loss parallel      group<TP>()
+//   CP                      attention over the split sequence, the loss of its chunks group<CP>()
 //   (options)               activation checkpointing of the chosen decoder layers
-//   FSDP                    fully_shard per decoder layer, then the root               group<FSDP>()
+//   FSDP                    fully_shard per decoder layer, then the root               group<FSDP, CP>()
 //   DP                      replication: gradients all-reduced in buckets (DDP)        group<DP>()
 //                           (with FSDP: HSDP, the shards' gradients all-reduced;
+//                           with CP and no FSDP: over group<DP, CP>();
 //                           with ZeroStage2Options: reduce-scattered, ZeRO-2)
 //
-// The data-parallel group (the sampler's and the loss') is DP and FSDP merged. The model comes
+// The data-parallel group (the sampler's) is DP and FSDP merged: the CP ranks of a replica read
+// the same batch. The loss is averaged over DP, FSDP and CP merged (parallel/context_parallel.hpp). The model comes
 // in on the meta device; no rank materialises more than its own pieces plus one full weight at a
 // time: each weight is drawn whole (the same random numbers chapter 1 draws, so every layout
 // starts from the same model) or read from the model folder, and only this rank's piece is kept.
@@ -46,6 +49,7 @@
 #include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
+#include <meshtorch/parallel/context_parallel.hpp>
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/fsdp_llama.hpp>
@@ -68,12 +72,15 @@ struct ParallelGroups {
   comm::AxisGroup world;
   std::string_view mesh_name;  // "Mesh<FSDP<2>, TP<2>>"
   std::string coordinate;      // "rank 5 of 8 on cpu: DP 1 of 2, FSDP 0 of 2, TP 1 of 2"
-  std::optional<comm::AxisGroup> tp, fsdp, dp;
-  // DP and FSDP merged: the sampler's and the loss' group; absent without either.
+  // fsdp: FSDP (and CP) merged; dp: the replicas DDP averages over (DP, and CP without FSDP).
+  std::optional<comm::AxisGroup> tp, cp, fsdp, dp;
+  // DP and FSDP merged: the sampler's group; absent without either.
   std::optional<comm::AxisGroup> data_parallel;
+  // DP, FSDP and CP merged: the ranks whose losses are averaged; absent without any.
+  std::optional<comm::AxisGroup> loss_mean;
   // This rank's node, where the node's local rank 0 reads the weights (WeightsReadBy::local_rank0).
   std::optional<comm::AxisGroup> node;
-  int replica = 0;  // the DP coordinate: replicas other than 0 write nothing
+  int replica = 0;  // the rank in `dp`: replicas other than 0 write nothing
 };
 
 // What the mesh type's plan gives the run time: its TP styles as values and its checks.
@@ -83,7 +90,8 @@ struct ParallelPlan {
   void (*validate)(const llama::Config& config, std::int64_t tp_size, std::string_view source) = nullptr;
   // Refuses a sequence length the styles cannot split (llama::Plan::validate_sequence).
   void (*validate_sequence)(std::int64_t seq_length, std::int64_t tp_size) = nullptr;
-  std::string wrappers;  // ParallelLlama::describe()
+  bool sequence_parallel = false;  // the styles cut the residual stream along the sequence over TP
+  std::string wrappers;            // ParallelLlama::describe()
   // ZeRO-2 instead of DDP over DP: set only by the constructor that takes ZeroStage2Options,
   // which the mesh type allows (DP, no FSDP) at compile time.
   std::optional<ZeroStage2Options> zero_stage2;
@@ -127,8 +135,8 @@ class ParallelLlamaRuntime {
   int data_parallel_rank() const { return data_parallel_ ? data_parallel_->rank() : 0; }
   int data_parallel_size() const { return data_parallel_ ? data_parallel_->size() : 1; }
   const std::optional<comm::AxisGroup>& data_parallel() const { return data_parallel_; }
-  // The mean of a per-rank value over the data-parallel group (e.g. the step's loss); TP ranks
-  // of a data-parallel coordinate hold the same value already.
+  // The mean of a per-rank value over the data-parallel group and CP (e.g. the step's loss, of
+  // which each CP rank holds its chunks' share x CP); TP ranks hold the same value already.
   MESHTORCH_DECL torch::Tensor mean_over_data_parallel(torch::Tensor value) const;
   // --measure-waiting, the guide's barrier: the time this rank waits here for the slowest rank
   // of the job goes to the timers' "waiting" phase.
@@ -156,11 +164,10 @@ class ParallelLlamaRuntime {
   // "rank 5 of 8 on cpu: DP 1 of 2, FSDP 0 of 2, TP 1 of 2".
   const std::string& coordinate() const { return coordinate_; }
 
-  // Refuses a sequence length the layout cannot split (sequence parallel cuts every sequence over
-  // TP); the data loader asks before it packs the data.
-  void validate_sequence(std::int64_t seq_length) const {
-    if (tp_) validate_sequence_(seq_length, tp_->group().size());
-  }
+  // Refuses a sequence length the layout cannot split (context parallel cuts it into 2 x CP
+  // chunks, sequence parallel every rank's positions over TP); the data loader asks before it
+  // packs the data.
+  MESHTORCH_DECL void validate_sequence(std::int64_t seq_length) const;
 
   // "<describe()>: 3145728 of the model's 12582912 parameters held by this rank, float32".
   MESHTORCH_DECL std::string summary() const;
@@ -183,6 +190,7 @@ class ParallelLlamaRuntime {
   llama::LlamaForCausalLM& module() { return model_; }
   const comm::AxisGroup& world() const { return world_; }
   TensorParallelRuntime* tensor_parallel() const { return tp_.get(); }
+  ContextParallel* context_parallel() const { return cp_.get(); }
   FullyShardedDataParallel* fully_sharded() const { return fsdp_.get(); }
   DistributedDataParallel* data_parallel_replication() const { return ddp_.get(); }
   ZeroStage2* zero_stage2() const { return zero2_.get(); }
@@ -232,12 +240,14 @@ class ParallelLlamaRuntime {
   std::string coordinate_;
   std::string wrappers_;
   void (*validate_sequence_)(std::int64_t, std::int64_t) = nullptr;
-  int replica_ = 0;                 // the DP coordinate: replicas other than 0 write nothing
+  bool sequence_parallel_ = false;
+  int replica_ = 0;                 // the rank among DDP's replicas: replicas other than 0 write nothing
   std::int64_t read_elements_ = 0;  // of weights read from a model folder (load_weights)
   std::int64_t load_rss_growth_ = 0;
   std::vector<std::pair<std::string, std::vector<std::int64_t>>> global_shapes_;
-  std::optional<comm::AxisGroup> data_parallel_;
+  std::optional<comm::AxisGroup> data_parallel_, loss_mean_;
   std::unique_ptr<TensorParallelRuntime> tp_;
+  std::unique_ptr<ContextParallel> cp_;
   std::unique_ptr<FullyShardedDataParallel> fsdp_;
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ZeroStage2> zero2_;
@@ -255,6 +265,7 @@ class ParallelLlama : public ParallelLlamaRuntime {
   static constexpr bool has_tp = M::template has<TP>;
   static constexpr bool has_fsdp = M::template has<FSDP>;
   static constexpr bool has_dp = M::template has<DP>;
+  static constexpr bool has_cp = M::template has<CP>;
 
   ParallelLlama(llama::LlamaForCausalLM model, const comm::DeviceMesh<M>& mesh, ParallelizeOptions options)
       : ParallelLlamaRuntime(std::move(model), groups_of(mesh, options), options, plan_values()) {}
@@ -276,8 +287,14 @@ class ParallelLlama : public ParallelLlamaRuntime {
     std::string out;
     auto add = [&](const std::string& step) { out += (out.empty() ? "" : " -> ") + step; };
     if constexpr (has_tp) add("tensor parallel over TP (" + plan::describe_styles() + ")");
-    if constexpr (has_fsdp) add("fully_shard per decoder layer, then the root, over FSDP");
-    if constexpr (has_dp) add(has_fsdp ? "HSDP: shard gradients all-reduced over DP" : "DDP over DP");
+    if constexpr (has_cp) add("context parallel over CP (attention over the split sequence)");
+    if constexpr (has_fsdp)
+      add(has_cp ? "fully_shard per decoder layer, then the root, over FSDP x CP"
+                 : "fully_shard per decoder layer, then the root, over FSDP");
+    if constexpr (has_dp)
+      add(has_fsdp ? "HSDP: shard gradients all-reduced over DP" : has_cp ? "DDP over DP x CP" : "DDP over DP");
+    else if constexpr (has_cp && !has_fsdp)
+      add("DDP over CP");
     return out.empty() ? "no wrapper (one rank)" : out;
   }
 
@@ -305,22 +322,39 @@ class ParallelLlama : public ParallelLlamaRuntime {
     return {.tp_steps = has_tp ? &tp_steps : nullptr,
             .validate = has_tp ? &plan::validate : nullptr,
             .validate_sequence = &plan::validate_sequence,
+            .sequence_parallel = has_tp && plan::sequence_parallel,
             .wrappers = describe(),
             .zero_stage2 = zero_stage2};
   }
 
+  // The axes of Kinds... the mesh has, as a mask for mesh.group(mask); 0 for none.
+  template <template <std::size_t> class... Kinds>
+  static constexpr unsigned mask_of_present = [] {
+    unsigned mask = 0;
+    ((mask |=
+      [] {
+        if constexpr (M::template has<Kinds>)
+          return M::template mask_of<Kinds>;
+        else
+          return 0u;
+      }()),
+     ...);
+    return mask;
+  }();
+
   static ParallelGroups groups_of(const comm::DeviceMesh<M>& mesh, const ParallelizeOptions& options) {
     ParallelGroups groups{.world = mesh.world(), .mesh_name = M::name, .coordinate = mesh.describe()};
     if constexpr (has_tp) groups.tp = mesh.template group<TP>();
-    if constexpr (has_fsdp) groups.fsdp = mesh.template group<FSDP>();
-    if constexpr (has_dp) {
-      groups.dp = mesh.template group<DP>();
-      groups.replica = mesh.template coord<DP>();
+    if constexpr (has_cp) groups.cp = mesh.template group<CP>();
+    // The CP ranks of a replica hold different tokens: FSDP shards over them too, or, without
+    // FSDP, DDP replicates over them.
+    if constexpr (has_fsdp) groups.fsdp = mesh.group(mask_of_present<FSDP, CP>);
+    if constexpr (has_dp || (has_cp && !has_fsdp)) {
+      groups.dp = mesh.group(has_fsdp ? mask_of_present<DP> : mask_of_present<DP, CP>);
+      groups.replica = groups.dp->rank();
     }
-    if constexpr (has_dp && has_fsdp)
-      groups.data_parallel = mesh.template group<DP, FSDP>();
-    else if constexpr (has_dp || has_fsdp)
-      groups.data_parallel = has_dp ? *groups.dp : *groups.fsdp;
+    if constexpr (has_dp || has_fsdp) groups.data_parallel = mesh.group(mask_of_present<DP, FSDP>);
+    if constexpr (has_dp || has_fsdp || has_cp) groups.loss_mean = mesh.group(mask_of_present<DP, FSDP, CP>);
     // Only asked for when it reads: a job without a node group may still read otherwise.
     if (options.weights_read_by == WeightsReadBy::local_rank0) groups.node = mesh.node();
     return groups;
@@ -380,8 +414,10 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
       coordinate_(std::move(groups.coordinate)),
       wrappers_(std::move(plan.wrappers)),
       validate_sequence_(plan.validate_sequence),
+      sequence_parallel_(plan.sequence_parallel),
       replica_(groups.replica),
-      data_parallel_(std::move(groups.data_parallel)) {
+      data_parallel_(std::move(groups.data_parallel)),
+      loss_mean_(std::move(groups.loss_mean)) {
   // What building and filling the pieces adds to the resident set at its peak is kept: the
   // measure that no rank held the whole model.
   const auto rss_before_build = train::rss_bytes();
@@ -400,6 +436,9 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
 
   // 1. Tensor parallel: each rank keeps its TP chunk of every matrix (still on meta).
   if (groups.tp) tp_ = std::make_unique<TensorParallelRuntime>(model_, *groups.tp, *plan.tp_steps);
+
+  // 1b. Context parallel: every attention over the split sequence, the loss of this rank's chunks.
+  if (groups.cp) cp_ = std::make_unique<ContextParallel>(model_, *groups.cp, options_.cp_rotate);
 
   // 2. Activation checkpointing: inside each chosen layer's hooks, so FSDP's gather is not redone.
   checkpoint_activations(model_, options_.activation_checkpointing);
@@ -461,7 +500,10 @@ MESHTORCH_DECL void ParallelLlamaRuntime::replicate(const comm::AxisGroup& dp,
 }
 
 MESHTORCH_DECL torch::Tensor ParallelLlamaRuntime::loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
-  auto compute = [&] { return tp_ ? tp_->loss(input_ids, labels) : model_->loss(input_ids, labels); };
+  auto compute = [&] {
+    auto loss = cp_ ? cp_->loss(input_ids, labels) : model_->loss(input_ids, labels);
+    return tp_ ? tp_->start_backward_at(loss) : loss;
+  };
   if (ddp_) return (*ddp_)(compute);
   if (zero2_) zero2_->before_forward();  // the rows other ranks updated
   return compute();
@@ -476,8 +518,16 @@ MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> ParallelLlamaR
 }
 
 MESHTORCH_DECL torch::Tensor ParallelLlamaRuntime::mean_over_data_parallel(torch::Tensor value) const {
-  if (!data_parallel_) return value;
-  return comm::all_reduce(*data_parallel_, std::move(value), comm::ReduceOp::avg);
+  if (!loss_mean_) return value;
+  return comm::all_reduce(*loss_mean_, std::move(value), comm::ReduceOp::avg);
+}
+
+MESHTORCH_DECL void ParallelLlamaRuntime::validate_sequence(std::int64_t seq_length) const {
+  const std::int64_t tp = tp_ && sequence_parallel_ ? tp_->group().size() : 1;
+  if (cp_)
+    cp_->validate_sequence(seq_length, tp);  // names both rules
+  else if (tp_)
+    validate_sequence_(seq_length, tp_->group().size());
 }
 
 MESHTORCH_DECL void ParallelLlamaRuntime::wait_for_slowest(train::PhaseTimers& timers) const {

@@ -15,6 +15,7 @@
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/layout/context_split.hpp>
 #include <meshtorch/layout/pipeline_action.hpp>
 #include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
@@ -90,6 +91,8 @@ struct ParallelizeOptions {
   // ZeroStage2Options, which the mesh type allows or refuses at compile time.)
   // For the PP axis.
   PipelineOptions pipeline;
+  // For the CP axis: how keys and values reach every rank (--cp-rotate).
+  cp::Rotate cp_rotate = cp::Rotate::ring;
 };
 
 // The folder to read weights from when -m names a model folder that holds weights; empty for a

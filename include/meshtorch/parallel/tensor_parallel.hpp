@@ -191,8 +191,12 @@ class TensorParallelRuntime {
   // the vocabulary and the softmax is computed across the TP ranks (Megatron's vocab-parallel
   // cross entropy), so no rank ever holds [batch, seq, vocab] logits.
   torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
-    return norm_gradients_->start_backward_at(model_->loss(input_ids, labels));
+    return start_backward_at(model_->loss(input_ids, labels));
   }
+
+  // For a loss computed otherwise (context parallel's, of a rank's chunks): its backward sums the
+  // sequence-parallel norms' gradients over TP when it ends, as loss()'s does.
+  torch::Tensor start_backward_at(const torch::Tensor& loss) { return norm_gradients_->start_backward_at(loss); }
 
   // The sequence-parallel norms' weights, whose gradients are summed over TP when a backward ends:
   // a wrapper that trains pieces of them (FSDP) names those here, by weight name.

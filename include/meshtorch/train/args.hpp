@@ -27,6 +27,7 @@ MESHTORCH_DECL std::string flags_fingerprint(const CLI::App& app);
 #include <limits>
 #include <sstream>
 
+#include <meshtorch/layout/context_split.hpp>
 #include <meshtorch/layout/pipeline_action.hpp>
 
 namespace meshtorch::train {
@@ -209,6 +210,18 @@ MESHTORCH_DECL void PipelineArgs::add_pipeline_flags(CLI::App& app) {
                  "units (the embedding, each layer, the norm with the head) per stage, comma-separated (default: "
                  "balanced by each unit's FLOPs)")
       ->delimiter(',');
+}
+
+MESHTORCH_DECL void ContextParallelArgs::add_context_parallel_flags(CLI::App& app) {
+  add_extent_flag(app, "--cp", cp,
+                  "context-parallel ranks: each holds 2 of the sequence's 2 x CP chunks (-s divides by 2 x CP)");
+  std::vector<std::string> methods;
+  for (const auto& [rotate, name] : cp::rotate_names) methods.emplace_back(name);
+  app.add_option("--cp-rotate", cp_rotate,
+                 "how keys and values reach every CP rank: ring (passed on while the current block computes) or "
+                 "allgather (gathered once per layer)")
+      ->capture_default_str()
+      ->check(CLI::IsMember(methods));
 }
 
 MESHTORCH_DECL void add_extent_flag(CLI::App& app, const std::string& name, int& extent, const std::string& help) {

@@ -85,6 +85,15 @@ struct PipelineArgs {
   MESHTORCH_DECL void add_pipeline_flags(CLI::App& app);
 };
 
+// Chapter 12's flags: the context-parallel ranks and how keys and values reach them.
+struct ContextParallelArgs {
+  int cp = 2;
+  std::string cp_rotate = "ring";
+
+  // Defined in train/args.hpp.
+  MESHTORCH_DECL void add_context_parallel_flags(CLI::App& app);
+};
+
 // A mesh axis's extent given at start-up (chapters 6 and 7's --tp and --dp): a positive integer,
 // its default shown in --help. Defined in train/args.hpp.
 MESHTORCH_DECL void add_extent_flag(CLI::App& app, const std::string& name, int& extent, const std::string& help);

@@ -1,8 +1,8 @@
 #include <meshtorch/models/llama/plan.hpp>
-// An axis kind that no wrapper applies (context parallel is not built yet).
+// An axis kind that no wrapper applies (expert parallel: not built).
 template <std::size_t N>
-struct CP : meshtorch::AxisExtent<N> {
-  static constexpr std::string_view name = "CP";
+struct EP : meshtorch::AxisExtent<N> {
+  static constexpr std::string_view name = "EP";
 };
-using Mesh = meshtorch::Mesh<meshtorch::FSDP<2>, CP<2>>;
+using Mesh = meshtorch::Mesh<meshtorch::FSDP<2>, EP<2>>;
 static_assert(meshtorch::llama::check_parallelizable<Mesh, meshtorch::llama::default_styles<Mesh>>());

@@ -4,6 +4,7 @@
 // attention derives its local head count from the projection's width, so a tensor-parallel
 // plan can shard q/k/v/o from outside without touching this file.
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -24,8 +25,15 @@ class AttentionImpl : public torch::nn::Module {
 
   MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
+  // Causal attention of q [B, H, S, D] over k and v [B, Hkv, S, D] (positions already rotated),
+  // giving [B, H, S, D]: what a layout that splits the sequence replaces (context parallel's
+  // attention over every rank's keys). Empty: LibTorch's scaled-dot-product attention.
+  using CausalAttention =
+      std::function<torch::Tensor(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v)>;
+
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   ForwardHooks hooks;
+  CausalAttention causal_attention;  // set from outside
 
  private:
   MESHTORCH_DECL torch::Tensor attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
@@ -125,6 +133,13 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // as forward() is, so wrappers see the same calls.
   MESHTORCH_DECL torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels);
 
+  // The loss of some of a batch's positions (context parallel's chunks of it): the token losses
+  // of `input_ids` [B, s] at `positions` [1 or B, s] against their next-token `targets` [B * s]
+  // (-100 ignored), summed and divided by `divisor`. loss() is this over every position, divided
+  // by the count of targets. Under `hooks` as forward() is.
+  MESHTORCH_DECL torch::Tensor loss_at(const torch::Tensor& input_ids, const torch::Tensor& positions,
+                                       const torch::Tensor& targets, const torch::Tensor& divisor);
+
   // The sum (fp32) of the token losses of final hidden states [B, S, hidden] (after the norm)
   // against next-token `targets` [B * S] (-100 ignored): loss()'s head, chunked as it is, for a
   // caller that divides by its own count (a pipeline's last stage, by the step's tokens).
@@ -185,6 +200,7 @@ MESHTORCH_DECL torch::Tensor AttentionImpl::attend(const torch::Tensor& x, const
   auto v = v_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
   q = Rotary::apply(q, cos, sin);
   k = Rotary::apply(k, cos, sin);
+  if (causal_attention) return o_proj(causal_attention(q, k, v).transpose(1, 2).reshape({batch, seq, -1}));
   const bool grouped = q.size(1) != k.size(1);
   // Grouped-query attention: SDPA's enable_gqa saves repeating the key/value heads, but the
   // CPU kernel in bf16 is slower with it than on repeated heads (55 against 45 ms for a
@@ -309,9 +325,15 @@ MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::causal_lm_loss(const torch::T
 
 MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
   const auto targets = next_token_targets(labels).reshape({-1});
-  return hooks.around(input_ids, [&](const torch::Tensor& ids) {
-    return head_loss_sum(model(ids), targets) / targets.ne(-100).sum().to(torch::kFloat);
-  });
+  return loss_at(input_ids, LlamaModelImpl::default_positions(input_ids.size(1), input_ids.device()), targets,
+                 targets.ne(-100).sum().to(torch::kFloat));
+}
+
+MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::loss_at(const torch::Tensor& input_ids,
+                                                           const torch::Tensor& positions, const torch::Tensor& targets,
+                                                           const torch::Tensor& divisor) {
+  return hooks.around(
+      input_ids, [&](const torch::Tensor& ids) { return head_loss_sum(model(ids, positions), targets) / divisor; });
 }
 
 MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::head_loss_sum(const torch::Tensor& hidden,

@@ -282,7 +282,8 @@ using default_styles = std::conditional_t<M::template has<TP>, SequenceParallelS
 
 namespace detail {
 template <class A>
-inline constexpr bool wrapped_axis = is_axis_of_kind<A, DP> || is_axis_of_kind<A, FSDP> || is_axis_of_kind<A, TP>;
+inline constexpr bool wrapped_axis =
+    is_axis_of_kind<A, DP> || is_axis_of_kind<A, FSDP> || is_axis_of_kind<A, CP> || is_axis_of_kind<A, TP>;
 template <class M>
 struct AllAxesWrapped;
 template <class... Axes>
@@ -300,7 +301,7 @@ struct AllAxesPipelined<Mesh<Axes...>> : std::bool_constant<(pipelined_axis<Axes
 template <MeshType M, LlamaStyles Styles>
 consteval bool check_parallelizable() {
   static_assert(detail::AllAxesWrapped<M>::value,
-                "parallelize: the mesh has an axis that no wrapper applies (parallelize knows DP, FSDP and TP); "
+                "parallelize: the mesh has an axis that no wrapper applies (parallelize knows DP, FSDP, CP and TP); "
                 "remove that axis from the Mesh, or apply its technique yourself");
   static_assert(M::template has<TP> || std::is_same_v<Styles, NoTensorParallelStyles>,
                 "parallelize: tensor-parallel styles were given but the mesh has no TP axis; add TP<N> to the Mesh "
@@ -316,8 +317,8 @@ consteval bool check_pipeline_parallelizable() {
                 "parallelize: a mesh with PP composes with DP and TP so far; FSDP inside the pipeline stages is not "
                 "built yet: use Mesh<DP, PP, TP> (or drop PP for Mesh<DP, FSDP, TP>)");
   static_assert(detail::AllAxesPipelined<M>::value,
-                "parallelize: the mesh has an axis that no wrapper applies (with PP, parallelize knows DP); "
-                "remove that axis from the Mesh");
+                "parallelize: the mesh has an axis that no wrapper applies with PP (parallelize knows DP and TP "
+                "there; CP inside the pipeline stages is not built yet); remove that axis from the Mesh");
   return true;
 }
 
