@@ -7,9 +7,10 @@
 // backward), 1F1B (one forward, one backward in the steady state: fewer activations in flight),
 // Interleaved 1F1B (several stages per rank: a smaller bubble) or ZBV (backward split into the
 // input gradient, sent on at once, and the weight gradient, run where the rank would idle). The
-// schedule is a table checked before the first step, and printed. The mesh is Mesh<DP, PP, TP>:
-// `--tp` ranks split every layer of a stage as chapter 6 does (default 1), `--pp` ranks hold the
-// stages of one model, and the rest of the world replicates it (DDP).
+// schedule is a table checked before the first step, and printed. The mesh is Mesh<DP, PP, CP, TP>:
+// `--tp` ranks split every layer of a stage as chapter 6 does (default 1), `--cp` ranks split every
+// sequence inside the stages as chapter 12 does (default 1), `--pp` ranks hold the stages of one
+// model, and the rest of the world replicates it (DDP).
 #include <meshtorch/meshtorch.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/launch.hpp>
@@ -19,17 +20,18 @@
 #include <meshtorch/train/run_main.hpp>
 
 namespace mt = meshtorch;
-using Mesh = mt::Mesh<mt::DP<mt::dynamic>, mt::PP<mt::dynamic>, mt::TP<mt::dynamic>>;
+using Mesh = mt::Mesh<mt::DP<mt::dynamic>, mt::PP<mt::dynamic>, mt::CP<mt::dynamic>, mt::TP<mt::dynamic>>;
 // Chapter 6's plan inside every stage: launch<Plan> puts it in the fingerprint the ranks compare.
 using Plan = mt::llama::Plan<Mesh>;
 
-struct Chapter11Args : mt::train::TrainArgs, mt::train::PipelineArgs {
+struct Chapter11Args : mt::train::TrainArgs, mt::train::PipelineArgs, mt::train::ContextParallelArgs {
   static constexpr auto description = "Chapter 11: pipeline parallel (GPipe, 1F1B, Interleaved 1F1B, ZBV)";
   int tp = 1;
 
   void add_to(CLI::App& app) {
     TrainArgs::add_to(app);
-    add_pipeline_flags(app);  // --pp, --schedule, --stages-per-rank, --microbatches, --units-per-stage
+    add_pipeline_flags(app);          // --pp, --schedule, --stages-per-rank, --microbatches, --units-per-stage
+    add_context_parallel_flags(app);  // --cp, --cp-rotate (chapter 12)
     mt::train::add_extent_flag(app, "--tp", tp, "tensor-parallel size inside every stage (chapter 6's plan)");
   }
 };
@@ -37,12 +39,13 @@ struct Chapter11Args : mt::train::TrainArgs, mt::train::PipelineArgs {
 int train(const Chapter11Args& args) {
   if (args.grad_accum != 1)
     throw mt::ConfigError("--grad-accum: a pipeline accumulates over its micro-batches; use --microbatches");
-  auto [env, device, dtype, mesh, log] = mt::launch<Plan>(args, {mt::from_world_size, args.pp, args.tp});
+  auto [env, device, dtype, mesh, log] = mt::launch<Plan>(args, {mt::from_world_size, args.pp, args.cp, args.tp});
 
   // The model on the meta device; each rank keeps only the weights of its stages.
   const auto config = mt::llama::resolve_model(args.model_name);
   auto options = mt::parallelize_options(args, device);  // -m's weights, --activation-checkpointing, ...
   options.pipeline = mt::pipeline_options(args, args.seq_length);
+  options.cp_rotate = *mt::cp::parse_rotate(args.cp_rotate);
   auto model = mt::parallelize(
       mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)), mesh, options);
   log.info(model.summary());

@@ -25,6 +25,7 @@ struct Chapter12Args : mt::train::TrainArgs, mt::train::FsdpArgs, mt::train::Con
   static constexpr auto description = "Chapter 12: context parallel (ring or all-gather attention)";
   int tp = 1;
   int dp = 1;
+  Chapter12Args() { cp = 2; }
 
   void add_to(CLI::App& app) {
     TrainArgs::add_to(app);

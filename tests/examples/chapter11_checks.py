@@ -3,7 +3,7 @@
 Gloo, fp32, one thread per rank.
 
 usage: chapter11_checks.py MESHRUN CHAPTER1 CHAPTER7 CHAPTER11
-       {1f1b-parity|schedules-parity|dp-pp-parity|pp-tp-parity|resume-across-meshes|stalled-stage|bad-flags}
+       {1f1b-parity|schedules-parity|dp-pp-parity|pp-tp-parity|pp-cp-parity|resume-across-meshes|stalled-stage|bad-flags}
 """
 import os
 import re
@@ -70,6 +70,17 @@ def pp_tp_parity(tools):
     parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--tp", "2", "--microbatches", "2"], extra=CLIP)
     parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--tp", "2", "--schedule", "zbv", "--stages-per-rank", "2",
                          "--microbatches", "2"], steps=10)
+
+
+def pp_cp_parity(tools):
+    """Context parallel inside the stages (chapter 12's --cp): PP 2 x CP 2 on 4 ranks, clipped; PP 2 x
+    CP 2 x TP 2 on 8 ranks by each --cp-rotate method, at -s 64 and 256 and under ZBV."""
+    out = parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--cp", "2", "--microbatches", "2"], steps=30, extra=CLIP)
+    assert "context parallel over CP (ring) -> DDP over DP x CP" in out.stdout, out.stdout
+    parity(tools, 4, 8, ["-b", "4", "--pp", "2", "--cp", "2", "--tp", "2", "--cp-rotate", "allgather",
+                         "--microbatches", "2"], steps=30, extra=CLIP)
+    parity(tools, 4, 8, ["-b", "4", "--pp", "2", "--cp", "2", "--tp", "2", "--schedule", "zbv", "--stages-per-rank",
+                         "2", "--microbatches", "2"], steps=10, extra=("-s", "256"))
 
 
 def resume_across_meshes(tools):
@@ -154,5 +165,6 @@ def bad_flags(tools):
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter7": sys.argv[3], "chapter11": sys.argv[4]}
     {"1f1b-parity": one_f_one_b_parity, "schedules-parity": schedules_parity, "dp-pp-parity": dp_pp_parity, "pp-tp-parity": pp_tp_parity,
+     "pp-cp-parity": pp_cp_parity,
      "resume-across-meshes": resume_across_meshes, "stalled-stage": stalled_stage,
      "bad-flags": bad_flags}[sys.argv[5]](tools)

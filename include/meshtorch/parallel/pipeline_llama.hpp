@@ -13,8 +13,10 @@
 // Weights are drawn in chapter 1's order with its random numbers (a stage draws and drops the
 // weights it does not keep) or read from -m's folder, only those this rank keeps.
 //
-// Axes: PP, with TP inside every stage (the plan's styles, as chapter 6) and DP for replicas.
-// FSDP inside the stages is refused at compile time until it is built (docs/pipeline.md).
+// Axes: PP, with TP inside every stage (the plan's styles, as chapter 6), CP splitting every
+// micro-batch's sequence inside the stages (parallel/context_parallel.hpp: each rank of a stage
+// runs its head-tail chunks; their gradients are averaged with the DP replicas') and DP for
+// replicas. FSDP inside the stages is refused at compile time until it is built (docs/pipeline.md).
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -35,6 +37,7 @@
 #include <meshtorch/layout/pipeline_split.hpp>
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/models/llama/plan.hpp>
+#include <meshtorch/parallel/context_parallel.hpp>
 #include <meshtorch/parallel/parallelize_options.hpp>
 #include <meshtorch/parallel/pipeline_runtime.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
@@ -48,6 +51,9 @@ struct PipelineGroups {
   comm::AxisGroup pp;
   std::optional<comm::AxisGroup> dp;  // absent without a DP axis
   std::optional<comm::AxisGroup> tp;  // absent without a TP axis
+  std::optional<comm::AxisGroup> cp;  // absent without a CP axis
+  // DP and CP merged, the ranks whose gradients are averaged; absent without either.
+  std::optional<comm::AxisGroup> replicas;
   // With TP: the plan's styles as values, its config check, and whether it cuts the sequence
   // between layers (sequence parallel), which sets the shape stages pass.
   const tp_detail::PlanSteps* tp_steps = nullptr;
@@ -55,7 +61,7 @@ struct PipelineGroups {
   bool sequence_parallel = false;
   std::string_view mesh_name;
   std::string coordinate;  // "rank 3 of 4 on cpu: DP 1 of 2, PP 1 of 2"
-  int replica = 0;         // the DP coordinate: replicas other than 0 write nothing
+  int replica = 0;         // the rank in `replicas`: replicas other than 0 write nothing
 };
 
 class PipelineLlamaRuntime {
@@ -81,9 +87,11 @@ class PipelineLlamaRuntime {
   int data_parallel_rank() const { return dp_ ? dp_->rank() : 0; }
   int data_parallel_size() const { return dp_ ? dp_->size() : 1; }
   const std::optional<comm::AxisGroup>& data_parallel() const { return dp_; }
-  // The mean over DP of a value every rank of a PP group holds the same (step()'s loss).
+  // The mean over DP (and CP) of a value every rank of a PP group holds the same (step()'s loss,
+  // of which each CP rank holds its chunks' share x CP).
   MESHTORCH_DECL torch::Tensor mean_over_data_parallel(torch::Tensor value) const;
-  // Any sequence length splits over pipeline stages; sequence parallel cuts it over TP.
+  // Any sequence length splits over pipeline stages; context parallel cuts it into 2 x CP chunks,
+  // sequence parallel every rank's positions over TP.
   MESHTORCH_DECL void validate_sequence(std::int64_t seq_length) const;
 
   // "Mesh<DP=2, PP=2>: pipeline 1F1B over PP (4 stages: ...) -> DDP over DP", recorded in checkpoints.
@@ -134,7 +142,7 @@ class PipelineLlamaRuntime {
   llama::LlamaForCausalLM model_;
   ParallelizeOptions options_;
   comm::AxisGroup world_, pp_;
-  std::optional<comm::AxisGroup> dp_;
+  std::optional<comm::AxisGroup> dp_, replicas_;
   std::string_view mesh_name_;
   std::string coordinate_;
   int replica_ = 0;
@@ -143,6 +151,7 @@ class PipelineLlamaRuntime {
   std::vector<std::pair<std::string, torch::Tensor>> trained_;      // HF name, weight; model order
   std::map<std::string, std::vector<std::int64_t>> global_shapes_;  // HF name -> whole shape
   std::unique_ptr<TensorParallelRuntime> tp_;
+  std::unique_ptr<ContextParallel> cp_;
   bool sequence_parallel_ = false;
   std::unique_ptr<PipelineRunner> runner_;
   // Of the step under way: each micro-batch's next-token targets, the step's token count, positions.
@@ -166,7 +175,8 @@ class PipelineLlama : public PipelineLlamaRuntime {
   static std::string describe() {
     std::string out = "pipeline stages over PP";
     if constexpr (has_tp) out += " -> tensor parallel over TP (" + plan::describe_styles() + ") in each stage";
-    if constexpr (M::template has<DP>) out += " -> DDP over DP";
+    if constexpr (M::template has<CP>) out += " -> context parallel over CP in each stage";
+    if constexpr (M::template has<DP> || M::template has<CP>) out += " -> DDP over DP x CP";
     return out;
   }
 
@@ -176,10 +186,13 @@ class PipelineLlama : public PipelineLlamaRuntime {
   static PipelineGroups groups_of(const comm::DeviceMesh<M>& mesh) {
     PipelineGroups groups{
         .world = mesh.world(), .pp = mesh.template group<PP>(), .mesh_name = M::name, .coordinate = mesh.describe()};
-    if constexpr (M::template has<DP>) {
-      groups.dp = mesh.template group<DP>();
-      groups.replica = mesh.template coord<DP>();
-    }
+    if constexpr (M::template has<DP>) groups.dp = mesh.template group<DP>();
+    if constexpr (M::template has<CP>) groups.cp = mesh.template group<CP>();
+    if constexpr (M::template has<DP> && M::template has<CP>)
+      groups.replicas = mesh.template group<DP, CP>();
+    else if constexpr (M::template has<DP> || M::template has<CP>)
+      groups.replicas = groups.dp ? *groups.dp : *groups.cp;
+    if (groups.replicas) groups.replica = groups.replicas->rank();
     if constexpr (has_tp) {
       groups.tp = mesh.template group<TP>();
       groups.tp_steps = &tp_steps;
@@ -217,6 +230,7 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
       world_(std::move(groups.world)),
       pp_(std::move(groups.pp)),
       dp_(std::move(groups.dp)),
+      replicas_(std::move(groups.replicas)),
       mesh_name_(groups.mesh_name),
       coordinate_(std::move(groups.coordinate)),
       replica_(groups.replica),
@@ -257,6 +271,8 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
     by_name[name] = leaf->weight;
   }
   if (tp_) tp_->sum_norm_gradients_into(by_name);  // the norms of other stages never get a gradient
+  // Context parallel inside every stage: each layer's attention over the CP group's chunks.
+  if (groups.cp) cp_ = std::make_unique<ContextParallel>(model_, *groups.cp, options_.cp_rotate);
   model_->loss_chunk = options_.loss_chunk;
   checkpoint_activations(model_, options_.activation_checkpointing);
   if (options_.weights_from.empty())
@@ -314,6 +330,7 @@ MESHTORCH_DECL bool PipelineLlamaRuntime::writes(const std::string& name) const 
 }
 
 MESHTORCH_DECL void PipelineLlamaRuntime::validate_sequence(std::int64_t seq_length) const {
+  if (cp_) return cp_->validate_sequence(seq_length, sequence_parallel_ ? tp_->group().size() : 1);
   if (sequence_parallel_ && seq_length % tp_->group().size() != 0)
     throw ConfigError(fmt::format("-s {}: sequence parallel cuts every sequence over TP {}; use a multiple of {}",
                                   seq_length, tp_->group().size(), tp_->group().size()));
@@ -422,17 +439,21 @@ MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::step(const torch::Tensor& inp
   // exchange only what this step adds.
   const torch::Tensor tied_before =
       tied_gradient_exchanged() && tied_weight().grad().defined() ? tied_weight().grad().clone() : torch::Tensor();
-  const auto id_parts = input_ids.chunk(microbatches, 0);
+  // Under context parallel this rank runs its chunks of every sequence (at their positions, against
+  // their targets), and its loss is CP x its tokens' share of the step's (parallel/context_parallel.hpp).
+  const auto held = [this](const torch::Tensor& whole) { return cp_ ? cp_->held(whole) : whole; };
+  const auto id_parts = held(input_ids).chunk(microbatches, 0);
   const auto label_parts = labels.chunk(microbatches, 0);
   targets_.clear();
   for (const auto& part : label_parts)
-    targets_.push_back(llama::LlamaForCausalLMImpl::next_token_targets(part).reshape({-1}));
+    targets_.push_back(held(llama::LlamaForCausalLMImpl::next_token_targets(part)).reshape({-1}));
   step_tokens_ = llama::LlamaForCausalLMImpl::next_token_targets(labels).ne(-100).sum().to(torch::kFloat);
-  positions_ = llama::LlamaModelImpl::default_positions(input_ids.size(1), input_ids.device());
+  if (cp_) step_tokens_ = step_tokens_ / static_cast<double>(cp_->group().size());
+  positions_ = held(llama::LlamaModelImpl::default_positions(input_ids.size(1), input_ids.device()));
 
-  // Sequence parallel passes each rank's slice of the sequence from stage to stage.
-  const std::int64_t passed_positions =
-      sequence_parallel_ ? input_ids.size(1) / tp_->group().size() : input_ids.size(1);
+  // Sequence parallel passes each rank's slice of its positions from stage to stage.
+  const std::int64_t held_positions = positions_.size(1);
+  const std::int64_t passed_positions = sequence_parallel_ ? held_positions / tp_->group().size() : held_positions;
   if (tp_) tp_->begin_backward_in_pieces();
   torch::Tensor loss = runner_->run(std::vector<torch::Tensor>(id_parts.begin(), id_parts.end()),
                                     {input_ids.size(0) / microbatches, passed_positions, model_->config.hidden_size});
@@ -440,13 +461,13 @@ MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::step(const torch::Tensor& inp
   targets_.clear();
 
   if (tied_gradient_exchanged()) sum_tied_gradients(tied_before);
-  if (dp_ && dp_->size() > 1) {
+  if (replicas_ && replicas_->size() > 1) {
     std::vector<torch::Tensor> grads;
     for (const auto& [name, weight] : trained_)
       if (weight.grad().defined()) grads.push_back(weight.grad());
-    comm::all_reduce_coalesced(*dp_, grads);
+    comm::all_reduce_coalesced(*replicas_, grads);
     torch::NoGradGuard no_grad;
-    for (auto& grad : grads) grad.div_(static_cast<double>(dp_->size()));
+    for (auto& grad : grads) grad.div_(static_cast<double>(replicas_->size()));
   }
   // The loss lives on the last stage's rank: summed over the PP group, zeros elsewhere.
   if (!loss.defined()) loss = torch::zeros({}, torch::TensorOptions().device(options_.device).dtype(torch::kFloat));
@@ -509,9 +530,9 @@ MESHTORCH_DECL double PipelineLlamaRuntime::clip_grad_norm(double max_norm) cons
 }
 
 MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::mean_over_data_parallel(torch::Tensor value) const {
-  if (!dp_ || dp_->size() == 1) return value;
+  if (!replicas_ || replicas_->size() == 1) return value;
   const auto shape = value.sizes().vec();
-  return comm::all_reduce(*dp_, value.reshape({1})).reshape(shape) / static_cast<double>(dp_->size());
+  return comm::all_reduce(*replicas_, value.reshape({1})).reshape(shape) / static_cast<double>(replicas_->size());
 }
 
 MESHTORCH_DECL std::string PipelineLlamaRuntime::layout() const {
@@ -520,7 +541,8 @@ MESHTORCH_DECL std::string PipelineLlamaRuntime::layout() const {
                                  pp::to_string(shape.kind), shape.stages(), shape.stages_per_rank, shape.microbatches,
                                  split_.describe());
   if (tp_) text += fmt::format(" -> tensor parallel over TP{}", sequence_parallel_ ? " (sequence parallel)" : "");
-  if (dp_ && dp_->size() > 1) text += " -> DDP over DP";
+  if (cp_) text += fmt::format(" -> context parallel over CP ({})", cp::to_string(cp_->rotate()));
+  if (replicas_ && replicas_->size() > 1) text += cp_ ? " -> DDP over DP x CP" : " -> DDP over DP";
   return text;
 }
 

@@ -87,7 +87,7 @@ struct PipelineArgs {
 
 // Chapter 12's flags: the context-parallel ranks and how keys and values reach them.
 struct ContextParallelArgs {
-  int cp = 2;
+  int cp = 1;  // off; chapter 12 starts at 2
   std::string cp_rotate = "ring";
 
   // Defined in train/args.hpp.

@@ -289,8 +289,8 @@ struct AllAxesWrapped;
 template <class... Axes>
 struct AllAxesWrapped<Mesh<Axes...>> : std::bool_constant<(wrapped_axis<Axes> && ...)> {};
 template <class A>
-inline constexpr bool pipelined_axis =
-    is_axis_of_kind<A, DP> || is_axis_of_kind<A, PP> || is_axis_of_kind<A, FSDP> || is_axis_of_kind<A, TP>;
+inline constexpr bool pipelined_axis = is_axis_of_kind<A, DP> || is_axis_of_kind<A, PP> || is_axis_of_kind<A, FSDP> ||
+                                       is_axis_of_kind<A, CP> || is_axis_of_kind<A, TP>;
 template <class M>
 struct AllAxesPipelined;
 template <class... Axes>
@@ -314,11 +314,11 @@ template <MeshType M>
 consteval bool check_pipeline_parallelizable() {
   static_assert(M::template has<PP>, "check_pipeline_parallelizable: the mesh has no PP axis");
   static_assert(!M::template has<FSDP>,
-                "parallelize: a mesh with PP composes with DP and TP so far; FSDP inside the pipeline stages is not "
-                "built yet: use Mesh<DP, PP, TP> (or drop PP for Mesh<DP, FSDP, TP>)");
+                "parallelize: a mesh with PP composes with DP, CP and TP so far; FSDP inside the pipeline stages is "
+                "not built yet: use Mesh<DP, PP, CP, TP> (or drop PP for Mesh<DP, FSDP, CP, TP>)");
   static_assert(detail::AllAxesPipelined<M>::value,
-                "parallelize: the mesh has an axis that no wrapper applies with PP (parallelize knows DP and TP "
-                "there; CP inside the pipeline stages is not built yet); remove that axis from the Mesh");
+                "parallelize: the mesh has an axis that no wrapper applies with PP (parallelize knows DP, CP and TP "
+                "there); remove that axis from the Mesh");
   return true;
 }
 
