@@ -212,3 +212,21 @@ static_assert(largest_row_shards(presets::llama_tiny, 1, 4).layer * 4 == tp_rank
 // valid plan; one more is a compile error (layout.compile_fail.plan_pp_more_stages_than_layers).
 static_assert(
     meshtorch::llama::Plan<meshtorch::Mesh<meshtorch::PP<6>>, meshtorch::llama::presets::llama_tiny>::has_preset);
+
+// Context parallel: a rank computes 1/CP of each sequence, so with the ring its activations and
+// loss are one rank's at a CP-th of the length; gathering the keys and values keeps every rank's
+// for backward, 2 x kv width x the other ranks' positions per layer (bf16).
+TEST_CASE("the memory plan splits activations over CP, and counts the gathered keys and values") {
+  const auto& c = llama::presets::llama_3_1_8b;
+  mt::llama::RunShape run{.batch = 1, .seq = 32768};
+  mt::llama::RunShape quarter = run;
+  quarter.seq = run.seq / 4;
+  const auto ring = mt::llama::estimate_memory(c, {.data_parallel_ranks = 8, .cp = 4}, run);
+  const auto one_rank_quarter = mt::llama::estimate_memory(c, {.data_parallel_ranks = 8}, quarter);
+  CHECK(ring.activations == Approx(one_rank_quarter.activations));
+  CHECK(ring.loss == Approx(one_rank_quarter.loss));
+  const auto gathered = mt::llama::estimate_memory(c, {.data_parallel_ranks = 8, .cp = 4, .cp_gathers_kv = true}, run);
+  const double others_kv =
+      2.0 * static_cast<double>(c.kv_size()) * 2 * 3 * 8192 * static_cast<double>(c.num_hidden_layers);
+  CHECK(gathered.activations - ring.activations == Approx(others_kv));
+}

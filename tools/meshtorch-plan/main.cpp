@@ -19,6 +19,12 @@
 // prints a pipeline schedule instead (layout/pipeline_schedule.hpp): checked as the run would
 // check it at start-up, its bubble (the idle share of the table) and, with --show-schedule, the
 // grid of actions per rank and tick, and the memory of each stage and rank (models/llama/stage_memory.hpp).
+//
+//   meshtorch-plan -m llama-3.1-8b --world 8 --cp 4 --seq-length 131072 --cp-rotate ring
+//
+// splits every sequence over 4 context-parallel ranks: the activations are those of 1/4 of the
+// positions (FSDP shards over the FSDP x CP ranks), and it prints what each method sends per layer
+// (models/llama/context_exchange.hpp).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -31,9 +37,11 @@
 #include <nlohmann/json.hpp>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/layout/context_split.hpp>
 #include <meshtorch/layout/pipeline_schedule.hpp>
 #include <meshtorch/layout/pipeline_split.hpp>
 #include <meshtorch/models/llama/config_json.hpp>
+#include <meshtorch/models/llama/context_exchange.hpp>
 #include <meshtorch/models/llama/memory_plan.hpp>
 #include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/models/llama/stage_costs.hpp>
@@ -153,7 +161,8 @@ std::vector<std::string> schedule_names() {
 int main(int argc, char** argv) {
   CLI::App app{"meshtorch-plan: a Llama model's parameters and memory per rank of a mesh"};
   std::string model = "llama-tiny";
-  int world = 1, tp = 1;
+  int world = 1, tp = 1, cp = 1;
+  std::string cp_rotate = "ring";
   std::string data_parallel = "fsdp", dtype = "bfloat16", compute_dtype, checkpointing = "none";
   mt::llama::RunShape run;
   bool json = false;
@@ -163,9 +172,18 @@ int main(int argc, char** argv) {
   app.add_option("--tp", tp, "tensor-parallel size (divides --world)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--data-parallel", data_parallel,
-                 "what the other world/tp ranks do: ddp (ZeRO stage 0), zero (stage 1: AdamW state sharded), zero2 "
-                 "(stage 2: gradients too) or fsdp (stage 3: weights too)")
+  app.add_option("--cp", cp, "context-parallel ranks each sequence is split over (divides --world / --tp)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  std::vector<std::string> rotations;
+  for (const auto& [rotate, name] : mt::cp::rotate_names) rotations.emplace_back(name);
+  app.add_option("--cp-rotate", cp_rotate, "--cp: keys and values passed around a ring, or gathered (allgather)")
+      ->capture_default_str()
+      ->check(CLI::IsMember(rotations));
+  app.add_option(
+         "--data-parallel", data_parallel,
+         "what the other world/(tp x cp) ranks do: ddp (ZeRO stage 0), zero (stage 1: AdamW state sharded), zero2 "
+         "(stage 2: gradients too) or fsdp (stage 3: weights too)")
       ->capture_default_str()
       ->check(CLI::IsMember({"ddp", "zero", "zero2", "fsdp"}));
   app.add_option("--dtype", dtype, "parameter dtype: float32 or bfloat16")
@@ -304,10 +322,14 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (world % tp != 0)
-      throw mt::ConfigError("--world " + std::to_string(world) + " is not a multiple of --tp " + std::to_string(tp));
+    if (world % (tp * cp) != 0)
+      throw mt::ConfigError("--world " + std::to_string(world) + " is not a multiple of --tp " + std::to_string(tp) +
+                            " x --cp " + std::to_string(cp));
+    if (cp > 1)
+      if (const auto problem = mt::cp::sequence_split_problem(run.seq, cp, tp); !problem.empty())
+        throw mt::ConfigError(problem);
     const auto config = checked_config(model, tp);
-    const std::int64_t dp = world / tp;
+    const std::int64_t dp = world / (tp * cp);
     const auto kind = data_parallel == "ddp"     ? mt::llama::DataParallelKind::ddp
                       : data_parallel == "zero"  ? mt::llama::DataParallelKind::zero1
                       : data_parallel == "zero2" ? mt::llama::DataParallelKind::zero2
@@ -318,7 +340,13 @@ int main(int argc, char** argv) {
       throw mt::ConfigError("--optimizer-in-backward needs --data-parallel fsdp (FSDP steps each unit in backward)");
     set_dtypes_and_checkpointing(run, dtype, compute_dtype, checkpointing);
     const double bytes = static_cast<double>(run.state_bytes);
-    const mt::llama::LayoutSizes layout{.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp};
+    // The CP ranks of a replica hold different tokens: the data-parallel wrappers span them too.
+    const mt::llama::LayoutSizes layout{.data_parallel = kind,
+                                        .data_parallel_ranks = dp * cp,
+                                        .tp = tp,
+                                        .cp = cp,
+                                        .cp_gathers_kv = cp_rotate == "allgather"};
+    const auto exchange = mt::llama::context_exchange_bytes(config, layout, run);
     const auto estimate = mt::llama::estimate_memory(config, layout, run);
     const auto events = mt::llama::memory_timeline(config, layout, run);
     // The peak's event: the first with the most bytes, as estimate_memory picks it.
@@ -339,14 +367,17 @@ int main(int argc, char** argv) {
     // The trained state wherever it lives: the same amounts on the host with --cpu-offload.
     auto on_device = run;
     on_device.cpu_offload = on_device.optimizer_offload = false;
-    const auto state =
-        mt::llama::estimate_memory(config, {.data_parallel = kind, .data_parallel_ranks = dp, .tp = tp}, on_device);
+    const auto state = mt::llama::estimate_memory(config, layout, on_device);
     const double held = state.weights / bytes;
 
     if (json) {
       nlohmann::json out = {{"model", model},
                             {"world", world},
                             {"tp", tp},
+                            {"cp", cp},
+                            {"cp_rotate", cp_rotate},
+                            {"cp_exchange_forward_bytes_per_layer", exchange.forward},
+                            {"cp_exchange_backward_bytes_per_layer", exchange.backward},
                             {"data_parallel", data_parallel},
                             {"parameters_held", held},
                             {"weights_bytes", estimate.weights},
@@ -379,8 +410,15 @@ int main(int argc, char** argv) {
                 static_cast<long long>(config.hidden_size), static_cast<long long>(config.num_hidden_layers),
                 static_cast<long long>(config.num_attention_heads), static_cast<long long>(config.num_key_value_heads),
                 static_cast<long long>(config.vocab_size), config.tie_word_embeddings ? ", tied head" : "");
-    std::printf("mesh: %d ranks = %lld %s x %d TP\n", world, static_cast<long long>(dp),
-                data_parallel == "fsdp" ? "FSDP" : "DP", tp);
+    std::printf("mesh: %d ranks = %lld %s x %s%d TP\n", world, static_cast<long long>(dp),
+                data_parallel == "fsdp" ? "FSDP" : "DP", cp > 1 ? (std::to_string(cp) + " CP x ").c_str() : "", tp);
+    if (cp > 1)
+      std::printf(
+          "context parallel (%s): each rank computes %lld of every sequence's %lld positions; per layer it sends "
+          "%s in forward and %s in backward%s (and receives as much)\n",
+          cp_rotate.c_str(), static_cast<long long>(run.seq / cp), static_cast<long long>(run.seq),
+          human(exchange.forward, "B").c_str(), human(exchange.backward, "B").c_str(),
+          run.checkpoint_every > 0 ? ", its recomputed forward's included" : "");
     if (tp > 1) std::printf("plan: %s\n", llama::Plan<mt::Mesh<mt::TP<2>>>::describe_styles().c_str());
 
     // The trained state, wherever it lives (the host with --cpu-offload).

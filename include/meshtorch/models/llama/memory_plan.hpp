@@ -40,7 +40,9 @@
 //                    and log-sum-exp (4 per head); o_proj's input (q d)
 //   MLP              the normed input of gate/up (h d); gate, silu(gate), up, their product (4i d)
 // With tensor parallel, q, kv and i are a rank's slice; with sequence parallel the norms see a
-// sequence shard, while the projections' inputs are gathered whole. Other buffers (rotary
+// sequence shard, while the projections' inputs are gathered whole. With context parallel a rank
+// computes 1/CP of each sequence's positions; gathering the keys and values (allgather) keeps every
+// rank's for backward, 2 kv d per position of the whole sequence, where the ring keeps its own. Other buffers (rotary
 // tables, the allocator's rounding, communication staging, a forward's temporaries inside a
 // layer, the device copy of a reduce-scatter's output in the shards' dtype on its way to the
 // host with cpu_offload and bf16 shards, a 1/n-th of a unit for an instant) are not counted.
@@ -84,8 +86,10 @@ struct RunShape {
 // Ranks of each kind; tensor parallel with sequence and loss parallel (chapter 6's plan).
 struct LayoutSizes {
   DataParallelKind data_parallel = DataParallelKind::fsdp;
-  std::int64_t data_parallel_ranks = 1;  // FSDP (or DP for ddp/zero) ranks
+  std::int64_t data_parallel_ranks = 1;  // FSDP (or DP for ddp/zero) ranks: FSDP x CP under context parallel
   std::int64_t tp = 1;
+  std::int64_t cp = 1;         // context parallel: the ranks each sequence is split over
+  bool cp_gathers_kv = false;  // --cp-rotate allgather (else the ring)
 };
 
 // Bytes one decoder layer keeps per token of this rank (see the header comment).
@@ -289,10 +293,12 @@ constexpr StepBytes step_bytes(const llama::Config& c, LayoutSizes layout, RunSh
   b.embedding_gradient_shard = tied ? 0 : static_cast<double>(shard.embedding) * s;
   b.final_norm_gradient = static_cast<double>(rank_parameters.final_norm) * g;
 
-  // Activations of the tokens this rank computes.
-  const double tokens = static_cast<double>(run.batch) * static_cast<double>(run.seq);
+  // Activations of the tokens this rank computes (1/CP of each sequence under context parallel).
+  const double tokens = static_cast<double>(run.batch) * static_cast<double>(run.seq) / static_cast<double>(layout.cp);
   const double h = static_cast<double>(c.hidden_size);
   b.per_layer = layer_activation_bytes_per_token(c, layout.tp, run.compute_bytes) * tokens;
+  if (layout.cp > 1 && layout.cp_gathers_kv)  // the other ranks' keys and values, kept for backward
+    b.per_layer += 2 * static_cast<double>(c.kv_size()) / tp * d * tokens * static_cast<double>(layout.cp - 1);
   b.layer_input = h * d * tokens / tp;           // what a checkpointed layer keeps (a sequence shard)
   b.final_norm = (4 * h + h * d) * tokens / tp;  // as a layer's norms (sequence shard)
   // While a layer's backward runs: the gradients of its largest activations.
@@ -300,7 +306,7 @@ constexpr StepBytes step_bytes(const llama::Config& c, LayoutSizes layout, RunSh
 
   // The loss: vocab-parallel logits under TP (loss parallel), over the rows the head gathers whole.
   const double vocab = static_cast<double>(c.vocab_size) / tp;
-  const std::int64_t rows = run.batch * run.seq;
+  const std::int64_t rows = run.batch * run.seq / layout.cp;
   const std::int64_t chunk = loss_chunk_positions(run.loss_chunk, rows, static_cast<std::int64_t>(vocab));
   b.chunked_loss = chunk < rows;
   b.rows_gradient = h * d * tokens;
