@@ -37,6 +37,8 @@ REFERENCE = ROOT / "bench" / "reference"
 sys.path.insert(0, str(REFERENCE))
 from metrics_summary import read_jsonl, summarize  # noqa: E402
 
+import context_parallel  # noqa: E402  (bench/context_parallel.py: the cp section)
+
 # Per size: the config folder both sides read, batch x sequence, steps, and steps left out as
 # warm-up. The step counts keep bench/run under 20 minutes on 2 cores; llama-100m's first step
 # alone takes seconds (first touch of ~1.2 GB of weights, optimizer state and activations).
@@ -59,7 +61,7 @@ DDP_RANKS = 2
 # A plain bench/run runs DEFAULT_SECTIONS (about 16 minutes on 2 idle cores); the others would take
 # it past 20 minutes (fsdp + tp + 2d about 6 more at llama-tiny, pp about 2 with its three schedules,
 # ch1-bf16 about as long as ch1), so they are opt-in through --only.
-SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "pp", "zero2", "ch5", "ch1-bf16", "compile-time"]
+SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "pp", "cp", "zero2", "ch5", "ch1-bf16", "compile-time"]
 DEFAULT_SECTIONS = ["ch1", "ddp", "compile-time"]
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 IMPL_NAMES = {"ours": "meshtorch", "hf-eager": "HF eager", "hf-compile": "HF compile",
@@ -116,6 +118,7 @@ def parse_args():
     p.add_argument("--pp-schedules", default="1f1b,interleaved-1f1b,zbv",
                    help="pp section schedules, comma-separated: " + ", ".join(PP_SCHEDULES)
                         + " (interleaved-1f1b and zbv with 2 stages per rank)")
+    p.add_argument("--cp-bin", default=str(ROOT / "build" / "bin" / "12-context-parallel"), help="our chapter-12 binary")
     p.add_argument("--pp-microbatches", type=int, default=4,
                    help="micro-batches per step in the pp section, both sides (divides each size's batch: "
                         "llama-tiny 8, llama-100m 4)")
@@ -1080,6 +1083,7 @@ def main():
     runs = [("ch1", lambda: chapter1(args, corpus, runs_dir, out, machine)),
             ("ddp", lambda: ddp_section(args, corpus, runs_dir, out, machine)),
             *[(k, lambda k=k: par_section(k, args, corpus, runs_dir, out, machine)) for k in PAR_SECTIONS],
+            ("cp", lambda: context_parallel.cp_section(sys.modules[__name__], args, corpus, runs_dir, out, machine)),
             ("zero2", lambda: zero2_section(args, corpus, runs_dir, out, machine)),
             ("ch5", lambda: ch5_section(args, corpus, runs_dir, out, machine)),
             ("ch1-bf16", lambda: chapter1(bf16_args, corpus, runs_dir, out, machine, stem="chapter1-bf16"))]

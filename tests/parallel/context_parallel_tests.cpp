@@ -2,6 +2,7 @@
 // one process: every rank draws the same whole q, k and v, keeps its head-tail chunks, and its
 // outputs and the gradients of its chunks must be the whole computation's.
 #include <cmath>
+#include <utility>
 
 #include <catch2/catch.hpp>
 
@@ -27,12 +28,13 @@ TEST_CASE("rank body: context parallel ring and all-gather attention equal causa
   const auto& group = mesh.group<mt::CP>();
   const int ranks = group.size(), rank = group.rank();
   for (const auto rotate : {mt::cp::Rotate::ring, mt::cp::Rotate::allgather})
-    for (const std::int64_t kv_heads : {4, 2})
+    // Query and key/value heads: equal, grouped (GQA), and an odd count over one key/value head.
+    for (const auto [heads, kv_heads] : {std::pair<std::int64_t, std::int64_t>{4, 4}, {4, 2}, {3, 1}})
       for (const std::int64_t chunk : {1, 6}) {
-        INFO(mt::cp::to_string(rotate) << " on " << ranks << " ranks, rank " << rank << ", " << kv_heads
-                                       << " key/value heads, chunks of " << chunk);
+        INFO(mt::cp::to_string(rotate) << " on " << ranks << " ranks, rank " << rank << ", " << heads << " heads, "
+                                       << kv_heads << " key/value heads, chunks of " << chunk);
         torch::manual_seed(5);  // the same whole tensors on every rank
-        const std::int64_t batch = 2, heads = 4, dim = 16, seq = 2 * ranks * chunk;
+        const std::int64_t batch = 2, dim = 16, seq = 2 * ranks * chunk;
         const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
         const auto q = torch::randn({batch, heads, seq, dim}).requires_grad_(true);
         const auto k = torch::randn({batch, kv_heads, seq, dim}).requires_grad_(true);

@@ -57,8 +57,7 @@ class ContextParallel {
 
 namespace meshtorch {
 
-MESHTORCH_DECL ContextParallel::ContextParallel(llama::LlamaForCausalLM model, comm::AxisGroup group,
-                                                cp::Rotate rotate)
+MESHTORCH_DECL ContextParallel::ContextParallel(llama::LlamaForCausalLM model, comm::AxisGroup group, cp::Rotate rotate)
     : model_(std::move(model)), group_(std::move(group)), rotate_(rotate) {
   for (auto& layer : model_->model->decoder_layers)
     layer->self_attn->causal_attention = [group = group_, rotate](const torch::Tensor& q, const torch::Tensor& k,
