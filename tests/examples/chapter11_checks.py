@@ -80,7 +80,7 @@ def pp_cp_parity(tools):
     parity(tools, 4, 8, ["-b", "4", "--pp", "2", "--cp", "2", "--tp", "2", "--cp-rotate", "allgather",
                          "--microbatches", "2"], steps=30, extra=CLIP)
     parity(tools, 4, 8, ["-b", "4", "--pp", "2", "--cp", "2", "--tp", "2", "--schedule", "zbv", "--stages-per-rank",
-                         "2", "--microbatches", "2"], steps=10, extra=("-s", "256"))
+                         "2", "--microbatches", "2"], steps=30, extra=("-s", "256"))
 
 
 def resume_across_meshes(tools):

@@ -47,7 +47,7 @@ def cp4_parity(tools):
     for rotate in ("ring", "allgather"):
         for seq in (64, 256):
             print(f"--- --cp-rotate {rotate}, -s {seq}")
-            parity(tools, 4, 4, ["-b", "4", "--cp", "4", "--cp-rotate", rotate], seq=seq, steps=30 if seq == 64 else 10)
+            parity(tools, 4, 4, ["-b", "4", "--cp", "4", "--cp-rotate", rotate], seq=seq)
 
 
 def cp_tp_parity(tools):
@@ -61,7 +61,7 @@ def fsdp_cp_parity(tools):
     # 4 ranks: FSDP 2 x CP 2 (FSDP shards over all 4), and DP 2 x CP 2 (DDP over all 4).
     print("--- FSDP 2 x CP 2")
     parity(tools, 4, 4, ["-b", "2", "--cp", "2"], extra=CLIP)
-    parity(tools, 4, 4, ["-b", "2", "--cp", "2"], seq=256, steps=10)
+    parity(tools, 4, 4, ["-b", "2", "--cp", "2"], seq=256)
     print("--- DP 2 x CP 2")
     parity(tools, 4, 4, ["-b", "2", "--cp", "2", "--dp", "2", "--cp-rotate", "allgather"], extra=CLIP)
 

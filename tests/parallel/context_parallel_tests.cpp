@@ -51,11 +51,12 @@ TEST_CASE("rank body: context parallel ring and all-gather attention equal causa
                              ? mt::cp::ring_attention(local_q, local_k, local_v, group, scale)
                              : mt::cp::allgather_attention(local_q, local_k, local_v, group, scale);
         out.backward(held_chunks(grad, rank, ranks));
-        CHECK(relative(out, held_chunks(expected.detach(), rank, ranks)) < 1e-5);
-        CHECK(relative(local_q.grad(), held_chunks(q.grad(), rank, ranks)) < 1e-5);
-        // The keys' and values' gradients come from every rank's queries, summed back to their holder.
-        CHECK(relative(local_k.grad(), held_chunks(k.grad(), rank, ranks)) < 1e-5);
-        CHECK(relative(local_v.grad(), held_chunks(v.grad(), rank, ranks)) < 1e-5);
+        CHECK(relative(out, held_chunks(expected.detach(), rank, ranks)) < 1e-6);
+        CHECK(relative(local_q.grad(), held_chunks(q.grad(), rank, ranks)) < 1e-6);
+        // The keys' and values' gradients come from every rank's queries, summed back to their holder
+        // in another order than one process sums them: 1.1e-6 at worst measured.
+        CHECK(relative(local_k.grad(), held_chunks(k.grad(), rank, ranks)) < 2e-6);
+        CHECK(relative(local_v.grad(), held_chunks(v.grad(), rank, ranks)) < 2e-6);
       }
 }
 
