@@ -13,8 +13,10 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -419,14 +421,40 @@ struct Plan {
   //   constexpr double peak = Plan<Mesh<FSDP<64>>, presets::llama_3_1_405b>::peak_bytes(run);
   //   static_assert(peak <= 80 * GiB, "does not fit an 80 GiB GPU");
   // A failed check's note shows both numbers ("the comparison reduces to '(4.6e+11 <= 8.6e+10)'").
+  // With CP, each rank computes 1/CP of the positions (the ring's memory) and FSDP shards over
+  // FSDP x CP; a run whose sequence does not split (splits_sequence) is not a constant expression,
+  // so the compiler stops at the throw below, which names the rule.
   static constexpr MemoryEstimate memory(RunShape run) requires(has_preset&& M::is_static) {
+    if (!splits_sequence(run.seq))  // the compiler quotes this line:
+      throw std::invalid_argument("Plan::memory: run.seq does not split into 2 x CP equal chunks (sequence_unit())");
     LayoutSizes layout;
     if constexpr (M::template has<FSDP>)
       layout = {DataParallelKind::fsdp, static_cast<std::int64_t>(M::template static_extent<FSDP>)};
     else if constexpr (M::template has<DP>)
       layout = {DataParallelKind::ddp, static_cast<std::int64_t>(M::template static_extent<DP>)};
     layout.tp = static_cast<std::int64_t>(tp_extent);
+    layout.cp = static_cast<std::int64_t>(cp_extent);
+    layout.data_parallel_ranks *= layout.cp;  // the CP ranks of a replica hold different tokens
     return estimate_memory(Preset, layout, run);
+  }
+
+  // CP's static extent, 1 without CP.
+  static constexpr std::size_t cp_extent = [] {
+    if constexpr (M::template has<CP>)
+      return M::template static_extent<CP>;
+    else
+      return std::size_t{1};
+  }();
+  // What every sequence length must be a multiple of on this mesh: 2 x CP chunks, each rank's
+  // positions split over TP under sequence parallel (cp::sequence_split_problem's rule).
+  static constexpr std::int64_t sequence_unit() requires(M::is_static) {
+    const std::int64_t cp = static_cast<std::int64_t>(cp_extent);
+    const std::int64_t tp = sequence_parallel ? static_cast<std::int64_t>(tp_extent) : 1;
+    return cp > 1 ? std::lcm(2 * cp, cp * tp) : tp;
+  }
+  //   static_assert(Plan<Mesh<FSDP<8>, CP<4>, TP<2>>, presets::llama_3_1_8b>::splits_sequence(131072));
+  static constexpr bool splits_sequence(std::int64_t seq_length) requires(M::is_static) {
+    return seq_length > 0 && seq_length % sequence_unit() == 0;
   }
   static constexpr double peak_bytes(RunShape run) requires(has_preset&& M::is_static) { return memory(run).peak(); }
 
