@@ -345,7 +345,7 @@ int main(int argc, char** argv) {
                                         .data_parallel_ranks = dp * cp,
                                         .tp = tp,
                                         .cp = cp,
-                                        .cp_gathers_kv = cp_rotate == "allgather"};
+                                        .cp_gathers_kv = mt::cp::parse_rotate(cp_rotate) == mt::cp::Rotate::allgather};
     const auto exchange = mt::llama::context_exchange_bytes(config, layout, run);
     const auto estimate = mt::llama::estimate_memory(config, layout, run);
     const auto events = mt::llama::memory_timeline(config, layout, run);

@@ -47,7 +47,11 @@ enum class Rotate : std::uint8_t { ring, allgather };
 inline constexpr std::array<std::pair<Rotate, std::string_view>, 2> rotate_names{
     {{Rotate::ring, "ring"}, {Rotate::allgather, "allgather"}}};
 
-constexpr std::string_view to_string(Rotate rotate) { return rotate == Rotate::ring ? "ring" : "allgather"; }
+constexpr std::string_view to_string(Rotate rotate) {
+  for (const auto& [value, name] : rotate_names)
+    if (value == rotate) return name;
+  return "?";
+}
 
 // The --cp-rotate value named `text`, or nothing.
 constexpr std::optional<Rotate> parse_rotate(std::string_view text) {
@@ -59,8 +63,13 @@ constexpr std::optional<Rotate> parse_rotate(std::string_view text) {
 // Whether a sequence of `seq_length` positions splits into 2 * ranks equal chunks, with each rank's
 // positions a multiple of `tp` (sequence parallel cuts them over TP inside the rank); the error
 // names the flags and the nearest lengths that work. Empty when it splits.
+// What a sequence length must be a multiple of for that: 2 x ranks chunks, ranks x tp positions.
+constexpr std::int64_t sequence_unit(std::int64_t ranks, std::int64_t tp = 1) {
+  return std::lcm(2 * ranks, ranks * tp);
+}
+
 inline std::string sequence_split_problem(std::int64_t seq_length, std::int64_t ranks, std::int64_t tp = 1) {
-  const std::int64_t unit = std::lcm(2 * ranks, ranks * tp);
+  const std::int64_t unit = sequence_unit(ranks, tp);
   if (ranks >= 1 && seq_length > 0 && seq_length % unit == 0) return "";
   const std::int64_t below = seq_length / unit * unit, above = below + unit;
   std::string why = "-s/--seq-length " + std::to_string(seq_length) + " does not split into 2 x --cp " +

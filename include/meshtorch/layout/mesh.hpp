@@ -182,6 +182,12 @@ struct Mesh : detail::MeshStaticSize<detail::dynamic_count<Axes...>() == 0, deta
                   "names an axis kind twice in one merged group; name each axis once, e.g. group<DP, FSDP>()");
     return ((1u << detail::index_of_kind<Kinds, Axes...>()) | ...);
   }();
+
+  // The axes among Kinds... that the mesh has, as a mask (0 for none): the group a wrapper spans
+  // whichever of them a layout uses, mesh.group(Mesh::mask_of_present<DP, CP>).
+  template <template <std::size_t> class... Kinds>
+  static constexpr unsigned mask_of_present = ((has<Kinds> ? 1u << detail::index_of_kind<Kinds, Axes...>() : 0u) | ... |
+                                               0u);
 };
 
 namespace detail {

@@ -27,6 +27,14 @@ class ContextParallel {
 
   // This rank's two chunks of a [B, S] batch tensor along the sequence, concatenated.
   MESHTORCH_DECL torch::Tensor held(const torch::Tensor& whole) const;
+  // The positions of those chunks in a sequence of `seq_length`, [1, S / CP].
+  MESHTORCH_DECL torch::Tensor held_positions(std::int64_t seq_length, const torch::Device& device) const;
+  // What this rank divides its chunks' summed token losses by, given the count the whole batch's
+  // loss is averaged over: that count / CP, so that the wrappers' average over the CP ranks is
+  // the batch's loss and gradient.
+  torch::Tensor loss_divisor(const torch::Tensor& token_count) const {
+    return token_count / static_cast<double>(group_.size());
+  }
 
   // CP x the sum of this rank's token losses over the count of the whole batch's targets: see the
   // top of this header. `input_ids` and `labels` are the whole batch, as every CP rank reads it.
@@ -78,10 +86,13 @@ MESHTORCH_DECL torch::Tensor ContextParallel::loss(const torch::Tensor& input_id
     throw ConfigError(fmt::format("context parallel over {}: a batch of {} positions: {}", group_.axis_name(),
                                   input_ids.size(1), problem));
   const auto targets = llama::LlamaForCausalLMImpl::next_token_targets(labels);
-  const auto positions = llama::LlamaModelImpl::default_positions(input_ids.size(1), input_ids.device());
-  const auto count = targets.ne(-100).sum().to(torch::kFloat);
-  return model_->loss_at(held(input_ids), held(positions), held(targets).reshape({-1}),
-                         count / static_cast<double>(group_.size()));
+  return model_->loss_at(held(input_ids), held_positions(input_ids.size(1), input_ids.device()),
+                         held(targets).reshape({-1}), loss_divisor(targets.ne(-100).sum().to(torch::kFloat)));
+}
+
+MESHTORCH_DECL torch::Tensor ContextParallel::held_positions(std::int64_t seq_length,
+                                                             const torch::Device& device) const {
+  return held(llama::LlamaModelImpl::default_positions(seq_length, device));
 }
 
 MESHTORCH_DECL void ContextParallel::validate_sequence(std::int64_t seq_length, std::int64_t tp) const {

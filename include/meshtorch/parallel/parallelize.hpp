@@ -327,34 +327,20 @@ class ParallelLlama : public ParallelLlamaRuntime {
             .zero_stage2 = zero_stage2};
   }
 
-  // The axes of Kinds... the mesh has, as a mask for mesh.group(mask); 0 for none.
-  template <template <std::size_t> class... Kinds>
-  static constexpr unsigned mask_of_present = [] {
-    unsigned mask = 0;
-    ((mask |=
-      [] {
-        if constexpr (M::template has<Kinds>)
-          return M::template mask_of<Kinds>;
-        else
-          return 0u;
-      }()),
-     ...);
-    return mask;
-  }();
-
   static ParallelGroups groups_of(const comm::DeviceMesh<M>& mesh, const ParallelizeOptions& options) {
     ParallelGroups groups{.world = mesh.world(), .mesh_name = M::name, .coordinate = mesh.describe()};
     if constexpr (has_tp) groups.tp = mesh.template group<TP>();
     if constexpr (has_cp) groups.cp = mesh.template group<CP>();
     // The CP ranks of a replica hold different tokens: FSDP shards over them too, or, without
     // FSDP, DDP replicates over them.
-    if constexpr (has_fsdp) groups.fsdp = mesh.group(mask_of_present<FSDP, CP>);
+    if constexpr (has_fsdp) groups.fsdp = mesh.group(M::template mask_of_present<FSDP, CP>);
     if constexpr (has_dp || (has_cp && !has_fsdp)) {
-      groups.dp = mesh.group(has_fsdp ? mask_of_present<DP> : mask_of_present<DP, CP>);
+      groups.dp = mesh.group(has_fsdp ? M::template mask_of_present<DP> : M::template mask_of_present<DP, CP>);
       groups.replica = groups.dp->rank();
     }
-    if constexpr (has_dp || has_fsdp) groups.data_parallel = mesh.group(mask_of_present<DP, FSDP>);
-    if constexpr (has_dp || has_fsdp || has_cp) groups.loss_mean = mesh.group(mask_of_present<DP, FSDP, CP>);
+    if constexpr (has_dp || has_fsdp) groups.data_parallel = mesh.group(M::template mask_of_present<DP, FSDP>);
+    if constexpr (has_dp || has_fsdp || has_cp)
+      groups.loss_mean = mesh.group(M::template mask_of_present<DP, FSDP, CP>);
     // Only asked for when it reads: a job without a node group may still read otherwise.
     if (options.weights_read_by == WeightsReadBy::local_rank0) groups.node = mesh.node();
     return groups;

@@ -176,7 +176,10 @@ class PipelineLlama : public PipelineLlamaRuntime {
     std::string out = "pipeline stages over PP";
     if constexpr (has_tp) out += " -> tensor parallel over TP (" + plan::describe_styles() + ") in each stage";
     if constexpr (M::template has<CP>) out += " -> context parallel over CP in each stage";
-    if constexpr (M::template has<DP> || M::template has<CP>) out += " -> DDP over DP x CP";
+    if constexpr (M::template has<DP> && M::template has<CP>)
+      out += " -> DDP over DP x CP";
+    else if constexpr (M::template has<DP> || M::template has<CP>)
+      out += M::template has<DP> ? " -> DDP over DP" : " -> DDP over CP";
     return out;
   }
 
@@ -188,11 +191,10 @@ class PipelineLlama : public PipelineLlamaRuntime {
         .world = mesh.world(), .pp = mesh.template group<PP>(), .mesh_name = M::name, .coordinate = mesh.describe()};
     if constexpr (M::template has<DP>) groups.dp = mesh.template group<DP>();
     if constexpr (M::template has<CP>) groups.cp = mesh.template group<CP>();
-    if constexpr (M::template has<DP> && M::template has<CP>)
-      groups.replicas = mesh.template group<DP, CP>();
-    else if constexpr (M::template has<DP> || M::template has<CP>)
-      groups.replicas = groups.dp ? *groups.dp : *groups.cp;
-    if (groups.replicas) groups.replica = groups.replicas->rank();
+    if constexpr (M::template has<DP> || M::template has<CP>) {
+      groups.replicas = mesh.group(M::template mask_of_present<DP, CP>);
+      groups.replica = groups.replicas->rank();
+    }
     if constexpr (has_tp) {
       groups.tp = mesh.template group<TP>();
       groups.tp_steps = &tp_steps;
@@ -448,8 +450,9 @@ MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::step(const torch::Tensor& inp
   for (const auto& part : label_parts)
     targets_.push_back(held(llama::LlamaForCausalLMImpl::next_token_targets(part)).reshape({-1}));
   step_tokens_ = llama::LlamaForCausalLMImpl::next_token_targets(labels).ne(-100).sum().to(torch::kFloat);
-  if (cp_) step_tokens_ = step_tokens_ / static_cast<double>(cp_->group().size());
-  positions_ = held(llama::LlamaModelImpl::default_positions(input_ids.size(1), input_ids.device()));
+  if (cp_) step_tokens_ = cp_->loss_divisor(step_tokens_);
+  positions_ = cp_ ? cp_->held_positions(input_ids.size(1), input_ids.device())
+                   : llama::LlamaModelImpl::default_positions(input_ids.size(1), input_ids.device());
 
   // Sequence parallel passes each rank's slice of its positions from stage to stage.
   const std::int64_t held_positions = positions_.size(1);

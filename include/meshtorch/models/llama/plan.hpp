@@ -13,7 +13,6 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <numeric>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -24,6 +23,7 @@
 
 #include <meshtorch/error.hpp>
 #include <meshtorch/layout/axis.hpp>
+#include <meshtorch/layout/context_split.hpp>
 #include <meshtorch/layout/mesh.hpp>
 #include <meshtorch/layout/parallel_style.hpp>
 #include <meshtorch/models/llama/config.hpp>
@@ -448,9 +448,8 @@ struct Plan {
   // What every sequence length must be a multiple of on this mesh: 2 x CP chunks, each rank's
   // positions split over TP under sequence parallel (cp::sequence_split_problem's rule).
   static constexpr std::int64_t sequence_unit() requires(M::is_static) {
-    const std::int64_t cp = static_cast<std::int64_t>(cp_extent);
     const std::int64_t tp = sequence_parallel ? static_cast<std::int64_t>(tp_extent) : 1;
-    return cp > 1 ? std::lcm(2 * cp, cp * tp) : tp;
+    return M::template has<CP> ? cp::sequence_unit(static_cast<std::int64_t>(cp_extent), tp) : tp;
   }
   //   static_assert(Plan<Mesh<FSDP<8>, CP<4>, TP<2>>, presets::llama_3_1_8b>::splits_sequence(131072));
   static constexpr bool splits_sequence(std::int64_t seq_length) requires(M::is_static) {
