@@ -3,7 +3,7 @@
 Gloo, fp32, one thread per rank.
 
 usage: chapter11_checks.py MESHRUN CHAPTER1 CHAPTER7 CHAPTER11
-       {1f1b-parity|schedules-parity|dp-pp-parity|pp-tp-parity|pp-cp-parity|resume-across-meshes|stalled-stage|bad-flags}
+       {1f1b-parity|schedules-parity|fsdp-pp-parity|pp-tp-parity|resume-across-meshes|stalled-stage|bad-flags}
 """
 import os
 import re
@@ -60,9 +60,21 @@ def schedules_parity(tools):
         parity(tools, 4, 2, ["-b", "4", "--pp", "2", *args], steps=10)
 
 
-def dp_pp_parity(tools):
-    # 4 ranks: 2 replicas (DDP) of a 2-stage pipeline, 2 samples per replica in 2 micro-batches.
-    parity(tools, 4, 4, ["-b", "2", "--pp", "2", "--microbatches", "2"], extra=CLIP)
+def fsdp_pp_parity(tools):
+    """FSDP inside the stages and replicas of the pipeline: FSDP 2 x PP 2 (the rest of the world is
+    FSDP) and DP 2 x PP 2 on 4 ranks, clipped, 2 samples per data-parallel rank in 2 micro-batches;
+    DP 2 x FSDP 2 x PP 2 (HSDP) on 8 ranks; FSDP 2 x PP 2 gathering whole stages under ZBV."""
+    out = parity(tools, 4, 4, ["-b", "2", "--pp", "2", "--microbatches", "2"], extra=CLIP)
+    assert "-> FSDP over FSDP (" in out.stdout and "FSDP 1 of 2, PP 1 of 2" in out.stdout, out.stdout
+    out = parity(tools, 4, 4, ["-b", "2", "--pp", "2", "--dp", "2", "--microbatches", "2"], extra=CLIP)
+    assert "-> DDP over DP" in out.stdout and "DP 1 of 2, FSDP 0 of 1" in out.stdout, out.stdout
+    parity(tools, 8, 8, ["-b", "2", "--pp", "2", "--dp", "2", "--schedule", "interleaved-1f1b", "--stages-per-rank",
+                         "2", "--microbatches", "2"], steps=10)
+    # Without resharding after forward, each stage is gathered once a step (the table's UNSHARD and
+    # RESHARD, printed under the grid), under ZBV too.
+    out = parity(tools, 4, 4, ["-b", "2", "--pp", "2", "--schedule", "zbv", "--stages-per-rank", "2",
+                               "--microbatches", "2", "--no-reshard-after-forward"], steps=10)
+    assert "rank 0: gathers stage 0 at tick 0" in out.stdout and "frees stage 3 after tick" in out.stdout, out.stdout
 
 
 def pp_tp_parity(tools):
@@ -70,17 +82,6 @@ def pp_tp_parity(tools):
     parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--tp", "2", "--microbatches", "2"], extra=CLIP)
     parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--tp", "2", "--schedule", "zbv", "--stages-per-rank", "2",
                          "--microbatches", "2"], steps=10)
-
-
-def pp_cp_parity(tools):
-    """Context parallel inside the stages (chapter 12's --cp): PP 2 x CP 2 on 4 ranks, clipped; PP 2 x
-    CP 2 x TP 2 on 8 ranks by each --cp-rotate method, at -s 64 and 256 and under ZBV."""
-    out = parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--cp", "2", "--microbatches", "2"], steps=30, extra=CLIP)
-    assert "context parallel over CP (ring) -> DDP over DP x CP" in out.stdout, out.stdout
-    parity(tools, 4, 8, ["-b", "4", "--pp", "2", "--cp", "2", "--tp", "2", "--cp-rotate", "allgather",
-                         "--microbatches", "2"], steps=30, extra=CLIP)
-    parity(tools, 4, 8, ["-b", "4", "--pp", "2", "--cp", "2", "--tp", "2", "--schedule", "zbv", "--stages-per-rank",
-                         "2", "--microbatches", "2"], steps=30, extra=("-s", "256"))
 
 
 def resume_across_meshes(tools):
@@ -164,7 +165,6 @@ def bad_flags(tools):
 
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter7": sys.argv[3], "chapter11": sys.argv[4]}
-    {"1f1b-parity": one_f_one_b_parity, "schedules-parity": schedules_parity, "dp-pp-parity": dp_pp_parity, "pp-tp-parity": pp_tp_parity,
-     "pp-cp-parity": pp_cp_parity,
-     "resume-across-meshes": resume_across_meshes, "stalled-stage": stalled_stage,
+    {"1f1b-parity": one_f_one_b_parity, "schedules-parity": schedules_parity, "fsdp-pp-parity": fsdp_pp_parity,
+     "pp-tp-parity": pp_tp_parity, "resume-across-meshes": resume_across_meshes, "stalled-stage": stalled_stage,
      "bad-flags": bad_flags}[sys.argv[5]](tools)

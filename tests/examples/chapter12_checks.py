@@ -3,7 +3,8 @@
 Gloo, fp32, one thread per rank.
 
 usage: chapter12_checks.py MESHRUN CHAPTER1 CHAPTER7 CHAPTER12
-       {cp2-parity|cp4-parity|cp-tp-parity|fsdp-cp-parity|composition-parity|resume-across-meshes|bad-flags}
+       {cp2-parity|cp4-parity|cp-tp-parity|fsdp-cp-parity|composition-parity|pp-cp-parity|resume-across-meshes|
+        bad-flags}
 """
 import sys
 import tempfile
@@ -69,9 +70,22 @@ def fsdp_cp_parity(tools):
 def composition_parity(tools):
     # Recomputed layers repeat their exchanges; the chunked loss; two micro-batches a step.
     for rotate in ("ring", "allgather"):
-        print(f"--- --cp-rotate {rotate} with activation checkpointing, a chunked loss and --grad-accum 2")
-        parity(tools, 4, 2, ["-b", "2", "--cp", "2", "--cp-rotate", rotate, "--grad-accum", "2"],
+        print(f"--- --cp-rotate {rotate} with activation checkpointing, a chunked loss and 2 micro-batches")
+        parity(tools, 4, 2, ["-b", "4", "--cp", "2", "--cp-rotate", rotate, "--microbatches", "2"],
                extra=["--activation-checkpointing", "full", "--loss-chunk", "16"])
+
+
+def pp_cp_parity(tools):
+    """The pipeline's axis with CP inside the stages: PP 2 x CP 2 on 4 ranks, clipped; on 8 ranks PP 2
+    x CP 2 x TP 2 by each --cp-rotate method (-s 64, and 256 under ZBV) and PP 2 x FSDP 2 x CP 2."""
+    out = parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--cp", "2", "--microbatches", "2"], extra=CLIP)
+    assert "context parallel over CP (ring) -> FSDP over FSDP x CP" in out.stdout, out.stdout
+    parity(tools, 4, 8, ["-b", "4", "--pp", "2", "--cp", "2", "--tp", "2", "--cp-rotate", "allgather",
+                         "--microbatches", "2"], extra=CLIP)
+    parity(tools, 4, 8, ["-b", "4", "--pp", "2", "--cp", "2", "--tp", "2", "--schedule", "zbv", "--stages-per-rank",
+                         "2", "--microbatches", "2"], seq=256, steps=10)
+    out = parity(tools, 4, 8, ["-b", "2", "--pp", "2", "--cp", "2", "--microbatches", "2"], steps=10)
+    assert "FSDP 1 of 2, PP 1 of 2, CP 1 of 2" in out.stdout, out.stdout
 
 
 def resume_across_meshes(tools):
@@ -116,5 +130,5 @@ def bad_flags(tools):
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter7": sys.argv[3], "chapter12": sys.argv[4]}
     {"cp2-parity": cp2_parity, "cp4-parity": cp4_parity, "cp-tp-parity": cp_tp_parity,
-     "fsdp-cp-parity": fsdp_cp_parity, "composition-parity": composition_parity,
+     "fsdp-cp-parity": fsdp_cp_parity, "composition-parity": composition_parity, "pp-cp-parity": pp_cp_parity,
      "resume-across-meshes": resume_across_meshes, "bad-flags": bad_flags}[sys.argv[5]](tools)

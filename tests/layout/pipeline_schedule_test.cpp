@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <ranges>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,7 @@
 
 #include <meshtorch/layout/layout.hpp>
 #include <meshtorch/layout/pipeline_schedule.hpp>
+#include <meshtorch/models/llama/plan.hpp>
 
 using namespace meshtorch;
 using pp::Action;
@@ -25,6 +27,9 @@ static_assert(PipelineMesh::size == 32 && PipelineMesh::index_of<PP> == 2);
 static_assert(PipelineMesh::name == "Mesh<DP<2>, FSDP<2>, PP<4>, TP<2>>");
 static_assert(MeshShape<PipelineMesh>{}.slice_ranks<PP>(1) == std::vector{1, 3, 5, 7});
 static_assert(Mesh<PP<dynamic>, TP<2>>::dynamic_count == 1);
+// parallelize builds every axis of it inside the stages, and of the five-axis mesh.
+static_assert(llama::check_pipeline_parallelizable<PipelineMesh>());
+static_assert(llama::check_pipeline_parallelizable<Mesh<DP<2>, FSDP<2>, PP<2>, CP<2>, TP<2>>>());
 
 // The spelling of the issue and the design.
 using S = pp::Schedule<pp::Interleaved1F1B, /*ranks*/ 4, /*stages per rank*/ 2, /*micro-batches*/ 8>;
@@ -260,6 +265,98 @@ TEST_CASE("pipeline schedules: a hand-edited table names its problem") {
     REQUIRE(weight != rank0.end());
     std::iter_swap(input, weight);
     CHECK(pp::check_schedule(zbv).code == pp::ProblemCode::weight_before_input);
+  }
+}
+
+namespace {
+
+// Every stage of every rank gathered once before its first compute action and freed once after
+// its last; the gathers take no tick, so the table keeps its ticks.
+constexpr bool gathers_each_stage_once(pp::ScheduleKind kind, int ranks, int stages_per_rank, int microbatches) {
+  pp::ScheduleShape shape{kind, ranks, stages_per_rank, microbatches};
+  pp::ScheduleTable plain = pp::generate_schedule(shape);
+  shape.stage_gathers = true;
+  pp::ScheduleTable gathered = pp::generate_schedule(shape);
+  if (pp::check_schedule(plain) || pp::check_schedule(gathered) || gathered.ticks != plain.ticks) return false;
+  for (int rank = 0; rank < ranks; ++rank) {
+    const auto& program = gathered.programs[static_cast<std::size_t>(rank)];
+    int unshards = 0, reshards = 0;
+    for (const Action& action : program) {
+      unshards += action.kind == ActionKind::unshard;
+      reshards += action.kind == ActionKind::reshard;
+    }
+    if (unshards != stages_per_rank || reshards != stages_per_rank ||
+        program.size() != plain.programs[static_cast<std::size_t>(rank)].size() + 2 * stages_per_rank)
+      return false;
+  }
+  return true;
+}
+static_assert(gathers_each_stage_once(ScheduleKind::gpipe, 2, 1, 4));
+static_assert(gathers_each_stage_once(ScheduleKind::one_f_one_b, 4, 1, 8));
+static_assert(gathers_each_stage_once(ScheduleKind::interleaved_1f1b, 4, 2, 8));
+static_assert(gathers_each_stage_once(ScheduleKind::zero_bubble_v, 4, 2, 8));
+static_assert(gathers_each_stage_once(ScheduleKind::one_f_one_b, 1, 1, 1));
+
+}  // namespace
+
+TEST_CASE("pipeline schedules: FSDP's stage gathers sit one compute action ahead and after the last") {
+  // 1F1B on 2 ranks, 4 micro-batches: rank 0 gathers stage 0 first thing, rank 1 before its first
+  // receive; each frees its stage after its last backward.
+  const pp::ScheduleTable table = pp::make_schedule(ScheduleKind::one_f_one_b, 2, 1, 4, /*stage_gathers=*/true);
+  const auto actions = [](const std::vector<Action>& program) {
+    std::string text;
+    for (const Action& action : program) text += (text.empty() ? "" : " ") + pp::to_string(action);
+    return text;
+  };
+  INFO(actions(table.programs[0]) << "\n" << actions(table.programs[1]));
+  CHECK(actions(table.programs[0]).starts_with("0UNSHARD 0F0 0SEND_F0"));
+  CHECK(actions(table.programs[0]).ends_with("0RECV_B3 0B3 0RESHARD"));
+  CHECK(actions(table.programs[1]).starts_with("1UNSHARD 1RECV_F0 1F0"));
+  CHECK(actions(table.programs[1]).ends_with("1B3 1RESHARD 1SEND_B3"));
+  const int last_tick = std::ranges::max(table.programs[0] | std::views::transform(&Action::tick));
+  CHECK_THAT(pp::format_grid(table),
+             Catch::Matchers::Contains("rank 0: gathers stage 0 at tick 0, frees stage 0 after tick " +
+                                       std::to_string(last_tick - 1) + "\n"));
+  // Interleaved: a rank's second stage is gathered while its first computes.
+  const pp::ScheduleTable interleaved = pp::make_schedule(ScheduleKind::interleaved_1f1b, 2, 2, 4, true);
+  const auto& rank0 = interleaved.programs[0];
+  const auto second =
+      std::ranges::find_if(rank0, [](const Action& a) { return a.kind == ActionKind::unshard && a.stage == 2; });
+  REQUIRE(second != rank0.end());
+  const auto first_use =
+      std::ranges::find_if(rank0, [](const Action& a) { return pp::is_compute(a.kind) && a.stage == 2; });
+  CHECK(second < first_use);
+  CHECK(std::ranges::count_if(second, first_use, [](const Action& a) { return pp::is_compute(a.kind); }) == 1);
+}
+
+TEST_CASE("pipeline schedules: a hand-edited table's stage gathers name their problem") {
+  pp::ScheduleTable table = pp::make_schedule(ScheduleKind::one_f_one_b, 2, 1, 4, /*stage_gathers=*/true);
+  std::vector<Action>& rank1 = table.programs[1];
+  const auto unshard = std::ranges::find_if(rank1, [](const Action& a) { return a.kind == ActionKind::unshard; });
+  const auto reshard = std::ranges::find_if(rank1, [](const Action& a) { return a.kind == ActionKind::reshard; });
+  REQUIRE((unshard != rank1.end() && reshard != rank1.end()));
+  SECTION("a RESHARD before the stage's last backward") {
+    std::iter_swap(reshard, reshard - 1);  // 1F3 1RESHARD 1B3
+    const pp::Problem problem = pp::check_schedule(table);
+    CHECK(problem.code == pp::ProblemCode::compute_outside_gather);
+    CHECK_THAT(pp::describe(problem, table.shape), Catch::Matchers::Contains("move the UNSHARD before its first"));
+  }
+  SECTION("a dropped UNSHARD") {
+    rank1.erase(unshard);
+    CHECK(pp::check_schedule(table).code == pp::ProblemCode::gather_missing);
+  }
+  SECTION("an UNSHARD twice") {
+    rank1.insert(reshard, Action{ActionKind::unshard, 1, 0});
+    CHECK(pp::check_schedule(table).code == pp::ProblemCode::gather_repeated);
+  }
+  SECTION("an UNSHARD of another rank's stage") {
+    unshard->stage = 0;
+    CHECK(pp::check_schedule(table).code == pp::ProblemCode::stage_on_wrong_rank);
+  }
+  SECTION("an UNSHARD in a table that gathers layer by layer") {
+    pp::ScheduleTable plain = pp::make_schedule(ScheduleKind::one_f_one_b, 2, 1, 4);
+    plain.programs[0].insert(plain.programs[0].begin(), Action{ActionKind::unshard, 0, 0});
+    CHECK(pp::check_schedule(plain).code == pp::ProblemCode::gather_repeated);
   }
 }
 

@@ -147,6 +147,38 @@ TEST_CASE("pipeline stages: each stage's memory is its share of the model's stat
             llama::stage_memory(tied, ddp, run, split.stage(1), 1).parameters ==
         tied_counts.total + tied_counts.embedding);
 
+  // FSDP over 4 ranks inside the stages: a quarter of the trained state. Gathering a layer at a time,
+  // the stage's embedding stays gathered and the working set holds a layer (and one prefetched) with
+  // a reduce-scatter's buffers; gathering the stage at once, its weights count from its UNSHARD to
+  // its RESHARD, in the table.
+  {
+    const llama::LayoutSizes fsdp{.data_parallel = llama::DataParallelKind::fsdp, .data_parallel_ranks = 4};
+    const auto fsdp_bytes = llama::memory_detail::step_bytes(config, fsdp, run);
+    const auto table = pp::make_schedule(pp::ScheduleKind::one_f_one_b, 2, 1, 4);
+    const auto in_flight = pp::microbatches_in_flight(table);
+    const auto first = llama::stage_memory(config, fsdp, run, split.stage(0), in_flight[0]);
+    const auto replicated = llama::stage_memory(config, ddp, run, split.stage(0), in_flight[0]);
+    CHECK(first.trained_state ==
+          Approx(replicated.trained_state / 4 + 4.0 * static_cast<double>(counts.embedding)).epsilon(1e-12));
+    CHECK(first.working == Approx(replicated.working + 2 * fsdp_bytes.layer_unit.gathered +
+                                  fsdp_bytes.layer_unit.full_gradients + fsdp_bytes.layer_unit.send)
+                               .epsilon(1e-12));
+    CHECK(first.stage_gathered == 0);
+
+    auto whole = run;
+    whole.reshard_after_forward = false;
+    const auto gathered_table = pp::make_schedule(pp::ScheduleKind::one_f_one_b, 2, 1, 4, /*stage_gathers=*/true);
+    std::vector<llama::StageMemory> stages;
+    for (int s = 0; s < 2; ++s)
+      stages.push_back(llama::stage_memory(config, fsdp, whole, split.stage(s), in_flight[s]));
+    CHECK(stages[0].trained_state == Approx(replicated.trained_state / 4).epsilon(1e-12));
+    CHECK(stages[0].stage_gathered == 4.0 * static_cast<double>(stages[0].parameters));
+    CHECK(llama::rank_peak(gathered_table, 0, stages) == Approx(stages[0].peak()).epsilon(1e-12));
+    // The same stages under a table without gathers hold their weights throughout: the same peak here,
+    // where one stage per rank computes from its first action to its last.
+    CHECK(llama::rank_peak(table, 0, stages) == Approx(stages[0].peak()).epsilon(1e-12));
+  }
+
   // Interleaved, 2 stages per rank: a rank counts only what its two stages hold at one moment, which
   // is no more than the sum of each stage's own most.
   const pp::StageSplit four(static_cast<int>(config.num_hidden_layers), {2, 1, 1, 2});

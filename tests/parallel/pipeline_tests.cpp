@@ -36,6 +36,9 @@ struct PipelineCase {
   std::vector<int> extents;
   llama::Config config = llama::presets::llama_tiny;
   double max_grad_norm = 0;  // 0: no clipping
+  mt::FsdpOptions fsdp{};    // with an FSDP axis
+  // With FSDP: the all-gathers each layer's unit issues per step (0: not checked).
+  int gathers_per_step = 0;
 };
 
 template <mt::MeshType M>
@@ -48,7 +51,7 @@ void check_pipeline_against_one_process(const PipelineCase& test) {
   llama::materialize(reference, torch::TensorOptions());
   torch::manual_seed(7);
   auto parallel = mt::parallelize(llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta)), mesh,
-                                  {.pipeline = test.pipeline});
+                                  {.fsdp = test.fsdp, .pipeline = test.pipeline});
   INFO(parallel.summary());
   WARN(parallel.summary() << "\n" << parallel.schedule_grid());
 
@@ -85,6 +88,14 @@ void check_pipeline_against_one_process(const PipelineCase& test) {
   }
   WARN(parallel.layout() << ": largest relative loss difference over " << steps << " steps: " << worst
                          << ", of the clipping norm: " << worst_norm);
+  if (test.gathers_per_step > 0) {
+    REQUIRE(parallel.fully_sharded());
+    for (const auto& unit : parallel.fully_sharded()->units())
+      if (unit->name().starts_with("model.layers.")) {
+        INFO(unit->describe());
+        CHECK(unit->gathers_issued() == test.gathers_per_step * steps);
+      }
+  }
 
   // This rank trains only its stages' weights, and they are the reference's.
   auto reference_weights = reference->named_parameters();
@@ -110,6 +121,7 @@ void check_pipeline_against_one_process(const PipelineCase& test) {
 using Pipeline = mt::Mesh<mt::PP<mt::dynamic>>;
 using ReplicatedPipeline = mt::Mesh<mt::DP<mt::dynamic>, mt::PP<mt::dynamic>>;
 using TensorParallelPipeline = mt::Mesh<mt::PP<mt::dynamic>, mt::TP<mt::dynamic>>;
+using ShardedPipeline = mt::Mesh<mt::FSDP<mt::dynamic>, mt::PP<mt::dynamic>>;
 
 // An identity whose backward counts its runs: placed in a graph, it tells whether a part of the
 // graph ran twice.
@@ -182,6 +194,62 @@ TEST_CASE("rank body: a tied embedding under 1F1B on 2 ranks equals one process"
        .max_grad_norm = 0.5});
 }
 
+TEST_CASE("rank body: PP x FSDP on 4 ranks with clipping equals one process", "[.][pipeline_fsdp]") {
+  check_pipeline_against_one_process<ShardedPipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::one_f_one_b, .microbatches = 2},
+       .extents = {mt::from_world_size, 2},
+       .max_grad_norm = 0.5});
+}
+
+// Without resharding after forward, the table gathers each stage once a step (UNSHARD ... RESHARD)
+// and every layer's unit stays gathered through the stage's micro-batches: one all-gather a step.
+TEST_CASE("rank body: PP x FSDP gathering each stage once a step on 4 ranks equals one process",
+          "[.][pipeline_fsdp_stage_gathers]") {
+  check_pipeline_against_one_process<ShardedPipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::interleaved_1f1b, .stages_per_rank = 2, .microbatches = 4},
+       .extents = {mt::from_world_size, 2},
+       .max_grad_norm = 0.5,
+       .fsdp = {.reshard_after_forward = false},
+       .gathers_per_step = 1});
+}
+
+// Resharding after forward, every micro-batch gathers each layer for its forward and its backward.
+TEST_CASE("rank body: PP x FSDP gathering layer by layer on 4 ranks gathers twice per micro-batch",
+          "[.][pipeline_fsdp_layer_gathers]") {
+  check_pipeline_against_one_process<ShardedPipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::gpipe, .microbatches = 2},
+       .extents = {mt::from_world_size, 2},
+       .fsdp = {.reshard_after_forward = true, .prefetch_layers = 0},
+       .gathers_per_step = 4});
+}
+
+// Under FSDP a tied embedding is a unit on the first stage's ranks and on the last's (1F1B: apart,
+// their gradients exchanged) or one unit gathered by both uses on one rank (ZBV's V puts stage 0
+// and the last on rank 0), whose weight step repeats the input path.
+namespace pipeline_tests {
+llama::Config tied_tiny() {
+  llama::Config tied = llama::presets::llama_tiny;
+  tied.tie_word_embeddings = true;
+  return tied;
+}
+}  // namespace pipeline_tests
+
+TEST_CASE("rank body: a tied embedding under 1F1B with FSDP on 4 ranks equals one process", "[.][pipeline_fsdp_tied]") {
+  check_pipeline_against_one_process<ShardedPipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::one_f_one_b, .microbatches = 2},
+       .extents = {mt::from_world_size, 2},
+       .config = tied_tiny(),
+       .max_grad_norm = 0.5});
+}
+
+TEST_CASE("rank body: a tied embedding under ZBV with FSDP on 4 ranks equals one process",
+          "[.][pipeline_fsdp_tied_zbv]") {
+  check_pipeline_against_one_process<ShardedPipeline>(
+      {.pipeline = {.schedule = mt::pp::ScheduleKind::zero_bubble_v, .stages_per_rank = 2, .microbatches = 2},
+       .extents = {mt::from_world_size, 2},
+       .config = tied_tiny()});
+}
+
 TEST_CASE("split backward: the input step, then the weight step, equal one backward and run each node once",
           "[single]") {
   torch::manual_seed(3);
@@ -211,6 +279,21 @@ TEST_CASE("split backward: the input step, then the weight step, equal one backw
   split.weight_gradients();
   CHECK(CountingIdentity::backward_runs == 2);  // nothing on the input's path ran again
   CHECK(torch::allclose(input_gradient, expected[0]));
+  CHECK(torch::allclose(w1.grad(), expected[1]));
+  CHECK(torch::allclose(w2.grad(), expected[2]));
+  CHECK(torch::allclose(norm.grad(), expected[3]));
+
+  // Asked to repeat the input path (FSDP inside the stages), the weight step is one backward from
+  // the output: the same gradients, the input path's nodes that lead to weights run again.
+  for (auto w : {w1, w2, norm}) w.mutable_grad() = torch::Tensor();
+  CountingIdentity::backward_runs = 0;
+  auto repeated_input = x0.clone().requires_grad_(true);
+  mt::SplitBackward repeated(stage(repeated_input), grad_output, repeated_input, {w1, w2, norm},
+                             /*repeat_input_path=*/true);
+  CHECK(torch::allclose(repeated.input_gradient(), expected[0]));
+  CHECK_FALSE(w1.grad().defined());
+  repeated.weight_gradients();
+  CHECK(CountingIdentity::backward_runs == 3);  // again the one between the weights, not the one before w1
   CHECK(torch::allclose(w1.grad(), expected[1]));
   CHECK(torch::allclose(w2.grad(), expected[2]));
   CHECK(torch::allclose(norm.grad(), expected[3]));

@@ -235,7 +235,20 @@ int main(int argc, char** argv) {
     try {
       namespace pp_ = meshtorch::pp;
       const auto kind = *pp_::parse_schedule_flag(schedule);
-      const auto table = pp_::make_schedule(kind, pp, stages_per_rank, microbatches > 0 ? microbatches : pp);
+      // The ranks beside the pipeline's and TP's: FSDP inside the stages (--layout fsdp, gathering a
+      // stage at a time under --no-reshard-after-forward, as the run's table then does) or DDP's
+      // replicas. Without --world, one pipeline.
+      const bool world_given = app.count("--world") > 0;
+      if (world_given && world % (pp * tp) != 0)
+        throw mt::ConfigError("--world " + std::to_string(world) + " is not a multiple of --pp " + std::to_string(pp) +
+                              " x --tp " + std::to_string(tp));
+      const std::int64_t data_parallel_ranks = world_given ? world / (pp * tp) : 1;
+      if (data_parallel != "fsdp" && data_parallel != "ddp")
+        throw mt::ConfigError("--data-parallel " + data_parallel +
+                              " has no pipeline form: the stages are sharded (fsdp) or replicated (ddp)");
+      const bool fsdp_stages = data_parallel == "fsdp" && data_parallel_ranks > 1;
+      const auto table = pp_::make_schedule(kind, pp, stages_per_rank, microbatches > 0 ? microbatches : pp,
+                                            fsdp_stages && !run.reshard_after_forward);
       const double bubble = pp_::bubble_fraction(table);
       // The stages of -m as the run cuts them (by FLOPs at -s), and what each keeps in flight.
       const auto config = checked_config(model, tp);
@@ -244,7 +257,10 @@ int main(int argc, char** argv) {
       const auto counts = *config.parameter_counts();
       // Memory per stage: a micro-batch of -b sequences, weights and AdamW in --dtype, TP inside.
       set_dtypes_and_checkpointing(run, dtype, compute_dtype, checkpointing);
-      const mt::llama::LayoutSizes stage_layout{.data_parallel = mt::llama::DataParallelKind::ddp, .tp = tp};
+      const mt::llama::LayoutSizes stage_layout{
+          .data_parallel = fsdp_stages ? mt::llama::DataParallelKind::fsdp : mt::llama::DataParallelKind::ddp,
+          .data_parallel_ranks = data_parallel_ranks,
+          .tp = tp};
       std::vector<mt::llama::StageMemory> memory;
       nlohmann::json stages = nlohmann::json::array();
       std::string split_problem;  // a schedule of more stages than -m has units still prints
@@ -266,6 +282,7 @@ int main(int argc, char** argv) {
                           {"parameters", parameters},
                           {"microbatches_in_flight", in_flight[static_cast<std::size_t>(s)]},
                           {"trained_state_bytes", memory.back().trained_state},
+                          {"stage_gathered_bytes", memory.back().stage_gathered},
                           {"activation_bytes_per_microbatch", memory.back().activations},
                           {"peak_bytes", memory.back().peak()}});
       }
@@ -295,9 +312,17 @@ int main(int argc, char** argv) {
         else
           std::printf(
               "stages of %s (split by FLOPs at sequence %lld; memory per TP rank of %d, micro-batches of %lld "
-              "sequence%s, %s; DDP inside the stages):\n",
+              "sequence%s, %s; %s):\n",
               model.c_str(), static_cast<long long>(run.seq), tp, static_cast<long long>(run.batch),
-              run.batch == 1 ? "" : "s", dtype.c_str());
+              run.batch == 1 ? "" : "s", dtype.c_str(),
+              !fsdp_stages ? "DDP inside the stages"
+              : run.reshard_after_forward
+                  ? ("FSDP over " + std::to_string(data_parallel_ranks) +
+                     " ranks in each stage, a layer gathered at a time")
+                        .c_str()
+                  : ("FSDP over " + std::to_string(data_parallel_ranks) +
+                     " ranks in each stage, each stage gathered from its UNSHARD to its RESHARD")
+                        .c_str());
         for (const auto& stage : stages)
           std::printf(
               "  stage %d on rank %d: %s, %lld parameters, %d %s activations at once: %s state + %d x %s "

@@ -75,7 +75,9 @@ constexpr std::string_view to_string(ScheduleKind kind) {
 
 // Compute actions take one tick of the table each; sends and receives take none. A send does not
 // wait (an isend); a receive waits until its send has happened. Unshard and reshard (FSDP's
-// gather and free of a stage's parameters) are for the run time to add; no schedule makes them yet.
+// gather and free of a stage's weights, over the FSDP group, not the pipeline's) take no tick
+// either: a table with ScheduleShape::stage_gathers has one of each per stage of a rank, around
+// every compute action of that stage in the step.
 enum class ActionKind : std::uint8_t {
   forward,
   backward,
@@ -148,6 +150,11 @@ struct ScheduleShape {
   int ranks = 1;
   int stages_per_rank = 1;
   int microbatches = 1;
+  // Whether each rank gathers its stages' FSDP weights once a step: an UNSHARD before a stage's
+  // first compute action (one compute action ahead, so the gather runs behind it) and a RESHARD
+  // after its last, as PyTorch's pipelining adds them for FSDP (_add_unshard_reshard). Without,
+  // FSDP gathers layer by layer at every micro-batch's forward and backward, and the table has none.
+  bool stage_gathers = false;
 
   constexpr int stages() const { return ranks * stages_per_rank; }
   // Loop placement (rank r holds r, r + p, r + 2p, ...) except ZBV's V (rank r holds r and 2p-1-r).
@@ -200,6 +207,9 @@ enum class ProblemCode : std::uint8_t {
   deadlock,
   forward_before_previous_stage,
   backward_before_next_stage,
+  gather_missing,
+  gather_repeated,
+  compute_outside_gather,
 };
 
 // The first problem found: what is wrong and the fix (`what`), and for a table's problem the rank

@@ -246,6 +246,55 @@ constexpr Problem check_schedule(ScheduleTable& table) {
     }
   }
 
+  // FSDP's stage gathers: with stage_gathers, each stage a rank holds is gathered once (UNSHARD)
+  // before its first compute action and freed once (RESHARD) after its last; without, none.
+  for (int rank = 0; rank < shape.ranks; ++rank) {
+    const std::vector<Action>& program = table.programs[rank];
+    std::vector<int> unshard_at(static_cast<std::size_t>(stages), -1), reshard_at = unshard_at;
+    for (int position = 0; position < static_cast<int>(program.size()); ++position) {
+      const Action& action = program[position];
+      if (action.kind != ActionKind::unshard && action.kind != ActionKind::reshard) continue;
+      if (action.stage < 0 || action.stage >= stages)
+        return problem_at(ProblemCode::stage_out_of_range,
+                          "an UNSHARD or RESHARD names a stage the pipeline does not have; use stages 0 to ranks x "
+                          "stages per rank - 1",
+                          rank, action);
+      if (shape.rank_of_stage(action.stage) != rank)
+        return problem_at(
+            ProblemCode::stage_on_wrong_rank,
+            "an UNSHARD or RESHARD is on a rank that does not hold its stage; move it to the stage's rank", rank,
+            action);
+      if (!shape.stage_gathers)
+        return problem_at(ProblemCode::gather_repeated,
+                          "an UNSHARD or RESHARD in a table that gathers layer by layer (stage_gathers off); remove "
+                          "it, or build the table with stage_gathers",
+                          rank, action);
+      int& at = (action.kind == ActionKind::unshard ? unshard_at : reshard_at)[static_cast<std::size_t>(action.stage)];
+      if (at >= 0)
+        return problem_at(ProblemCode::gather_repeated,
+                          "a stage is gathered (UNSHARD) or freed (RESHARD) twice in a step; keep one of each", rank,
+                          action);
+      at = position;
+    }
+    if (!shape.stage_gathers) continue;
+    for (int position = 0; position < static_cast<int>(program.size()); ++position) {
+      const Action& action = program[position];
+      if (!is_compute(action.kind)) continue;
+      const int unshard = unshard_at[static_cast<std::size_t>(action.stage)];
+      const int reshard = reshard_at[static_cast<std::size_t>(action.stage)];
+      if (unshard < 0 || reshard < 0)
+        return problem_at(ProblemCode::gather_missing,
+                          "a stage computes without its UNSHARD and RESHARD in the step; add an UNSHARD before its "
+                          "first compute action and a RESHARD after its last",
+                          rank, action);
+      if (position < unshard || position > reshard)
+        return problem_at(ProblemCode::compute_outside_gather,
+                          "a stage computes before its UNSHARD or after its RESHARD; move the UNSHARD before its first "
+                          "compute action and the RESHARD after its last",
+                          rank, action);
+    }
+  }
+
   // Simulate: at each tick every rank first makes the sends and receives it can (a receive only
   // once its send has happened), then runs its next compute action if that is what comes next.
   for (std::vector<Action>& program : table.programs)

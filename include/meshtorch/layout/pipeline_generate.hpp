@@ -4,6 +4,8 @@
 // ScheduleZBVZeroBubble), with the sends and receives between ranks around them. It trusts its
 // shape to pass check_rules() and proves nothing; pipeline_check.hpp checks what it makes.
 #include <algorithm>
+#include <cstddef>
+#include <utility>
 #include <vector>
 
 #include <meshtorch/layout/pipeline_action.hpp>
@@ -123,13 +125,54 @@ constexpr std::vector<Action> with_transfers(const ScheduleShape& shape, const s
   return program;
 }
 
+// A rank's program with an UNSHARD of each of its stages before the compute action that runs just
+// before the stage's first (with the receives that action waits for), so that the gather is on the
+// wire while that action computes, and a RESHARD right after the stage's last compute action.
+constexpr std::vector<Action> with_stage_gathers(const ScheduleShape& shape, int rank,
+                                                 const std::vector<Action>& program) {
+  const int count = static_cast<int>(program.size());
+  std::vector<std::vector<Action>> before(program.size()), after(program.size());
+  for (int stage = 0; stage < shape.stages(); ++stage) {
+    if (shape.rank_of_stage(stage) != rank) continue;
+    int first = -1, last = -1;
+    for (int i = 0; i < count; ++i)
+      if (is_compute(program[i].kind) && program[i].stage == stage) {
+        if (first < 0) first = i;
+        last = i;
+      }
+    if (first < 0) continue;  // a stage with no action has nothing to gather
+    int at = 0;
+    for (int i = first - 1; i >= 0; --i)
+      if (is_compute(program[i].kind)) {
+        at = i;
+        while (at > 0 && (program[at - 1].kind == ActionKind::receive_forward ||
+                          program[at - 1].kind == ActionKind::receive_backward))
+          --at;
+        break;
+      }
+    before[at].push_back({ActionKind::unshard, stage, 0});
+    after[last].push_back({ActionKind::reshard, stage, 0});
+  }
+  std::vector<Action> out;
+  out.reserve(program.size() + 2 * static_cast<std::size_t>(shape.stages_per_rank));
+  for (int i = 0; i < count; ++i) {
+    for (const Action& action : before[i]) out.push_back(action);
+    out.push_back(program[i]);
+    for (const Action& action : after[i]) out.push_back(action);
+  }
+  return out;
+}
+
 }  // namespace detail
 
 // The table of a shape that passes check_rules(), without ticks (check_schedule() sets them).
 constexpr ScheduleTable generate_schedule(const ScheduleShape& shape) {
   ScheduleTable table{shape, {}, 0};
-  for (int rank = 0; rank < shape.ranks; ++rank)
-    table.programs.push_back(detail::with_transfers(shape, detail::compute_order(shape, rank)));
+  for (int rank = 0; rank < shape.ranks; ++rank) {
+    auto program = detail::with_transfers(shape, detail::compute_order(shape, rank));
+    if (shape.stage_gathers) program = detail::with_stage_gathers(shape, rank, program);
+    table.programs.push_back(std::move(program));
+  }
   return table;
 }
 

@@ -47,8 +47,10 @@ inline std::string describe(const Problem& problem, const ScheduleShape& shape) 
 
 // The checked table of a schedule whose extents come at start-up (flags): throws ConfigError naming
 // the flag to change. Takes milliseconds for the sizes training uses.
-inline ScheduleTable make_schedule(ScheduleKind kind, int ranks, int stages_per_rank, int microbatches) {
-  const ScheduleShape shape{kind, ranks, stages_per_rank, microbatches};
+// `stage_gathers`: FSDP inside the stages gathers each stage once a step (ScheduleShape).
+inline ScheduleTable make_schedule(ScheduleKind kind, int ranks, int stages_per_rank, int microbatches,
+                                   bool stage_gathers = false) {
+  const ScheduleShape shape{kind, ranks, stages_per_rank, microbatches, stage_gathers};
   if (const Problem rules = check_rules(shape)) throw ConfigError("pipeline schedule " + describe(rules, shape));
   ScheduleTable table = generate_schedule(shape);
   if (const Problem problem = check_schedule(table)) throw ConfigError("pipeline schedule " + describe(problem, shape));
@@ -98,6 +100,17 @@ inline std::string format_grid(const ScheduleTable& table) {
     for (int tick = 0; tick < ticks; ++tick) row += ' ' + padded(cells[static_cast<std::size_t>(rank) * ticks + tick]);
     while (!row.empty() && row.back() == ' ') row.pop_back();
     text += row + '\n';
+  }
+  // FSDP's stage gathers take no tick: said under the grid, at the tick each is issued.
+  for (int rank = 0; table.shape.stage_gathers && rank < ranks; ++rank) {
+    std::string row = "rank " + std::to_string(rank) + ":";
+    for (const Action& action : table.programs[rank])
+      if (action.kind == ActionKind::unshard)
+        row += " gathers stage " + std::to_string(action.stage) + " at tick " + std::to_string(action.tick) + ",";
+      else if (action.kind == ActionKind::reshard)
+        row += " frees stage " + std::to_string(action.stage) + " after tick " + std::to_string(action.tick - 1) + ",";
+    row.back() = '\n';
+    text += row;
   }
   return text;
 }

@@ -91,27 +91,21 @@ class FullyShardedDataParallel {
  public:
   // `root` is the whole tree; its weights are named by their module paths from it
   // ("model.layers.0.mlp.up_proj.weight"). `adapter` says what the model family adds: without
-  // one, FSDP shards, trains and saves the tree, but init_weights() refuses.
+  // one, FSDP shards, trains and saves the tree, but init_weights() refuses. `keeps` says which
+  // weights this rank shards (unset: all); the others are no unit's and stay as they are (a
+  // pipeline stage shards its own layers and leaves the other stages' on the meta device).
   template <class Holder>
   FullyShardedDataParallel(torch::nn::ModuleHolder<Holder>& root, const comm::AxisGroup& group,
-                           FsdpOptions options = {}, FsdpModelAdapter adapter = {})
+                           FsdpOptions options = {}, FsdpModelAdapter adapter = {},
+                           const std::function<bool(const std::string& name)>& keeps = {})
       : root_(std::static_pointer_cast<torch::nn::Module>(root.ptr())),
         group_(group),
         options_(options),
         adapter_(std::move(adapter)),
         schedule_(std::make_shared<FsdpSchedule>(options_)) {
-    for (auto& [name, leaf] : weight_modules(*root_)) all_leaves_.emplace_back(name + ".weight", leaf);
-    if (options_.prefetch_layers < 0)
-      throw ConfigError(fmt::format("FullyShardedDataParallel: prefetch_layers {} is negative (0: no prefetching)",
-                                    options_.prefetch_layers));
-    if (options_.reduce_scatters_in_flight < 0)
-      throw ConfigError(
-          fmt::format("FullyShardedDataParallel: reduce_scatters_in_flight {} is negative (0: each "
-                      "waited for at once)",
-                      options_.reduce_scatters_in_flight));
-    if (options_.cpu_offload && options_.device.is_cuda() && !torch::cuda::is_available())
-      throw ConfigError(fmt::format("FullyShardedDataParallel: cpu_offload with device {}, but CUDA is not available",
-                                    options_.device.str()));
+    for (auto& [name, leaf] : weight_modules(*root_))
+      if (!keeps || keeps(name + ".weight")) all_leaves_.emplace_back(name + ".weight", leaf);
+    check_options();
   }
 
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
@@ -129,43 +123,27 @@ class FullyShardedDataParallel {
                   "hooks.around(input, body), or shard its WeightModules (which have hooks) one by one");
     const bool is_root = module.ptr().get() == root_.get();
     const std::string name = module_name(module.ptr().get());
-    if (root_sharded_)
-      throw ConfigError(
-          fmt::format("fully_shard('{}'): the root is already sharded; shard the layers first, then "
-                      "the root (rank {})",
-                      name, group_.global_rank()));
     if (name.empty() && !is_root)
       throw ConfigError(
           fmt::format("fully_shard: the module is not part of the model this FullyShardedDataParallel "
                       "was built for (rank {})",
                       group_.global_rank()));
-    std::set<const WeightModule*> inside;
-    for (auto& [n, leaf] : weight_modules(*module)) inside.insert(leaf);
-    std::vector<std::pair<std::string, WeightModule*>> leaves;
-    for (auto& [n, leaf] : all_leaves_)
-      if (inside.count(leaf) && !claimed_.count(leaf)) leaves.emplace_back(n, leaf);
-    if (leaves.empty())
-      throw ConfigError(
-          fmt::format("fully_shard({}): it holds no weight that an earlier fully_shard did not take "
-                      "(rank {})",
-                      (is_root ? std::string("the root") : "'" + name + "'"), group_.global_rank()));
-    for (auto& [n, leaf] : leaves) claimed_.insert(leaf);
-    auto unit_options = options_;
-    if (reshard_after_forward) unit_options.reshard_after_forward = *reshard_after_forward;
-    units_.push_back(std::make_unique<FsdpUnit>(is_root ? std::string("root") : name, is_root, std::move(leaves),
-                                                group_, unit_options, schedule_));
-    FsdpUnit* unit = units_.back().get();
-    schedule_->add(unit, is_root);
-    module->hooks.pre.push_back([this, unit](const torch::Tensor& input) {
-      check_root_sharded(*unit);
-      unit->pre_forward();
-      return input;
-    });
-    module->hooks.post.push_back(
-        [unit](const torch::Tensor&, const torch::Tensor& output) { return unit->post_forward(output); });
-    if (is_root) root_sharded_ = true;
-    return *unit;
+    std::vector<const WeightModule*> inside;
+    for (auto& [n, leaf] : weight_modules(*module)) inside.push_back(leaf);
+    return make_unit(is_root ? std::string("root") : name, is_root, inside, {&module->hooks}, reshard_after_forward);
   }
+
+  // Makes a unit of `modules`' weights (each in the tree, and in no earlier unit) that gathers
+  // before any of `triggers` runs and keeps its weights gathered until its backward: for weights
+  // used outside their own module's forward, as a pipeline stage's output projection reads
+  // lm_head's (or a tied embedding's) under LlamaForCausalLM::head_hooks. A weight used twice in
+  // one step (a tied embedding on a rank that embeds and projects) is one unit with two triggers:
+  // each use gathers, and reduce-scatters its gradient in its own backward.
+  MESHTORCH_DECL FsdpUnit& fully_shard_used_by(const std::string& name, const std::vector<const WeightModule*>& modules,
+                                               const std::vector<ForwardHooks*>& triggers);
+
+  // Whether every weight this rank shards is in a unit (fully_shard(root) takes the rest).
+  bool complete() const { return claimed_.size() == all_leaves_.size(); }
 
   // The shards, named as the full weights: what the optimizer steps.
   MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> named_parameters() const;
@@ -242,9 +220,15 @@ class FullyShardedDataParallel {
   }
 
   MESHTORCH_DECL std::string module_name(const torch::nn::Module* module) const;
+  MESHTORCH_DECL void check_options() const;
+  // The unit of the weights of `modules` that no earlier unit took, hooked on `triggers`.
+  MESHTORCH_DECL FsdpUnit& make_unit(const std::string& name, bool is_root,
+                                     const std::vector<const WeightModule*>& modules,
+                                     const std::vector<ForwardHooks*>& triggers,
+                                     std::optional<bool> reshard_after_forward);
 
-  MESHTORCH_DECL void check_root_sharded(const FsdpUnit& unit) const;
-  MESHTORCH_DECL void check_root_sharded_for(const std::string& what) const;
+  MESHTORCH_DECL void check_complete(const FsdpUnit& unit) const;
+  MESHTORCH_DECL void check_complete_for(const std::string& what) const;
 
   std::shared_ptr<torch::nn::Module> root_;
   comm::AxisGroup group_;
@@ -270,7 +254,7 @@ MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> FullyShardedDa
 }
 
 MESHTORCH_DECL void FullyShardedDataParallel::init_weights() {
-  check_root_sharded_for("init_weights");
+  check_complete_for("init_weights");
   if (!adapter_.initialise)
     throw ConfigError(
         fmt::format("FullyShardedDataParallel::init_weights on rank {}: the FsdpModelAdapter given to the "
@@ -320,7 +304,7 @@ MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> FullyShardedDataParallel::r
 }
 
 MESHTORCH_DECL io::NamedTensors FullyShardedDataParallel::full_state_dict() const {
-  check_root_sharded_for("full_state_dict");
+  check_complete_for("full_state_dict");
   std::map<std::string, torch::Tensor> by_name;
   for (const auto& unit : units_) {
     auto flat = torch::empty({unit->gathered_numel()},
@@ -347,16 +331,83 @@ MESHTORCH_DECL std::string FullyShardedDataParallel::module_name(const torch::nn
   return "";
 }
 
-MESHTORCH_DECL void FullyShardedDataParallel::check_root_sharded(const FsdpUnit& unit) const {
-  if (!root_sharded_)
+MESHTORCH_DECL void FullyShardedDataParallel::check_options() const {
+  if (options_.prefetch_layers < 0)
+    throw ConfigError(fmt::format("FullyShardedDataParallel: prefetch_layers {} is negative (0: no prefetching)",
+                                  options_.prefetch_layers));
+  if (options_.reduce_scatters_in_flight < 0)
     throw ConfigError(
-        fmt::format("FullyShardedDataParallel: forward of {} before the root was sharded; call "
+        fmt::format("FullyShardedDataParallel: reduce_scatters_in_flight {} is negative (0: each "
+                    "waited for at once)",
+                    options_.reduce_scatters_in_flight));
+  if (options_.cpu_offload && options_.device.is_cuda() && !torch::cuda::is_available())
+    throw ConfigError(fmt::format("FullyShardedDataParallel: cpu_offload with device {}, but CUDA is not available",
+                                  options_.device.str()));
+}
+
+MESHTORCH_DECL FsdpUnit& FullyShardedDataParallel::make_unit(const std::string& name, bool is_root,
+                                                             const std::vector<const WeightModule*>& modules,
+                                                             const std::vector<ForwardHooks*>& triggers,
+                                                             std::optional<bool> reshard_after_forward) {
+  const std::string what = is_root ? std::string("the root") : "'" + name + "'";
+  if (root_sharded_)
+    throw ConfigError(
+        fmt::format("fully_shard({}): the root is already sharded; shard the layers first, then "
+                    "the root (rank {})",
+                    what, group_.global_rank()));
+  const std::set<const WeightModule*> inside(modules.begin(), modules.end());
+  std::vector<std::pair<std::string, WeightModule*>> leaves;
+  for (auto& [n, leaf] : all_leaves_)
+    if (inside.count(leaf) && !claimed_.count(leaf)) leaves.emplace_back(n, leaf);
+  if (leaves.empty())
+    throw ConfigError(
+        fmt::format("fully_shard({}): it holds no weight that an earlier fully_shard did not take "
+                    "(rank {})",
+                    what, group_.global_rank()));
+  for (auto& [n, leaf] : leaves) claimed_.insert(leaf);
+  auto unit_options = options_;
+  if (reshard_after_forward) unit_options.reshard_after_forward = *reshard_after_forward;
+  units_.push_back(std::make_unique<FsdpUnit>(name, is_root, std::move(leaves), group_, unit_options, schedule_));
+  FsdpUnit* unit = units_.back().get();
+  schedule_->add(unit, is_root);
+  for (ForwardHooks* hooks : triggers) {
+    hooks->pre.push_back([this, unit](const torch::Tensor& input) {
+      check_complete(*unit);
+      unit->pre_forward();
+      return input;
+    });
+    hooks->post.push_back(
+        [unit](const torch::Tensor&, const torch::Tensor& output) { return unit->post_forward(output); });
+  }
+  if (is_root) root_sharded_ = true;
+  return *unit;
+}
+
+MESHTORCH_DECL FsdpUnit& FullyShardedDataParallel::fully_shard_used_by(const std::string& name,
+                                                                       const std::vector<const WeightModule*>& modules,
+                                                                       const std::vector<ForwardHooks*>& triggers) {
+  for (const WeightModule* module : modules)
+    if (module_name(module).empty())
+      throw ConfigError(
+          fmt::format("fully_shard_used_by('{}'): a module is not part of the model this "
+                      "FullyShardedDataParallel was built for (rank {})",
+                      name, group_.global_rank()));
+  if (triggers.empty())
+    throw ConfigError(fmt::format("fully_shard_used_by('{}'): no trigger; nothing would gather its weights (rank {})",
+                                  name, group_.global_rank()));
+  return make_unit(name, /*is_root=*/false, modules, triggers, /*reshard_after_forward=*/false);
+}
+
+MESHTORCH_DECL void FullyShardedDataParallel::check_complete(const FsdpUnit& unit) const {
+  if (!complete())
+    throw ConfigError(
+        fmt::format("FullyShardedDataParallel: forward of {} before every weight was in a unit; call "
                     "fully_shard(root) after the other units",
                     unit.describe()));
 }
 
-MESHTORCH_DECL void FullyShardedDataParallel::check_root_sharded_for(const std::string& what) const {
-  if (!root_sharded_)
+MESHTORCH_DECL void FullyShardedDataParallel::check_complete_for(const std::string& what) const {
+  if (!complete())
     throw ConfigError(
         fmt::format("FullyShardedDataParallel::{} on rank {}: call fully_shard on the layers and "
                     "then on the root (the model) first",

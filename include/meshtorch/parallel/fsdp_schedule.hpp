@@ -160,7 +160,7 @@ MESHTORCH_DECL void FsdpSchedule::finish_gradients() {
   while (!reductions_.empty()) finish_oldest_reduction();
   while (!gradient_copies_.empty()) land_oldest_gradients();
   for (auto* unit : order_)
-    if (unit->is_gathering()) unit->reshard();
+    if (unit->is_gathering() && !unit->held()) unit->reshard();  // a held unit's gather is for its next use
 }
 
 }  // namespace meshtorch

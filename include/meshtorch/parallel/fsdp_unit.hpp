@@ -64,7 +64,16 @@ class FsdpUnit {
   torch::ScalarType shard_dtype() const { return shard_dtype_; }
   torch::ScalarType param_dtype() const { return options_.mixed_precision.param_dtype.value_or(shard_dtype_); }
   torch::ScalarType reduce_dtype() const { return options_.mixed_precision.reduce_dtype.value_or(param_dtype()); }
-  bool reshards_after_forward() const { return options_.reshard_after_forward && !is_root_; }
+  bool reshards_after_forward() const { return options_.reshard_after_forward && !is_root_ && holds_ == 0; }
+
+  // Keeps the full weights from one use to the next, through forwards and backwards, until every
+  // hold is released: a pipeline stage's weights between its UNSHARD and RESHARD (a tied embedding
+  // used by two stages of one rank is held by both). The last release frees them.
+  void hold() { ++holds_; }
+  MESHTORCH_DECL void release();
+  bool held() const { return holds_ > 0; }
+  // All-gathers of the unit's weights issued so far (for tests and logs: what a schedule costs).
+  std::int64_t gathers_issued() const { return gathers_issued_; }
 
   // Issues the all-gather of the shards (cast to the compute dtype) without waiting for it,
   // unless the full weights already hold the current shards or a gather is on its way.
@@ -89,8 +98,8 @@ class FsdpUnit {
   // The pre-forward hook: gather, and hand the leaves full weights that are outputs of the
   // unit's autograd node (so its backward sees all their gradients at once).
   MESHTORCH_DECL void pre_forward();
-  // The post-forward hook: free the full weights, and mark the output so that its gradient
-  // re-gathers them first.
+  // The post-forward hook: free the full weights (reshards_after_forward), and mark the output
+  // so that its gradient re-gathers them first if they are not there then.
   MESHTORCH_DECL torch::Tensor post_forward(const torch::Tensor& output);
   // Called from the output's backward, before the unit's own backward.
   MESHTORCH_DECL void pre_backward();
@@ -151,12 +160,15 @@ class FsdpUnit {
   std::vector<std::int64_t> block_sizes_;
   std::optional<Gather> gather_;
   std::int64_t gathered_version_ = -1;
+  int holds_ = 0;
+  std::int64_t gathers_issued_ = 0;
 };
 
 }  // namespace meshtorch
 
 #if MESHTORCH_DEFINES(core)
 #include <algorithm>
+#include <stdexcept>
 
 #include <fmt/format.h>
 
@@ -227,6 +239,7 @@ MESHTORCH_DECL void FsdpUnit::start_unshard() {
   auto gathered = torch::empty({gathered_numel()}, input.options());
   auto work = fsdp_detail::start_all_gather_flat(group_, gathered, input, "FSDP all_gather of " + describe());
   gather_.emplace(Gather{std::move(work), std::move(input), std::move(gathered), version});
+  ++gathers_issued_;
 }
 
 MESHTORCH_DECL void FsdpUnit::finish_unshard() {
@@ -247,6 +260,11 @@ MESHTORCH_DECL void FsdpUnit::reshard() {
     gather_.reset();
   }
   fsdp_detail::free_storage(full_storage_);
+}
+
+MESHTORCH_DECL void FsdpUnit::release() {
+  if (holds_ == 0) throw std::logic_error("FsdpUnit::release of " + describe() + " without a hold");
+  if (--holds_ == 0) reshard();
 }
 
 MESHTORCH_DECL void FsdpUnit::gather_full(torch::Tensor destination, torch::ScalarType dtype) const {
@@ -271,7 +289,8 @@ MESHTORCH_DECL FsdpReduction FsdpUnit::start_reduce_scatter(const std::vector<to
   // FSDP2's order, for the peak: the full weights are freed before the send buffer exists, and
   // each gradient is converted to the reduce dtype as it is packed into it, with no copy of its own
   // (at 405B in bf16 the copies and the weights held beside the buffer were 32 GB of a layer's peak).
-  reshard();
+  // A held unit keeps them for its next use.
+  if (!held()) reshard();
   auto send = torch::empty({group_.size(), shard_numel_}, compute_options().dtype(reduce_dtype()));
   at::_chunk_cat_out(send, grads, /*dim=*/0, /*num_chunks=*/group_.size());
   send = send.view({-1});
@@ -398,9 +417,11 @@ MESHTORCH_DECL void FsdpUnit::pre_forward() {
 MESHTORCH_DECL void FsdpUnit::pre_backward() { schedule_->before_backward(*this); }
 
 MESHTORCH_DECL torch::Tensor FsdpUnit::post_forward(const torch::Tensor& output) {
-  if (!reshards_after_forward()) return output;
-  reshard();
+  if (reshards_after_forward()) reshard();
   if (!torch::GradMode::is_enabled() || !output.requires_grad()) return output;
+  // Also on a unit that stays gathered: another forward's backward may have freed its weights
+  // since (a pipeline runs several micro-batches' forwards before their backwards), and then this
+  // one's gathers them again. When they are still there it costs nothing.
   return fsdp_detail::UnshardBeforeBackward::apply(output, this);
 }
 

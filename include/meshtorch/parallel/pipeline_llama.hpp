@@ -15,8 +15,10 @@
 //
 // Axes: PP, with TP inside every stage (the plan's styles, as chapter 6), CP splitting every
 // micro-batch's sequence inside the stages (parallel/context_parallel.hpp: each rank of a stage
-// runs its head-tail chunks; their gradients are averaged with the DP replicas') and DP for
-// replicas. FSDP inside the stages is refused at compile time until it is built (docs/pipeline.md).
+// runs its head-tail chunks), FSDP sharding every stage's weights over FSDP x CP (a unit per
+// decoder layer, and the embedding, the final norm and the head each a unit of its own, gathered
+// and reduce-scattered micro-batch by micro-batch), and DP for replicas, whose gradients (and,
+// without FSDP, the CP ranks') are averaged after the schedule.
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -38,6 +40,7 @@
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/parallel/context_parallel.hpp>
+#include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/parallelize_options.hpp>
 #include <meshtorch/parallel/pipeline_runtime.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
@@ -52,8 +55,14 @@ struct PipelineGroups {
   std::optional<comm::AxisGroup> dp;  // absent without a DP axis
   std::optional<comm::AxisGroup> tp;  // absent without a TP axis
   std::optional<comm::AxisGroup> cp;  // absent without a CP axis
-  // DP and CP merged, the ranks whose gradients are averaged; absent without either.
+  // FSDP and CP merged, the ranks that shard each stage's weights; absent without FSDP.
+  std::optional<comm::AxisGroup> fsdp;
+  // The ranks whose gradients are averaged after the schedule: DP, and CP without FSDP; absent
+  // without either.
   std::optional<comm::AxisGroup> replicas;
+  // DP and FSDP merged, the sampler's group (the CP ranks of a replica read the same batch), and
+  // DP, FSDP and CP merged, over which the loss is averaged; absent without any of them.
+  std::optional<comm::AxisGroup> data_parallel, loss_mean;
   // With TP: the plan's styles as values, its config check, and whether it cuts the sequence
   // between layers (sequence parallel), which sets the shape stages pass.
   const tp_detail::PlanSteps* tp_steps = nullptr;
@@ -84,11 +93,11 @@ class PipelineLlamaRuntime {
   // Clipping by the norm of the whole model's gradient, over every stage and replica counted once.
   MESHTORCH_DECL double clip_grad_norm(double max_norm) const;
 
-  int data_parallel_rank() const { return dp_ ? dp_->rank() : 0; }
-  int data_parallel_size() const { return dp_ ? dp_->size() : 1; }
-  const std::optional<comm::AxisGroup>& data_parallel() const { return dp_; }
-  // The mean over DP (and CP) of a value every rank of a PP group holds the same (step()'s loss,
-  // of which each CP rank holds its chunks' share x CP).
+  int data_parallel_rank() const { return data_parallel_ ? data_parallel_->rank() : 0; }
+  int data_parallel_size() const { return data_parallel_ ? data_parallel_->size() : 1; }
+  const std::optional<comm::AxisGroup>& data_parallel() const { return data_parallel_; }
+  // The mean over DP, FSDP and CP of a value every rank of a PP group holds the same (step()'s
+  // loss, of which each CP rank holds its chunks' share x CP).
   MESHTORCH_DECL torch::Tensor mean_over_data_parallel(torch::Tensor value) const;
   // Any sequence length splits over pipeline stages; context parallel cuts it into 2 x CP chunks,
   // sequence parallel every rank's positions over TP.
@@ -113,6 +122,7 @@ class PipelineLlamaRuntime {
   const llama::LlamaForCausalLM& module() const { return model_; }
   const comm::AxisGroup& world() const { return world_; }
   const comm::AxisGroup& pipeline_group() const { return pp_; }
+  FullyShardedDataParallel* fully_sharded() const { return fsdp_.get(); }
 
  private:
   // Which unit (0 embedding, 1..L layers, L+1 norm and head) an HF weight name belongs to.
@@ -128,6 +138,12 @@ class PipelineLlamaRuntime {
   // Whether this rank writes (and counts in the gradient norm) its piece of the weight: one of
   // identical copies (DP replicas, TP ranks of a weight TP leaves whole, a tied copy).
   MESHTORCH_DECL bool writes(const std::string& name) const;
+  // FSDP inside the stages: a unit per decoder layer this rank holds, and the embedding, the
+  // final norm and the head each a unit, in the order the stages run.
+  MESHTORCH_DECL void shard_stages(const comm::AxisGroup& group);
+  // The table's UNSHARD and RESHARD of a stage: its units gathered and held for the step, then let go.
+  MESHTORCH_DECL void gather_stage(int stage);
+  MESHTORCH_DECL void release_stage(int stage);
   MESHTORCH_DECL void initialise();
   MESHTORCH_DECL void load_weights(const std::filesystem::path& dir);
   MESHTORCH_DECL torch::Tensor stage_forward(int stage, const torch::Tensor& input, int microbatch);
@@ -142,7 +158,7 @@ class PipelineLlamaRuntime {
   llama::LlamaForCausalLM model_;
   ParallelizeOptions options_;
   comm::AxisGroup world_, pp_;
-  std::optional<comm::AxisGroup> dp_, replicas_;
+  std::optional<comm::AxisGroup> dp_, replicas_, data_parallel_, loss_mean_;
   std::string_view mesh_name_;
   std::string coordinate_;
   int replica_ = 0;
@@ -152,6 +168,8 @@ class PipelineLlamaRuntime {
   std::map<std::string, std::vector<std::int64_t>> global_shapes_;  // HF name -> whole shape
   std::unique_ptr<TensorParallelRuntime> tp_;
   std::unique_ptr<ContextParallel> cp_;
+  std::unique_ptr<FullyShardedDataParallel> fsdp_;
+  std::map<int, std::vector<FsdpUnit*>> stage_units_;  // FSDP's units of each of this rank's stages
   bool sequence_parallel_ = false;
   std::unique_ptr<PipelineRunner> runner_;
   // Of the step under way: each micro-batch's next-token targets, the step's token count, positions.
@@ -164,6 +182,9 @@ template <MeshType M>
 class PipelineLlama : public PipelineLlamaRuntime {
   static_assert(llama::check_pipeline_parallelizable<M>());
   static constexpr bool has_tp = M::template has<TP>;
+  static constexpr bool has_dp = M::template has<DP>;
+  static constexpr bool has_fsdp = M::template has<FSDP>;
+  static constexpr bool has_cp = M::template has<CP>;
 
  public:
   using mesh_type = M;
@@ -176,10 +197,12 @@ class PipelineLlama : public PipelineLlamaRuntime {
     std::string out = "pipeline stages over PP";
     if constexpr (has_tp) out += " -> tensor parallel over TP (" + plan::describe_styles() + ") in each stage";
     if constexpr (M::template has<CP>) out += " -> context parallel over CP in each stage";
-    if constexpr (M::template has<DP> && M::template has<CP>)
+    if constexpr (has_fsdp)
+      out += has_cp ? " -> FSDP over FSDP x CP in each stage" : " -> FSDP over FSDP in each stage";
+    if constexpr (has_dp && has_cp && !has_fsdp)
       out += " -> DDP over DP x CP";
-    else if constexpr (M::template has<DP> || M::template has<CP>)
-      out += M::template has<DP> ? " -> DDP over DP" : " -> DDP over CP";
+    else if constexpr (has_dp || (has_cp && !has_fsdp))
+      out += has_dp ? " -> DDP over DP" : " -> DDP over CP";
     return out;
   }
 
@@ -189,12 +212,18 @@ class PipelineLlama : public PipelineLlamaRuntime {
   static PipelineGroups groups_of(const comm::DeviceMesh<M>& mesh) {
     PipelineGroups groups{
         .world = mesh.world(), .pp = mesh.template group<PP>(), .mesh_name = M::name, .coordinate = mesh.describe()};
-    if constexpr (M::template has<DP>) groups.dp = mesh.template group<DP>();
-    if constexpr (M::template has<CP>) groups.cp = mesh.template group<CP>();
-    if constexpr (M::template has<DP> || M::template has<CP>) {
-      groups.replicas = mesh.group(M::template mask_of_present<DP, CP>);
+    if constexpr (has_dp) groups.dp = mesh.template group<DP>();
+    if constexpr (has_cp) groups.cp = mesh.template group<CP>();
+    // The CP ranks of a replica hold different tokens: FSDP shards over them too, or, without
+    // FSDP, their gradients are averaged with the replicas'.
+    if constexpr (has_fsdp) groups.fsdp = mesh.group(M::template mask_of_present<FSDP, CP>);
+    if constexpr (has_dp || (has_cp && !has_fsdp)) {
+      groups.replicas = mesh.group(has_fsdp ? M::template mask_of_present<DP> : M::template mask_of_present<DP, CP>);
       groups.replica = groups.replicas->rank();
     }
+    if constexpr (has_dp || has_fsdp) groups.data_parallel = mesh.group(M::template mask_of_present<DP, FSDP>);
+    if constexpr (has_dp || has_fsdp || has_cp)
+      groups.loss_mean = mesh.group(M::template mask_of_present<DP, FSDP, CP>);
     if constexpr (has_tp) {
       groups.tp = mesh.template group<TP>();
       groups.tp_steps = &tp_steps;
@@ -221,6 +250,7 @@ class PipelineLlama : public PipelineLlamaRuntime {
 #include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/models/weight_module.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
+#include <meshtorch/parallel/fsdp_llama.hpp>
 #include <meshtorch/train/grad_clipping.hpp>
 
 namespace meshtorch {
@@ -233,6 +263,8 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
       pp_(std::move(groups.pp)),
       dp_(std::move(groups.dp)),
       replicas_(std::move(groups.replicas)),
+      data_parallel_(std::move(groups.data_parallel)),
+      loss_mean_(std::move(groups.loss_mean)),
       mesh_name_(groups.mesh_name),
       coordinate_(std::move(groups.coordinate)),
       replica_(groups.replica),
@@ -242,7 +274,11 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
   const int stages = pp_.size() * pipeline.stages_per_rank;
   const int microbatches = pipeline.microbatches > 0 ? pipeline.microbatches : stages;
   // The schedule first: its rules name the flags, and it decides where each stage lives.
-  pp::ScheduleTable table = pp::make_schedule(pipeline.schedule, pp_.size(), pipeline.stages_per_rank, microbatches);
+  // FSDP inside the stages without resharding after forward gathers each stage once a step: the
+  // table's UNSHARD and RESHARD around the stage's actions (docs/pipeline.md).
+  const bool stage_gathers = groups.fsdp && !options_.fsdp.reshard_after_forward;
+  pp::ScheduleTable table =
+      pp::make_schedule(pipeline.schedule, pp_.size(), pipeline.stages_per_rank, microbatches, stage_gathers);
   const int layers = static_cast<int>(config.num_hidden_layers);
   if (!pipeline.units_per_stage.empty()) {
     if (static_cast<int>(pipeline.units_per_stage.size()) != stages)
@@ -262,33 +298,89 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
     groups.validate_tp(config, groups.tp->size(), options_.model_name);
     tp_ = std::make_unique<TensorParallelRuntime>(model_, *groups.tp, *groups.tp_steps);
   }
-  // This rank's weights only: the others stay on the meta device.
-  std::map<std::string, torch::Tensor> by_name;
-  for (auto& [path, leaf] : weight_modules(*model_)) {
-    const std::string name = path + ".weight";
-    if (keeps(name)) {
-      leaf->materialize(torch::TensorOptions().device(options_.device).dtype(leaf->weight.scalar_type()));
-      trained_.emplace_back(name, leaf->weight);
-    }
-    by_name[name] = leaf->weight;
-  }
-  if (tp_) tp_->sum_norm_gradients_into(by_name);  // the norms of other stages never get a gradient
   // Context parallel inside every stage: each layer's attention over the CP group's chunks.
   if (groups.cp) cp_ = std::make_unique<ContextParallel>(model_, *groups.cp, options_.cp_rotate);
   model_->loss_chunk = options_.loss_chunk;
+  // Inside each chosen layer's hooks, so FSDP's gather is not redone.
   checkpoint_activations(model_, options_.activation_checkpointing);
+  // This rank's weights only (FSDP: its rows of them); the others stay on the meta device.
+  std::map<std::string, torch::Tensor> by_name;
+  for (auto& [path, leaf] : weight_modules(*model_)) by_name[path + ".weight"] = leaf->weight;
+  if (groups.fsdp) {
+    shard_stages(*groups.fsdp);
+    trained_ = fsdp_->named_parameters();
+  } else {
+    for (auto& [path, leaf] : weight_modules(*model_)) {
+      const std::string name = path + ".weight";
+      if (!keeps(name)) continue;
+      leaf->materialize(torch::TensorOptions().device(options_.device).dtype(leaf->weight.scalar_type()));
+      trained_.emplace_back(name, leaf->weight);
+    }
+  }
+  for (const auto& [name, weight] : trained_) by_name[name] = weight;
+  if (tp_) tp_->sum_norm_gradients_into(by_name);  // the norms of other stages never get a gradient
   if (options_.weights_from.empty())
     initialise();
   else
     load_weights(options_.weights_from);
 
-  const auto dtype = trained_.empty() ? torch::kFloat : trained_.front().second.scalar_type();
+  auto dtype = trained_.empty() ? torch::kFloat : trained_.front().second.scalar_type();
+  if (fsdp_) dtype = options_.fsdp.mixed_precision.param_dtype.value_or(dtype);  // what the stages compute in
   runner_ = std::make_unique<PipelineRunner>(
       std::move(table), pp_,
       PipelineStages{.forward = [this](int stage, const torch::Tensor& input,
                                        int microbatch) { return stage_forward(stage, input, microbatch); },
                      .parameters = [this](int stage) { return stage_weights(stage); },
-                     .activation_options = torch::TensorOptions().device(options_.device).dtype(dtype)});
+                     .activation_options = torch::TensorOptions().device(options_.device).dtype(dtype),
+                     .weight_step_repeats_input_path = fsdp_ != nullptr,
+                     .unshard = [this](int stage) { gather_stage(stage); },
+                     .reshard = [this](int stage) { release_stage(stage); }});
+}
+
+MESHTORCH_DECL void PipelineLlamaRuntime::gather_stage(int stage) {
+  for (FsdpUnit* unit : stage_units_.at(stage)) {
+    unit->hold();
+    unit->start_unshard();  // on the wire while the action before the stage's first computes
+  }
+}
+
+MESHTORCH_DECL void PipelineLlamaRuntime::release_stage(int stage) {
+  for (FsdpUnit* unit : stage_units_.at(stage)) unit->release();
+}
+
+MESHTORCH_DECL void PipelineLlamaRuntime::shard_stages(const comm::AxisGroup& group) {
+  options_.fsdp.device = options_.device;
+  // Gathering whole stages (the table's UNSHARD, one compute action ahead) is their prefetch; the
+  // units' own would gather the next stage's first layer before its UNSHARD, once more a step.
+  if (!options_.fsdp.reshard_after_forward) options_.fsdp.prefetch_layers = 0;
+  fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, group, options_.fsdp, llama_fsdp_adapter(model_->config),
+                                                     [this](const std::string& name) { return keeps(name); });
+  auto& decoder = *model_->model;
+  const bool tied = model_->config.tie_word_embeddings;
+  const bool holds_head = holds_unit(split_.layers() + 1);
+  // The embedding and the head stay gathered from a micro-batch's forward to its backward (the
+  // head's weight is read outside lm_head's forward, a chunk of the loss at a time); a tied
+  // embedding is one unit gathered by each use this rank makes of it.
+  const auto shard_embedding = [&](bool embeds) {
+    std::vector<ForwardHooks*> uses;
+    if (embeds) uses.push_back(&decoder.embed_tokens->hooks);
+    if (tied && holds_head) uses.push_back(&model_->head_hooks);
+    return &fsdp_->fully_shard_used_by("model.embed_tokens", {decoder.embed_tokens.get()}, uses);
+  };
+  FsdpUnit* embedding = nullptr;
+  for (const int stage : local_stages_) {
+    const pp::StageLayers part = split_.stage(stage);
+    auto& units = stage_units_[stage];
+    if (part.embedding) units.push_back(embedding = shard_embedding(true));
+    for (int layer = part.first_layer; layer < part.end_layer; ++layer)
+      units.push_back(&fsdp_->fully_shard(decoder.decoder_layers[static_cast<std::size_t>(layer)]));
+    if (!part.head) continue;
+    units.push_back(&fsdp_->fully_shard(decoder.norm));
+    if (!tied)
+      units.push_back(&fsdp_->fully_shard_used_by("lm_head", {model_->lm_head.get()}, {&model_->head_hooks}));
+    else
+      units.push_back(embedding ? embedding : (embedding = shard_embedding(false)));  // the head's use of it
+  }
 }
 
 MESHTORCH_DECL int PipelineLlamaRuntime::unit_of(const std::string& name) const {
@@ -323,6 +415,10 @@ MESHTORCH_DECL io::Box PipelineLlamaRuntime::piece_box(const std::string& name) 
   auto box = io::whole(global_shapes_.at(name));
   if (tp_)
     if (const auto dim = tp_->shard_dim(name)) box = io::chunk(box, *dim, tp_->group().rank(), tp_->group().size());
+  if (fsdp_) {
+    const auto [first_row, rows] = fsdp_->rows_of(name);
+    box = io::rows(box, first_row, first_row + rows);
+  }
   return box;
 }
 
@@ -342,12 +438,14 @@ MESHTORCH_DECL void PipelineLlamaRuntime::initialise() {
   torch::NoGradGuard no_grad;
   // Every weight drawn whole in chapter 1's order, so that the random numbers match; this rank
   // keeps its piece of its stages' weights and drops the rest.
+  const std::map<std::string, torch::Tensor> trained(trained_.begin(), trained_.end());
   for (auto& [path, leaf] : weight_modules(*model_)) {
     const std::string name = path + ".weight";
     const auto& shape = global_shapes_.at(name);
     auto full = torch::empty(shape, torch::TensorOptions().device(options_.device).dtype(leaf->weight.dtype()));
     llama::init_weight(*leaf, full, model_->config);
-    if (!leaf->weight.is_meta()) leaf->weight.copy_(io::view_of(full, io::whole(shape), piece_box(name)));
+    if (const auto kept = trained.find(name); kept != trained.end())
+      kept->second.copy_(io::view_of(full, io::whole(shape), piece_box(name)));
   }
 }
 
@@ -460,6 +558,7 @@ MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::step(const torch::Tensor& inp
   if (tp_) tp_->begin_backward_in_pieces();
   torch::Tensor loss = runner_->run(std::vector<torch::Tensor>(id_parts.begin(), id_parts.end()),
                                     {input_ids.size(0) / microbatches, passed_positions, model_->config.hidden_size});
+  if (fsdp_) fsdp_->finish_gradients();  // every reduce-scatter landed before the sums below
   if (tp_) tp_->end_backward_in_pieces();
   targets_.clear();
 
@@ -533,9 +632,9 @@ MESHTORCH_DECL double PipelineLlamaRuntime::clip_grad_norm(double max_norm) cons
 }
 
 MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::mean_over_data_parallel(torch::Tensor value) const {
-  if (!replicas_ || replicas_->size() == 1) return value;
+  if (!loss_mean_ || loss_mean_->size() == 1) return value;
   const auto shape = value.sizes().vec();
-  return comm::all_reduce(*replicas_, value.reshape({1})).reshape(shape) / static_cast<double>(replicas_->size());
+  return comm::all_reduce(*loss_mean_, value.reshape({1})).reshape(shape) / static_cast<double>(loss_mean_->size());
 }
 
 MESHTORCH_DECL std::string PipelineLlamaRuntime::layout() const {
@@ -545,7 +644,9 @@ MESHTORCH_DECL std::string PipelineLlamaRuntime::layout() const {
                                  split_.describe());
   if (tp_) text += fmt::format(" -> tensor parallel over TP{}", sequence_parallel_ ? " (sequence parallel)" : "");
   if (cp_) text += fmt::format(" -> context parallel over CP ({})", cp::to_string(cp_->rotate()));
-  if (replicas_ && replicas_->size() > 1) text += cp_ ? " -> DDP over DP x CP" : " -> DDP over DP";
+  if (fsdp_)
+    text += fmt::format(" -> FSDP over {} ({} units on this rank)", cp_ ? "FSDP x CP" : "FSDP", fsdp_->units().size());
+  if (replicas_ && replicas_->size() > 1) text += cp_ && !fsdp_ ? " -> DDP over DP x CP" : " -> DDP over DP";
   return text;
 }
 

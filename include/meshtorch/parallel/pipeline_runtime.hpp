@@ -47,6 +47,12 @@ struct PipelineStages {
   std::function<std::vector<torch::Tensor>(int stage)> parameters;
   // Dtype and device of the activations passed between stages.
   torch::TensorOptions activation_options;
+  // Whether the weight-gradient step (W) is one backward from the stage's output, repeating the
+  // input path's nodes (SplitBackward's repeat_input_path): under FSDP inside the stages.
+  bool weight_step_repeats_input_path = false;
+  // FSDP's gather of a stage's weights for the rest of the step, and their release: the table's
+  // UNSHARD and RESHARD (ScheduleShape::stage_gathers). Needed only by such a table.
+  std::function<void(int stage)> unshard, reshard;
 };
 
 class PipelineRunner {
@@ -177,8 +183,13 @@ MESHTORCH_DECL torch::Tensor PipelineRunner::run(const std::vector<torch::Tensor
                                 peer_of_stage(s + 1), tag(true, s + 1, m)));
         break;
       case pp::ActionKind::unshard:
-      case pp::ActionKind::reshard:
-        break;  // no schedule makes them yet (pipeline_action.hpp)
+      case pp::ActionKind::reshard: {
+        const auto& gather = action.kind == pp::ActionKind::unshard ? stages_.unshard : stages_.reshard;
+        if (!gather)
+          throw std::logic_error(fmt::format("pipeline: the table gathers stage {} but the stages have no FSDP", s));
+        gather(s);
+        break;
+      }
     }
   }
   for (auto& send : sends_) send.wait();
@@ -264,7 +275,7 @@ MESHTORCH_DECL void PipelineRunner::backward_input(int stage, int microbatch) {
   // The first stage's input is token ids: no gradient to pass on.
   const auto start = std::chrono::steady_clock::now();
   current.split = std::make_shared<SplitBackward>(current.output, grad, stage > 0 ? current.input : torch::Tensor(),
-                                                  stages_.parameters(stage));
+                                                  stages_.parameters(stage), stages_.weight_step_repeats_input_path);
   current.grad_input = current.split->input_gradient();
   add_compute(stage, start);
 }

@@ -13,7 +13,10 @@
 // stage_backward_input / stage_backward_weight, on LibTorch's engine.
 //
 // Without an input gradient (the first stage, whose input is token ids) the weight step is one
-// backward from the output limited to the weights.
+// backward from the output limited to the weights. So it is when the caller asks for it
+// (`repeat_input_path`): under FSDP the weights are behind one gather node per unit, whose backward
+// (the reduce-scatter) must run once with all of the unit's gradients, not once per weight node;
+// that backward repeats the input path's nodes.
 #include <memory>
 #include <vector>
 
@@ -31,9 +34,9 @@ class SplitBackward {
  public:
   // `output`: what the stage computed (a scalar loss needs no `grad_output`); `input`: the
   // stage's input leaf, or undefined when it has no gradient (token ids); `weights`: the stage's
-  // trained tensors.
+  // trained tensors; `repeat_input_path`: the weight step is one backward from the output (above).
   MESHTORCH_DECL SplitBackward(torch::Tensor output, torch::Tensor grad_output, torch::Tensor input,
-                               std::vector<torch::Tensor> weights);
+                               std::vector<torch::Tensor> weights, bool repeat_input_path = false);
 
   // The gradient of the input (undefined without an input). Call once, before weight_gradients().
   MESHTORCH_DECL torch::Tensor input_gradient();
@@ -48,6 +51,7 @@ class SplitBackward {
   std::vector<torch::Tensor> weights_;
   std::vector<std::shared_ptr<Captured>> captured_;
   bool input_done_ = false;
+  bool one_weight_backward_ = false;  // the weight step is one backward from the output
 };
 
 }  // namespace meshtorch
@@ -99,12 +103,13 @@ class KeepGradients : public torch::autograd::FunctionPreHook {
 }  // namespace split_backward_detail
 
 MESHTORCH_DECL SplitBackward::SplitBackward(torch::Tensor output, torch::Tensor grad_output, torch::Tensor input,
-                                            std::vector<torch::Tensor> weights)
+                                            std::vector<torch::Tensor> weights, bool repeat_input_path)
     : output_(std::move(output)),
       grad_output_(std::move(grad_output)),
       input_(std::move(input)),
-      weights_(std::move(weights)) {
-  if (!input_.defined()) return;  // no input step: the weight step runs one backward
+      weights_(std::move(weights)),
+      one_weight_backward_(repeat_input_path || !input_.defined()) {
+  if (one_weight_backward_) return;
   using torch::autograd::Node;
   std::unordered_map<const Node*, std::shared_ptr<Node>> weight_accumulators;
   for (const auto& weight : weights_)
@@ -143,7 +148,10 @@ MESHTORCH_DECL SplitBackward::SplitBackward(torch::Tensor output, torch::Tensor 
     }
     return found;
   };
-  if (!on_path(output_.grad_fn())) return;  // the output does not depend on the input
+  if (!on_path(output_.grad_fn())) {  // the output does not depend on the input
+    one_weight_backward_ = true;
+    return;
+  }
   std::vector<std::shared_ptr<Node>> pending{output_.grad_fn()};
   std::unordered_set<const Node*> seen;
   while (!pending.empty()) {
@@ -179,7 +187,7 @@ MESHTORCH_DECL void SplitBackward::weight_gradients() {
   if (!input_done_) throw std::logic_error("SplitBackward: weight_gradients() before input_gradient()");
   const bool every_node_kept_its_gradient =
       std::all_of(captured_.begin(), captured_.end(), [](const auto& captured) { return captured->received; });
-  if (!input_.defined() || !every_node_kept_its_gradient) {
+  if (one_weight_backward_ || !every_node_kept_its_gradient) {
     // One backward from the output, for the weights only (the graph was kept by the input step).
     std::vector<torch::Tensor> trained;
     for (const auto& weight : weights_)

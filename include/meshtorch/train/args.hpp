@@ -193,7 +193,7 @@ MESHTORCH_DECL void PipelineArgs::add_pipeline_flags(CLI::App& app) {
   // -b keeps its meaning (the batch of a data-parallel rank per step): the pipeline cuts it.
   if (auto* batch = app.get_option_no_throw("--batch-size"))
     batch->description("samples per data-parallel rank and step, split into --microbatches micro-batches");
-  add_extent_flag(app, "--pp", pp, "pipeline stages' ranks (divides the world); the rest is DP");
+  add_extent_flag(app, "--pp", pp, "pipeline stages' ranks (divides the world)");
   std::vector<std::string> schedules;
   for (const auto& [kind, name] : pp::schedule_flag_names) schedules.emplace_back(name);
   app.add_option("--schedule", schedule, "pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zbv")

@@ -315,12 +315,9 @@ consteval bool check_parallelizable() {
 template <MeshType M>
 consteval bool check_pipeline_parallelizable() {
   static_assert(M::template has<PP>, "check_pipeline_parallelizable: the mesh has no PP axis");
-  static_assert(!M::template has<FSDP>,
-                "parallelize: a mesh with PP composes with DP, CP and TP so far; FSDP inside the pipeline stages is "
-                "not built yet: use Mesh<DP, PP, CP, TP> (or drop PP for Mesh<DP, FSDP, CP, TP>)");
   static_assert(detail::AllAxesPipelined<M>::value,
-                "parallelize: the mesh has an axis that no wrapper applies with PP (parallelize knows DP, CP and TP "
-                "there); remove that axis from the Mesh");
+                "parallelize: the mesh has an axis that no wrapper applies with PP (parallelize knows DP, FSDP, CP "
+                "and TP there); remove that axis from the Mesh");
   return true;
 }
 
