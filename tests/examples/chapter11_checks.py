@@ -75,6 +75,10 @@ def fsdp_pp_parity(tools):
     out = parity(tools, 4, 4, ["-b", "2", "--pp", "2", "--schedule", "zbv", "--stages-per-rank", "2",
                                "--microbatches", "2", "--no-reshard-after-forward"], steps=10)
     assert "rank 0: gathers stage 0 at tick 0" in out.stdout and "frees stage 3 after tick" in out.stdout, out.stdout
+    # ZBV layer by layer with every layer checkpointed: their gradients come from the input step's
+    # recomputation, once.
+    parity(tools, 4, 4, ["-b", "2", "--pp", "2", "--schedule", "zbv", "--stages-per-rank", "2", "--microbatches", "2",
+                         "--activation-checkpointing", "full"], steps=10)
 
 
 def pp_tp_parity(tools):
@@ -161,6 +165,13 @@ def bad_flags(tools):
         print(f"{' '.join(args)}: exit {proc.returncode} in {time.monotonic() - started:.1f} s")
         assert proc.returncode != 0, text
         assert needle in text, f"{needle!r} not in:\n{text}"
+    # With FSDP inside the stages (4 ranks: FSDP 2 x PP 2), ZBV's weight step would count a
+    # selectively checkpointed layer's gradients twice: refused, naming the flags.
+    proc = run_pp(tools, 4, "-b", "2", "--pp", "2", "--max-steps", "2", "--schedule", "zbv", "--stages-per-rank", "2",
+                  "--activation-checkpointing", "2", expect_ok=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "--activation-checkpointing 2 with --schedule zbv and FSDP inside the stages" in text, \
+        text
 
 
 if __name__ == "__main__":

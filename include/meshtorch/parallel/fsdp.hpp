@@ -139,8 +139,15 @@ class FullyShardedDataParallel {
   // lm_head's (or a tied embedding's) under LlamaForCausalLM::head_hooks. A weight used twice in
   // one step (a tied embedding on a rank that embeds and projects) is one unit with two triggers:
   // each use gathers, and reduce-scatters its gradient in its own backward.
+  // Such a unit does not prefetch others. `backward_reads_weights` false (an embedding's backward
+  // needs only the ids): its backward does not gather the weights again once they are freed.
   MESHTORCH_DECL FsdpUnit& fully_shard_used_by(const std::string& name, const std::vector<const WeightModule*>& modules,
-                                               const std::vector<ForwardHooks*>& triggers);
+                                               const std::vector<ForwardHooks*>& triggers,
+                                               bool backward_reads_weights = true);
+
+  // Units made from now on run apart from the earlier ones (a pipeline's next stage): neither
+  // prefetches the other's gathers.
+  void start_prefetch_group() { schedule_->start_prefetch_group(); }
 
   // Whether every weight this rank shards is in a unit (fully_shard(root) takes the rest).
   bool complete() const { return claimed_.size() == all_leaves_.size(); }
@@ -362,7 +369,7 @@ MESHTORCH_DECL FsdpUnit& FullyShardedDataParallel::make_unit(const std::string& 
   if (leaves.empty())
     throw ConfigError(
         fmt::format("fully_shard({}): it holds no weight that an earlier fully_shard did not take "
-                    "(rank {})",
+                    "and that this rank shards (the constructor's `keeps`) (rank {})",
                     what, group_.global_rank()));
   for (auto& [n, leaf] : leaves) claimed_.insert(leaf);
   auto unit_options = options_;
@@ -385,7 +392,8 @@ MESHTORCH_DECL FsdpUnit& FullyShardedDataParallel::make_unit(const std::string& 
 
 MESHTORCH_DECL FsdpUnit& FullyShardedDataParallel::fully_shard_used_by(const std::string& name,
                                                                        const std::vector<const WeightModule*>& modules,
-                                                                       const std::vector<ForwardHooks*>& triggers) {
+                                                                       const std::vector<ForwardHooks*>& triggers,
+                                                                       bool backward_reads_weights) {
   for (const WeightModule* module : modules)
     if (module_name(module).empty())
       throw ConfigError(
@@ -395,7 +403,10 @@ MESHTORCH_DECL FsdpUnit& FullyShardedDataParallel::fully_shard_used_by(const std
   if (triggers.empty())
     throw ConfigError(fmt::format("fully_shard_used_by('{}'): no trigger; nothing would gather its weights (rank {})",
                                   name, group_.global_rank()));
-  return make_unit(name, /*is_root=*/false, modules, triggers, /*reshard_after_forward=*/false);
+  FsdpUnit& unit = make_unit(name, /*is_root=*/false, modules, triggers, /*reshard_after_forward=*/false);
+  unit.set_prefetches(false);
+  unit.set_backward_reads_weights(backward_reads_weights);
+  return unit;
 }
 
 MESHTORCH_DECL void FullyShardedDataParallel::check_complete(const FsdpUnit& unit) const {

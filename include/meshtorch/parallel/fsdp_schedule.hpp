@@ -42,13 +42,20 @@ class FsdpSchedule {
       : prefetch_(options.prefetch_layers), in_flight_(options.reduce_scatters_in_flight) {}
 
   // The root runs first (its hook wraps the whole model), then the layers in the order they
-  // were sharded: parallelize shards them in the order they run.
+  // were sharded: parallelize shards them in the order they run. A unit prefetches only units of
+  // its own prefetch group (a pipeline stage's; one group without stages).
   void add(FsdpUnit* unit, bool is_root) {
-    if (is_root)
+    if (is_root) {
       order_.insert(order_.begin(), unit);
-    else
+      group_.insert(group_.begin(), prefetch_group_);
+    } else {
       order_.push_back(unit);
+      group_.push_back(prefetch_group_);
+    }
   }
+  // Units added from now on run apart from the earlier ones (another pipeline stage): neither
+  // prefetches the other.
+  void start_prefetch_group() { ++prefetch_group_; }
 
   MESHTORCH_DECL void before_forward(FsdpUnit& unit);
   MESHTORCH_DECL void before_backward(FsdpUnit& unit);
@@ -77,6 +84,8 @@ class FsdpSchedule {
   std::int64_t prefetch_;
   std::int64_t in_flight_;
   std::vector<FsdpUnit*> order_;
+  std::vector<int> group_;  // each unit's prefetch group, beside order_
+  int prefetch_group_ = 0;
   std::deque<FsdpReduction> reductions_;
   // With cpu_offload: gradients copied (or being copied) to the host, not yet in .grad; at most
   // as many as reduce-scatters in flight.
@@ -105,8 +114,11 @@ MESHTORCH_DECL void FsdpSchedule::before_forward(FsdpUnit& unit) {
   unit.start_unshard();
   // The next units' gathers queue behind this one's and run while this unit computes.
   const auto here = std::find(order_.begin(), order_.end(), &unit);
-  if (!recomputing && here != order_.end())
-    for (auto next = here + 1; next != order_.end() && next - here <= prefetch_; ++next) (*next)->start_unshard();
+  if (!recomputing && here != order_.end() && unit.prefetches()) {
+    const int group = group_[static_cast<std::size_t>(here - order_.begin())];
+    for (auto next = here + 1; next != order_.end() && next - here <= prefetch_; ++next)
+      if (group_[static_cast<std::size_t>(next - order_.begin())] == group) (*next)->start_unshard();
+  }
   unit.finish_unshard();
 }
 
@@ -115,8 +127,11 @@ MESHTORCH_DECL void FsdpSchedule::before_backward(FsdpUnit& unit) {
   unit.start_unshard();
   const auto here = std::find(order_.begin(), order_.end(), &unit);
   std::int64_t issued = 0;
-  for (auto previous = here; here != order_.end() && previous != order_.begin() && issued < prefetch_;) {
+  const bool prefetches = here != order_.end() && unit.prefetches();
+  const int group = prefetches ? group_[static_cast<std::size_t>(here - order_.begin())] : 0;
+  for (auto previous = here; prefetches && previous != order_.begin() && issued < prefetch_;) {
     --previous;
+    if (group_[static_cast<std::size_t>(previous - order_.begin())] != group) break;
     if (!(*previous)->reshards_after_forward()) continue;  // kept gathered since forward
     (*previous)->start_unshard();
     ++issued;

@@ -72,6 +72,13 @@ class FsdpUnit {
   void hold() { ++holds_; }
   MESHTORCH_DECL void release();
   bool held() const { return holds_ > 0; }
+  // Whether the unit's gather issues the next units' (the previous ones' in backward): not for a
+  // unit gathered outside the order the layers run in (FullyShardedDataParallel::fully_shard_used_by).
+  bool prefetches() const { return prefetches_; }
+  void set_prefetches(bool prefetches) { prefetches_ = prefetches; }
+  // Whether backward reads the full weights, so that a unit freed since its forward must gather
+  // them again before its backward (not an embedding's, which needs only the ids).
+  void set_backward_reads_weights(bool reads) { backward_reads_weights_ = reads; }
   // All-gathers of the unit's weights issued so far (for tests and logs: what a schedule costs).
   std::int64_t gathers_issued() const { return gathers_issued_; }
 
@@ -161,6 +168,7 @@ class FsdpUnit {
   std::optional<Gather> gather_;
   std::int64_t gathered_version_ = -1;
   int holds_ = 0;
+  bool prefetches_ = true, backward_reads_weights_ = true;
   std::int64_t gathers_issued_ = 0;
 };
 
@@ -418,7 +426,7 @@ MESHTORCH_DECL void FsdpUnit::pre_backward() { schedule_->before_backward(*this)
 
 MESHTORCH_DECL torch::Tensor FsdpUnit::post_forward(const torch::Tensor& output) {
   if (reshards_after_forward()) reshard();
-  if (!torch::GradMode::is_enabled() || !output.requires_grad()) return output;
+  if (!torch::GradMode::is_enabled() || !output.requires_grad() || !backward_reads_weights_) return output;
   // Also on a unit that stays gathered: another forward's backward may have freed its weights
   // since (a pipeline runs several micro-batches' forwards before their backwards), and then this
   // one's gathers them again. When they are still there it costs nothing.

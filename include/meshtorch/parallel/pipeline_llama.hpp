@@ -144,6 +144,8 @@ class PipelineLlamaRuntime {
   // The table's UNSHARD and RESHARD of a stage: its units gathered and held for the step, then let go.
   MESHTORCH_DECL void gather_stage(int stage);
   MESHTORCH_DECL void release_stage(int stage);
+  // After ZBV's input step (I) of `stage`: frees the layers it gathered, unless the stage is held.
+  MESHTORCH_DECL void free_stage_until_weight_step(int stage);
   MESHTORCH_DECL void initialise();
   MESHTORCH_DECL void load_weights(const std::filesystem::path& dir);
   MESHTORCH_DECL torch::Tensor stage_forward(int stage, const torch::Tensor& input, int microbatch);
@@ -276,7 +278,21 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
   // The schedule first: its rules name the flags, and it decides where each stage lives.
   // FSDP inside the stages without resharding after forward gathers each stage once a step: the
   // table's UNSHARD and RESHARD around the stage's actions (docs/pipeline.md).
+  // FSDP of one rank (FSDP and CP both 1 at run time) would gather and reduce nothing: the stages
+  // keep their weights whole, as without the axis.
+  if (groups.fsdp && groups.fsdp->size() == 1) groups.fsdp.reset();
   const bool stage_gathers = groups.fsdp && !options_.fsdp.reshard_after_forward;
+  // ZBV's weight step under FSDP is one backward from the stage's output (SplitBackward's
+  // repeat_input_path). A checkpointed layer computes its weights' gradients when its backward
+  // runs, in the input step; with an uncheckpointed layer before it in its stage the weight step
+  // reaches it again and would count them twice.
+  if (groups.fsdp && pipeline.schedule == pp::ScheduleKind::zero_bubble_v &&
+      options_.activation_checkpointing.every > 1)
+    throw ConfigError(fmt::format(
+        "--activation-checkpointing {} with --schedule zbv and FSDP inside the stages: ZBV's weight step would "
+        "run the backward of a checkpointed layer again and count its gradients twice; use "
+        "--activation-checkpointing full or none, or another --schedule",
+        options_.activation_checkpointing.every));
   pp::ScheduleTable table =
       pp::make_schedule(pipeline.schedule, pp_.size(), pipeline.stages_per_rank, microbatches, stage_gathers);
   const int layers = static_cast<int>(config.num_hidden_layers);
@@ -333,6 +349,7 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
                      .parameters = [this](int stage) { return stage_weights(stage); },
                      .activation_options = torch::TensorOptions().device(options_.device).dtype(dtype),
                      .weight_step_repeats_input_path = fsdp_ != nullptr,
+                     .after_input_step = [this](int stage) { free_stage_until_weight_step(stage); },
                      .unshard = [this](int stage) { gather_stage(stage); },
                      .reshard = [this](int stage) { release_stage(stage); }});
 }
@@ -346,6 +363,14 @@ MESHTORCH_DECL void PipelineLlamaRuntime::gather_stage(int stage) {
 
 MESHTORCH_DECL void PipelineLlamaRuntime::release_stage(int stage) {
   for (FsdpUnit* unit : stage_units_.at(stage)) unit->release();
+}
+
+MESHTORCH_DECL void PipelineLlamaRuntime::free_stage_until_weight_step(int stage) {
+  if (!fsdp_) return;
+  // The input step gathered every layer on its way (their gather nodes, which free them, run in the
+  // weight step): a layer at a time means freeing them now, to gather again in the weight step.
+  for (FsdpUnit* unit : stage_units_.at(stage))
+    if (!unit->held() && unit->reshards_after_forward()) unit->reshard();
 }
 
 MESHTORCH_DECL void PipelineLlamaRuntime::shard_stages(const comm::AxisGroup& group) {
@@ -364,13 +389,17 @@ MESHTORCH_DECL void PipelineLlamaRuntime::shard_stages(const comm::AxisGroup& gr
   const auto shard_embedding = [&](bool embeds) {
     std::vector<ForwardHooks*> uses;
     if (embeds) uses.push_back(&decoder.embed_tokens->hooks);
-    if (tied && holds_head) uses.push_back(&model_->head_hooks);
-    return &fsdp_->fully_shard_used_by("model.embed_tokens", {decoder.embed_tokens.get()}, uses);
+    const bool projects = tied && holds_head;
+    if (projects) uses.push_back(&model_->head_hooks);
+    // Embedding's backward needs only the ids; projecting's needs the weights.
+    return &fsdp_->fully_shard_used_by("model.embed_tokens", {decoder.embed_tokens.get()}, uses,
+                                       /*backward_reads_weights=*/projects);
   };
   FsdpUnit* embedding = nullptr;
   for (const int stage : local_stages_) {
     const pp::StageLayers part = split_.stage(stage);
     auto& units = stage_units_[stage];
+    if (stage != local_stages_.front()) fsdp_->start_prefetch_group();  // no prefetching across stages
     if (part.embedding) units.push_back(embedding = shard_embedding(true));
     for (int layer = part.first_layer; layer < part.end_layer; ++layer)
       units.push_back(&fsdp_->fully_shard(decoder.decoder_layers[static_cast<std::size_t>(layer)]));
@@ -539,6 +568,10 @@ MESHTORCH_DECL torch::Tensor PipelineLlamaRuntime::step(const torch::Tensor& inp
   // exchange only what this step adds.
   const torch::Tensor tied_before =
       tied_gradient_exchanged() && tied_weight().grad().defined() ? tied_weight().grad().clone() : torch::Tensor();
+  // A step that failed half way left its stages held (UNSHARD without RESHARD): start from none.
+  for (auto& [stage, units] : stage_units_)
+    for (FsdpUnit* unit : units)
+      while (unit->held()) unit->release();
   // Under context parallel this rank runs its chunks of every sequence (at their positions, against
   // their targets), and its loss is CP x its tokens' share of the step's (parallel/context_parallel.hpp).
   const auto held = [this](const torch::Tensor& whole) { return cp_ ? cp_->held(whole) : whole; };

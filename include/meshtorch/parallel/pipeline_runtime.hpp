@@ -50,6 +50,8 @@ struct PipelineStages {
   // Whether the weight-gradient step (W) is one backward from the stage's output, repeating the
   // input path's nodes (SplitBackward's repeat_input_path): under FSDP inside the stages.
   bool weight_step_repeats_input_path = false;
+  // Called after a split backward's input step (I) of a stage, before its weight step (W).
+  std::function<void(int stage)> after_input_step;
   // FSDP's gather of a stage's weights for the rest of the step, and their release: the table's
   // UNSHARD and RESHARD (ScheduleShape::stage_gathers). Needed only by such a table.
   std::function<void(int stage)> unshard, reshard;
@@ -277,6 +279,7 @@ MESHTORCH_DECL void PipelineRunner::backward_input(int stage, int microbatch) {
   current.split = std::make_shared<SplitBackward>(current.output, grad, stage > 0 ? current.input : torch::Tensor(),
                                                   stages_.parameters(stage), stages_.weight_step_repeats_input_path);
   current.grad_input = current.split->input_gradient();
+  if (stages_.after_input_step) stages_.after_input_step(stage);
   add_compute(stage, start);
 }
 

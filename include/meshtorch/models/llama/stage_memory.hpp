@@ -78,11 +78,12 @@ constexpr StageMemory stage_memory(const llama::Config& c, LayoutSizes layout, R
   if (stage.end_layer > stage.first_layer) m.working = bytes.layer_working;
   if (stage.head)
     m.working = std::max({m.working, bytes.loss_forward_working, bytes.loss_backward_working + bytes.rows_gradient});
-  // Gathering a layer at a time: the one computing, the ones prefetched, and a reduce-scatter's
-  // full gradients and send buffer (FsdpUnit's, memory_plan.hpp's UnitBytes).
-  if (fsdp && run.reshard_after_forward && stage.end_layer > stage.first_layer)
-    m.working += (1 + static_cast<double>(bytes.prefetch)) * bytes.layer_unit.gathered +
-                 bytes.layer_unit.full_gradients + bytes.layer_unit.send;
+  // A layer's reduce-scatter: its full gradients and the send buffer (FsdpUnit's, memory_plan.hpp's
+  // UnitBytes); gathering a layer at a time, also the one computing and the ones prefetched.
+  if (fsdp && stage.end_layer > stage.first_layer) {
+    m.working += bytes.layer_unit.full_gradients + bytes.layer_unit.send;
+    if (run.reshard_after_forward) m.working += (1 + static_cast<double>(bytes.prefetch)) * bytes.layer_unit.gathered;
+  }
   return m;
 }
 
