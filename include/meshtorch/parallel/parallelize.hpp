@@ -56,6 +56,7 @@
 #include <meshtorch/parallel/parallelize_options.hpp>
 #include <meshtorch/parallel/pipeline_llama.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
+#include <meshtorch/parallel/weight_piece.hpp>
 #include <meshtorch/parallel/zero_stage2.hpp>
 #include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/adamw.hpp>
@@ -523,13 +524,7 @@ MESHTORCH_DECL void ParallelLlamaRuntime::wait_for_slowest(train::PhaseTimers& t
 
 MESHTORCH_DECL io::Box ParallelLlamaRuntime::piece_box(const std::string& name,
                                                        const std::vector<std::int64_t>& global_shape) const {
-  auto box = io::whole(global_shape);
-  if (tp_)
-    if (const auto dim = tp_->shard_dim(name)) box = io::chunk(box, *dim, tp_->group().rank(), tp_->group().size());
-  if (fsdp_) {
-    const auto [first_row, rows] = fsdp_->rows_of(name);
-    box = io::rows(box, first_row, first_row + rows);
-  }
+  auto box = tp_fsdp_piece(name, global_shape, tp_.get(), fsdp_.get());
   if (zero2_) {
     const auto [first_row, rows] = zero2_->rows_of(name);
     box = io::rows(box, first_row, first_row + rows);

@@ -44,6 +44,7 @@
 #include <meshtorch/parallel/parallelize_options.hpp>
 #include <meshtorch/parallel/pipeline_runtime.hpp>
 #include <meshtorch/parallel/tensor_parallel.hpp>
+#include <meshtorch/parallel/weight_piece.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch {
@@ -128,6 +129,9 @@ class PipelineLlamaRuntime {
   // Which unit (0 embedding, 1..L layers, L+1 norm and head) an HF weight name belongs to.
   MESHTORCH_DECL int unit_of(const std::string& name) const;
   MESHTORCH_DECL bool holds_unit(int unit) const;
+  // Whether the stage computes with the unit's weights: its own units, and on the head's stage a
+  // tied embedding (the one place that rule is written).
+  MESHTORCH_DECL bool uses_unit(const pp::StageLayers& part, int unit) const;
   // Whether this rank keeps the weight: its stages' units, and the tied embedding on the head's stage.
   MESHTORCH_DECL bool keeps(const std::string& name) const;
   // The copy another rank writes and counts: the tied embedding on the last stage's rank when the
@@ -381,15 +385,17 @@ MESHTORCH_DECL void PipelineLlamaRuntime::shard_stages(const comm::AxisGroup& gr
   fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, group, options_.fsdp, llama_fsdp_adapter(model_->config),
                                                      [this](const std::string& name) { return keeps(name); });
   auto& decoder = *model_->model;
-  const bool tied = model_->config.tie_word_embeddings;
-  const bool holds_head = holds_unit(split_.layers() + 1);
+  // Whether this rank's head stage projects with the embedding (tied).
+  const bool projects = std::ranges::any_of(local_stages_, [&](int s) {
+    const pp::StageLayers part = split_.stage(s);
+    return part.head && uses_unit(part, 0);
+  });
   // The embedding and the head stay gathered from a micro-batch's forward to its backward (the
   // head's weight is read outside lm_head's forward, a chunk of the loss at a time); a tied
   // embedding is one unit gathered by each use this rank makes of it.
   const auto shard_embedding = [&](bool embeds) {
     std::vector<ForwardHooks*> uses;
     if (embeds) uses.push_back(&decoder.embed_tokens->hooks);
-    const bool projects = tied && holds_head;
     if (projects) uses.push_back(&model_->head_hooks);
     // Embedding's backward needs only the ids; projecting's needs the weights.
     return &fsdp_->fully_shard_used_by("model.embed_tokens", {decoder.embed_tokens.get()}, uses,
@@ -405,7 +411,7 @@ MESHTORCH_DECL void PipelineLlamaRuntime::shard_stages(const comm::AxisGroup& gr
       units.push_back(&fsdp_->fully_shard(decoder.decoder_layers[static_cast<std::size_t>(layer)]));
     if (!part.head) continue;
     units.push_back(&fsdp_->fully_shard(decoder.norm));
-    if (!tied)
+    if (model_->lm_head)  // absent when tied to the embedding
       units.push_back(&fsdp_->fully_shard_used_by("lm_head", {model_->lm_head.get()}, {&model_->head_hooks}));
     else
       units.push_back(embedding ? embedding : (embedding = shard_embedding(false)));  // the head's use of it
@@ -430,10 +436,16 @@ MESHTORCH_DECL bool PipelineLlamaRuntime::holds_unit(int unit) const {
   return false;
 }
 
+MESHTORCH_DECL bool PipelineLlamaRuntime::uses_unit(const pp::StageLayers& part, int unit) const {
+  const bool layer = unit >= 1 && unit <= split_.layers() && unit - 1 >= part.first_layer && unit - 1 < part.end_layer;
+  // The head's stage projects with a tied embedding: it holds its own copy.
+  const bool embedding = unit == 0 && (part.embedding || (part.head && model_->config.tie_word_embeddings));
+  return layer || embedding || (unit == split_.layers() + 1 && part.head);
+}
+
 MESHTORCH_DECL bool PipelineLlamaRuntime::keeps(const std::string& name) const {
   const int unit = unit_of(name);
-  if (holds_unit(unit)) return true;
-  return unit == 0 && model_->config.tie_word_embeddings && holds_unit(split_.layers() + 1);
+  return std::ranges::any_of(local_stages_, [&](int s) { return uses_unit(split_.stage(s), unit); });
 }
 
 MESHTORCH_DECL bool PipelineLlamaRuntime::is_tied_copy(const std::string& name) const {
@@ -441,14 +453,7 @@ MESHTORCH_DECL bool PipelineLlamaRuntime::is_tied_copy(const std::string& name) 
 }
 
 MESHTORCH_DECL io::Box PipelineLlamaRuntime::piece_box(const std::string& name) const {
-  auto box = io::whole(global_shapes_.at(name));
-  if (tp_)
-    if (const auto dim = tp_->shard_dim(name)) box = io::chunk(box, *dim, tp_->group().rank(), tp_->group().size());
-  if (fsdp_) {
-    const auto [first_row, rows] = fsdp_->rows_of(name);
-    box = io::rows(box, first_row, first_row + rows);
-  }
-  return box;
+  return tp_fsdp_piece(name, global_shapes_.at(name), tp_.get(), fsdp_.get());
 }
 
 MESHTORCH_DECL bool PipelineLlamaRuntime::writes(const std::string& name) const {
@@ -502,13 +507,8 @@ MESHTORCH_DECL void PipelineLlamaRuntime::load_weights(const std::filesystem::pa
 MESHTORCH_DECL std::vector<torch::Tensor> PipelineLlamaRuntime::stage_weights(int stage) const {
   const pp::StageLayers part = split_.stage(stage);
   std::vector<torch::Tensor> weights;
-  for (const auto& [name, weight] : trained_) {
-    const int unit = unit_of(name);
-    const bool embedding = unit == 0 && (part.embedding || (part.head && model_->config.tie_word_embeddings));
-    const bool layer =
-        unit >= 1 && unit <= split_.layers() && unit - 1 >= part.first_layer && unit - 1 < part.end_layer;
-    if (embedding || layer || (unit == split_.layers() + 1 && part.head)) weights.push_back(weight);
-  }
+  for (const auto& [name, weight] : trained_)
+    if (uses_unit(part, unit_of(name))) weights.push_back(weight);
   return weights;
 }
 
