@@ -55,13 +55,8 @@ def command(side, spec, name, args, corpus, runs_dir):
 
 def cp_section(runner, args, corpus, runs_dir, out, machine):
     """The cp section; returns (report, docs sections, runs expected, runs done)."""
-    needed = (args.cp_bin, args.fsdp_bin, args.bin, args.meshrun)
-    missing = [p for p in needed if not os.access(p, os.X_OK)]
-    if missing:
-        line = "cp: skipped: " + ", ".join(os.path.relpath(p, runner.ROOT) for p in missing) + " not built"
-        runner.log(line)
-        print(f"## Context parallel\n\n{line}\n")
-        return line, {}, 0, 0
+    if skipped := runner.skipped_unbuilt("cp", "Context parallel", (args.cp_bin, args.fsdp_bin, args.bin, args.meshrun)):
+        return skipped
     sizes = [s for s in args.par_sizes.split(",") if s]
     for size in sizes:
         if size not in CP_SIZES:
@@ -80,7 +75,7 @@ def cp_section(runner, args, corpus, runs_dir, out, machine):
         spec = CP_SIZES[size]
         for rep in range(1, reps + 1):
             # The order turns every repetition, so a trend in the load favours no side.
-            for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
+            for side in runner.rotated(sides, rep):
                 expected += 1
                 name = f"cp-{size}-{side}-r{rep}"
                 summary = runner.run_cmd(command(side, spec, name, args, corpus, runs_dir), spec, name, args,

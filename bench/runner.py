@@ -75,6 +75,26 @@ def log(msg):
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
+def skipped_unbuilt(name, title, paths):
+    """For a section whose binaries are not all built: logs and prints that it is skipped, and
+    returns the section's (report, docs sections, runs expected, runs done); None when all are."""
+    missing = [p for p in paths if not os.access(p, os.X_OK)]
+    if not missing:
+        return None
+    shown = ", ".join(os.path.relpath(p, ROOT) if str(p).startswith(str(ROOT)) else str(p) for p in missing)
+    line = f"{name}: skipped: {shown} not built"
+    log(line)
+    print(f"## {title}\n\n{line}\n")
+    return line, {}, 0, 0
+
+
+def rotated(items, rep):
+    """`items` turned by `rep` places: the order of a repetition's runs, so that a trend in the
+    machine's load favours none of them."""
+    turn = rep % len(items)
+    return items[turn:] + items[:turn]
+
+
 def parse_args():
     p = argparse.ArgumentParser(prog="bench/run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
@@ -790,12 +810,8 @@ def zero2_command(side, spec, name, args, corpus, runs_dir):
 
 def zero2_section(args, corpus, runs_dir, out, machine):
     """The zero2 section; returns (report, docs sections, runs expected, runs done)."""
-    missing = [p for p in (args.engine_bin, args.meshrun) if not os.access(p, os.X_OK)]
-    if missing and not args.reference_only:
-        line = "zero2: skipped: " + ", ".join(os.path.relpath(p, ROOT) for p in missing) + " not built"
-        log(line)
-        print(f"## ZeRO-2\n\n{line}\n")
-        return line, {}, 0, 0
+    if not args.reference_only and (skipped := skipped_unbuilt("zero2", "ZeRO-2", (args.engine_bin, args.meshrun))):
+        return skipped
     sizes = [s for s in args.par_sizes.split(",") if s]
     if args.quick:
         for s, q in DDP_QUICK.items():
@@ -808,7 +824,7 @@ def zero2_section(args, corpus, runs_dir, out, machine):
         spec = DDP_SIZES[size]
         for rep in range(1, reps + 1):
             # The order turns every repetition, so a trend in the load favours no side.
-            for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
+            for side in rotated(sides, rep):
                 expected += 1
                 name = f"zero2-{size}-{side}-r{rep}"
                 env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
@@ -853,14 +869,9 @@ def par_section(kind, args, corpus, runs_dir, out, machine):
     Python side alone."""
     meta = PAR_SECTIONS[kind]
     ours_bin = getattr(args, meta["bin_arg"])
-    missing = [p for p in (ours_bin, args.meshrun) if not os.access(p, os.X_OK)]
     with_ours = not args.reference_only
-    if with_ours and missing:
-        shown = ", ".join(os.path.relpath(p, ROOT) if p.startswith(str(ROOT)) else p for p in missing)
-        line = f"{kind}: skipped: {shown} not built"
-        log(line)
-        print(f"## {meta['title']}\n\n{line}\n")
-        return line, {}, 0, 0
+    if with_ours and (skipped := skipped_unbuilt(kind, meta["title"], (ours_bin, args.meshrun))):
+        return skipped
     sizes = [s for s in args.par_sizes.split(",") if s]
     for size in sizes:
         if size not in DDP_SIZES:
@@ -970,12 +981,9 @@ def ch5_command(part, side, variant, spec, name, args, corpus, runs_dir):
 
 def ch5_section(args, corpus, runs_dir, out, machine):
     """The ch5 section; returns (report, docs sections, runs expected, runs done)."""
-    missing = [p for p in (args.ch5_bin, args.bin, args.meshrun) if not os.access(p, os.X_OK)]
-    if missing and not args.reference_only:
-        line = "ch5: skipped: " + ", ".join(os.path.relpath(p, ROOT) for p in missing) + " not built"
-        log(line)
-        print(f"## Chapter 5\n\n{line}\n")
-        return line, {}, 0, 0
+    if not args.reference_only and (
+            skipped := skipped_unbuilt("ch5", "Chapter 5", (args.ch5_bin, args.bin, args.meshrun))):
+        return skipped
     sides = ["torch"] if args.reference_only else ["ours", "torch"]
     started = time.perf_counter()
     results, expected = {}, 0
@@ -987,7 +995,7 @@ def ch5_section(args, corpus, runs_dir, out, machine):
                 if side == "ours" or v in meta.get("torch_variants", meta["variants"])]
         for rep in range(1, args.ch5_reps + 1):
             # The order turns every repetition, so a trend in the load favours no run.
-            for v, side in runs[rep % len(runs):] + runs[:rep % len(runs)]:
+            for v, side in rotated(runs, rep):
                 expected += 1
                 name = f"ch5-{part}-{v}-{side}-r{rep}"
                 threads = "2" if part == "loss" else "1"

@@ -50,6 +50,7 @@
 #include <meshtorch/models/llama/weights.hpp>
 #include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/context_parallel.hpp>
+#include <meshtorch/parallel/data_parallel_groups.hpp>
 #include <meshtorch/parallel/ddp.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/fsdp_llama.hpp>
@@ -73,15 +74,11 @@ struct ParallelGroups {
   comm::AxisGroup world;
   std::string_view mesh_name;  // "Mesh<FSDP<2>, TP<2>>"
   std::string coordinate;      // "rank 5 of 8 on cpu: DP 1 of 2, FSDP 0 of 2, TP 1 of 2"
-  // fsdp: FSDP (and CP) merged; dp: the replicas DDP averages over (DP, and CP without FSDP).
-  std::optional<comm::AxisGroup> tp, cp, fsdp, dp;
-  // DP and FSDP merged: the sampler's group; absent without either.
-  std::optional<comm::AxisGroup> data_parallel;
-  // DP, FSDP and CP merged: the ranks whose losses are averaged; absent without any.
-  std::optional<comm::AxisGroup> loss_mean;
+  std::optional<comm::AxisGroup> tp, cp;
+  // FSDP's, DDP's (replicas), the sampler's and the loss's groups.
+  DataParallelGroups data;
   // This rank's node, where the node's local rank 0 reads the weights (WeightsReadBy::local_rank0).
   std::optional<comm::AxisGroup> node;
-  int replica = 0;  // the rank in `dp`: replicas other than 0 write nothing
 };
 
 // What the mesh type's plan gives the run time: its TP styles as values and its checks.
@@ -332,16 +329,7 @@ class ParallelLlama : public ParallelLlamaRuntime {
     ParallelGroups groups{.world = mesh.world(), .mesh_name = M::name, .coordinate = mesh.describe()};
     if constexpr (has_tp) groups.tp = mesh.template group<TP>();
     if constexpr (has_cp) groups.cp = mesh.template group<CP>();
-    // The CP ranks of a replica hold different tokens: FSDP shards over them too, or, without
-    // FSDP, DDP replicates over them.
-    if constexpr (has_fsdp) groups.fsdp = mesh.group(M::template mask_of_present<FSDP, CP>);
-    if constexpr (has_dp || (has_cp && !has_fsdp)) {
-      groups.dp = mesh.group(has_fsdp ? M::template mask_of_present<DP> : M::template mask_of_present<DP, CP>);
-      groups.replica = groups.dp->rank();
-    }
-    if constexpr (has_dp || has_fsdp) groups.data_parallel = mesh.group(M::template mask_of_present<DP, FSDP>);
-    if constexpr (has_dp || has_fsdp || has_cp)
-      groups.loss_mean = mesh.group(M::template mask_of_present<DP, FSDP, CP>);
+    groups.data = data_parallel_groups(mesh);
     // Only asked for when it reads: a job without a node group may still read otherwise.
     if (options.weights_read_by == WeightsReadBy::local_rank0) groups.node = mesh.node();
     return groups;
@@ -402,9 +390,9 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
       wrappers_(std::move(plan.wrappers)),
       validate_sequence_(plan.validate_sequence),
       sequence_parallel_(plan.sequence_parallel),
-      replica_(groups.replica),
-      data_parallel_(std::move(groups.data_parallel)),
-      loss_mean_(std::move(groups.loss_mean)) {
+      replica_(groups.data.replica),
+      data_parallel_(std::move(groups.data.data_parallel)),
+      loss_mean_(std::move(groups.data.loss_mean)) {
   // What building and filling the pieces adds to the resident set at its peak is kept: the
   // measure that no rank held the whole model.
   const auto rss_before_build = train::rss_bytes();
@@ -432,11 +420,11 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
   model_->loss_chunk = options_.loss_chunk;
 
   // 3. FSDP: a unit per decoder layer, then the root; the shards are allocated, the rest not.
-  if (groups.fsdp) {
+  if (groups.data.fsdp) {
     // Under HSDP, DDP's Reducer all-reduces the shards' gradients as autograd delivers them:
     // the reduce-scatters hand their results to autograd at once instead of staying in flight.
-    if (groups.dp && groups.dp->size() > 1) options_.fsdp.reduce_scatters_in_flight = 0;
-    fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, *groups.fsdp, options_.fsdp,
+    if (groups.data.replicas && groups.data.replicas->size() > 1) options_.fsdp.reduce_scatters_in_flight = 0;
+    fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, *groups.data.fsdp, options_.fsdp,
                                                        llama_fsdp_adapter(model_->config));
     // As torchtitan: the last layer keeps its weights from forward to backward, which starts
     // with it (resharding would free them only to gather them again at once).
@@ -462,8 +450,8 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
 
   // 5. Replication over DP: DDP's bucketed all-reduce of whatever this rank trains (nothing to
   //    do for a DP axis of one rank).
-  if (groups.dp) {
-    if (groups.dp->size() > 1) replicate(*groups.dp, plan.zero_stage2);
+  if (groups.data.replicas) {
+    if (groups.data.replicas->size() > 1) replicate(*groups.data.replicas, plan.zero_stage2);
   }
   // The sequence-parallel norms' gradients are summed over TP where the optimizer reads them.
   if (tp_) tp_->sum_norm_gradients_into(trained_by_name());

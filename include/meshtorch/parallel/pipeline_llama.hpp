@@ -40,6 +40,7 @@
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/models/llama/plan.hpp>
 #include <meshtorch/parallel/context_parallel.hpp>
+#include <meshtorch/parallel/data_parallel_groups.hpp>
 #include <meshtorch/parallel/fsdp.hpp>
 #include <meshtorch/parallel/parallelize_options.hpp>
 #include <meshtorch/parallel/pipeline_runtime.hpp>
@@ -53,17 +54,11 @@ namespace meshtorch {
 struct PipelineGroups {
   comm::AxisGroup world;
   comm::AxisGroup pp;
-  std::optional<comm::AxisGroup> dp;  // absent without a DP axis
   std::optional<comm::AxisGroup> tp;  // absent without a TP axis
   std::optional<comm::AxisGroup> cp;  // absent without a CP axis
-  // FSDP and CP merged, the ranks that shard each stage's weights; absent without FSDP.
-  std::optional<comm::AxisGroup> fsdp;
-  // The ranks whose gradients are averaged after the schedule: DP, and CP without FSDP; absent
-  // without either.
-  std::optional<comm::AxisGroup> replicas;
-  // DP and FSDP merged, the sampler's group (the CP ranks of a replica read the same batch), and
-  // DP, FSDP and CP merged, over which the loss is averaged; absent without any of them.
-  std::optional<comm::AxisGroup> data_parallel, loss_mean;
+  // FSDP's (inside each stage), the replicas' (averaged after the schedule), the sampler's and the
+  // loss's groups.
+  DataParallelGroups data;
   // With TP: the plan's styles as values, its config check, and whether it cuts the sequence
   // between layers (sequence parallel), which sets the shape stages pass.
   const tp_detail::PlanSteps* tp_steps = nullptr;
@@ -71,7 +66,6 @@ struct PipelineGroups {
   bool sequence_parallel = false;
   std::string_view mesh_name;
   std::string coordinate;  // "rank 3 of 4 on cpu: DP 1 of 2, PP 1 of 2"
-  int replica = 0;         // the rank in `replicas`: replicas other than 0 write nothing
 };
 
 class PipelineLlamaRuntime {
@@ -164,7 +158,7 @@ class PipelineLlamaRuntime {
   llama::LlamaForCausalLM model_;
   ParallelizeOptions options_;
   comm::AxisGroup world_, pp_;
-  std::optional<comm::AxisGroup> dp_, replicas_, data_parallel_, loss_mean_;
+  std::optional<comm::AxisGroup> replicas_, data_parallel_, loss_mean_;
   std::string_view mesh_name_;
   std::string coordinate_;
   int replica_ = 0;
@@ -218,18 +212,8 @@ class PipelineLlama : public PipelineLlamaRuntime {
   static PipelineGroups groups_of(const comm::DeviceMesh<M>& mesh) {
     PipelineGroups groups{
         .world = mesh.world(), .pp = mesh.template group<PP>(), .mesh_name = M::name, .coordinate = mesh.describe()};
-    if constexpr (has_dp) groups.dp = mesh.template group<DP>();
     if constexpr (has_cp) groups.cp = mesh.template group<CP>();
-    // The CP ranks of a replica hold different tokens: FSDP shards over them too, or, without
-    // FSDP, their gradients are averaged with the replicas'.
-    if constexpr (has_fsdp) groups.fsdp = mesh.group(M::template mask_of_present<FSDP, CP>);
-    if constexpr (has_dp || (has_cp && !has_fsdp)) {
-      groups.replicas = mesh.group(has_fsdp ? M::template mask_of_present<DP> : M::template mask_of_present<DP, CP>);
-      groups.replica = groups.replicas->rank();
-    }
-    if constexpr (has_dp || has_fsdp) groups.data_parallel = mesh.group(M::template mask_of_present<DP, FSDP>);
-    if constexpr (has_dp || has_fsdp || has_cp)
-      groups.loss_mean = mesh.group(M::template mask_of_present<DP, FSDP, CP>);
+    groups.data = data_parallel_groups(mesh);
     if constexpr (has_tp) {
       groups.tp = mesh.template group<TP>();
       groups.tp_steps = &tp_steps;
@@ -267,13 +251,12 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
       options_(options),
       world_(std::move(groups.world)),
       pp_(std::move(groups.pp)),
-      dp_(std::move(groups.dp)),
-      replicas_(std::move(groups.replicas)),
-      data_parallel_(std::move(groups.data_parallel)),
-      loss_mean_(std::move(groups.loss_mean)),
+      replicas_(std::move(groups.data.replicas)),
+      data_parallel_(std::move(groups.data.data_parallel)),
+      loss_mean_(std::move(groups.data.loss_mean)),
       mesh_name_(groups.mesh_name),
       coordinate_(std::move(groups.coordinate)),
-      replica_(groups.replica),
+      replica_(groups.data.replica),
       sequence_parallel_(groups.tp && groups.sequence_parallel) {
   const auto& config = model_->config;
   const PipelineOptions& pipeline = options_.pipeline;
@@ -284,13 +267,13 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
   // table's UNSHARD and RESHARD around the stage's actions (docs/pipeline.md).
   // FSDP of one rank (FSDP and CP both 1 at run time) would gather and reduce nothing: the stages
   // keep their weights whole, as without the axis.
-  if (groups.fsdp && groups.fsdp->size() == 1) groups.fsdp.reset();
-  const bool stage_gathers = groups.fsdp && !options_.fsdp.reshard_after_forward;
+  if (groups.data.fsdp && groups.data.fsdp->size() == 1) groups.data.fsdp.reset();
+  const bool stage_gathers = groups.data.fsdp && !options_.fsdp.reshard_after_forward;
   // ZBV's weight step under FSDP is one backward from the stage's output (SplitBackward's
   // repeat_input_path). A checkpointed layer computes its weights' gradients when its backward
   // runs, in the input step; with an uncheckpointed layer before it in its stage the weight step
   // reaches it again and would count them twice.
-  if (groups.fsdp && pipeline.schedule == pp::ScheduleKind::zero_bubble_v &&
+  if (groups.data.fsdp && pipeline.schedule == pp::ScheduleKind::zero_bubble_v &&
       options_.activation_checkpointing.every > 1)
     throw ConfigError(fmt::format(
         "--activation-checkpointing {} with --schedule zbv and FSDP inside the stages: ZBV's weight step would "
@@ -326,8 +309,8 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
   // This rank's weights only (FSDP: its rows of them); the others stay on the meta device.
   std::map<std::string, torch::Tensor> by_name;
   for (auto& [path, leaf] : weight_modules(*model_)) by_name[path + ".weight"] = leaf->weight;
-  if (groups.fsdp) {
-    shard_stages(*groups.fsdp);
+  if (groups.data.fsdp) {
+    shard_stages(*groups.data.fsdp);
     trained_ = fsdp_->named_parameters();
   } else {
     for (auto& [path, leaf] : weight_modules(*model_)) {
