@@ -14,6 +14,9 @@
   --only ch5): activation checkpointing at llama-100m, sequence 1024, 2 ranks of FSDP (also with
   AdamW stepping in backward, ours only), and the chunked loss at a vocabulary of 128256,
   sequence 2048, in chapter 1;
+- profile: where chapter 1's time goes, op by op: both sides under their profilers (our --profile,
+  torch.profiler in the reference) at llama-tiny, llama-6x384 and llama-100m, 2 threads, fp32, the
+  top ops by self time per step in forward and backward side by side (opt-in: --only profile);
 - compile-time: the cost of including meshtorch.
 Each pair runs in turns (A/B/A/B...) so that a change in the machine's load hits both sides alike,
 then medians and ratios per pair. Run it through bench/run, which prepares the Python environment.
@@ -44,9 +47,12 @@ import context_parallel  # noqa: E402  (bench/context_parallel.py: the cp sectio
 # alone takes seconds (first touch of ~1.2 GB of weights, optimizer state and activations).
 SIZES = {
     "llama-tiny": dict(config=REFERENCE / "configs" / "llama-tiny", batch=8, seq=256, steps=25, warmup=5),
+    # Between them (opt-in through --sizes): hidden 384, head_dim 64, GQA 3:1, a 4096 vocabulary.
+    "llama-6x384": dict(config=REFERENCE / "configs" / "llama-6x384", batch=8, seq=256, steps=12, warmup=3),
     "llama-100m": dict(config=REFERENCE / "configs" / "llama-100m", batch=2, seq=256, steps=5, warmup=2),
 }
-QUICK = {"llama-tiny": dict(steps=8, warmup=3), "llama-100m": dict(steps=3, warmup=1)}
+QUICK = {"llama-tiny": dict(steps=8, warmup=3), "llama-6x384": dict(steps=4, warmup=2),
+         "llama-100m": dict(steps=3, warmup=1)}
 # The DDP section: per-rank batch x sequence as above (so one rank of it is chapter 1's run), fewer
 # steps at llama-tiny, where a step is short and its spread small.
 DDP_SIZES = {
@@ -60,12 +66,12 @@ DDP_QUICK = {"llama-tiny": dict(steps=8, warmup=3), "llama-100m": dict(steps=3, 
 DDP_RANKS = 2
 # A plain bench/run runs DEFAULT_SECTIONS (about 16 minutes on 2 idle cores); the others would take
 # it past 20 minutes (fsdp + tp + 2d about 6 more at llama-tiny, pp about 2 with its three schedules,
-# ch1-bf16 about as long as ch1), so they are opt-in through --only.
-SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "pp", "cp", "zero2", "ch5", "ch1-bf16", "compile-time"]
+# ch1-bf16 about as long as ch1, profile about 4), so they are opt-in through --only.
+SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "pp", "cp", "zero2", "ch5", "ch1-bf16", "profile", "compile-time"]
 DEFAULT_SECTIONS = ["ch1", "ddp", "compile-time"]
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 IMPL_NAMES = {"ours": "meshtorch", "hf-eager": "HF eager", "hf-compile": "HF compile",
-              "ours-1": "meshtorch 1 rank", "hf-1": "PyTorch 1 rank",
+              "ours-unfused": "meshtorch --fused off", "ours-1": "meshtorch 1 rank", "hf-1": "PyTorch 1 rank",
               "ours-ddp": "meshtorch DDP", "torch-ddp": "PyTorch DDP",
               "ours-ddp-zero": "meshtorch DDP + ZeRO", "torch-ddp-zero": "PyTorch DDP + ZeRO"}
 PHASES = ["data", "forward", "backward", "update"]
@@ -107,6 +113,9 @@ def parse_args():
     p.add_argument("--compile-sizes", default="llama-tiny",
                    help="sizes at which the torch.compile variant of the reference runs too ('' for none); "
                         "its first run compiles for about a minute per size")
+    p.add_argument("--unfused-sizes", default="llama-tiny",
+                   help="sizes at which our binary runs with --fused off too (LibTorch's composite ops instead of "
+                        "the fused kernels; '' for none)")
     p.add_argument("--bin", default=str(ROOT / "build" / "bin" / "01-single-gpu"), help="our chapter-1 binary")
     p.add_argument("--reference-only", action="store_true", help="run only the Python side")
     p.add_argument("--ddp-sizes", default=None,
@@ -150,6 +159,8 @@ def parse_args():
     p.add_argument("--ch5-reps", type=int, default=1, help="repetitions of the ch5 section (default 1: ~12 minutes)")
     p.add_argument("--engine-bin", default=str(ROOT / "build" / "bin" / "08-alternative-frameworks"),
                    help="our chapter-8 binary (the zero2 section)")
+    p.add_argument("--profile-sizes", default=",".join(PROFILE_SIZES),
+                   help="sizes of the profile section (comma-separated: " + ", ".join(PROFILE_SIZES) + ")")
     p.add_argument("--quick", action="store_true", help="one run per side and few steps: checks the wiring, not a measurement")
     p.add_argument("--no-compile-time", action="store_true", help="skip the compile-time benchmark")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
@@ -228,8 +239,8 @@ def command(impl, spec, threads, name, args, corpus, runs_dir):
               "--dtype", args.dtype, "--threads", str(threads), "-e", name, "--save-dir", str(runs_dir)]
     ours_flags = ["--device", "cpu", "--ckpt-freq", "1000000"]
     reference = ["--warmup-steps", str(spec["warmup"])]
-    if impl in ("ours", "ours-1"):
-        return [args.bin, *common, *ours_flags]
+    if impl in ("ours", "ours-1", "ours-unfused"):
+        return [args.bin, *common, *ours_flags] + (["--fused", "off"] if impl == "ours-unfused" else [])
     if impl in ("hf-eager", "hf-compile", "hf-1"):
         return [sys.executable, str(REFERENCE / "train_llm_ch1.py"), *common, *reference] + (
             ["--compile"] if impl == "hf-compile" else [])
@@ -327,6 +338,9 @@ def tables(results, args, sizes, threads_list, impls, peaks):
     if "hf-compile" in impls:
         header += " HF compile tokens/s | ours / HF compile |"
         rule += " ---: | ---: |"
+    if "ours-unfused" in impls:
+        header += " meshtorch --fused off tokens/s | fused / unfused |"
+        rule += " ---: | ---: |"
     header += " meshtorch % of peak | HF eager % of peak |"
     rule += " ---: | ---: |"
     header += " meshtorch peak RSS GB | HF eager peak RSS GB | ours / HF eager |"
@@ -341,6 +355,9 @@ def tables(results, args, sizes, threads_list, impls, peaks):
             if "hf-compile" in impls:
                 comp = median_of(r["hf-compile"], "tokens_per_s")
                 row += f" {fmt(comp)} | {paired_ratio(r.get('ours', []), r['hf-compile'], 'tokens_per_s')} |"
+            if "ours-unfused" in impls:
+                unfused = median_of(r["ours-unfused"], "tokens_per_s")
+                row += f" {fmt(unfused)} | {paired_ratio(r.get('ours', []), r['ours-unfused'], 'tokens_per_s')} |"
             flops = train_flops_per_token(SIZES[size]["config"], SIZES[size]["seq"])
             pct = lambda tps: f"{100 * tps * flops / 1e9 / peaks[t]:.0f}%" if tps and peaks.get(t) else "—"
             row += f" {pct(ours)} | {pct(eager)} |"
@@ -406,6 +423,7 @@ def chapter1(args, corpus, runs_dir, out, machine, stem="chapter1"):
     sizes = [s for s in args.sizes.split(",") if s]
     threads_list = [int(t) for t in args.threads.split(",") if t]
     compile_sizes = {s for s in args.compile_sizes.split(",") if s}
+    unfused_sizes = {s for s in args.unfused_sizes.split(",") if s}
     if args.quick:
         for s, q in QUICK.items():
             SIZES[s].update(q)
@@ -419,10 +437,11 @@ def chapter1(args, corpus, runs_dir, out, machine, stem="chapter1"):
     loadavg_start = os.getloadavg()[0]
     peaks = gemm_peaks(threads_list, args.dtype)
     results = {}
-    impls_all = (["ours"] if with_ours else []) + ["hf-eager"] + (["hf-compile"] if compile_sizes & set(sizes) else [])
+    ours_impls = lambda size_set: (["ours"] + (["ours-unfused"] if unfused_sizes & size_set else [])) if with_ours else []
+    impls_all = ours_impls(set(sizes)) + ["hf-eager"] + (["hf-compile"] if compile_sizes & set(sizes) else [])
     expected = 0
     for size in sizes:
-        impls = (["ours"] if with_ours else []) + ["hf-eager"] + (["hf-compile"] if size in compile_sizes else [])
+        impls = ours_impls({size}) + ["hf-eager"] + (["hf-compile"] if size in compile_sizes else [])
         for t in threads_list:
             for rep in range(1, args.reps + 1):
                 for impl in impls:
@@ -1064,6 +1083,148 @@ def ch5_section(args, corpus, runs_dir, out, machine):
     return report, {"ch5": report.split("\n", 2)[2]}, expected, sum(len(v) for v in results.values())
 
 
+# The profile section: chapter 1 under each side's profiler, at chapter 1's batch x sequence per size
+# and a size between them (hidden 384, head_dim 64, GQA 3:1, a 4096 vocabulary of which the byte
+# tokenizer uses 258 ids, so that the head is a large GEMM as in a real model). Each run profiles
+# `steps` steps after `warmup`; the whole section takes about 3 minutes on 2 cores.
+PROFILE_SIZES = {
+    "llama-tiny": dict(config=REFERENCE / "configs" / "llama-tiny", batch=8, seq=256, warmup=5, steps=3),
+    "llama-6x384": dict(config=REFERENCE / "configs" / "llama-6x384", batch=8, seq=256, warmup=5, steps=3),
+    "llama-100m": dict(config=REFERENCE / "configs" / "llama-100m", batch=2, seq=256, warmup=5, steps=3),
+}
+PROFILE_THREADS = 2
+PROFILE_TOP = 12  # ops per phase table
+# Ops that are matrix products (aten::linear and aten::matmul only dispatch to the others: their self
+# time is the dispatch's); attention's fused kernel is counted on its own.
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul", "aten::linear",
+            "aten::mv", "aten::dot"}
+COPY_OPS = ["aten::copy_", "aten::clone", "aten::contiguous"]
+PROFILE_SIDES = {"ours": "meshtorch", "hf-eager": "HF eager"}
+
+
+def profile_totals(phase_ops):
+    """(wall, GEMM, attention, other ops, outside ops) in ms per step and the copy ops' calls, for
+    one phase of an ops.json (or several, summed)."""
+    totals = dict(wall=0.0, gemm=0.0, attention=0.0, other=0.0, outside=0.0, copy_ms=0.0,
+                  **{op: 0.0 for op in COPY_OPS})
+    for phase in phase_ops:
+        totals["wall"] += phase["time_us"] / 1e3
+        in_ops = 0.0
+        for name, op in phase["ops"].items():
+            ms = op["self_us"] / 1e3
+            in_ops += ms
+            if name in GEMM_OPS:
+                totals["gemm"] += ms
+            elif "scaled_dot_product" in name:
+                totals["attention"] += ms
+            else:
+                totals["other"] += ms
+            if name in COPY_OPS:
+                totals[name] += op["calls"]
+                totals["copy_ms"] += ms
+        totals["outside"] += max(0.0, phase["time_us"] / 1e3 - in_ops)
+    return totals
+
+
+def profile_tables(size, spec, profiles):
+    """Markdown for one size: per phase (forward, backward) the top ops by self time, both sides,
+    then the totals per phase and per step."""
+    ours, theirs = profiles.get("ours"), profiles.get("hf-eager")
+    lines = [f"### {size}: batch {spec['batch']} x sequence {spec['seq']}, {spec['steps']} step(s) profiled after "
+             f"{spec['warmup']}", ""]
+    if ours is None and theirs is None:
+        return lines + ["not run", ""]
+    ms = lambda op: f"{op['self_us'] / 1e3:.2f}" if op else "—"
+    calls = lambda op: f"{op['calls']:g}" if op else "—"
+    for phase in ("forward", "backward"):
+        sides = [p["phases"].get(phase, {"ops": {}})["ops"] if p else {} for p in (ours, theirs)]
+        names = sorted(set(sides[0]) | set(sides[1]),
+                       key=lambda n: -max(s.get(n, {"self_us": 0})["self_us"] for s in sides))[:PROFILE_TOP]
+        lines += [f"{phase.capitalize()}, the top {len(names)} ops by self time (ms per step; calls per step):", "",
+                  "| op | meshtorch ms | HF eager ms | meshtorch calls | HF eager calls |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for name in names:
+            a, b = sides[0].get(name), sides[1].get(name)
+            lines.append(f"| `{name}` | {ms(a)} | {ms(b)} | {calls(a)} | {calls(b)} |")
+        lines.append("")
+    lines += ["Totals, ms per step: the phase's wall time, its ops' self time (GEMMs: "
+              + ", ".join(sorted(GEMM_OPS)) + "; attention: the fused scaled-dot-product kernel; every other op), "
+              "the time in no op (framework and interpreter), and the copy ops' calls and self time:", "",
+              "| phase | run | wall | GEMM | attention | other ops | outside ops | "
+              + " / ".join(f"`{op}`" for op in COPY_OPS) + " calls | copies ms |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for phase in ("forward", "backward", "step"):
+        for side, profile in (("ours", ours), ("hf-eager", theirs)):
+            if profile is None:
+                lines.append(f"| {phase} | {PROFILE_SIDES[side]} | not run |  |  |  |  |  |  |")
+                continue
+            phases = list(profile["phases"].values()) if phase == "step" else \
+                [profile["phases"].get(phase, {"time_us": 0.0, "ops": {}})]
+            t = profile_totals(phases)
+            lines.append(f"| {phase} | {PROFILE_SIDES[side]} | {t['wall']:.1f} | {t['gemm']:.1f} | "
+                         f"{t['attention']:.1f} | {t['other']:.1f} | {t['outside']:.1f} | "
+                         + " / ".join(f"{t[op]:g}" for op in COPY_OPS) + f" | {t['copy_ms']:.2f} |")
+    return lines + [""]
+
+
+def profile_section(args, corpus, runs_dir, out, machine):
+    """The profile section: chapter 1 under each side's profiler; returns (report, docs sections,
+    runs expected, runs done)."""
+    if not args.reference_only and (skipped := skipped_unbuilt("profile", "Chapter 1 op profile", (args.bin,))):
+        return skipped
+    sizes = [s for s in args.profile_sizes.split(",") if s]
+    for s in sizes:
+        if s not in PROFILE_SIZES:
+            sys.exit(f"bench/run: unknown profile size {s!r}; known: {', '.join(PROFILE_SIZES)}")
+    sides = ["hf-eager"] if args.reference_only else ["ours", "hf-eager"]
+    fp32 = argparse.Namespace(**{**vars(args), "dtype": "float32"})
+    started = time.perf_counter()
+    results, expected = {}, 0
+    for size in sizes:
+        spec = dict(PROFILE_SIZES[size], **(dict(warmup=1, steps=1) if args.quick else {}))
+        # One step after the profiled ones: our run saves a checkpoint at its last step (-e), which
+        # would land in the last profiled step's "other" phase.
+        run_spec = dict(spec, steps=spec["warmup"] + spec["steps"] + 1)
+        for side in sides:
+            expected += 1
+            name = f"profile-{size}-{side}"
+            folder = runs_dir / name / "profile"
+            cmd = command(side, run_spec, PROFILE_THREADS, name, fp32, corpus, runs_dir) + [
+                "--profile", str(folder), "--profile-from", str(spec["warmup"] + 1),
+                "--profile-steps", str(spec["steps"])]
+            env = dict(os.environ, OMP_NUM_THREADS=str(PROFILE_THREADS), MKL_NUM_THREADS=str(PROFILE_THREADS),
+                       HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+            if run_cmd(cmd, run_spec, name, fp32, runs_dir, env) is None:
+                continue
+            ops = folder / "ops.json"
+            if not ops.exists():
+                log(f"{name}: no {ops}")
+                continue
+            results[(size, side)] = json.loads(ops.read_text())
+    minutes = round((time.perf_counter() - started) / 60, 1)
+    lines = [f"## Chapter 1 op profile ({machine['date']}, commit {machine['commit']})", "",
+             f"{machine['cpu']}, {machine['cores']} cores; chapter 1, float32, {PROFILE_THREADS} threads, one run per "
+             f"side and size; {minutes} minutes. meshtorch: `01-single-gpu --profile` (LibTorch's Kineto profiler); HF "
+             "eager: `train_llm_ch1.py --profile` (torch.profiler). An op's self time is its time less that of the "
+             "ops nested in it, counted in the phase (user scope) it ran in; both profilers add a few microseconds per "
+             "op, so small ops look dearer than they are.", ""]
+    if args.quick:
+        lines += ["**--quick: one profiled step after one warm-up step per side; this checks the wiring and measures "
+                  "nothing.**", ""]
+    for size in sizes:
+        spec = dict(PROFILE_SIZES[size], **(dict(warmup=1, steps=1) if args.quick else {}))
+        lines += profile_tables(size, spec, {side: results.get((size, side)) for side in sides})
+    report = "\n".join(lines)
+    (out / "profile.md").write_text(report)
+    (out / "profile.json").write_text(json.dumps(
+        {"machine": machine,
+         "runs": [{"size": size, "side": side, **profile} for (size, side), profile in results.items()]},
+        indent=1))
+    print(report)
+    log(f"tables written to {out / 'profile.md'} (each side's ops.json in {out / 'profile.json'})")
+    return report, {"profile": report.split("\n", 2)[2]}, expected, len(results)
+
+
 def main():
     args = parse_args()
     sections = SECTIONS if args.only == "all" else [s for s in args.only.split(",") if s]
@@ -1094,7 +1255,8 @@ def main():
             ("cp", lambda: context_parallel.cp_section(sys.modules[__name__], args, corpus, runs_dir, out, machine)),
             ("zero2", lambda: zero2_section(args, corpus, runs_dir, out, machine)),
             ("ch5", lambda: ch5_section(args, corpus, runs_dir, out, machine)),
-            ("ch1-bf16", lambda: chapter1(bf16_args, corpus, runs_dir, out, machine, stem="chapter1-bf16"))]
+            ("ch1-bf16", lambda: chapter1(bf16_args, corpus, runs_dir, out, machine, stem="chapter1-bf16")),
+            ("profile", lambda: profile_section(args, corpus, runs_dir, out, machine))]
     for name, section in runs:
         if name in sections:
             _, section_docs, e, d = section()

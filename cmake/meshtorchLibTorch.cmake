@@ -27,6 +27,7 @@ function(meshtorch_find_libtorch)
     add_library(meshtorch::torch INTERFACE IMPORTED GLOBAL)
     target_link_libraries(meshtorch::torch INTERFACE ${TORCH_LIBRARIES})
     target_compile_definitions(meshtorch::torch INTERFACE MESHTORCH_WITH_CUDA=1)
+    meshtorch_link_openmp_of_libtorch("${MESHTORCH_LIBTORCH}")
     return()
   endif()
 
@@ -56,4 +57,25 @@ function(meshtorch_find_libtorch)
   target_link_libraries(meshtorch::torch INTERFACE
     "${MESHTORCH_torch_cpu_LIBRARY}" "${MESHTORCH_c10_LIBRARY}" Threads::Threads)
   target_link_options(meshtorch::torch INTERFACE "-Wl,-rpath,${MESHTORCH_LIBTORCH}/lib")
+  meshtorch_link_openmp_of_libtorch("${MESHTORCH_LIBTORCH}")
+endfunction()
+
+# at::parallel_for is a template whose OpenMP backend (ATen/ParallelOpenMP.h) is a `#pragma omp
+# parallel` compiled into the caller: without -fopenmp a program's own parallel loops (the fused
+# kernels of kernels/) run on one thread whatever at::set_num_threads says. LibTorch's CMake files
+# do not say so, as PyTorch's C++ extensions add -fopenmp themselves. The runtime is the one
+# LibTorch loads (libgomp.so.1, found first through LibTorch's lib/ on the rpath), so one
+# set_num_threads governs both.
+function(meshtorch_link_openmp_of_libtorch prefix)
+  file(STRINGS "${prefix}/include/ATen/Config.h" openmp_line REGEX "#define AT_PARALLEL_OPENMP 1")
+  if(NOT openmp_line)
+    return()
+  endif()
+  find_package(OpenMP COMPONENTS CXX)
+  if(NOT OpenMP_CXX_FOUND)
+    message(FATAL_ERROR "meshtorch: this LibTorch parallelises with OpenMP (AT_PARALLEL_OPENMP), and the compiler's "
+                        "OpenMP was not found: at::parallel_for in meshtorch's kernels would run on one thread "
+                        "(Debian: GCC's libgomp comes with g++; for Clang install libomp-dev)")
+  endif()
+  target_link_libraries(meshtorch::torch INTERFACE OpenMP::OpenMP_CXX)
 endfunction()

@@ -9,7 +9,12 @@ without network access and to be measured against build/bin/01-single-gpu:
 - device is the CPU; --dtype picks float32 or bfloat16 (the guide hard-codes bfloat16 on CUDA);
 - --threads sets torch.set_num_threads; --compile turns torch.compile on (the guide compiles);
 - --max-steps stops early; --warmup-steps are left out of the summary;
-- no checkpointing and no wandb: this script only measures.
+- no checkpointing and no wandb: this script only measures;
+- --profile DIR records --profile-steps steps from the --profile-from'th with torch.profiler (CPU),
+  each phase a record_function("data"/"forward"/"backward"/"update"), and writes DIR/trace.json and
+  DIR/ops.json in the shape our --profile writes (include/meshtorch/train/profiler.hpp): per phase,
+  per op name, per step, calls and self and total time, an op's self time being its time less that
+  of the ops nested in it on its thread (torch.profiler's self_cpu_time_total).
 Every --log-freq steps it logs the guide's info dict (and appends it to
 <save-dir>/<experiment-name>/metrics.jsonl when -e is given), measured as our binary measures it:
 tokens/s and time/total from the wall clock since the last log line (the guide sums its phase
@@ -19,6 +24,7 @@ stdout: medians over the log lines after --warmup-steps, and the highest peak RS
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -88,6 +94,7 @@ def main():
 
     state = {"epoch": 0, "global_step": 0, "epoch_step": 0, "running_loss": 0, "running_steps": 0}
     timers = {k: LocalTimer(device) for k in ["data", "forward", "backward", "update"]}
+    profiler = StepProfiler(args)
     records = []
     done = False
     reset_peak_rss()
@@ -96,17 +103,18 @@ def main():
     for state["epoch"] in range(state["epoch"], args.num_epochs):
         batches = iter(dataloader)
         for i_step in range(len(dataloader)):
-            with timers["data"], torch.no_grad():
+            profiler.begin_step(state["global_step"] + 1)
+            with timers["data"], profiler.phase("data"), torch.no_grad():
                 batch = next(batches)
                 batch = {k: v.to(device=device) for k, v in batch.items()}
 
-            with timers["forward"]:
+            with timers["forward"], profiler.phase("forward"):
                 outputs = model(**batch)
 
-            with timers["backward"]:
+            with timers["backward"], profiler.phase("backward"):
                 outputs.loss.backward()
 
-            with timers["update"]:
+            with timers["update"], profiler.phase("update"):
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -144,12 +152,14 @@ def main():
                 reset_peak_rss()
                 last_log = time.perf_counter()
 
+            profiler.end_step()
             if args.max_steps and state["global_step"] >= args.max_steps:
                 done = True
                 break
         state["epoch_step"] = 0
         if done:
             break
+    profiler.end_run()
 
     summary = summarize(records, args.warmup_steps)
     summary.update(
@@ -163,6 +173,73 @@ def main():
         torch=torch.__version__,
     )
     print(json.dumps(summary), flush=True)
+
+
+class StepProfiler:
+    """--profile: torch.profiler over --profile-steps steps from the run's --profile-from'th, written
+    as our binary's --profile writes them (DIR/trace.json, DIR/ops.json)."""
+
+    PHASES = ("data", "forward", "backward", "update")
+    OUTSIDE = "other"  # the phase of ops that ran outside every phase
+
+    def __init__(self, args):
+        self.dir, self.first, self.steps = args.profile, args.profile_from, args.profile_steps
+        self.prof, self.profiled, self.first_global_step = None, 0, 0
+
+    def phase(self, name):
+        # Only while recording: record_function is an op call even with the profiler off.
+        return torch.profiler.record_function(name) if self.prof is not None else contextlib.nullcontext()
+
+    def begin_step(self, global_step):
+        if self.dir and global_step == self.first:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.prof.start()
+            self.first_global_step = global_step
+            LOGGER.info(f"profile: recording {self.steps} step(s) from global_step {global_step} into {self.dir}")
+
+    def end_step(self):
+        if self.prof is not None:
+            self.profiled += 1
+            if self.profiled == self.steps:
+                self._stop(complete=True)
+
+    def end_run(self):
+        if self.prof is not None:
+            self._stop(complete=False)
+
+    def _stop(self, complete):
+        prof, self.prof = self.prof, None
+        prof.stop()
+        steps = max(self.profiled, 1)
+        phases = {}
+        for event in prof.events():  # cpu_children and cpu_parent nest intervals per thread
+            if event.is_async or event.device_type != torch.autograd.DeviceType.CPU:
+                continue
+            parent = event.cpu_parent
+            while parent is not None and parent.name not in self.PHASES:
+                parent = parent.cpu_parent
+            if event.name in self.PHASES:
+                phase = phases.setdefault(event.name, {"time_us": 0.0, "ops": {}})
+                phase["time_us"] += event.cpu_time_total / steps
+                continue
+            phase = phases.setdefault(parent.name if parent is not None else self.OUTSIDE, {"time_us": 0.0, "ops": {}})
+            if event.cpu_parent is None:  # outside every phase: its time is the phase "other"'s
+                phase["time_us"] += event.cpu_time_total / steps
+            op = phase["ops"].setdefault(event.name, {"calls": 0.0, "self_us": 0.0, "total_us": 0.0})
+            op["calls"] += 1 / steps
+            op["self_us"] += event.self_cpu_time_total / steps
+            op["total_us"] += event.cpu_time_total / steps
+        out = Path(self.dir)
+        out.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out / "trace.json"))
+        (out / "ops.json").write_text(json.dumps({
+            "stack": "transformers", "rank": 0, "first_step": self.first, "first_global_step": self.first_global_step,
+            "steps": self.profiled, "complete": complete, "per": "step; times in microseconds",
+            "phases": {name: {"time_us": p["time_us"], "ops": dict(sorted(p["ops"].items()))}
+                       for name, p in sorted(phases.items())}}, indent=1) + "\n")
+        ended = "" if complete else f" (the run ended before the {self.steps} asked for)"
+        LOGGER.info(f"profile: {self.profiled} step(s) from global_step {self.first_global_step}{ended}: "
+                    f"{out / 'trace.json'} and {out / 'ops.json'}")
 
 
 BOS, EOS = 256, 257
@@ -283,7 +360,18 @@ def _get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model, as the guide does on GPU")
     parser.add_argument("--warmup-steps", default=2, type=int, help="steps left out of the final summary")
     parser.add_argument("--num-workers", default=1, type=int, help="data loader workers (the guide uses 1)")
+    parser.add_argument("--profile", default="", metavar="DIR",
+                        help="profile --profile-steps steps into DIR/trace.json and DIR/ops.json (empty: off)")
+    parser.add_argument("--profile-from", default=5, type=_positive, help="the first profiled step (after warm-up)")
+    parser.add_argument("--profile-steps", default=3, type=_positive, help="steps profiled")
     return parser
+
+
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
 
 
 if __name__ == "__main__":

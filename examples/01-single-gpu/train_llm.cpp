@@ -28,6 +28,7 @@ int train(const mt::train::TrainArgs& args) {
   mt::llama::load_pretrained_weights_if_present(model, args.model_name);
   mt::checkpoint_activations(model, mt::activation_checkpointing(args));  // --activation-checkpointing
   model->loss_chunk = args.loss_chunk;                                    // --loss-chunk
+  model->use_fused_kernels(args.fused == "on");                           // --fused
 
   // The data: tokenised once, packed into seq_length blocks, shuffled per epoch from the seed.
   const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size);

@@ -27,6 +27,7 @@
 #include <meshtorch/train/caching_host_allocator.hpp>
 #include <meshtorch/train/cpu_allocation_counter.hpp>
 #include <meshtorch/train/grad_clipping.hpp>
+#include <meshtorch/train/profiler.hpp>
 #include <meshtorch/train/tensorboard.hpp>
 
 #include "test_support.hpp"
@@ -287,26 +288,31 @@ TEST_CASE("AdamW with offload steps host copies and gives the weights and state 
 }
 
 TEST_CASE(
-    "the memory estimate's activations and loss are what autograd holds, with and without checkpointing and "
-    "a chunked loss",
+    "the memory estimate's activations and loss are what autograd holds, with and without checkpointing, "
+    "a chunked loss and the fused kernels",
     "[memory]") {
   auto& counter = mt::train::CpuAllocationCounter::install();
   auto config = mt::llama::presets::llama_tiny;
   config.vocab_size = 1024;
   const std::int64_t batch = 4, seq = 128;
   for (const std::int64_t every : {0, 1, 2}) {
-    for (const std::int64_t chunk : {0, 100}) {
-      INFO("checkpoint every " << every << " layers, loss chunk " << chunk);
+    for (const auto [chunk, fused] : {std::pair<std::int64_t, bool>{0, true}, {100, true}, {0, false}}) {
+      INFO("checkpoint every " << every << " layers, loss chunk " << chunk << ", fused kernels " << fused);
       torch::manual_seed(0);
       mt::llama::LlamaForCausalLM model(config, torch::TensorOptions().device(torch::kMeta).dtype(torch::kFloat));
       mt::llama::materialize(model, torch::TensorOptions().dtype(torch::kFloat));
       mt::llama::init_weights(model);
       mt::checkpoint_activations(model, {.every = every});
       model->loss_chunk = chunk;
+      model->use_fused_kernels(fused);
       const auto ids = torch::randint(0, config.vocab_size, {batch, seq}, torch::kLong);
-      const auto estimate = mt::llama::estimate_memory(
-          config, {.data_parallel = mt::llama::DataParallelKind::ddp},
-          {.batch = batch, .seq = seq, .compute_bytes = 4, .checkpoint_every = every, .loss_chunk = chunk});
+      const auto estimate = mt::llama::estimate_memory(config, {.data_parallel = mt::llama::DataParallelKind::ddp},
+                                                       {.batch = batch,
+                                                        .seq = seq,
+                                                        .compute_bytes = 4,
+                                                        .checkpoint_every = every,
+                                                        .loss_chunk = chunk,
+                                                        .fused_kernels = fused});
 
       const double before = static_cast<double>(counter.current());
       auto loss = model->loss(ids, ids);
@@ -824,4 +830,29 @@ TEST_CASE("the caching host allocator hands a freed large block out again for it
              Catch::Contains("MESHTORCH_HOST_ALLOCATOR is 'jemalloc'") && Catch::Contains("'caching'"));
   ::unsetenv("MESHTORCH_HOST_ALLOCATOR");
   CHECK(mt::train::use_host_allocator_from_environment() == "caching");
+}
+
+TEST_CASE("the op profile nests intervals per thread: self times, phases, ops outside every phase", "[profile]") {
+  using mt::train::ProfiledEvent;
+  // Two steps. Thread 1: forward [0, 100) holding a matmul [10, 60) that holds a copy [20, 40),
+  // and another matmul [70, 90); backward [100, 200) holding an add [120, 150). Thread 2: a copy
+  // [0, 50) in no phase.
+  const std::vector<ProfiledEvent> events{
+      {"backward", 1, 100'000, 200'000, true}, {"aten::mm", 1, 10'000, 60'000, false},
+      {"forward", 1, 0, 100'000, true},        {"aten::copy_", 1, 20'000, 40'000, false},
+      {"aten::mm", 1, 70'000, 90'000, false},  {"aten::add", 1, 120'000, 150'000, false},
+      {"aten::copy_", 2, 0, 50'000, false}};
+  const auto phases = mt::train::op_profile(events, 2);
+  REQUIRE(phases.count("forward") == 1);
+  const auto& forward = phases.at("forward");
+  CHECK(forward.time_us == Approx(50.0));  // 100 us over 2 steps
+  CHECK(forward.ops.at("aten::mm").calls == Approx(1.0));
+  CHECK(forward.ops.at("aten::mm").total_us == Approx(35.0));  // (50 + 20) / 2
+  CHECK(forward.ops.at("aten::mm").self_us == Approx(25.0));   // less the copy's 20 us
+  CHECK(forward.ops.at("aten::copy_").self_us == Approx(10.0));
+  CHECK(phases.at("backward").ops.at("aten::add").self_us == Approx(15.0));
+  CHECK(phases.at("backward").ops.count("aten::mm") == 0);
+  const auto& other = phases.at(mt::train::outside_phases);
+  CHECK(other.time_us == Approx(25.0));
+  CHECK(other.ops.at("aten::copy_").calls == Approx(0.5));
 }

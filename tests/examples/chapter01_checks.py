@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """End-to-end checks of examples/01-single-gpu, run by CTest.
 
-usage: chapter01_checks.py BINARY CONSOLIDATE {loss-falls|resume|run-ends|deterministic|bad-input|folder-tokenizer}
+usage: chapter01_checks.py BINARY CONSOLIDATE {loss-falls|resume|run-ends|deterministic|bad-input|folder-tokenizer|
+                                               schedules|activation-checkpointing|profile|fused}
 
 CONSOLIDATE is the meshtorch-consolidate tool, which turns a checkpoint into an HF folder.
 """
@@ -364,6 +365,72 @@ def activation_checkpointing(binary):
         assert refused.returncode != 0 and "use none, full" in refused.stderr, refused.stderr
 
 
+def profile(binary):
+    """--profile: the profiler records steps 2 and 3 of 4 and writes a Chrome trace and, per phase
+    and op, the calls and times per step, each op in the phase it ran in (backward's ops inside
+    "backward": on the CPU autograd runs on the thread that calls backward()); a run that ends
+    first writes what it recorded; bad values are refused naming the flag."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run(binary, "-m", "llama-tiny", "-d", "builtin", "-b", "4", "-s", "64", "--max-steps", "4",
+                  "--log-freq", "1", "--profile", f"{tmp}/prof", "--profile-from", "2", "--profile-steps", "2")
+        assert "profile: recording 2 step(s) from global_step 2" in out.stdout, out.stdout
+        ops = json.loads((pathlib.Path(tmp) / "prof" / "ops.json").read_text())
+        assert ops["steps"] == 2 and ops["complete"] and ops["first_global_step"] == 2, {
+            k: v for k, v in ops.items() if k != "phases"}
+        phases = ops["phases"]
+        for phase in ["data", "forward", "backward", "update"]:
+            assert phase in phases and phases[phase]["time_us"] > 0, (phase, list(phases))
+        for phase in ["forward", "backward"]:
+            mm = phases[phase]["ops"].get("aten::mm")
+            assert mm and mm["calls"] > 0 and mm["self_us"] > 0 and mm["total_us"] >= mm["self_us"], (phase, mm)
+            # The ops' self times add up to no more than the phase: nothing is counted twice.
+            self_us = sum(op["self_us"] for op in phases[phase]["ops"].values())
+            assert self_us <= phases[phase]["time_us"] * 1.001, (phase, self_us, phases[phase]["time_us"])
+            print(f"{phase}: {phases[phase]['time_us'] / 1e3:.2f} ms per step, aten::mm {mm['calls']:g} calls "
+                  f"{mm['self_us'] / 1e3:.2f} ms")
+        # The fused kernels are named in forward as ATen's ops are.
+        for kernel in ["meshtorch::add_rms_norm", "meshtorch::swiglu", "meshtorch::rotary"]:
+            assert kernel in phases["forward"]["ops"], (kernel, sorted(phases["forward"]["ops"]))
+        # Backward's matrix products run in backward, not outside every phase.
+        assert "aten::mm" not in phases.get("other", {}).get("ops", {}), phases.get("other")
+        assert "_fused_adamw_" in " ".join(phases["update"]["ops"]), phases["update"]["ops"].keys()
+        trace = json.loads((pathlib.Path(tmp) / "prof" / "trace.json").read_text())
+        names = {event.get("name") for event in trace["traceEvents"]}
+        assert {"forward", "backward", "aten::mm"} <= names, sorted(n for n in names if n)[:20]
+        assert "profile:   aten::mm" in out.stdout, out.stdout
+        # The run ends inside the window: what was recorded is written, and the log says so.
+        short = run(binary, "-m", "llama-tiny", "-d", "builtin", "-b", "2", "-s", "32", "--max-steps", "2",
+                    "--profile", f"{tmp}/short", "--profile-from", "2", "--profile-steps", "3")
+        assert "the run ended before the 3 asked for" in short.stdout, short.stdout
+        short_ops = json.loads((pathlib.Path(tmp) / "short" / "ops.json").read_text())
+        assert short_ops["steps"] == 1 and not short_ops["complete"], short_ops
+        for flags, flag in [(["--profile-steps", "0"], "--profile-steps"), (["--profile-from", "0"], "--profile-from")]:
+            refused = run(binary, "--profile", f"{tmp}/bad", *flags, "--max-steps", "1", expect_ok=False)
+            assert refused.returncode != 0 and flag in refused.stderr, (flags, refused.stderr)
+            print(f"{' '.join(flags)} -> {refused.stderr.strip().splitlines()[0]}")
+        assert not (pathlib.Path(tmp) / "bad").exists()
+
+
+def fused(binary):
+    """--fused on (the default) against off: the fused kernels give LibTorch's composite ops'
+    losses over 30 steps (fp32: summation order only), in no more memory."""
+    common = ["-m", "llama-tiny", "-d", "builtin", "-b", "4", "-s", "128", "--log-freq", "5", "--max-steps", "30",
+              "--ckpt-freq", "1000"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ["on", "off"]:
+            run(binary, *common, "-e", mode, "--save-dir", tmp, "--fused", mode)
+        on, off = metrics(tmp, "on"), metrics(tmp, "off")
+        assert [r["global_step"] for r in on] == [r["global_step"] for r in off] == [5, 10, 15, 20, 25, 30], on
+        for a, b in zip(on, off):
+            assert abs(a["running_loss"] - b["running_loss"]) <= 1e-5 * abs(b["running_loss"]), (a, b)
+        print("losses (fused, composite): " + ", ".join(f"{a['running_loss']:.5f}/{b['running_loss']:.5f}"
+                                                         for a, b in zip(on, off)))
+        print(f"peak RSS GB: fused {max(r['peak_rss_gb'] for r in on):.3f}, "
+              f"composite {max(r['peak_rss_gb'] for r in off):.3f}")
+        refused = run(binary, *common, "--fused", "maybe", expect_ok=False)
+        assert refused.returncode != 0 and "--fused" in refused.stderr, refused.stderr
+
+
 if __name__ == "__main__":
     binary, consolidate, check = sys.argv[1:4]
     if check == "resume":
@@ -372,5 +439,5 @@ if __name__ == "__main__":
         {"folder-tokenizer": folder_tokenizer, "loss-falls": loss_falls, "run-ends": run_ends,
          "deterministic": deterministic, "schedules": schedules,
          "activation-checkpointing": activation_checkpointing,
-         "bad-input": bad_input}[check](binary)
+         "bad-input": bad_input, "profile": profile, "fused": fused}[check](binary)
     print("ok")

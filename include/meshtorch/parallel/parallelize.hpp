@@ -418,6 +418,7 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
   // 2. Activation checkpointing: inside each chosen layer's hooks, so FSDP's gather is not redone.
   checkpoint_activations(model_, options_.activation_checkpointing);
   model_->loss_chunk = options_.loss_chunk;
+  model_->use_fused_kernels(options_.fused_kernels);
 
   // 3. FSDP: a unit per decoder layer, then the root; the shards are allocated, the rest not.
   if (groups.data.fsdp) {

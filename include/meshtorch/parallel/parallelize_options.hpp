@@ -83,6 +83,8 @@ struct ParallelizeOptions {
   ActivationCheckpointing activation_checkpointing;
   // Positions whose logits the loss computes at once (models/chunked_loss.hpp): -1 automatic.
   std::int64_t loss_chunk = -1;
+  // The fused kernels of kernels/ (--fused on), or the composite ops.
+  bool fused_kernels = true;
   // For the FSDP axis (device is taken from above).
   FsdpOptions fsdp;
   // For the DP axis.
@@ -104,7 +106,7 @@ inline std::filesystem::path pretrained_weights_folder(const std::string& model_
 }
 
 // The options every chapter takes from its flags: the device, -m's weights (and who reads them),
-// activation checkpointing, the loss chunk. A chapter adds its own (fsdp, ddp) to the result.
+// activation checkpointing, the loss chunk, the fused kernels. A chapter adds its own (fsdp, ddp) to the result.
 inline ParallelizeOptions parallelize_options(const train::TrainArgs& args, torch::Device device) {
   ParallelizeOptions options;
   options.device = device;
@@ -113,6 +115,7 @@ inline ParallelizeOptions parallelize_options(const train::TrainArgs& args, torc
   options.model_name = args.model_name;
   options.activation_checkpointing = activation_checkpointing(args);
   options.loss_chunk = args.loss_chunk;
+  options.fused_kernels = args.fused == "on";
   return options;
 }
 

@@ -304,6 +304,7 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
   // Context parallel inside every stage: each layer's attention over the CP group's chunks.
   if (groups.cp) cp_ = std::make_unique<ContextParallel>(model_, *groups.cp, options_.cp_rotate);
   model_->loss_chunk = options_.loss_chunk;
+  model_->use_fused_kernels(options_.fused_kernels);
   // Inside each chosen layer's hooks, so FSDP's gather is not redone.
   checkpoint_activations(model_, options_.activation_checkpointing);
   // This rank's weights only (FSDP: its rows of them); the others stay on the meta device.

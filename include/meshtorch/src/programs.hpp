@@ -30,3 +30,4 @@
 #include <meshtorch/train/caching_host_allocator.hpp>
 #include <meshtorch/train/cpu_allocation_counter.hpp>
 #include <meshtorch/train/deepspeed_config.hpp>
+#include <meshtorch/train/profiler.hpp>

@@ -147,6 +147,11 @@ MESHTORCH_DECL void TrainArgs::add_to(CLI::App& app) {
                  "(chunks of 64 MiB of fp32 logits once the batch's would pass 256 MiB), 0 all at once")
       ->capture_default_str()
       ->check(CLI::Range(std::int64_t{-1}, std::numeric_limits<std::int64_t>::max()));
+  app.add_option("--fused", fused,
+                 "on: the fused CPU kernels for RMSNorm with its residual add, SwiGLU and rotary embeddings "
+                 "(kernels/); off: LibTorch's composite ops for the same maths, for comparison")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
   app.add_option(
          "--weights-read-by", weights_read_by,
          "who reads a model folder's weights (-m): every-rank (each reads only the rows of its pieces) or "
@@ -172,6 +177,20 @@ MESHTORCH_DECL void TrainArgs::add_to(CLI::App& app) {
       ->group(per_rank_flags);
   app.add_option("--threads", threads, "intra-op threads (0: LibTorch's default)")
       ->capture_default_str()
+      ->group(per_rank_flags);
+  // Profiling changes no result, so ranks may differ (profile one rank only, say).
+  app.add_option("--profile", profile_dir,
+                 "profile --profile-steps steps with LibTorch's profiler and write DIR/trace.json (a Chrome trace) "
+                 "and DIR/ops.json (per phase, per op: calls, self and total time per step); empty: off")
+      ->group(per_rank_flags);
+  app.add_option("--profile-from", profile_from,
+                 "the first profiled step, counted from this run's first step (the steps before it warm up)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max()))
+      ->group(per_rank_flags);
+  app.add_option("--profile-steps", profile_steps, "steps profiled")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max()))
       ->group(per_rank_flags);
 }
 

@@ -11,8 +11,9 @@
 //   }
 //
 // It owns what the guide's script keeps beside the loop: the learning-rate schedule, the phase
-// timers, the experiment folder (metrics, checkpoints, resuming) and the epochs (train::Epochs:
-// each one's loader and progress bar). The model, the optimizer and the data stay the chapter's. Chapter 8's engine
+// timers, the experiment folder (metrics, checkpoints, resuming), the epochs (train::Epochs:
+// each one's loader and progress bar) and, with --profile, the step profiler (train/profiler.hpp).
+// The model, the optimizer and the data stay the chapter's. Chapter 8's engine
 // (parallel/engine.hpp) makes the same calls for a DeepSpeed config, a micro-batch at a time.
 //
 // Link requirements: meshtorch::tracking (its Experiment writes TensorBoard files with --tensorboard).
@@ -32,6 +33,7 @@
 #include <meshtorch/train/grad_clipping.hpp>
 #include <meshtorch/train/lr_schedule.hpp>
 #include <meshtorch/train/optimizer.hpp>
+#include <meshtorch/train/profiler.hpp>
 #include <meshtorch/train/state.hpp>
 #include <meshtorch/train/tensorboard.hpp>
 #include <meshtorch/train/timers.hpp>
@@ -69,7 +71,8 @@ class Loop {
         experiment_(args, rank, sampler.global_batch(), device, tensorboard_tracker(args, rank)),
         timers_(device),
         step_loss_(zero_loss()),
-        epochs_(args, blocks, sampler, rank, device) {}
+        epochs_(args, blocks, sampler, rank, device),
+        profiler_(args, rank, experiment_.log()) {}
 
   Loop(const Loop&) = delete;
   Loop& operator=(const Loop&) = delete;
@@ -79,8 +82,16 @@ class Loop {
   TrainState resume() { return experiment_.resume(model_, optimizer_); }
 
   // Whether another optimizer step follows: false after the last epoch and at --max-steps
-  // (Epochs::next_step, which moves `state` to the next epoch at an epoch's end).
-  bool next_step(TrainState& state) { return epochs_.next_step(state); }
+  // (Epochs::next_step, which moves `state` to the next epoch at an epoch's end). With --profile
+  // the profiler starts as its step begins, or writes what it holds as the run ends.
+  bool next_step(TrainState& state) {
+    const bool more = epochs_.next_step(state);
+    if (more)
+      profiler_.begin_step(state.global_step + 1);
+    else
+      profiler_.end_run();
+    return more;
+  }
 
   // This rank's next micro-batch on the device: the "data" phase. With --measure-waiting, the
   // step's first micro-batch then waits for the slowest rank (the guide's waiting time).
@@ -152,6 +163,7 @@ class Loop {
     if (state.global_step % args_.log_freq == 0)
       experiment_.log_metrics(state, epochs_.steps_per_epoch(), lr(state), timers_);
     if (experiment_.checkpoint_due(state, epochs_.steps_per_epoch())) experiment_.save(state, model_, optimizer_);
+    profiler_.end_step();
   }
 
   // The scheduled rate of the step `state` is at.
@@ -205,6 +217,7 @@ class Loop {
   torch::Tensor step_loss_;       // the step's loss so far, summed over its micro-batches
   std::int64_t micro_batch_ = 0;  // of the step under way
   Epochs epochs_;
+  StepProfiler profiler_;  // after experiment_, whose logger it writes to
 };
 
 }  // namespace meshtorch::train

@@ -1,7 +1,9 @@
 #pragma once
 // Wall-clock timers per training phase (data, forward, backward, update). On a GPU the device
 // is synchronised at each phase boundary, as the guide's timers do, so a phase's time is its
-// own and not that of kernels queued before it.
+// own and not that of kernels queued before it. While a profiler records (--profile,
+// train/profiler.hpp), each phase is also a user scope of its trace, as torch.profiler's
+// record_function("forward") is, so that every op can be counted in its phase.
 #include <chrono>
 #include <map>
 #include <string>
@@ -18,6 +20,8 @@ class PhaseTimers {
   class Scope {
    public:
     Scope(PhaseTimers& timers, std::string phase) : timers_(timers), phase_(std::move(phase)) {
+      // Without a profiler the scope is inactive: a check of the thread's callbacks, no more.
+      if (record_.isActive()) record_.before(phase_, c10::ArrayRef<const c10::IValue>{});
       timers_.synchronize();
       start_ = std::chrono::steady_clock::now();
     }
@@ -32,6 +36,7 @@ class PhaseTimers {
     PhaseTimers& timers_;
     std::string phase_;
     std::chrono::steady_clock::time_point start_;
+    at::RecordFunction record_{at::RecordScope::USER_SCOPE};  // ends before phase_, which names it
   };
 
   Scope time(std::string phase) { return Scope(*this, std::move(phase)); }

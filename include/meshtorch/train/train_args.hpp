@@ -44,6 +44,7 @@ struct TrainArgs {
   double min_lr_ratio = 1e-4;
   double max_grad_norm = 0;      // 0: no clipping
   std::int64_t loss_chunk = -1;  // positions whose logits the loss computes at once; -1 automatic
+  std::string fused = "on";      // on: kernels/'s fused CPU kernels; off: the composite ops
   std::string weights_read_by =
       "every-rank";  // who reads -m's weights: every-rank, rank0 or local-rank0 (parallel/parallelize.hpp)
   std::string activation_checkpointing = "none";  // none, full or k (parallel/activation_checkpointing.hpp)
@@ -51,6 +52,11 @@ struct TrainArgs {
   bool deterministic = false;    // deterministic algorithms only (train::use_deterministic_algorithms)
   int threads = 0;               // 0: LibTorch's default
   double timeout_s = 0;          // rendezvous and collectives; 0: MESHTORCH_TIMEOUT, else 600 s
+
+  // --profile (train/profiler.hpp): steps recorded by LibTorch's profiler.
+  std::string profile_dir;         // empty: no profile
+  std::int64_t profile_from = 5;   // the run's first profiled step, after warm-up
+  std::int64_t profile_steps = 3;  // steps profiled
 
   // Both defined in train/args.hpp.
   // The flags every rank must share (all that were parsed by the app these were added to).

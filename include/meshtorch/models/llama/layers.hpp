@@ -6,6 +6,7 @@
 
 #include <meshtorch/torch.hpp>
 
+#include <meshtorch/kernels/rms_norm.hpp>
 #include <meshtorch/models/llama/config.hpp>
 #include <meshtorch/models/weight_module.hpp>
 #include <meshtorch/separate_compilation.hpp>
@@ -31,7 +32,13 @@ class RMSNormImpl : public WeightModule {
  public:
   MESHTORCH_DECL RMSNormImpl(std::int64_t dim, double eps, const torch::TensorOptions& options);
   MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& x);
+  // (x + residual, forward(x + residual)): a decoder layer's residual add and the norm after it,
+  // one kernel when fused and no hooks run around this norm.
+  MESHTORCH_DECL std::pair<torch::Tensor, torch::Tensor> add_and_forward(const torch::Tensor& x,
+                                                                         const torch::Tensor& residual);
   double eps() const { return eps_; }
+
+  bool fused_kernels = true;  // kernels/rms_norm.hpp's fused CPU kernels, or the composite ops
 
  private:
   MESHTORCH_DECL torch::Tensor normalize(const torch::Tensor& x) const;
@@ -53,11 +60,6 @@ class Rotary {
   // cos and sin of shape [batch or 1, seq, head_dim] for the given positions, in `dtype`.
   MESHTORCH_DECL std::pair<torch::Tensor, torch::Tensor> tables(const torch::Tensor& position_ids,
                                                                 torch::ScalarType dtype) const;
-
-  MESHTORCH_DECL static torch::Tensor rotate_half(const torch::Tensor& x);
-
-  // x: [B, heads, S, D]; cos/sin: [B or 1, S, D].
-  MESHTORCH_DECL static torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
  private:
   Config config_;
@@ -96,13 +98,20 @@ MESHTORCH_DECL torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   return hooks.around(x, [&](const torch::Tensor& in) { return normalize(in); });
 }
 
+MESHTORCH_DECL std::pair<torch::Tensor, torch::Tensor> RMSNormImpl::add_and_forward(const torch::Tensor& x,
+                                                                                    const torch::Tensor& residual) {
+  if (!hooks.empty()) {
+    auto sum = x + residual;
+    return {sum, forward(sum)};
+  }
+  const auto w = weight_in_use();
+  return fused_kernels ? kernels::add_rms_norm(x, residual, w, eps_)
+                       : kernels::composite::add_rms_norm(x, residual, w, eps_);
+}
+
 MESHTORCH_DECL torch::Tensor RMSNormImpl::normalize(const torch::Tensor& x) const {
   const auto w = weight_in_use();
-  if (x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat)
-    return at::rms_norm(x, {w.size(0)}, w, eps_);  // same math, one fused kernel
-  auto h = x.to(torch::kFloat);
-  h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
-  return w * h.to(x.scalar_type());
+  return fused_kernels ? kernels::rms_norm(x, w, eps_) : kernels::composite::rms_norm(x, w, eps_);
 }
 
 MESHTORCH_DECL torch::Tensor Rotary::inverse_frequencies(const torch::Device& device) const {
@@ -132,15 +141,6 @@ MESHTORCH_DECL std::pair<torch::Tensor, torch::Tensor> Rotary::tables(const torc
   auto freqs = position_ids.to(torch::kFloat).unsqueeze(-1) * inv_freq;  // [B, S, D/2]
   auto emb = torch::cat({freqs, freqs}, -1);
   return {emb.cos().to(dtype), emb.sin().to(dtype)};
-}
-
-MESHTORCH_DECL torch::Tensor Rotary::rotate_half(const torch::Tensor& x) {
-  const auto half = x.size(-1) / 2;
-  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
-MESHTORCH_DECL torch::Tensor Rotary::apply(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1);
 }
 
 }  // namespace meshtorch::llama

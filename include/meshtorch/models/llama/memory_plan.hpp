@@ -35,10 +35,12 @@
 //
 // What a decoder layer keeps per token (h hidden, q and kv the query and key/value widths, i the
 // intermediate size, d the compute dtype's bytes), from LlamaDecoderLayer's forward:
-//   each RMSNorm     its input in fp32 (4h) and the normalised rows (h d)
+//   each RMSNorm     fused (kernels/rms_norm.hpp): its input, or the residual sum, (h d) and one
+//                    fp32; composite (--fused off): its input in fp32 (4h) and the normalised rows (h d)
 //   attention        the normed input of q/k/v (h d); SDPA's q, k, v and output (2q + 2kv) d
 //                    and log-sum-exp (4 per head); o_proj's input (q d)
-//   MLP              the normed input of gate/up (h d); gate, silu(gate), up, their product (4i d)
+//   MLP              the normed input of gate/up (h d); gate, up and their SwiGLU product (3i d),
+//                    and silu(gate) too when composite (4i d)
 // With tensor parallel, q, kv and i are a rank's slice; with sequence parallel the norms see a
 // sequence shard, while the projections' inputs are gathered whole. With context parallel a rank
 // computes 1/CP of each sequence's positions; gathering the keys and values (allgather) keeps every
@@ -81,6 +83,7 @@ struct RunShape {
   bool reshard_after_forward = true;           // FSDP
   bool optimizer_in_backward = false;          // FSDP: each unit stepped as its gradients arrive, then freed
   bool optimizer_offload = false;              // any layout: AdamW's state and step on the host (not with cpu_offload)
+  bool fused_kernels = true;                   // kernels/ (--fused on), or the composite ops
 };
 
 // Ranks of each kind; tensor parallel with sequence and loss parallel (chapter 6's plan).
@@ -92,14 +95,19 @@ struct LayoutSizes {
   bool cp_gathers_kv = false;  // --cp-rotate allgather (else the ring)
 };
 
+// Bytes one RMSNorm keeps per token for backward (see the header comment).
+constexpr double norm_activation_bytes_per_token(double h, std::int64_t d, bool fused) {
+  return fused ? h * static_cast<double>(d) + 4 : 4 * h + h * static_cast<double>(d);
+}
+
 // Bytes one decoder layer keeps per token of this rank (see the header comment).
-constexpr double layer_activation_bytes_per_token(const llama::Config& c, std::int64_t tp, std::int64_t d) {
+constexpr double layer_activation_bytes_per_token(const llama::Config& c, std::int64_t tp, std::int64_t d, bool fused) {
   const double h = static_cast<double>(c.hidden_size), q = static_cast<double>(c.q_size()) / tp,
                kv = static_cast<double>(c.kv_size()) / tp, i = static_cast<double>(c.intermediate_size) / tp,
                heads = static_cast<double>(c.num_attention_heads) / tp, bytes = static_cast<double>(d);
-  const double norms = 2 * (4 * h + h * bytes) / static_cast<double>(tp);  // sequence shards under SP
+  const double norms = 2 * norm_activation_bytes_per_token(h, d, fused) / static_cast<double>(tp);  // SP: shards
   const double attention = (h + 3 * q + 2 * kv) * bytes + 4 * heads;
-  const double mlp = (h + 4 * i) * bytes;
+  const double mlp = (h + (fused ? 3 : 4) * i) * bytes;
   return norms + attention + mlp;
 }
 
@@ -296,11 +304,11 @@ constexpr StepBytes step_bytes(const llama::Config& c, LayoutSizes layout, RunSh
   // Activations of the tokens this rank computes (1/CP of each sequence under context parallel).
   const double tokens = static_cast<double>(run.batch) * static_cast<double>(run.seq) / static_cast<double>(layout.cp);
   const double h = static_cast<double>(c.hidden_size);
-  b.per_layer = layer_activation_bytes_per_token(c, layout.tp, run.compute_bytes) * tokens;
+  b.per_layer = layer_activation_bytes_per_token(c, layout.tp, run.compute_bytes, run.fused_kernels) * tokens;
   if (layout.cp > 1 && layout.cp_gathers_kv)  // the other ranks' keys and values, kept for backward
     b.per_layer += 2 * static_cast<double>(c.kv_size()) / tp * d * tokens * static_cast<double>(layout.cp - 1);
-  b.layer_input = h * d * tokens / tp;           // what a checkpointed layer keeps (a sequence shard)
-  b.final_norm = (4 * h + h * d) * tokens / tp;  // as a layer's norms (sequence shard)
+  b.layer_input = h * d * tokens / tp;  // what a checkpointed layer keeps (a sequence shard)
+  b.final_norm = norm_activation_bytes_per_token(h, run.compute_bytes, run.fused_kernels) * tokens / tp;  // SP: a shard
   // While a layer's backward runs: the gradients of its largest activations.
   b.layer_working = (h + 2 * static_cast<double>(c.intermediate_size) / tp) * d * tokens;
 

@@ -12,6 +12,8 @@
 
 #include <meshtorch/torch.hpp>
 
+#include <meshtorch/kernels/rotary.hpp>
+#include <meshtorch/kernels/swiglu.hpp>
 #include <meshtorch/models/chunked_loss.hpp>
 #include <meshtorch/models/llama/config.hpp>
 #include <meshtorch/models/llama/layers.hpp>
@@ -34,6 +36,7 @@ class AttentionImpl : public torch::nn::Module {
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   ForwardHooks hooks;
   CausalAttention causal_attention;  // set from outside
+  bool fused_kernels = true;         // kernels/rotary.hpp's fused CPU kernel, or the composite ops
 
  private:
   MESHTORCH_DECL torch::Tensor attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
@@ -49,6 +52,7 @@ class MlpImpl : public torch::nn::Module {
 
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
   ForwardHooks hooks;
+  bool fused_kernels = true;  // kernels/swiglu.hpp's fused CPU kernel, or the composite ops
 };
 TORCH_MODULE(Mlp);
 
@@ -145,6 +149,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // caller that divides by its own count (a pipeline's last stage, by the step's tokens).
   MESHTORCH_DECL torch::Tensor head_loss_sum(const torch::Tensor& hidden, const torch::Tensor& targets);
 
+  // The fused kernels of kernels/ (the default), or LibTorch's composite ops for the same maths
+  // (--fused off): RMSNorm with the residual add before it, SwiGLU, rotary embeddings.
+  MESHTORCH_DECL void use_fused_kernels(bool fused);
+
   const Config config;
   LlamaModel model{nullptr};
   Linear lm_head{nullptr};
@@ -195,11 +203,14 @@ MESHTORCH_DECL torch::Tensor AttentionImpl::forward(const torch::Tensor& x, cons
 MESHTORCH_DECL torch::Tensor AttentionImpl::attend(const torch::Tensor& x, const torch::Tensor& cos,
                                                    const torch::Tensor& sin) {
   const auto batch = x.size(0), seq = x.size(1);
-  auto q = q_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
-  auto k = k_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
-  auto v = v_proj(x).view({batch, seq, -1, head_dim_}).transpose(1, 2);
-  q = Rotary::apply(q, cos, sin);
-  k = Rotary::apply(k, cos, sin);
+  // Rotated in the projections' [B, S, heads, D] layout; attention reads [B, heads, S, D] views.
+  const auto heads_of = [&](const torch::Tensor& projected) { return projected.view({batch, seq, -1, head_dim_}); };
+  auto [rotated_q, rotated_k] = fused_kernels
+                                    ? kernels::rotary(heads_of(q_proj(x)), heads_of(k_proj(x)), cos, sin)
+                                    : kernels::composite::rotary(heads_of(q_proj(x)), heads_of(k_proj(x)), cos, sin);
+  auto q = rotated_q.transpose(1, 2);
+  auto k = rotated_k.transpose(1, 2);
+  auto v = heads_of(v_proj(x)).transpose(1, 2);
   if (causal_attention) return o_proj(causal_attention(q, k, v).transpose(1, 2).reshape({batch, seq, -1}));
   const bool grouped = q.size(1) != k.size(1);
   // Grouped-query attention: SDPA's enable_gqa saves repeating the key/value heads, but the
@@ -222,7 +233,10 @@ MESHTORCH_DECL MlpImpl::MlpImpl(const Config& c, const torch::TensorOptions& opt
 }
 
 MESHTORCH_DECL torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
-  return hooks.around(x, [&](const torch::Tensor& in) { return down_proj(torch::silu(gate_proj(in)) * up_proj(in)); });
+  return hooks.around(x, [&](const torch::Tensor& in) {
+    return down_proj(fused_kernels ? kernels::swiglu(gate_proj(in), up_proj(in))
+                                   : kernels::composite::swiglu(gate_proj(in), up_proj(in)));
+  });
 }
 
 MESHTORCH_DECL DecoderLayerImpl::DecoderLayerImpl(const Config& c, const torch::TensorOptions& options) {
@@ -237,8 +251,8 @@ MESHTORCH_DECL torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, c
                                                        const torch::Tensor& sin) {
   // By value: a checkpointed layer runs this again in backward.
   return hooks.around(x, [this, cos, sin](const torch::Tensor& in) {
-    auto h = in + self_attn(input_layernorm(in), cos, sin);
-    return h + mlp(post_attention_layernorm(h));
+    auto [h, normed] = post_attention_layernorm->add_and_forward(in, self_attn(input_layernorm(in), cos, sin));
+    return h + mlp(normed);
   });
 }
 
@@ -346,6 +360,14 @@ MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::head_loss_sum(const torch::Te
   const auto sum = chunk >= rows.size(0) ? token_loss(after(at::linear(rows, weight)), targets)
                                          : chunked_linear_loss(rows, weight, targets, chunk, after, token_loss);
   return sum.to(torch::kFloat);
+}
+
+MESHTORCH_DECL void LlamaForCausalLMImpl::use_fused_kernels(bool fused) {
+  for (auto& module : modules()) {
+    if (auto* norm = dynamic_cast<RMSNormImpl*>(module.get())) norm->fused_kernels = fused;
+    if (auto* attention = dynamic_cast<AttentionImpl*>(module.get())) attention->fused_kernels = fused;
+    if (auto* mlp = dynamic_cast<MlpImpl*>(module.get())) mlp->fused_kernels = fused;
+  }
 }
 
 MESHTORCH_DECL void init_weight(const WeightModule& leaf, torch::Tensor& weight, const Config& config) {

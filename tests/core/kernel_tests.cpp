@@ -1,0 +1,193 @@
+// The fused CPU kernels (kernels/) against the composite ops they replace: values and gradients,
+// fp32 and bf16, sizes that leave a scalar tail and sizes split over two threads.
+#include <tuple>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include <meshtorch/meshtorch.hpp>
+
+namespace mt = meshtorch;
+
+namespace {
+
+// The largest |a - b| over the largest |b| (at least 1), in fp64: an error relative to the
+// tensor's scale, which a 1e-6 bound in fp32 or one of bf16's 2^-8 steps measures.
+double max_difference(const torch::Tensor& a, const torch::Tensor& b) {
+  REQUIRE(a.sizes() == b.sizes());
+  const auto reference = b.to(torch::kDouble);
+  const double scale = std::max(1.0, reference.abs().max().item<double>());
+  return (a.to(torch::kDouble) - reference).abs().max().item<double>() / scale;
+}
+
+// Leaves of `shape` in `dtype`, drawn from N(0, 1) in fp32 so both dtypes see the same values.
+torch::Tensor leaf(torch::IntArrayRef shape, torch::ScalarType dtype) {
+  return torch::randn(shape).to(dtype).requires_grad_(true);
+}
+
+std::vector<torch::Tensor> copies(const std::vector<torch::Tensor>& leaves) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : leaves) out.push_back(t.detach().clone().requires_grad_(true));
+  return out;
+}
+
+// Runs f on both copies of the inputs, backward from the same random weights of each output,
+// and returns the largest difference of the outputs and of the inputs' gradients.
+template <class Fused, class Composite>
+std::pair<double, double> compare(const std::vector<torch::Tensor>& inputs, Fused fused, Composite composite) {
+  const auto a = copies(inputs), b = copies(inputs);
+  const std::vector<torch::Tensor> out_a = fused(a), out_b = composite(b);
+  REQUIRE(out_a.size() == out_b.size());
+  double values = 0, grads = 0;
+  torch::Tensor loss_a = torch::zeros({}, torch::kDouble), loss_b = torch::zeros({}, torch::kDouble);
+  for (std::size_t i = 0; i < out_a.size(); ++i) {
+    values = std::max(values, max_difference(out_a[i], out_b[i]));
+    const auto weights = torch::randn(out_a[i].sizes()).to(out_a[i].scalar_type());
+    loss_a = loss_a + (out_a[i] * weights).sum().to(torch::kDouble);
+    loss_b = loss_b + (out_b[i] * weights).sum().to(torch::kDouble);
+  }
+  loss_a.backward();
+  loss_b.backward();
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!b[i].grad().defined()) continue;
+    REQUIRE(a[i].grad().defined());
+    grads = std::max(grads, max_difference(a[i].grad(), b[i].grad()));
+  }
+  return {values, grads};
+}
+
+// Both thread counts: one range of rows, and several (a weight's gradient summed over ranges).
+struct WithThreads {
+  explicit WithThreads(int threads) : before(torch::get_num_threads()) { torch::set_num_threads(threads); }
+  ~WithThreads() { torch::set_num_threads(before); }
+  int before;
+};
+
+}  // namespace
+
+TEST_CASE("fused RMSNorm, alone and after a residual add, equals the composite in values and gradients", "[kernels]") {
+  torch::manual_seed(3);
+  const auto threads = GENERATE(1, 2);
+  WithThreads with(threads);
+  // 33 leaves a scalar tail after the vector lanes; 128 x 96 rows split over two threads.
+  const auto shape = GENERATE(std::vector<std::int64_t>{7, 33}, std::vector<std::int64_t>{2, 3, 5},
+                              std::vector<std::int64_t>{128, 96, 64});
+  INFO("threads " << threads << ", shape " << torch::IntArrayRef(shape));
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    INFO("dtype " << dtype);
+    const double tolerance = dtype == torch::kFloat ? 2e-6 : 2e-2;
+    const auto n = shape.back();
+    const auto x = leaf(shape, dtype), r = leaf(shape, dtype);
+    const auto w = (torch::rand({n}) + 0.5).to(dtype).requires_grad_(true);
+    const double eps = 1e-5;
+    const auto [values, grads] = compare(
+        {x, w}, [&](const auto& in) { return std::vector{mt::kernels::rms_norm(in[0], in[1], eps)}; },
+        [&](const auto& in) { return std::vector{mt::kernels::composite::rms_norm(in[0], in[1], eps)}; });
+    CHECK(values <= tolerance);
+    CHECK(grads <= tolerance * 4 * (dtype == torch::kFloat ? 1 : 8));  // the weight's: a sum over rows
+    const auto [add_values, add_grads] = compare(
+        {x, r, w},
+        [&](const auto& in) {
+          auto [sum, y] = mt::kernels::add_rms_norm(in[0], in[1], in[2], eps);
+          return std::vector{sum, y};
+        },
+        [&](const auto& in) {
+          auto [sum, y] = mt::kernels::composite::add_rms_norm(in[0], in[1], in[2], eps);
+          return std::vector{sum, y};
+        });
+    CHECK(add_values <= tolerance);
+    CHECK(add_grads <= tolerance * 4 * (dtype == torch::kFloat ? 1 : 8));
+  }
+}
+
+TEST_CASE("fused SwiGLU equals silu(gate) * up in values and gradients", "[kernels]") {
+  torch::manual_seed(4);
+  const auto threads = GENERATE(1, 2);
+  WithThreads with(threads);
+  const auto shape = GENERATE(std::vector<std::int64_t>{3, 37}, std::vector<std::int64_t>{4, 64, 384});
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    INFO("threads " << threads << ", dtype " << dtype << ", shape " << torch::IntArrayRef(shape));
+    const auto [values, grads] = compare(
+        {leaf(shape, dtype) * 4, leaf(shape, dtype)},
+        [](const auto& in) { return std::vector{mt::kernels::swiglu(in[0], in[1])}; },
+        [](const auto& in) { return std::vector{mt::kernels::composite::swiglu(in[0], in[1])}; });
+    // silu's exp differs by an ulp between ATen's vectorised one and ours.
+    CHECK(values <= (dtype == torch::kFloat ? 2e-6 : 2e-2));
+    CHECK(grads <= (dtype == torch::kFloat ? 2e-6 : 5e-2));
+  }
+}
+
+TEST_CASE("fused rotary embeddings equal x cos + rotate_half(x) sin on q and k, values and gradients", "[kernels]") {
+  torch::manual_seed(5);
+  const auto threads = GENERATE(1, 2);
+  WithThreads with(threads);
+  // head_dim 6 is all scalar tail; 40 half-vectors plus a tail; tables per row or shared.
+  const auto [batch, seq, heads, kv_heads, dim, table_batch] =
+      GENERATE(std::tuple{2, 5, 3, 1, 6, 1}, std::tuple{3, 64, 8, 4, 40, 3}, std::tuple{1, 7, 2, 2, 34, 1});
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    INFO("threads " << threads << ", dtype " << dtype << ", head_dim " << dim << ", table batch " << table_batch);
+    const auto angles = torch::rand({table_batch, seq, dim / 2}) * 6.3;
+    const auto both = torch::cat({angles, angles}, -1);
+    const auto cos = both.cos().to(dtype), sin = both.sin().to(dtype);
+    const auto [values, grads] = compare(
+        {leaf({batch, seq, heads, dim}, dtype), leaf({batch, seq, kv_heads, dim}, dtype)},
+        [&](const auto& in) {
+          auto [q, k] = mt::kernels::rotary(in[0], in[1], cos, sin);
+          return std::vector{q, k};
+        },
+        [&](const auto& in) {
+          auto [q, k] = mt::kernels::composite::rotary(in[0], in[1], cos, sin);
+          return std::vector{q, k};
+        });
+    CHECK(values <= (dtype == torch::kFloat ? 1e-6 : 1e-2));
+    CHECK(grads <= (dtype == torch::kFloat ? 1e-6 : 2e-2));
+  }
+}
+
+TEST_CASE("rotary takes q and k as strided views, and refuses mismatched shapes", "[kernels]") {
+  const auto projected = torch::randn({2, 4, 3 * 8});
+  const auto q = projected.view({2, 4, 3, 8});
+  const auto k = torch::randn({2, 4, 1, 8});
+  const auto cos = torch::rand({1, 4, 8}), sin = torch::rand({1, 4, 8});
+  auto [fq, fk] = mt::kernels::rotary(q, k, cos, sin);
+  auto [cq, ck] = mt::kernels::composite::rotary(q, k, cos, sin);
+  CHECK(max_difference(fq, cq) <= 1e-6);
+  CHECK(max_difference(fk, ck) <= 1e-6);
+  // Attention's layout seen through a transpose (as the gradients arrive): read in place.
+  const auto heads_first = torch::randn({2, 3, 4, 8});
+  auto [tq, tk] = mt::kernels::rotary(heads_first.transpose(1, 2), k, cos, sin);
+  auto [tcq, tck] = mt::kernels::composite::rotary(heads_first.transpose(1, 2), k, cos, sin);
+  CHECK(max_difference(tq, tcq) <= 1e-6);
+  CHECK(tq.is_contiguous());
+  CHECK_THROWS_WITH(mt::kernels::rotary(q, k, torch::rand({1, 5, 8}), torch::rand({1, 5, 8})),
+                    Catch::Contains("rotary: tables of [1, 5, 8]"));
+  CHECK_THROWS_WITH(mt::kernels::rotary(q, torch::randn({2, 4, 1, 6}), cos, sin),
+                    Catch::Contains("differ in batch, seq or an even head_dim"));
+}
+
+TEST_CASE("a model with fused kernels gives the composite model's loss and gradients", "[kernels][model]") {
+  torch::manual_seed(6);
+  auto config = mt::llama::presets::llama_tiny;
+  config.num_hidden_layers = 2;
+  const auto threads = GENERATE(1, 2);
+  WithThreads with(threads);
+  mt::llama::LlamaForCausalLM fused(config), composite(config);
+  mt::llama::init_weights(fused);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& [name, leaf_module] : mt::weight_modules(*composite))
+      leaf_module->weight.copy_(fused->named_parameters()[name + ".weight"]);
+  }
+  composite->use_fused_kernels(false);
+  const auto ids = torch::randint(config.vocab_size, {3, 48});
+  const auto loss_fused = fused->loss(ids, ids);
+  const auto loss_composite = composite->loss(ids, ids);
+  CHECK(std::abs(loss_fused.item<double>() - loss_composite.item<double>()) <= 1e-6);
+  loss_fused.backward();
+  loss_composite.backward();
+  const auto composite_params = composite->named_parameters();
+  for (const auto& item : fused->named_parameters()) {
+    INFO(item.key());
+    CHECK(max_difference(item.value().grad(), composite_params[item.key()].grad()) <= 1e-6);
+  }
+}
