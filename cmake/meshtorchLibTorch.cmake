@@ -63,9 +63,10 @@ endfunction()
 # at::parallel_for is a template whose OpenMP backend (ATen/ParallelOpenMP.h) is a `#pragma omp
 # parallel` compiled into the caller: without -fopenmp a program's own parallel loops (the fused
 # kernels of kernels/) run on one thread whatever at::set_num_threads says. LibTorch's CMake files
-# do not say so, as PyTorch's C++ extensions add -fopenmp themselves. The runtime is the one
-# LibTorch loads (libgomp.so.1, found first through LibTorch's lib/ on the rpath), so one
-# set_num_threads governs both.
+# do not say so, as PyTorch's C++ extensions add -fopenmp themselves. With GCC and the pinned
+# wheel (its lib/ holds libgomp.so.1, found first on the rpath) one runtime is loaded and one
+# set_num_threads governs both; a LibTorch whose lib/ holds a renamed libgomp, or Clang's libomp,
+# loads a second runtime, whose thread count then follows OMP_NUM_THREADS.
 function(meshtorch_link_openmp_of_libtorch prefix)
   file(STRINGS "${prefix}/include/ATen/Config.h" openmp_line REGEX "#define AT_PARALLEL_OPENMP 1")
   if(NOT openmp_line)

@@ -389,7 +389,8 @@ TEST_CASE("the memory timeline's FSDP events are what one rank holds, with bf16 
                .compute_bytes = compute == torch::kFloat ? 4 : 2,
                .state_bytes = 4,
                .checkpoint_every = every,
-               .loss_chunk = chunk});
+               .loss_chunk = chunk,
+               .fused_kernels = true});  // the CPU's
 
           const double before = static_cast<double>(counter.current());
           counter.reset_peak();

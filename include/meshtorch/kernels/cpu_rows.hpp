@@ -91,6 +91,15 @@ float sum_of_products(const T* a, const T* b, std::int64_t n) {
   return scalar_sum;
 }
 
+// At the top of a fused kernel's backward: its gradients are computed outside autograd, so a
+// backward that builds a graph (create_graph, a gradient of a gradient) is refused, not given
+// gradients that silently carry no history.
+inline void refuse_double_backward(const char* op) {
+  TORCH_CHECK(!at::GradMode::is_enabled(), "meshtorch::", op,
+              ": the fused kernel's backward is not differentiable (create_graph, a gradient of a gradient); "
+              "run with --fused off (LlamaForCausalLM::use_fused_kernels(false))");
+}
+
 // The fused kernels' element types: what LibTorch's CPU kernels for these ops take.
 inline bool has_cpu_kernel(const torch::Tensor& t) {
   if (!t.device().is_cpu()) return false;

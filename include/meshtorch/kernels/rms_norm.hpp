@@ -153,6 +153,7 @@ inline torch::autograd::variable_list forward(torch::autograd::AutogradContext* 
 inline std::pair<torch::Tensor, torch::Tensor> backward(torch::autograd::AutogradContext* ctx,
                                                         const torch::Tensor& given_y, const torch::Tensor& given_sum,
                                                         std::size_t weight_input) {
+  cpu::refuse_double_backward("rms_norm");
   const auto saved = ctx->get_saved_variables();
   const auto& h = saved[0];
   const auto& w = saved[1];
@@ -204,10 +205,17 @@ class FusedAddRmsNorm : public torch::autograd::Function<FusedAddRmsNorm> {
   }
 };
 
+// Rows the kernel takes: on the CPU, a weight of the input's type and width (HF's fp32 weight under
+// a bf16 input promotes: the composite's business), and rows that are not empty.
+inline bool fits_kernel(const torch::Tensor& x, const torch::Tensor& weight) {
+  return cpu::has_cpu_kernel(x) && x.dim() >= 1 && x.size(-1) > 0 && weight.device().is_cpu() &&
+         weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(-1);
+}
+
 }  // namespace rms_norm_detail
 
 MESHTORCH_DECL torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  if (!cpu::has_cpu_kernel(x)) return composite::rms_norm(x, weight, eps);
+  if (!rms_norm_detail::fits_kernel(x, weight)) return composite::rms_norm(x, weight, eps);
   RECORD_FUNCTION("meshtorch::rms_norm", std::vector<c10::IValue>{});  // named in a profile, as an ATen op is
   return rms_norm_detail::FusedRmsNorm::apply(x, weight, eps);
 }
@@ -215,7 +223,8 @@ MESHTORCH_DECL torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tenso
 MESHTORCH_DECL std::pair<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
                                                                     const torch::Tensor& residual,
                                                                     const torch::Tensor& weight, double eps) {
-  if (!cpu::has_cpu_kernel(x) || x.sizes() != residual.sizes() || x.scalar_type() != residual.scalar_type())
+  if (!rms_norm_detail::fits_kernel(x, weight) || x.sizes() != residual.sizes() ||
+      x.scalar_type() != residual.scalar_type() || !residual.device().is_cpu())
     return composite::add_rms_norm(x, residual, weight, eps);
   RECORD_FUNCTION("meshtorch::add_rms_norm", std::vector<c10::IValue>{});
   auto outputs = rms_norm_detail::FusedAddRmsNorm::apply(x, residual, weight, eps);

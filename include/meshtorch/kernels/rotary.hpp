@@ -103,6 +103,7 @@ class FusedRotary : public torch::autograd::Function<FusedRotary> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    cpu::refuse_double_backward("rotary");
     const auto saved = ctx->get_saved_variables();
     const auto rotated = [&](const torch::Tensor& grad) {
       return grad.defined() ? rotate<true>(grad, saved[0], saved[1]) : torch::Tensor();
@@ -129,7 +130,7 @@ MESHTORCH_DECL std::pair<torch::Tensor, torch::Tensor> rotary(const torch::Tenso
   rotary_detail::check_shapes(q, k, cos, sin);
   const auto type = q.scalar_type();
   if (!cpu::has_cpu_kernel(q) || k.scalar_type() != type || cos.scalar_type() != type || sin.scalar_type() != type ||
-      !cos.device().is_cpu())
+      !k.device().is_cpu() || !cos.device().is_cpu() || !sin.device().is_cpu())
     return composite::rotary(q, k, cos, sin);
   RECORD_FUNCTION("meshtorch::rotary", std::vector<c10::IValue>{});  // named in a profile, as an ATen op is
   auto out = rotary_detail::FusedRotary::apply(q, k, cos.detach().contiguous(), sin.detach().contiguous());

@@ -92,6 +92,7 @@ class FusedSwiGlu : public torch::autograd::Function<FusedSwiGlu> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    cpu::refuse_double_backward("swiglu");
     const auto saved = ctx->get_saved_variables();
     const auto& g = saved[0];
     const auto& u = saved[1];
@@ -111,7 +112,8 @@ class FusedSwiGlu : public torch::autograd::Function<FusedSwiGlu> {
 }  // namespace swiglu_detail
 
 MESHTORCH_DECL torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
-  if (!cpu::has_cpu_kernel(gate) || gate.sizes() != up.sizes() || gate.scalar_type() != up.scalar_type())
+  if (!cpu::has_cpu_kernel(gate) || gate.sizes() != up.sizes() || gate.scalar_type() != up.scalar_type() ||
+      !up.device().is_cpu())
     return composite::swiglu(gate, up);
   RECORD_FUNCTION("meshtorch::swiglu", std::vector<c10::IValue>{});  // named in a profile, as an ATen op is
   return swiglu_detail::FusedSwiGlu::apply(gate, up);

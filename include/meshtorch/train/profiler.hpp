@@ -81,6 +81,7 @@ class StepProfiler {
  private:
   MESHTORCH_DECL void start(std::int64_t global_step);
   MESHTORCH_DECL void stop(bool window_closed);
+  MESHTORCH_DECL void write_profile(bool window_closed);
 
   std::string dir_;
   std::int64_t from_, steps_;
@@ -181,6 +182,16 @@ MESHTORCH_DECL void StepProfiler::start(std::int64_t global_step) {
 }
 
 MESHTORCH_DECL void StepProfiler::stop(bool window_closed) {
+  // Profiling changes no result: a profile that cannot be written (a full disk, a folder this rank
+  // may not write) is a warning, never the end of a run whose other ranks would wait for this one.
+  try {
+    write_profile(window_closed);
+  } catch (const std::exception& e) {
+    log_.warning(fmt::format("profile: not written ({}); training goes on", e.what()));
+  }
+}
+
+MESHTORCH_DECL void StepProfiler::write_profile(bool window_closed) {
   on_ = false;
   auto result = torch::autograd::profiler::disableProfiler();
   const auto steps = std::max<std::int64_t>(profiled_, 1);

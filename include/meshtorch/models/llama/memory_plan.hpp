@@ -83,7 +83,9 @@ struct RunShape {
   bool reshard_after_forward = true;           // FSDP
   bool optimizer_in_backward = false;          // FSDP: each unit stepped as its gradients arrive, then freed
   bool optimizer_offload = false;              // any layout: AdamW's state and step on the host (not with cpu_offload)
-  bool fused_kernels = true;                   // kernels/ (--fused on), or the composite ops
+  // kernels/' fused CPU kernels (a CPU run's default), or the composite ops, which every other
+  // device runs (and --fused off): what a GPU's plan counts, and the larger.
+  bool fused_kernels = false;
 };
 
 // Ranks of each kind; tensor parallel with sequence and loss parallel (chapter 6's plan).
