@@ -10,11 +10,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+
+#include <meshtorch/torch.hpp>
 
 namespace meshtorch::kernels::cpu {
 
@@ -50,6 +51,18 @@ void for_each_lane(std::int64_t n, Step&& step) {
   for (; i < n; ++i) step(i, 0.0f);
 }
 
+// step(i, lane) over [0, count) as for_each_lane does, the elements split over the intra-op
+// threads in blocks: for elementwise kernels, whose rows are any size.
+template <class T, class Step>
+void for_each_element(std::int64_t count, Step&& step) {
+  constexpr std::int64_t block = 4096;  // elements per row of the parallel split: any size works
+  const auto rows = (count + block - 1) / block;
+  for_row_ranges(rows, row_ranges(rows, block), [&](std::int64_t, std::int64_t first, std::int64_t end) {
+    const auto begin = first * block, stop = std::min(end * block, count);
+    for_each_lane<T>(stop - begin, [&](std::int64_t j, auto lane) { step(begin + j, lane); });
+  });
+}
+
 inline Vec load(const float* p, Vec) { return Vec::loadu(p); }
 inline float load(const float* p, float) { return *p; }
 template <class T>
@@ -74,21 +87,28 @@ Vec round_as(const Vec& v) {
   return v;
 }
 
-// The sum of a[i] * b[i] over [0, n), in fp32.
-template <class T>
-float sum_of_products(const T* a, const T* b, std::int64_t n) {
+// The sum over [0, n) of term(i, lane) (a Vec of lanes i.. or the float at i), in fp32: the full
+// vectors summed lane-wise, then the lanes and the tail.
+template <class T, class Term>
+float sum_over_lanes(std::int64_t n, Term&& term) {
   Vec vector_sum(0.0f);
   float scalar_sum = 0.0f;
   for_each_lane<T>(n, [&](std::int64_t i, auto lane) {
     if constexpr (std::is_same_v<decltype(lane), Vec>)
-      vector_sum = at::vec::fmadd(load(a + i, lane), load(b + i, lane), vector_sum);
+      vector_sum = vector_sum + term(i, lane);
     else
-      scalar_sum += load(a + i, lane) * load(b + i, lane);
+      scalar_sum += term(i, lane);
   });
   alignas(64) float lanes[Vec::size()];
   vector_sum.store(lanes);
   for (float lane : lanes) scalar_sum += lane;
   return scalar_sum;
+}
+
+// The sum of a[i] * b[i] over [0, n), in fp32.
+template <class T>
+float sum_of_products(const T* a, const T* b, std::int64_t n) {
+  return sum_over_lanes<T>(n, [&](std::int64_t i, auto lane) { return load(a + i, lane) * load(b + i, lane); });
 }
 
 // At the top of a fused kernel's backward: its gradients are computed outside autograd, so a

@@ -51,7 +51,6 @@ namespace rms_norm_detail {
 using cpu::load;
 using cpu::round_as;
 using cpu::store;
-using cpu::Vec;
 
 // Rows of x (plus residual, when given: written to `sum`) normalised into y; each row's
 // 1/sqrt(mean square + eps) into rstd (fp32).
@@ -93,20 +92,8 @@ void backward_rows(const T* grad_y, const T* grad_sum, const T* h, const T* weig
       const T* x = h + row * n;
       const float inverse = rstd[row];
       // c = mean(grad_y * weight * normalised), one pass; then each element's gradient.
-      float dot = 0.0f;
-      {
-        Vec vector_dot(0.0f);
-        cpu::for_each_lane<T>(n, [&](std::int64_t i, auto lane) {
-          const auto term = load(g + i, lane) * load(weight + i, lane) * load(x + i, lane);
-          if constexpr (std::is_same_v<decltype(lane), Vec>)
-            vector_dot = vector_dot + term;
-          else
-            dot += term;
-        });
-        alignas(64) float lanes[Vec::size()];
-        vector_dot.store(lanes);
-        for (float lane : lanes) dot += lane;
-      }
+      const float dot = cpu::sum_over_lanes<T>(
+          n, [&](std::int64_t i, auto lane) { return load(g + i, lane) * load(weight + i, lane) * load(x + i, lane); });
       const float c = dot * inverse * inverse / static_cast<float>(n);
       T* out = grad_h + row * n;
       const T* gs = grad_sum != nullptr ? grad_sum + row * n : nullptr;

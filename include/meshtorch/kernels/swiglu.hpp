@@ -41,15 +41,9 @@ using cpu::store;
 
 template <class T>
 void forward_elements(const T* gate, const T* sigmoid, const T* up, T* out, std::int64_t count) {
-  const std::int64_t block = 4096;  // elements per row of the parallel split: any size works
-  const auto rows = (count + block - 1) / block;
-  cpu::for_row_ranges(rows, cpu::row_ranges(rows, block), [&](std::int64_t, std::int64_t first, std::int64_t end) {
-    const auto begin = first * block, stop = std::min(end * block, count);
-    cpu::for_each_lane<T>(stop - begin, [&](std::int64_t j, auto lane) {
-      const auto i = begin + j;
-      const auto silu = round_as<T>(load(gate + i, lane) * load(sigmoid + i, lane));
-      store(out + i, round_as<T>(silu * load(up + i, lane)));
-    });
+  cpu::for_each_element<T>(count, [&](std::int64_t i, auto lane) {
+    const auto silu = round_as<T>(load(gate + i, lane) * load(sigmoid + i, lane));
+    store(out + i, round_as<T>(silu * load(up + i, lane)));
   });
 }
 
@@ -58,19 +52,13 @@ void forward_elements(const T* gate, const T* sigmoid, const T* up, T* out, std:
 template <class T>
 void backward_elements(const T* grad, const T* gate, const T* sigmoids, const T* up, T* grad_gate, T* grad_up,
                        std::int64_t count) {
-  const std::int64_t block = 4096;
-  const auto rows = (count + block - 1) / block;
-  cpu::for_row_ranges(rows, cpu::row_ranges(rows, block), [&](std::int64_t, std::int64_t first, std::int64_t end) {
-    const auto begin = first * block, stop = std::min(end * block, count);
-    cpu::for_each_lane<T>(stop - begin, [&](std::int64_t j, auto lane) {
-      const auto i = begin + j;
-      const auto g = load(gate + i, lane);
-      const auto d = load(grad + i, lane);
-      const auto sigmoid = load(sigmoids + i, lane);
-      const auto silu = g * sigmoid;
-      store(grad_up + i, d * round_as<T>(silu));
-      store(grad_gate + i, d * load(up + i, lane) * sigmoid * (1.0f + g * (1.0f - sigmoid)));
-    });
+  cpu::for_each_element<T>(count, [&](std::int64_t i, auto lane) {
+    const auto g = load(gate + i, lane);
+    const auto d = load(grad + i, lane);
+    const auto sigmoid = load(sigmoids + i, lane);
+    const auto silu = g * sigmoid;
+    store(grad_up + i, d * round_as<T>(silu));
+    store(grad_gate + i, d * load(up + i, lane) * sigmoid * (1.0f + g * (1.0f - sigmoid)));
   });
 }
 
