@@ -78,5 +78,12 @@ function(meshtorch_link_openmp_of_libtorch prefix)
                         "OpenMP was not found: at::parallel_for in meshtorch's kernels would run on one thread "
                         "(Debian: GCC's libgomp comes with g++; for Clang install libomp-dev)")
   endif()
-  target_link_libraries(meshtorch::torch INTERFACE OpenMP::OpenMP_CXX)
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND EXISTS "${prefix}/lib/libgomp.so.1")
+    # LibTorch's own libgomp by its path, not the compiler's: the one loaded anyway, and CMake then
+    # finds no second libgomp.so.1 to warn about on the rpath.
+    target_compile_options(meshtorch::torch INTERFACE $<$<COMPILE_LANGUAGE:CXX>:${OpenMP_CXX_FLAGS}>)
+    target_link_libraries(meshtorch::torch INTERFACE "${prefix}/lib/libgomp.so.1")
+  else()
+    target_link_libraries(meshtorch::torch INTERFACE OpenMP::OpenMP_CXX)
+  endif()
 endfunction()

@@ -1,9 +1,18 @@
 // Multi-process tests: each starts N ranks of this program on one rank body (rank_bodies.cpp)
 // and requires every rank to succeed in time. A failure prints every rank's output.
+#include <signal.h>
+
 #include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <regex>
 #include <string>
 
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+#include <stdlib.h>
+
+#include <meshtorch/diagnostics/watchdog.hpp>
 
 #include "multiprocess.hpp"
 
@@ -67,4 +76,37 @@ TEST_CASE("a world size that does not fit the mesh fails init on every rank", "[
 
 TEST_CASE("a collective that a peer never joins fails after its timeout", "[multiprocess][timeout]") {
   require_ranks_succeed(2, "[rank_timeout]", 30s);
+}
+
+TEST_CASE("a fatal signal in the thread that holds the flight recorder's lock still leaves the dump, in the budget",
+          "[multiprocess][fatal_signal]") {
+  // Before, the watchdog's dump waited for that lock for ever, the handler gave up after 10 s and
+  // the rank died with no dump, after its peers had timed out: the launcher named one of them.
+  const auto dumps = std::filesystem::temp_directory_path() / ("meshtorch-fatal-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dumps);
+  ::setenv("MESHTORCH_TEST_DUMP_DIR", dumps.c_str(), 1);
+  const auto outcome = run_ranks(1, "[rank_fatal_signal]", 60s);
+  ::unsetenv("MESHTORCH_TEST_DUMP_DIR");
+  INFO(outcome.report());
+  REQUIRE(outcome.ranks.at(0).signal == SIGABRT);
+  // The budget for a 4 s timeout, and the start of a LibTorch program.
+  const auto budget = meshtorch::diagnostics::Watchdog::fatal_budget(4s);
+  CHECK(budget == 2s);
+  CHECK(outcome.seconds < std::chrono::duration<double>(budget + 4s).count());
+  std::ifstream file(dumps / "rank_1.json");
+  REQUIRE(file);
+  const auto dump = nlohmann::json::parse(file);
+  CHECK(dump["reason"] == "fatal signal SIGABRT");
+  REQUIRE(dump["entries"].size() == 1);
+  CHECK(dump["entries"][0]["op"] == "all_reduce");
+  CHECK(dump["entries"][0]["state"] == "waiting");
+  // The stacks: the main thread's, and the silent thread's wait cut short by the deadline (half of
+  // the time left goes to asking), not the 2 s a capture waits otherwise.
+  const std::string& output = outcome.ranks[0].output;
+  CHECK_THAT(output, Catch::Contains("the main thread:"));
+  std::smatch silent;
+  REQUIRE(std::regex_search(output, silent, std::regex("did not answer within ([0-9]+) ms")));
+  CHECK(std::stoi(silent[1]) < 1000);
+  CHECK_THAT(output, Catch::Contains("rank 1: end of stacks"));
+  std::filesystem::remove_all(dumps);
 }

@@ -1,7 +1,12 @@
 // What each rank runs in the multi-process tests (hidden test cases, started by drivers.cpp or
 // by any launcher that sets the torchrun variables), and single-process checks.
+#include <pthread.h>
+#include <signal.h>
+
 #include <chrono>
+#include <cstdlib>
 #include <iostream>
+#include <mutex>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -10,10 +15,12 @@
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 
 #include <meshtorch/comm/comm.hpp>
 #include <meshtorch/comm/init.hpp>
+#include <meshtorch/diagnostics/stack_dump.hpp>
 #include <meshtorch/layout/layout.hpp>
 
 using namespace meshtorch;
@@ -485,4 +492,35 @@ TEST_CASE("--device cuda in a CPU build is a ConfigError naming the fix", "[comm
   CHECK_THROWS_WITH(local_cuda_device(0), Catch::Contains("--device cuda: this program was built without CUDA") &&
                                               Catch::Contains("-DMESHTORCH_CUDA=ON"));
 #endif
+}
+
+namespace meshtorch::diagnostics {
+// The recorder's lock, held by the thread a test chooses.
+struct FlightRecorderTestAccess {
+  static std::timed_mutex& lock_of(FlightRecorder& recorder) { return recorder.mutex_; }
+};
+}  // namespace meshtorch::diagnostics
+
+TEST_CASE("rank body: a fatal signal in the thread that holds the flight recorder's lock", "[.rank_fatal_signal]") {
+  // The watchdog of rank 1 of 2 with a collective timeout of 4 s (a fatal budget of 2 s), on a
+  // store of its own: no peer is needed to crash.
+  auto& watchdog = Watchdog::instance();
+  watchdog.attach(c10::make_intrusive<c10d::HashStore>(), 1, 2, 4s, "test-host");
+  watchdog.arm(std::getenv("MESHTORCH_TEST_DUMP_DIR"));
+  install_stack_dumps();
+  // A thread with every signal blocked never answers the stack capture: the deadline cuts its wait.
+  std::thread([] {
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, nullptr);
+    std::this_thread::sleep_for(60s);
+  }).detach();
+  auto& recorder = FlightRecorder::instance();
+  const int backend = 0;
+  const std::vector<int> ranks{0, 1};
+  const std::vector<std::int64_t> shape{8};
+  recorder.waiting(recorder.record(&backend, "DP", ranks, "gloo", "all_reduce", shape, "Float"));
+  // std::abort raises SIGABRT in this thread, which holds the lock every dump reads under.
+  std::lock_guard held(FlightRecorderTestAccess::lock_of(recorder));
+  std::abort();
 }

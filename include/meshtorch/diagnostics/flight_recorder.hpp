@@ -9,6 +9,7 @@
 // whose buffers are reused: a few hundred ns, no allocation once the ring is warm (an op name
 // over 15 characters aside). No store traffic here: the watchdog publishes progress from its
 // own thread. Standard library and nlohmann-json only, so tools read dumps without LibTorch.
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -131,7 +132,7 @@ class FlightRecorder {
   // last collective, and the wait under way. What the watchdog publishes through the store.
   template <class Json = nlohmann::json>
   Json progress() const {
-    std::lock_guard lock(mutex_);
+    const auto lock = lock_for_watchdog();
     Json out = {{"groups", Json::array()}};
     for (const auto& group : groups_)
       out["groups"].push_back({{"group", group->name},
@@ -154,7 +155,7 @@ class FlightRecorder {
   // The ring, oldest first, with wall-clock times (seconds since the epoch).
   template <class Json = nlohmann::json>
   Json entries() const {
-    std::lock_guard lock(mutex_);
+    const auto lock = lock_for_watchdog();
     const double offset = wall_offset();
     auto wall = [&](Clock::time_point t) -> Json {
       if (t == Clock::time_point{}) return nullptr;
@@ -177,7 +178,36 @@ class FlightRecorder {
     return out;
   }
 
+  // Called from a fatal signal's handler (an atomic store). From then on the watchdog's waits for
+  // the lock end: the thread that holds it may be the one the signal stopped, which never releases
+  // it. progress() and entries() then read without it, which is safe enough for a last dump: every
+  // other writer waits for that lock, so the ring no longer changes. longest_wait() and
+  // poll_device_completions() give nothing.
+  void reading_after_fatal_signal() { after_fatal_signal_.store(true, std::memory_order_relaxed); }
+
  private:
+  friend struct FlightRecorderTestAccess;  // holds the lock where a test needs it held
+  static constexpr auto fatal_lock_wait = std::chrono::milliseconds(500);
+
+  // The lock for the watchdog thread, which must never wait for ever: owned, or after a fatal
+  // signal and fatal_lock_wait without it, not owned.
+  // Once one wait has ended so, the next ones only try.
+  std::unique_lock<std::timed_mutex> lock_for_watchdog() const {
+    std::unique_lock lock(mutex_, std::defer_lock);
+    if (lock_abandoned_.load(std::memory_order_relaxed)) {
+      (void)lock.try_lock();
+      return lock;
+    }
+    std::chrono::milliseconds waited_after_signal{0};
+    constexpr auto slice = std::chrono::milliseconds(50);
+    while (!lock.try_lock_for(slice))
+      if (after_fatal_signal_.load(std::memory_order_relaxed) && (waited_after_signal += slice) >= fatal_lock_wait) {
+        lock_abandoned_.store(true, std::memory_order_relaxed);
+        break;
+      }
+    return lock;
+  }
+
   MESHTORCH_DECL static std::size_t capacity_from_env();
 
   static double wall_offset() {
@@ -205,7 +235,9 @@ class FlightRecorder {
   MESHTORCH_DECL void set_state(std::uint64_t id, CollectiveState state);
   MESHTORCH_DECL void set_state_locked(FlightEntry& entry, CollectiveState state);
 
-  mutable std::mutex mutex_;
+  mutable std::timed_mutex mutex_;
+  std::atomic<bool> after_fatal_signal_{false};
+  mutable std::atomic<bool> lock_abandoned_{false};
   std::vector<FlightEntry> ring_;
   std::uint64_t next_id_ = 0, last_ = 0;
   std::deque<std::unique_ptr<RecordedGroup>> groups_;
@@ -263,7 +295,8 @@ MESHTORCH_DECL std::uint64_t FlightRecorder::record(const void* backend, std::st
 }
 
 MESHTORCH_DECL std::optional<PendingCollective> FlightRecorder::longest_wait() const {
-  std::lock_guard lock(mutex_);
+  const auto lock = lock_for_watchdog();
+  if (!lock.owns_lock()) return std::nullopt;
   const auto now = Clock::now();
   const FlightEntry* oldest = nullptr;
   for (const auto& entry : ring_)
@@ -286,7 +319,8 @@ MESHTORCH_DECL std::size_t FlightRecorder::poll_device_completions() {
   // recording; oldest first, as one stream runs them.
   std::vector<std::pair<std::uint64_t, std::function<bool()>>> pending;
   {
-    std::lock_guard lock(mutex_);
+    const auto lock = lock_for_watchdog();
+    if (!lock.owns_lock()) return 0;
     for (const auto& entry : ring_)
       if (entry.id && entry.done_on_device) pending.emplace_back(entry.id, entry.done_on_device);
   }
@@ -299,7 +333,8 @@ MESHTORCH_DECL std::size_t FlightRecorder::poll_device_completions() {
     } catch (...) {
     }
     if (!finished) continue;
-    std::lock_guard lock(mutex_);
+    const auto lock = lock_for_watchdog();
+    if (!lock.owns_lock()) return marked;
     FlightEntry* entry = find(id);
     if (!entry || !entry->done_on_device) continue;  // overwritten, or ended otherwise, meanwhile
     set_state_locked(*entry, CollectiveState::completed);

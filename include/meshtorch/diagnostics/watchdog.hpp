@@ -21,6 +21,7 @@
 // a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, which std::abort raises). Where
 // diagnostics/stack_dump.hpp is installed, every thread's stack goes to the log on SIGUSR1, before the
 // watchdog ends a rank, and on a fatal signal.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -62,7 +63,8 @@ class Watchdog {
   // Writes every thread's stack to the log: set by install_stack_dumps() (diagnostics/stack_dump.hpp,
   // which launch() calls), so that only programs that want it link backward-cpp and libdw. From
   // then on SIGUSR1 asks for the stacks, and the watchdog writes them before it ends a rank.
-  using StackDumper = void (*)(int rank, const std::string& reason);
+  // Past `deadline` it stops asking threads and gives the rest as addresses.
+  using StackDumper = void (*)(int rank, const std::string& reason, Clock::time_point deadline);
   MESHTORCH_DECL void set_stack_dumper(StackDumper dumper);
 
   bool armed() const { return armed_; }
@@ -112,8 +114,8 @@ class Watchdog {
 
   [[noreturn]] MESHTORCH_DECL void end_process(std::uint64_t record, const std::string& what);
 
-  void write_stacks(const std::string& reason) {
-    if (const auto dumper = stack_dumper_.load()) dumper(rank_, reason);
+  void write_stacks(const std::string& reason, Clock::time_point deadline = Clock::time_point::max()) {
+    if (const auto dumper = stack_dumper_.load()) dumper(rank_, reason, deadline);
   }
 
   // The torchelastic error file, with the culprit for meshrun's summary.
@@ -123,10 +125,19 @@ class Watchdog {
   MESHTORCH_DECL static void install_signal_handlers();
 
   // The dump is written by the watchdog thread: the thread the signal interrupted may hold a
-  // lock (malloc's, the recorder's) that writing it needs. This one waits up to 10 s for it (the
-  // stacks are symbolised too, which on a loaded machine takes seconds).
+  // lock (malloc's, the recorder's) that writing it needs. This one waits for the dump and the
+  // stacks, at most fatal_budget().
   MESHTORCH_DECL static void on_fatal_signal(int signo);
 
+ public:
+  // How long a rank that received a fatal signal may take to write its dump and stacks before it
+  // dies: half the collective timeout, within [2 s, 10 s]. Its peers wait for it in a collective
+  // and end at the timeout; it must be gone first, so that the launcher names it, not them.
+  static constexpr std::chrono::milliseconds fatal_budget(std::chrono::milliseconds timeout) {
+    return std::clamp<std::chrono::milliseconds>(timeout / 2, std::chrono::seconds(2), std::chrono::seconds(10));
+  }
+
+ private:
   mutable std::mutex mutex_;
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_ = 0, world_size_ = 1;
@@ -139,6 +150,10 @@ class Watchdog {
   std::atomic<bool> stacks_requested_{false};
   std::atomic<StackDumper> stack_dumper_{nullptr};
   std::atomic<bool> fatal_dump_done_{false};
+  // Set by attach() from the timeout, read in the signal handler; the signal's time, in
+  // steady-clock ticks, for the stacks' deadline.
+  std::atomic<std::int64_t> fatal_budget_ms_{fatal_budget(std::chrono::milliseconds(600'000)).count()};
+  std::atomic<Clock::rep> fatal_at_{0};
 
   std::once_flag started_;
   std::thread thread_;
@@ -201,6 +216,7 @@ MESHTORCH_DECL void Watchdog::attach(const c10::intrusive_ptr<c10d::Store>& stor
     world_size_ = world_size;
     host_ = std::move(host);
     timeout_ = timeout;
+    fatal_budget_ms_ = fatal_budget(timeout).count();
   }
   std::call_once(started_, [this] {
     thread_ = std::thread([this] { loop(); });
@@ -341,7 +357,9 @@ MESHTORCH_DECL void Watchdog::loop() {
       const char* name = ::sigabbrev_np(signo);
       const std::string reason = std::string("fatal signal SIG") + (name ? name : "?");
       dump(reason);
-      write_stacks(reason);
+      // The stacks end a little before the handler stops waiting, so that what was named is written.
+      const auto budget = std::chrono::milliseconds(fatal_budget_ms_.load());
+      write_stacks(reason, Clock::time_point(Clock::duration(fatal_at_.load())) + budget * 4 / 5);
       fatal_dump_done_ = true;
       return;
     }
@@ -468,10 +486,14 @@ MESHTORCH_DECL void Watchdog::install_signal_handlers() {
 MESHTORCH_DECL void Watchdog::on_fatal_signal(int signo) {
   static std::atomic<bool> once{false};
   if (!once.exchange(true)) {
-    ::alarm(15);  // should the dump hang anyway, SIGALRM ends the process
     auto& watchdog = instance();
+    const std::int64_t budget_ms = watchdog.fatal_budget_ms_.load();
+    ::alarm(static_cast<unsigned>(budget_ms / 1000 + 5));  // should the waiting below hang, SIGALRM ends it
+    watchdog.fatal_at_ = Clock::now().time_since_epoch().count();
+    // This thread may hold the recorder's lock, and never release it: the watchdog stops waiting for it.
+    FlightRecorder::instance().reading_after_fatal_signal();
     watchdog.fatal_signal_ = signo;
-    for (int i = 0; i < 1000 && !watchdog.fatal_dump_done_; ++i) {
+    for (std::int64_t waited_ms = 0; waited_ms < budget_ms && !watchdog.fatal_dump_done_; waited_ms += 10) {
       timespec pause{0, 10'000'000};
       ::nanosleep(&pause, nullptr);
     }
