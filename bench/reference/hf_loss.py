@@ -1,9 +1,9 @@
 """Model parity with transformers: loads a checkpoint folder written by our binaries (HF
-config.json + model.safetensors under HF Llama names) with LlamaForCausalLM.from_pretrained,
-computes HF's loss on the token batch given in a JSON file, and compares it with the loss we
-computed on the same batch.
+config.json + model.safetensors under HF names) with the class its config names (AutoModelForCausalLM:
+LlamaForCausalLM, MistralForCausalLM or Qwen3ForCausalLM), computes HF's loss on the token batch
+given in a JSON file, and compares it with the loss we computed on the same batch.
 
-    python hf_loss.py CHECKPOINT_DIR OURS_JSON [--tol 1e-5]
+    python hf_loss.py CHECKPOINT_DIR OURS_JSON [--tol 1e-5] [--family llama|mistral|qwen3]
 
 OURS_JSON is {"tokens": [[...], ...], "loss": x} (a batch of equal-length rows; labels are the
 tokens, shifted inside the model as in training), optionally with "token_losses": [[...]], each
@@ -19,7 +19,7 @@ import math
 import sys
 
 import torch
-from transformers import AutoConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def main():
@@ -27,6 +27,7 @@ def main():
     parser.add_argument("checkpoint", help="folder with config.json and model.safetensors")
     parser.add_argument("ours", help='JSON file {"tokens": [[...]], "loss": x}')
     parser.add_argument("--tol", type=float, default=1e-5, help="largest allowed |HF loss - our loss|")
+    parser.add_argument("--family", help="the model_type the folder must load as (default: any)")
     args = parser.parse_args()
 
     try:
@@ -46,12 +47,15 @@ def main():
     if tokens.min() < 0 or tokens.max() >= config.vocab_size:
         print(f"{args.ours}: token ids must lie in [0, {config.vocab_size})", file=sys.stderr)
         return 2
-    model, info = LlamaForCausalLM.from_pretrained(
+    if args.family and config.model_type != args.family:
+        print(f"{args.checkpoint} is a '{config.model_type}' model, expected '{args.family}'", file=sys.stderr)
+        return 1
+    model, info = AutoModelForCausalLM.from_pretrained(
         args.checkpoint, dtype=torch.float32, output_loading_info=True, use_cache=False
     )
     problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:
-        print(f"{args.checkpoint} does not load cleanly into LlamaForCausalLM: {problems}", file=sys.stderr)
+        print(f"{args.checkpoint} does not load cleanly into {type(model).__name__}: {problems}", file=sys.stderr)
         return 1
     model.eval()
     with torch.no_grad():
@@ -75,7 +79,8 @@ def main():
         worst = int(token_diff.argmax())
         result["token_losses_max_abs_diff"] = token_diff.max().item()
         ok = ok and result["token_losses_max_abs_diff"] <= args.tol
-    result.update(tol=args.tol, batch=list(tokens.shape), attn_implementation=model.config._attn_implementation, ok=ok)
+    result.update(tol=args.tol, batch=list(tokens.shape), model_class=type(model).__name__,
+                  attn_implementation=model.config._attn_implementation, ok=ok)
     print(json.dumps(result))
     if not ok:
         print(f"HF and our losses differ on the same {list(tokens.shape)} batch by more than {args.tol:g}: "

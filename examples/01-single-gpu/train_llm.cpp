@@ -31,7 +31,7 @@ int train(const mt::train::TrainArgs& args) {
   model->use_fused_kernels(args.fused == "on");                           // --fused
 
   // The data: tokenised once, packed into seq_length blocks, shuffled per epoch from the seed.
-  const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size);
+  const auto [blocks, sampler] = mt::load_training_data(args, config);
   mt::train::AdamW optimizer(mt::train::named_trainable_parameters(*model), {.lr = args.lr});
 
   // The cosine schedule, the phase timers and the experiment folder: metrics (and TensorBoard

@@ -55,7 +55,7 @@ int train(const Chapter2Args& args) {
                        mt::llama::dtype_name(dtype), ddp ? ddp->buckets().size() : 0));
 
   // Rank 0 tokenises (or downloads) first; the others follow once it is done.
-  const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
+  const auto [blocks, sampler] = mt::load_training_data(args, config, model);
   log.info(fmt::format("{} blocks of {} tokens, {} steps per epoch, global batch {}", blocks.size(), args.seq_length,
                        sampler.steps_per_epoch(), sampler.global_batch()));
 

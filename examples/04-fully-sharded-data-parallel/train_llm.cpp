@@ -55,7 +55,7 @@ int train(const Chapter4Args& args) {
       mt::llama::dtype_name(compute_dtype), args.cpu_offload ? " in CPU memory" : ""));
 
   // Sharding is data parallelism: each rank trains on its part of the global batch.
-  const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
+  const auto [blocks, sampler] = mt::load_training_data(args, config, model);
   // The optimizer steps the shards (on the CPU with --cpu-offload): its state is sharded too.
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
 

@@ -64,7 +64,7 @@ int train(const Chapter5Args& args) {
                                            : " on the device"));
   if (!options.weights_from.empty()) log.info(model.load_report());
 
-  const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
+  const auto [blocks, sampler] = mt::load_training_data(args, config, model);
   // With --cpu-offload the shards are CPU tensors: the fused AdamW steps on the CPU, where
   // --optimizer-offload takes it too.
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr, .offload = args.optimizer_offload});

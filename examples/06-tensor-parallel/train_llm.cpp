@@ -43,7 +43,7 @@ int train(const Chapter6Args& args) {
   log.info(model.summary());
 
   // The DP ranks split the global batch; all TP ranks of a DP coordinate read the same samples.
-  const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
+  const auto [blocks, sampler] = mt::load_training_data(args, config, model);
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
 
   mt::train::Loop loop(args, model, optimizer, blocks, sampler, mesh.rank(), device);

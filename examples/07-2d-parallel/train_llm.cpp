@@ -47,7 +47,7 @@ int train(const Chapter7Args& args) {
   log.info(model.summary());
 
   // The data-parallel ranks (DP x FSDP) split the global batch; a TP group reads one batch.
-  const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
+  const auto [blocks, sampler] = mt::load_training_data(args, config, model);
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
 
   mt::train::Loop loop(args, model, optimizer, blocks, sampler, mesh.rank(), device);

@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
     // deepspeed.initialize: the mesh, the parallel model, AdamW and the schedule, from the config.
     return mt::initialize(args, config, [&](auto& engine) {
       const auto [blocks, sampler] =
-          mt::load_training_data(engine.args(), engine.model().module()->config.vocab_size, engine.model());
+          mt::load_training_data(engine.args(), engine.model().module()->config, engine.model());
       engine.set_steps_per_epoch(sampler.steps_per_epoch());
 
       // Epoch after epoch from the latest checkpoint of -e (or a fresh start), a micro-batch at a time.

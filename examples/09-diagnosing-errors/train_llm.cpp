@@ -74,7 +74,7 @@ int train(const Chapter9Args& args) {
   auto model =
       mt::parallelize(mt::llama::LlamaForCausalLM(config, torch::TensorOptions().device(torch::kMeta).dtype(dtype)),
                       mesh, mt::parallelize_options(args, device));
-  const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
+  const auto [blocks, sampler] = mt::load_training_data(args, config, model);
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
 
   mt::train::Loop loop(args, model, optimizer, blocks, sampler, mesh.rank(), device);

@@ -56,7 +56,7 @@ int train(const Chapter11Args& args) {
            model.schedule_grid());
 
   // The DP x FSDP ranks split the global batch; the ranks of a pipeline (and their TP ranks) read the same batch.
-  const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
+  const auto [blocks, sampler] = mt::load_training_data(args, config, model);
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
 
   mt::train::Loop loop(args, model, optimizer, blocks, sampler, mesh.rank(), device);

@@ -66,7 +66,7 @@ int train(const Chapter12Args& args) {
 
   // The data-parallel ranks (DP x FSDP) split the global batch; the CP ranks of one read the same
   // batch (-s must split into 2 x CP chunks: refused here, before any step, if it does not).
-  const auto [blocks, sampler] = mt::load_training_data(args, config.vocab_size, model);
+  const auto [blocks, sampler] = mt::load_training_data(args, config, model);
   mt::train::AdamW optimizer(model.named_parameters(), {.lr = args.lr});
 
   mt::train::Loop loop(args, model, optimizer, blocks, sampler, mesh.rank(), device);

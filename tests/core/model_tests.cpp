@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 
 #include <meshtorch/io/host_memory.hpp>
 #include <meshtorch/meshtorch.hpp>
@@ -281,6 +282,107 @@ TEST_CASE("bad config.json files name the field at fault", "[config]") {
   CHECK_THAT(error_for("{" + base + R"(, "num_attention_heads": 8})"), Catch::Contains("no error"));
   CHECK_THROWS_WITH(mt::llama::resolve_model("no-such-model"), Catch::Contains("neither a preset"));
   fs::remove_all(dir);
+}
+
+TEST_CASE("config.json of each family: read, refused by name, written back as the same family", "[config]") {
+  const std::string base = R"("hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 300,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32)";
+  const auto parse = [&](const std::string& fields) {
+    return mt::llama::config_from_json(nlohmann::json::parse("{" + base + fields + "}"));
+  };
+  const auto error_for = [&](const std::string& fields) -> std::string {
+    try {
+      parse(fields);
+    } catch (const mt::ConfigError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  // Qwen3: q/k norms per head, head_dim apart from hidden / heads, no window unless asked for.
+  const auto qwen3 = parse(R"(, "model_type": "qwen3", "use_sliding_window": false, "sliding_window": null,
+                              "max_window_layers": 28, "layer_types": ["full_attention", "full_attention"],
+                              "attention_bias": false)");
+  CHECK(qwen3.family == mt::llama::Family::qwen3);
+  CHECK(qwen3.qk_norm());
+  CHECK(qwen3.sliding_window == 0);
+  // Each layer's norms: two of hidden_size, and q_norm and k_norm of head_dim.
+  CHECK(qwen3.parameter_counts()->layer_norms == 2 * 64 + 2 * 32);
+  const auto qwen3_window = parse(R"(, "model_type": "qwen3", "use_sliding_window": true, "sliding_window": 96)");
+  CHECK(qwen3_window.sliding_window == 96);
+  CHECK_THAT(error_for(R"(, "model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"])"),
+             Catch::Contains("'sliding_window' is missing"));
+  CHECK_THAT(error_for(R"(, "model_type": "qwen3", "layer_types": ["full_attention"])"),
+             Catch::Contains("'layer_types' must be a list of num_hidden_layers (2) entries"));
+  CHECK_THAT(error_for(R"(, "model_type": "qwen3", "attention_bias": true)"),
+             Catch::Contains("'attention_bias' is true"));
+  // Mistral: the window, or null.
+  const auto mistral = parse(R"(, "model_type": "mistral", "sliding_window": 4096)");
+  CHECK(mistral.family == mt::llama::Family::mistral);
+  CHECK(!mistral.qk_norm());
+  CHECK(mistral.sliding_window == 4096);
+  CHECK(parse(R"(, "model_type": "mistral", "sliding_window": null)").sliding_window == 0);
+  CHECK_THAT(error_for(R"(, "model_type": "mistral", "sliding_window": 0)"),
+             Catch::Contains("'sliding_window' is 0; give a positive window or null"));
+  // A Llama's config does not have a window: a field it does not read is listed, not applied.
+  mt::llama::ConfigFile llama_file =
+      mt::llama::read_config_json(nlohmann::json::parse("{" + base + R"(, "sliding_window": 16})"));
+  CHECK(llama_file.config.sliding_window == 0);
+  CHECK(std::find(llama_file.ignored_fields.begin(), llama_file.ignored_fields.end(), "sliding_window") !=
+        llama_file.ignored_fields.end());
+  // Families not implemented, by name.
+  CHECK_THAT(error_for(R"(, "model_type": "qwen2")"), Catch::Contains("'model_type' is 'qwen2': its q, k and v "
+                                                                      "projections carry biases"));
+  CHECK_THAT(error_for(R"(, "model_type": "gemma")"),
+             Catch::Contains("'model_type' is 'gemma'; supported: llama, mistral, qwen3"));
+  // Written back as the same family, with the fields its transformers class reads.
+  for (const auto& config : {qwen3, qwen3_window, mistral}) {
+    const auto written = mt::llama::config_to_json(config);
+    CHECK(written["model_type"] == std::string(traits(config.family).model_type));
+    CHECK(written["architectures"][0] == std::string(traits(config.family).architecture));
+    CHECK(mt::llama::config_from_json(written) == config);
+  }
+  CHECK(mt::llama::config_to_json(qwen3)["sliding_window"].is_null());
+  CHECK(mt::llama::config_to_json(mistral)["sliding_window"] == 4096);
+}
+
+TEST_CASE("a Qwen3 model normalises each head's q and k, and refuses sequences past a sliding window", "[model]") {
+  auto config = mt::llama::presets::llama_tiny;
+  config.family = mt::llama::Family::qwen3;
+  config.head_dim = 32;  // apart from hidden_size / heads (16)
+  torch::manual_seed(0);
+  mt::llama::LlamaForCausalLM lm(config);
+  mt::llama::init_weights(lm);
+  auto& attention = *lm->model->decoder_layers[0]->self_attn;
+  REQUIRE(attention.q_norm);
+  CHECK(attention.q_norm->weight.sizes() == torch::IntArrayRef{32});
+  const auto names = lm->named_parameters().keys();
+  CHECK(std::count(names.begin(), names.end(), "model.layers.0.self_attn.q_norm.weight") == 1);
+  CHECK(std::count(names.begin(), names.end(), "model.layers.3.self_attn.k_norm.weight") == 1);
+  CHECK(lm->parameters().size() == 2 + 4 * 11 + 1);  // embedding, head, final norm; 11 weights a layer
+  // The norms take part: scaling q_norm's weight changes the loss, and both get gradients.
+  const auto ids = torch::randint(0, config.vocab_size, {2, 16});
+  for (const bool fused : {true, false}) {
+    lm->use_fused_kernels(fused);
+    lm->zero_grad();
+    const auto loss = lm->loss(ids, ids);
+    loss.backward();
+    CHECK(attention.q_norm->weight.grad().abs().sum().item<double>() > 0);
+    CHECK(attention.k_norm->weight.grad().abs().sum().item<double>() > 0);
+  }
+  const double before = lm->loss(ids, ids).item<double>();
+  {
+    torch::NoGradGuard no_grad;
+    attention.q_norm->weight.mul_(3.0);
+  }
+  CHECK(lm->loss(ids, ids).item<double>() != Approx(before).epsilon(1e-6));
+  // A window shorter than the sequence: refused, naming the fix.
+  config.sliding_window = 8;
+  mt::llama::LlamaForCausalLM windowed(config);
+  mt::llama::init_weights(windowed);
+  CHECK_THROWS_WITH(windowed->loss(ids, ids),
+                    Catch::Contains("a sequence of 16 positions is longer than the model's sliding_window (8)") &&
+                        Catch::Contains("use sequences of at most 8 positions"));
+  CHECK_NOTHROW(windowed->loss(ids.slice(1, 0, 8), ids.slice(1, 0, 8)));
 }
 
 TEST_CASE("safetensors round-trips tensors of every dtype", "[io]") {

@@ -2,7 +2,7 @@
 """End-to-end checks of examples/01-single-gpu, run by CTest.
 
 usage: chapter01_checks.py BINARY CONSOLIDATE {loss-falls|resume|run-ends|deterministic|bad-input|folder-tokenizer|
-                                               schedules|activation-checkpointing|profile|fused}
+                                               schedules|activation-checkpointing|profile|fused|sliding-window}
 
 CONSOLIDATE is the meshtorch-consolidate tool, which turns a checkpoint into an HF folder.
 """
@@ -431,6 +431,22 @@ def fused(binary):
         assert refused.returncode != 0 and "--fused" in refused.stderr, refused.stderr
 
 
+def sliding_window(binary):
+    """A Mistral config whose sliding_window (32) is shorter than -s is refused before the data is
+    read, naming the window and the fix; within the window it trains."""
+    mistral = pathlib.Path(__file__).resolve().parent.parent / "hf_parity" / "configs" / "mistral-window-32"
+    common = ["-m", str(mistral), "-d", "builtin", "-b", "2", "--max-steps", "2", "--log-freq", "1"]
+    refused = run(binary, *common, "-s", "64", expect_ok=False)
+    assert refused.returncode != 0, refused.stdout
+    assert ("-s/--seq-length 64 is longer than the sliding_window of " in refused.stderr and
+            "(32 positions); sliding-window attention is not implemented, so train with -s 32 or less" in refused.stderr), \
+        refused.stderr
+    assert "global_step" not in refused.stdout + refused.stderr
+    trained = run(binary, *common, "-s", "32")
+    assert "global_step=2" in trained.stdout + trained.stderr, trained.stdout + trained.stderr
+    print(refused.stderr.strip().splitlines()[-1])
+
+
 if __name__ == "__main__":
     binary, consolidate, check = sys.argv[1:4]
     if check == "resume":
@@ -439,5 +455,5 @@ if __name__ == "__main__":
         {"folder-tokenizer": folder_tokenizer, "loss-falls": loss_falls, "run-ends": run_ends,
          "deterministic": deterministic, "schedules": schedules,
          "activation-checkpointing": activation_checkpointing,
-         "bad-input": bad_input, "profile": profile, "fused": fused}[check](binary)
+         "bad-input": bad_input, "profile": profile, "fused": fused, "sliding-window": sliding_window}[check](binary)
     print("ok")

@@ -3,7 +3,7 @@
 global batch, run by CTest on CPU with Gloo, fp32, one thread per rank.
 
 usage: chapter04_checks.py MESHRUN CHAPTER1 CHAPTER4
-       {fsdp-parity|no-reshard-offload-parity|grad-accum-parity|resume|export|bf16}
+       {fsdp-parity|no-reshard-offload-parity|grad-accum-parity|qwen3-fsdp-parity|resume|export|bf16}
 """
 import pathlib
 import sys
@@ -59,6 +59,12 @@ def no_reshard_offload_parity(tools):
     # LibTorch's composite ops instead of the fused kernels on both sides (the other checks run them).
     parity(tools, 4, ["-b", "2", "--no-reshard-after-forward", "--cpu-offload", "--loss-chunk", "7"],
            extra=("--fused", "off"))
+
+
+def qwen3_fsdp_parity(tools):
+    # A Qwen3 folder: q_norm and k_norm sharded by rows like every other weight.
+    qwen3 = pathlib.Path(__file__).resolve().parent.parent / "hf_parity" / "configs" / "qwen3-gqa-tied"
+    parity(tools, 4, ["-b", "2"], extra=(*CLIP, "-m", str(qwen3)))
 
 
 def grad_accum_parity(tools):
@@ -121,5 +127,6 @@ def bf16(tools):
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter4": sys.argv[3]}
     {"fsdp-parity": fsdp_parity, "no-reshard-offload-parity": no_reshard_offload_parity,
-     "grad-accum-parity": grad_accum_parity, "resume": resume, "export": export, "bf16": bf16}[sys.argv[4]](tools)
+     "grad-accum-parity": grad_accum_parity, "qwen3-fsdp-parity": qwen3_fsdp_parity, "resume": resume,
+     "export": export, "bf16": bf16}[sys.argv[4]](tools)
     print("ok")

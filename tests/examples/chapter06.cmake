@@ -1,5 +1,6 @@
-# Chapter 6 against chapter 1 on the same global batch: TP alone, DP x TP, resume, bad input.
-foreach(check tp-parity dp-tp-parity resume bad-input)
+# Chapter 6 against chapter 1 on the same global batch: TP alone, DP x TP, a Qwen3 under TP, resume,
+# bad input.
+foreach(check tp-parity dp-tp-parity qwen3-tp-parity resume bad-input)
   add_test(NAME "examples: 06-tensor-parallel ${check}"
            COMMAND Python3::Interpreter ${CMAKE_CURRENT_SOURCE_DIR}/chapter06_checks.py
                    $<TARGET_FILE:meshrun> $<TARGET_FILE:01-single-gpu> $<TARGET_FILE:06-tensor-parallel> ${check})

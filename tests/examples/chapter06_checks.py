@@ -2,8 +2,9 @@
 """End-to-end checks of examples/06-tensor-parallel against chapter 1, run by CTest on CPU with
 Gloo, fp32, one thread per rank.
 
-usage: chapter06_checks.py MESHRUN CHAPTER1 CHAPTER6 {tp-parity|dp-tp-parity|resume|bad-input}
+usage: chapter06_checks.py MESHRUN CHAPTER1 CHAPTER6 {tp-parity|dp-tp-parity|qwen3-tp-parity|resume|bad-input}
 """
+import pathlib
 import sys
 import tempfile
 
@@ -21,7 +22,7 @@ def parity(tools, single_batch, nproc, tp_args, steps=20, extra=()):
     """One process with the global batch against the TP (x DP) run: losses and final weights."""
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["--save-dir", tmp, "--max-steps", str(steps), "--ckpt-freq", str(steps), *extra]
-        run([tools["chapter1"], *COMMON, "-b", str(single_batch), "-e", "one", *flags])
+        run([tools["chapter1"], *common_except(extra), "-b", str(single_batch), "-e", "one", *flags])
         tp_run(tools, nproc, *tp_args, "-e", "tp", *flags)
         compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/tp"), 1e-5)
         if extra == CLIP:
@@ -41,6 +42,13 @@ def dp_tp_parity(tools):
     # 4 ranks as 2 DP x 2 TP, 2 samples per DP rank: chapter 1's batch of 4. With clipping, whose
     # norm counts the TP chunks once each and the norm weights TP leaves whole once, not twice.
     parity(tools, 4, 4, ["-b", "2", "--tp", "2"], extra=CLIP)
+
+
+def qwen3_tp_parity(tools):
+    # A Qwen3 folder (q_norm and k_norm over each head, head_dim 32 apart from hidden / heads): the
+    # heads split over 2 ranks, each rank's gradient of the per-head norms a partial sum.
+    qwen3 = pathlib.Path(__file__).resolve().parent.parent / "hf_parity" / "configs" / "qwen3-gqa-tied"
+    parity(tools, 4, 2, ["-b", "4", "--tp", "2"], extra=(*CLIP, "-m", str(qwen3)))
 
 
 def resume(tools):
@@ -80,5 +88,6 @@ def bad_input(tools):
 
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter6": sys.argv[3]}
-    {"tp-parity": tp_parity, "dp-tp-parity": dp_tp_parity, "resume": resume, "bad-input": bad_input}[sys.argv[4]](tools)
+    {"tp-parity": tp_parity, "dp-tp-parity": dp_tp_parity, "qwen3-tp-parity": qwen3_tp_parity, "resume": resume,
+     "bad-input": bad_input}[sys.argv[4]](tools)
     print("ok")

@@ -2,7 +2,11 @@
 attention, head_dim not hidden_size / heads, llama3 rope scaling whose frequencies fall in all three
 bands, rope_theta not 10000) saved with save_pretrained into sharded safetensors.
 
-    python make_transformers_folder.py OUT [--legacy-config] [--size tiny|400mb]
+    python make_transformers_folder.py OUT [--legacy-config] [--size tiny|400mb] [--family F]
+
+--family mistral or qwen3 writes the same shapes as that family's model (MistralForCausalLM with a
+sliding_window of 256, longer than the sequences the checks use; Qwen3ForCausalLM, whose q_norm
+and k_norm then hold random weights too).
 
 With --legacy-config, config.json is then rewritten in the earlier generation's fields (top-level
 rope_theta and rope_scaling, torch_dtype), which transformers still reads to the same model.
@@ -14,7 +18,14 @@ import json
 import os
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 256}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"use_sliding_window": False}),
+}
 
 
 SIZES = {
@@ -32,15 +43,17 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--legacy-config", action="store_true")
     parser.add_argument("--size", choices=SIZES, default="tiny")
+    parser.add_argument("--family", choices=FAMILIES, default="llama")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config_class, model_class, family_fields = FAMILIES[args.family]
+    config = config_class(
         max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-        **SIZES[args.size]["config"])
-    model = LlamaForCausalLM(config)
+        **family_fields, **SIZES[args.size]["config"])
+    model = model_class(config)
     with torch.no_grad():
         for p in model.parameters():  # norms away from 1, so a weight read into the wrong norm shows
             p.add_(torch.randn_like(p) * 0.05)
@@ -59,8 +72,9 @@ def main():
         written["transformers_version"] = "4.46.0"
         with open(os.path.join(args.out, "config.json"), "w") as f:
             json.dump(written, f, indent=2)
-        assert LlamaConfig.from_pretrained(args.out).rope_parameters == config.rope_parameters
-    print(f"{args.out}: {len(shards)} safetensors shards, config.json {'legacy' if args.legacy_config else 'transformers 5'}")
+        assert config_class.from_pretrained(args.out).rope_parameters == config.rope_parameters
+    print(f"{args.out}: {args.family}, {len(shards)} safetensors shards, "
+          f"config.json {'legacy' if args.legacy_config else 'transformers 5'}")
 
 
 if __name__ == "__main__":

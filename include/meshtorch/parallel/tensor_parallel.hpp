@@ -21,6 +21,9 @@
 //                    input, so those children do not enter it again.
 // The one exception is the vocabulary-sharded embedding: token ids are not activations, so it
 // masks the ids outside this rank's rows before its leave collective sums the ranks' rows.
+// Qwen3's q/k norms have no style of their own: they follow q_proj and k_proj. Their weight (one
+// for every head) stays whole; with the heads split by ColwiseParallel each rank's gradient
+// covers its heads only, a partial sum that joins the sequence-parallel norms' all-reduce.
 // The model builds its rotary tables from the token ids, which every TP rank holds whole, so
 // positions stay right while the residual stream is sharded along the sequence.
 #include <array>
@@ -240,6 +243,9 @@ class TensorParallelRuntime {
   // model's head_hooks either way.
   MESHTORCH_DECL void apply_head(const tp_detail::StyleSteps& style);
   MESHTORCH_DECL void shard(const std::string& name, WeightModule& module, std::int64_t dim);
+  // A whole weight whose gradient is a partial sum on each rank (a sequence-parallel norm's, a
+  // per-head norm's with the heads split): summed over the group when the backward ends.
+  MESHTORCH_DECL void sum_partial_gradient(const std::string& name, WeightModule& module);
 
   llama::LlamaForCausalLM model_;
   comm::AxisGroup group_;
@@ -329,7 +335,7 @@ MESHTORCH_DECL torch::Tensor NormGradientSum::partial_gradient_of(const torch::T
   view.register_hook([self = shared_from_this(), name](const torch::Tensor& grad) {
     if (self->queued_for_ == -1)
       throw ConfigError(
-          fmt::format("tensor parallel: the gradient of the sequence-parallel norm '{}' reached a "
+          fmt::format("tensor parallel: the gradient of the norm '{}' (a partial sum on each rank) reached a "
                       "backward that did not start at TensorParallel::loss (or ParallelLlama::loss), "
                       "so its sum over the {} would never run; compute the loss through them",
                       name, self->group_.describe()));
@@ -394,6 +400,10 @@ MESHTORCH_DECL TensorParallelRuntime::TensorParallelRuntime(llama::LlamaForCausa
     apply(prefix + "self_attn.k_proj", *attn.k_proj, plan["k_proj"], attention_entered);
     apply(prefix + "self_attn.v_proj", *attn.v_proj, plan["v_proj"], attention_entered);
     apply(prefix + "self_attn.o_proj", *attn.o_proj, plan["o_proj"], false);
+    if (attn.q_norm && plan["q_proj"].kind == StyleKind::colwise)
+      sum_partial_gradient(prefix + "self_attn.q_norm", *attn.q_norm);
+    if (attn.k_norm && plan["k_proj"].kind == StyleKind::colwise)
+      sum_partial_gradient(prefix + "self_attn.k_norm", *attn.k_norm);
     apply(prefix + "post_attention_layernorm", *layer.post_attention_layernorm, plan["post_attention_layernorm"],
           false);
     if (mlp_entered) add_enter(layer.mlp->hooks, mlp_input);
@@ -490,24 +500,26 @@ MESHTORCH_DECL void TensorParallelRuntime::apply(const std::string& name, Weight
           });
       return;
     }
-    case StyleKind::sequence_parallel: {
+    case StyleKind::sequence_parallel:
       // Each rank's gradient covers its part of the sequence; the weight's is their sum, the
-      // all-reduce of the style's weight Redistribution, run for all norms at once when the
-      // backward ends. A parametrization, so it holds when a wrapper (FSDP) swaps the weight
-      // tensor for a gathered one.
-      norm_gradients_->add(name + ".weight", module.weight);
-      module.parametrizations.push_back(
-          [sum = norm_gradients_, weight_name = name + ".weight"](const torch::Tensor& w) {
-            return sum->partial_gradient_of(w, weight_name);
-          });
+      // all-reduce of the style's weight Redistribution.
+      sum_partial_gradient(name, module);
       return;
-    }
     case StyleKind::none:
       return;
     case StyleKind::prepare_input:
       break;
   }
   throw ConfigError(fmt::format("{}: PrepareModuleInput applies to a module with children, not to a leaf", name));
+}
+
+MESHTORCH_DECL void TensorParallelRuntime::sum_partial_gradient(const std::string& name, WeightModule& module) {
+  // Run for all such weights at once when the backward ends. A parametrization, so it holds when
+  // a wrapper (FSDP) swaps the weight tensor for a gathered one.
+  norm_gradients_->add(name + ".weight", module.weight);
+  module.parametrizations.push_back([sum = norm_gradients_, weight_name = name + ".weight"](const torch::Tensor& w) {
+    return sum->partial_gradient_of(w, weight_name);
+  });
 }
 
 MESHTORCH_DECL void TensorParallelRuntime::add_enter(ForwardHooks& hooks, const tp_detail::StyleSteps& style) {

@@ -16,6 +16,7 @@
 #include <meshtorch/data/dataset.hpp>
 #include <meshtorch/data/dataset_tokenizer.hpp>
 #include <meshtorch/data/sampler.hpp>
+#include <meshtorch/models/llama/config.hpp>
 #include <meshtorch/parallel/rank.hpp>
 #include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/log.hpp>
@@ -38,8 +39,10 @@ struct DataParallelCoordinate {
 MESHTORCH_DECL std::int64_t micro_batches_per_step(const train::TrainArgs& args, std::int64_t dp_size);
 
 // `world`: every rank of the job; nothing on one process. -d other than 'builtin' goes through its
-// token cache (data/token_cache.hpp), written once and mapped by every rank.
-MESHTORCH_DECL TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size,
+// token cache (data/token_cache.hpp), written once and mapped by every rank. The blocks must fit
+// the model: its vocabulary, and its sliding window (a longer sequence is refused before anything
+// is read, as sliding-window attention is not implemented).
+MESHTORCH_DECL TrainingData load_training_data(const train::TrainArgs& args, const llama::Config& model_config,
                                                DataParallelCoordinate data_parallel = {},
                                                const comm::AxisGroup* world = nullptr);
 
@@ -51,9 +54,11 @@ requires requires(const ParallelModel& m) {
   m.world();
   m.validate_sequence(1);
 }
-TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size, const ParallelModel& model) {
+TrainingData load_training_data(const train::TrainArgs& args, const llama::Config& model_config,
+                                const ParallelModel& model) {
   model.validate_sequence(args.seq_length);
-  return load_training_data(args, vocab_size, {model.data_parallel_size(), model.data_parallel_rank()}, &model.world());
+  return load_training_data(args, model_config, {model.data_parallel_size(), model.data_parallel_rank()},
+                            &model.world());
 }
 
 }  // namespace meshtorch
@@ -131,15 +136,20 @@ inline data::TokenBlocks load_cached(const train::TrainArgs& args, const comm::A
 
 }  // namespace training_data_detail
 
-MESHTORCH_DECL TrainingData load_training_data(const train::TrainArgs& args, std::int64_t vocab_size,
+MESHTORCH_DECL TrainingData load_training_data(const train::TrainArgs& args, const llama::Config& model_config,
                                                DataParallelCoordinate data_parallel, const comm::AxisGroup* world) {
+  if (model_config.sliding_window > 0 && args.seq_length > model_config.sliding_window)
+    throw ConfigError(fmt::format(
+        "-s/--seq-length {} is longer than the sliding_window of {} ({} positions); sliding-window attention is "
+        "not implemented, so train with -s {} or less",
+        args.seq_length, args.model_name, model_config.sliding_window, model_config.sliding_window));
   std::string note;
   auto blocks =
       world && args.dataset_name != "builtin"
           ? training_data_detail::load_cached(args, *world, note)
           : data::load_dataset(args.dataset_name, args.seq_length, args.model_name, &note, args.dataset_subset);
   if (!world || world->rank() == 0) train::Logger(world ? world->global_rank() : 0).info(fmt::format("data: {}", note));
-  blocks.check_vocab(vocab_size);
+  blocks.check_vocab(model_config.vocab_size);
   data::DpInvariantSampler sampler({.num_samples = blocks.size(),
                                     .batch_size = args.batch_size,
                                     .dp_size = data_parallel.size,

@@ -16,6 +16,30 @@ namespace meshtorch::llama {
 
 enum class RopeScalingKind { none, llama3 };
 
+// The Llama-style families a config.json may name (its model_type). One model serves them all;
+// what sets a family apart is a trait here, read by the model, the plans and the writers.
+enum class Family { llama, mistral, qwen3 };
+
+struct FamilyTraits {
+  std::string_view model_type;    // config.json's model_type
+  std::string_view architecture;  // config.json's architectures[0], what transformers builds
+  bool qk_norm;                   // an RMSNorm over each head's q and k, before the rotation (Qwen3)
+};
+
+constexpr FamilyTraits traits(Family family) {
+  switch (family) {
+    case Family::mistral:
+      return {"mistral", "MistralForCausalLM", false};
+    case Family::qwen3:
+      return {"qwen3", "Qwen3ForCausalLM", true};
+    case Family::llama:
+      break;
+  }
+  return {"llama", "LlamaForCausalLM", false};
+}
+
+inline constexpr std::array<Family, 3> all_families{Family::llama, Family::mistral, Family::qwen3};
+
 // HF's rope_scaling block; only the llama3 type (Llama 3.1+) is used by the family.
 struct RopeScaling {
   RopeScalingKind kind = RopeScalingKind::none;
@@ -44,6 +68,13 @@ struct Config {
   double initializer_range = 0.02;
   std::int64_t bos_token_id = 1;
   std::int64_t eos_token_id = 2;
+  Family family = Family::llama;
+  // The attention span of a sliding-window model (Mistral's sliding_window); 0: every earlier
+  // position. Sliding-window attention is not implemented: a sequence longer than the window is
+  // refused, and one within it is computed exactly.
+  std::int64_t sliding_window = 0;
+
+  constexpr bool qk_norm() const { return traits(family).qk_norm; }
 
   constexpr std::int64_t resolved_head_dim() const {
     return head_dim != 0 ? head_dim : (num_attention_heads > 0 ? hidden_size / num_attention_heads : 0);
@@ -55,7 +86,7 @@ struct Config {
     std::int64_t embedding = 0;    // embed_tokens
     std::int64_t attention = 0;    // q, k, v and o of one decoder layer
     std::int64_t mlp = 0;          // gate, up and down of one decoder layer
-    std::int64_t layer_norms = 0;  // the two norms of one decoder layer
+    std::int64_t layer_norms = 0;  // the two norms of one decoder layer, and its q/k norms (Qwen3)
     std::int64_t final_norm = 0;
     std::int64_t head = 0;  // lm_head; 0 when tied to the embedding
     std::int64_t total = 0;
@@ -81,7 +112,7 @@ struct Config {
     p.embedding = mul(vocab_size, hidden_size);
     p.attention = mul(hidden_size, add(mul(2, q), mul(2, kv)));
     p.mlp = mul(3, mul(hidden_size, intermediate_size));
-    p.layer_norms = mul(2, hidden_size);
+    p.layer_norms = add(mul(2, hidden_size), qk_norm() ? mul(2, resolved_head_dim()) : 0);
     p.final_norm = hidden_size;
     p.head = tie_word_embeddings ? 0 : p.embedding;
     const std::int64_t layer = add(add(p.attention, p.mlp), p.layer_norms);
@@ -127,6 +158,7 @@ constexpr std::optional<std::string_view> first_invalid_field(const Config& c) {
   if (!(c.rope_theta > 0)) return "rope_theta must be positive";
   if (c.max_position_embeddings <= 0) return "max_position_embeddings must be positive";
   if (!(c.initializer_range > 0)) return "initializer_range must be positive";
+  if (c.sliding_window < 0) return "sliding_window must not be negative";
   if (c.rope_scaling.kind == RopeScalingKind::llama3) {
     if (!(c.rope_scaling.factor >= 1)) return "rope_scaling.factor must be >= 1";
     if (!(c.rope_scaling.high_freq_factor > c.rope_scaling.low_freq_factor))

@@ -1,6 +1,7 @@
 #pragma once
 // HF config.json <-> llama::Config. A malformed or inconsistent file gives a ConfigError that
 // names the file and the field.
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <optional>
@@ -212,16 +213,65 @@ inline void read_rope(const nlohmann::json& j, const std::string& source, Config
   if (block) c.rope_scaling = block->scaling;
 }
 
+// model_type: the family, or a ConfigError naming what is supported. A missing model_type is a
+// Llama (the first config.json files written for meshtorch had none).
+inline Family read_family(const nlohmann::json& j, const std::string& source) {
+  const auto it = j.find("model_type");
+  if (it == j.end() || it->is_null()) return Family::llama;
+  if (!it->is_string())
+    throw ConfigError(fmt::format("{} must be a string, got {}", where(source, "model_type"), it->dump()));
+  const auto type = it->get<std::string>();
+  for (const Family family : all_families)
+    if (traits(family).model_type == type) return family;
+  if (type == "qwen2")
+    throw ConfigError(
+        fmt::format("{} is 'qwen2': its q, k and v projections carry biases, which the model does not "
+                    "implement yet; supported: llama, mistral, qwen3",
+                    where(source, "model_type")));
+  throw ConfigError(fmt::format("{} is '{}'; supported: llama, mistral, qwen3", where(source, "model_type"), type));
+}
+
+// The attention span: Mistral's sliding_window (null: none), or Qwen3's when use_sliding_window
+// is true, which applies it to the layers from max_window_layers on (layer_types says which, in
+// transformers 5). Returns the fields it read.
+inline std::vector<std::string> read_sliding_window(const nlohmann::json& j, const std::string& source, Config& c) {
+  if (c.family == Family::mistral) {
+    c.sliding_window = read_field<std::int64_t>(j, "sliding_window", source, std::int64_t{0});
+    if (j.contains("sliding_window") && !j["sliding_window"].is_null() && c.sliding_window <= 0)
+      throw ConfigError(fmt::format("{} is {}; give a positive window or null", where(source, "sliding_window"),
+                                    j["sliding_window"].dump()));
+    return {"sliding_window"};
+  }
+  if (c.family != Family::qwen3) return {};
+  bool sliding_layers = read_field<bool>(j, "use_sliding_window", source, false);
+  if (const auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
+    if (!it->is_array() || static_cast<std::int64_t>(it->size()) != c.num_hidden_layers)
+      throw ConfigError(fmt::format("{} must be a list of num_hidden_layers ({}) entries", where(source, "layer_types"),
+                                    c.num_hidden_layers));
+    for (const auto& type : *it) {
+      if (type != "full_attention" && type != "sliding_attention")
+        throw ConfigError(fmt::format("{} holds {}; supported: 'full_attention', 'sliding_attention'",
+                                      where(source, "layer_types"), type.dump()));
+      sliding_layers = sliding_layers || type == "sliding_attention";
+    }
+  }
+  if (sliding_layers) {
+    c.sliding_window = read_field<std::int64_t>(j, "sliding_window", source, std::nullopt);
+    if (c.sliding_window <= 0)
+      throw ConfigError(fmt::format("{} is {}; sliding-window layers need a positive window",
+                                    where(source, "sliding_window"), c.sliding_window));
+  }
+  return {"use_sliding_window", "layer_types", "sliding_window", "max_window_layers"};
+}
+
 }  // namespace detail
 
 MESHTORCH_DECL ConfigFile read_config_json(const nlohmann::json& j, const std::string& source) {
   if (!j.is_object()) throw ConfigError(fmt::format("{}: expected a JSON object at the top level", source));
-  if (auto mt = j.find("model_type"); mt != j.end() && mt->is_string() && mt->get<std::string>() != "llama")
-    throw ConfigError(fmt::format("{} is '{}'; meshtorch's Llama model needs 'llama'",
-                                  detail::where(source, "model_type"), mt->get<std::string>()));
   using detail::read_field;
   ConfigFile file;
   Config& c = file.config;
+  c.family = detail::read_family(j, source);
   c.hidden_size = read_field<std::int64_t>(j, "hidden_size", source, std::nullopt);
   c.intermediate_size = read_field<std::int64_t>(j, "intermediate_size", source, std::nullopt);
   c.num_hidden_layers = read_field<std::int64_t>(j, "num_hidden_layers", source, std::nullopt);
@@ -237,6 +287,7 @@ MESHTORCH_DECL ConfigFile read_config_json(const nlohmann::json& j, const std::s
   c.eos_token_id = detail::read_token_id(j, "eos_token_id", source, 2);
   detail::read_rope(j, source, c, file.ignored_fields);
   file.dtype = detail::read_dtype(j, source);
+  const auto window_fields = detail::read_sliding_window(j, source, c);
 
   // Fields that would change the computation and that the model does not implement.
   if (auto act = j.find("hidden_act"); act != j.end() && !act->is_null() && *act != "silu")
@@ -244,8 +295,8 @@ MESHTORCH_DECL ConfigFile read_config_json(const nlohmann::json& j, const std::s
         fmt::format("{} is {}; only 'silu' is implemented", detail::where(source, "hidden_act"), act->dump()));
   for (const char* name : {"attention_bias", "mlp_bias"})
     if (read_field<bool>(j, name, source, false))
-      throw ConfigError(fmt::format("{} is true; Llama layers without bias are all that is implemented",
-                                    detail::where(source, name)));
+      throw ConfigError(
+          fmt::format("{} is true; layers without biases are all that is implemented", detail::where(source, name)));
   if (read_field<std::int64_t>(j, "pretraining_tp", source, std::int64_t{1}) > 1)
     throw ConfigError(
         fmt::format("{} is {}; only 1 is implemented (the tensor-parallel slicing of Llama 2's "
@@ -284,7 +335,9 @@ MESHTORCH_DECL ConfigFile read_config_json(const nlohmann::json& j, const std::s
                                                                "attention_dropout",
                                                                "quantization_config"};
   for (const auto& [key, value] : j.items())
-    if (!read_here.count(key) && !detail::is_bookkeeping_field(key)) file.ignored_fields.push_back(key);
+    if (!read_here.count(key) && !detail::is_bookkeeping_field(key) &&
+        std::find(window_fields.begin(), window_fields.end(), key) == window_fields.end())
+      file.ignored_fields.push_back(key);
   validate(c, source);
   return file;
 }
@@ -300,9 +353,10 @@ MESHTORCH_DECL ConfigFile load_config_file(const std::filesystem::path& path) {
 MESHTORCH_DECL Config load_config(const std::filesystem::path& path) { return load_config_file(path).config; }
 
 MESHTORCH_DECL nlohmann::json config_to_json(const Config& c, std::string_view dtype) {
+  const FamilyTraits family = traits(c.family);
   nlohmann::json j = {
-      {"architectures", {"LlamaForCausalLM"}},
-      {"model_type", "llama"},
+      {"architectures", {std::string(family.architecture)}},
+      {"model_type", std::string(family.model_type)},
       {"hidden_size", c.hidden_size},
       {"intermediate_size", c.intermediate_size},
       {"num_hidden_layers", c.num_hidden_layers},
@@ -317,10 +371,7 @@ MESHTORCH_DECL nlohmann::json config_to_json(const Config& c, std::string_view d
       {"eos_token_id", c.eos_token_id},
       {"pad_token_id", nullptr},
       {"hidden_act", "silu"},
-      {"attention_bias", false},
-      {"mlp_bias", false},
       {"attention_dropout", 0.0},
-      {"pretraining_tp", 1},
       {"dtype", std::string(dtype)},
       {"torch_dtype", std::string(dtype)},
       {"use_cache", true},
@@ -341,6 +392,25 @@ MESHTORCH_DECL nlohmann::json config_to_json(const Config& c, std::string_view d
   }
   j["rope_parameters"] = rope;
   if (c.head_dim != 0) j["head_dim"] = c.head_dim;  // absent means hidden_size / heads, as in HF
+  // Each family's own fields, as its transformers config writes them.
+  switch (c.family) {
+    case Family::llama:
+      j.update({{"attention_bias", false}, {"mlp_bias", false}, {"pretraining_tp", 1}});
+      break;
+    case Family::mistral:
+      j["sliding_window"] = c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json(nullptr);
+      break;
+    case Family::qwen3:
+      j.update(
+          {{"attention_bias", false},
+           {"head_dim", c.resolved_head_dim()},
+           {"use_sliding_window", c.sliding_window > 0},
+           {"sliding_window", c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json(nullptr)},
+           {"max_window_layers", c.sliding_window > 0 ? 0 : c.num_hidden_layers},
+           {"layer_types", std::vector<std::string>(static_cast<std::size_t>(c.num_hidden_layers),
+                                                    c.sliding_window > 0 ? "sliding_attention" : "full_attention")}});
+      break;
+  }
   return j;
 }
 

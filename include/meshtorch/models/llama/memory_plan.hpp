@@ -108,7 +108,13 @@ constexpr double layer_activation_bytes_per_token(const llama::Config& c, std::i
                kv = static_cast<double>(c.kv_size()) / tp, i = static_cast<double>(c.intermediate_size) / tp,
                heads = static_cast<double>(c.num_attention_heads) / tp, bytes = static_cast<double>(d);
   const double norms = 2 * norm_activation_bytes_per_token(h, d, fused) / static_cast<double>(tp);  // SP: shards
-  const double attention = (h + 3 * q + 2 * kv) * bytes + 4 * heads;
+  // Qwen3's q/k norms keep their input, rows of head_dim: one rstd per head (fused), or the fp32 copy.
+  const double kv_heads = static_cast<double>(c.num_key_value_heads) / tp;
+  const auto per_head_norm = [&](double width, double rows) {
+    return fused ? width * bytes + 4 * rows : (4 + bytes) * width;
+  };
+  const double qk_norms = c.qk_norm() ? per_head_norm(q, heads) + per_head_norm(kv, kv_heads) : 0;
+  const double attention = (h + 3 * q + 2 * kv) * bytes + 4 * heads + qk_norms;
   const double mlp = (h + (fused ? 3 : 4) * i) * bytes;
   return norms + attention + mlp;
 }

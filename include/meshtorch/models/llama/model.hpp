@@ -34,6 +34,9 @@ class AttentionImpl : public torch::nn::Module {
       std::function<torch::Tensor(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v)>;
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  // Qwen3's RMSNorm of each head's q and k (over head_dim, one weight for every head), before
+  // the rotation; null for the other families.
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};
   ForwardHooks hooks;
   CausalAttention causal_attention;  // set from outside
   bool fused_kernels = true;         // kernels/rotary.hpp's fused CPU kernel, or the composite ops
@@ -42,6 +45,7 @@ class AttentionImpl : public torch::nn::Module {
   MESHTORCH_DECL torch::Tensor attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
   std::int64_t head_dim_;
+  std::int64_t sliding_window_;  // 0: none
 };
 TORCH_MODULE(Attention);
 
@@ -188,11 +192,15 @@ MESHTORCH_DECL void materialize(LlamaForCausalLM& lm, const torch::TensorOptions
 namespace meshtorch::llama {
 
 MESHTORCH_DECL AttentionImpl::AttentionImpl(const Config& c, const torch::TensorOptions& options)
-    : head_dim_(c.resolved_head_dim()) {
+    : head_dim_(c.resolved_head_dim()), sliding_window_(c.sliding_window) {
   q_proj = register_module("q_proj", Linear(c.hidden_size, c.q_size(), options));
   k_proj = register_module("k_proj", Linear(c.hidden_size, c.kv_size(), options));
   v_proj = register_module("v_proj", Linear(c.hidden_size, c.kv_size(), options));
   o_proj = register_module("o_proj", Linear(c.q_size(), c.hidden_size, options));
+  if (c.qk_norm()) {
+    q_norm = register_module("q_norm", RMSNorm(head_dim_, c.rms_norm_eps, options));
+    k_norm = register_module("k_norm", RMSNorm(head_dim_, c.rms_norm_eps, options));
+  }
 }
 
 MESHTORCH_DECL torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
@@ -203,11 +211,20 @@ MESHTORCH_DECL torch::Tensor AttentionImpl::forward(const torch::Tensor& x, cons
 MESHTORCH_DECL torch::Tensor AttentionImpl::attend(const torch::Tensor& x, const torch::Tensor& cos,
                                                    const torch::Tensor& sin) {
   const auto batch = x.size(0), seq = x.size(1);
+  if (sliding_window_ > 0 && seq > sliding_window_)
+    throw ConfigError(
+        fmt::format("a sequence of {} positions is longer than the model's sliding_window ({}); "
+                    "sliding-window attention is not implemented: use sequences of at most {} positions",
+                    seq, sliding_window_, sliding_window_));
   // Rotated in the projections' [B, S, heads, D] layout; attention reads [B, heads, S, D] views.
   const auto heads_of = [&](const torch::Tensor& projected) { return projected.view({batch, seq, -1, head_dim_}); };
-  auto [rotated_q, rotated_k] = fused_kernels
-                                    ? kernels::rotary(heads_of(q_proj(x)), heads_of(k_proj(x)), cos, sin)
-                                    : kernels::composite::rotary(heads_of(q_proj(x)), heads_of(k_proj(x)), cos, sin);
+  auto q_heads = heads_of(q_proj(x)), k_heads = heads_of(k_proj(x));
+  if (q_norm) {
+    q_heads = q_norm(q_heads);
+    k_heads = k_norm(k_heads);
+  }
+  auto [rotated_q, rotated_k] = fused_kernels ? kernels::rotary(q_heads, k_heads, cos, sin)
+                                              : kernels::composite::rotary(q_heads, k_heads, cos, sin);
   auto q = rotated_q.transpose(1, 2);
   auto k = rotated_k.transpose(1, 2);
   auto v = heads_of(v_proj(x)).transpose(1, 2);
