@@ -56,6 +56,7 @@ MESHTORCH_DECL void write_all_thread_stacks(int rank, const std::string& reason,
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -123,8 +124,8 @@ MESHTORCH_DECL std::vector<long> thread_ids() {
       if (entry->d_name[0] != '.') ids.push_back(std::atol(entry->d_name));
     ::closedir(dir);
   }
-  // The main thread first (where a crash or a hang usually is: it asks first when time is short),
-  // then the others in the order they were started (thread ids wrap around, so not by value alone).
+  // The main thread first (where a crash or a hang usually is: it is asked first when time is
+  // short), then the others by thread id.
   const long main_thread = ::getpid();
   std::sort(ids.begin(), ids.end(),
             [main_thread](long a, long b) { return std::pair(a != main_thread, a) < std::pair(b != main_thread, b); });
@@ -197,16 +198,17 @@ struct CapturedStack {
   std::string failure;  // why there are no frames
 };
 
-}  // namespace stack_dump_detail
-
-MESHTORCH_DECL std::string all_thread_stacks(std::chrono::steady_clock::time_point deadline) {
+// Every thread's stack but the caller's, each piece handed to `emit` as soon as it is ready, so
+// that what was named is kept even when the process ends before the rest.
+MESHTORCH_DECL void emit_thread_stacks(std::chrono::steady_clock::time_point deadline,
+                                       const std::function<void(const std::string&)>& emit) {
   namespace d = stack_dump_detail;
   using Clock = std::chrono::steady_clock;
   static std::mutex one_at_a_time;
   std::lock_guard lock(one_at_a_time);
   // Set when a handler's unwinder never returned: it still owns the slot, so no capture is safe.
   static bool slot_lost = false;
-  if (slot_lost) return "(no stacks: an earlier capture's unwinder never returned)\n";
+  if (slot_lost) return emit("(no stacks: an earlier capture's unwinder never returned)\n");
   const long self = d::thread_id();
   const auto ids = d::thread_ids();
   // First every thread's addresses (a few microseconds each when it answers), then the names: so
@@ -256,47 +258,59 @@ MESHTORCH_DECL std::string all_thread_stacks(std::chrono::steady_clock::time_poi
     }
     // Claimed: the handler is unwinding. Bounded too: an unwinder waiting for a lock the interrupted
     // thread holds would otherwise stop the watchdog thread, and with it the progress reports.
-    wait_until(Clock::now() + d::answer_wait);
+    const auto unwound_by = std::min(Clock::now() + d::answer_wait, deadline);
+    wait_until(unwound_by);
     if (!s.done.load(std::memory_order_acquire)) {
-      stack.failure =
-          fmt::format("its unwinder did not return within {} ms; no further stacks are taken", d::answer_wait.count());
+      stack.failure = fmt::format("its unwinder did not return within {} ms; no further stacks are taken",
+                                  std::chrono::duration_cast<std::chrono::milliseconds>(unwound_by - asked).count());
       slot_lost = true;
+      not_asked += left;
       break;
     }
     stack.frames.assign(s.frames, s.frames + s.depth);
     s.owner.store(0);
   }
   d::Symboliser symbolise;
-  std::string out;
   for (const auto& stack : captured) {
     if (!stack.failure.empty()) {
-      out += fmt::format("{}: {}\n\n", stack.header, stack.failure);
+      emit(fmt::format("{}: {}\n\n", stack.header, stack.failure));
       continue;
     }
     // The first two frames are the handler and the kernel's signal trampoline.
     const int depth = static_cast<int>(stack.frames.size());
-    out += stack.header + ":\n" +
-           (Clock::now() < deadline ? symbolise(stack.frames.data(), depth, 2)
-                                    : d::addresses(stack.frames.data(), depth, 2, "no time left to name them")) +
-           "\n";
+    emit(stack.header + ":\n" +
+         (Clock::now() < deadline ? symbolise(stack.frames.data(), depth, 2)
+                                  : d::addresses(stack.frames.data(), depth, 2, "no time left to name them")) +
+         "\n");
   }
-  if (not_asked) out += fmt::format("(no time left to ask {} more thread(s) for their stacks)\n", not_asked);
-  return out;
+  if (not_asked) emit(fmt::format("(no time left to ask {} more thread(s) for their stacks)\n", not_asked));
 }
 
-MESHTORCH_DECL void write_all_thread_stacks(int rank, const std::string& reason,
-                                            std::chrono::steady_clock::time_point deadline) {
-  const std::string text = fmt::format(
-      "meshtorch: rank {}: stacks of every thread (pid {}, {}), most recent call last:\n{}"
-      "meshtorch: rank {}: end of stacks\n",
-      rank, ::getpid(), reason, all_thread_stacks(deadline), rank);
-  // write(2), not std::cerr: stdio's stream lock may be held by the thread a fatal signal stopped.
+// write(2), not std::cerr: stdio's stream lock may be held by the thread a fatal signal stopped.
+MESHTORCH_DECL void write_to_stderr(const std::string& text) {
   for (std::size_t written = 0; written < text.size();) {
     const ssize_t n = ::write(STDERR_FILENO, text.data() + written, text.size() - written);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     written += static_cast<std::size_t>(n);
   }
+}
+
+}  // namespace stack_dump_detail
+
+MESHTORCH_DECL std::string all_thread_stacks(std::chrono::steady_clock::time_point deadline) {
+  std::string out;
+  stack_dump_detail::emit_thread_stacks(deadline, [&out](const std::string& piece) { out += piece; });
+  return out;
+}
+
+MESHTORCH_DECL void write_all_thread_stacks(int rank, const std::string& reason,
+                                            std::chrono::steady_clock::time_point deadline) {
+  namespace d = stack_dump_detail;
+  d::write_to_stderr(fmt::format("meshtorch: rank {}: stacks of every thread (pid {}, {}), most recent call last:\n",
+                                 rank, ::getpid(), reason));
+  d::emit_thread_stacks(deadline, d::write_to_stderr);
+  d::write_to_stderr(fmt::format("meshtorch: rank {}: end of stacks\n", rank));
 }
 
 MESHTORCH_DECL void install_stack_dumps() {

@@ -470,6 +470,7 @@ MESHTORCH_DECL void Watchdog::write_error_file(const std::string& message, const
 MESHTORCH_DECL void Watchdog::install_signal_handlers() {
   static std::once_flag once;
   std::call_once(once, [] {
+    (void)FlightRecorder::instance();  // built here, not in the fatal signal's handler
     struct sigaction request {};
     request.sa_handler = [](int) { instance().dump_requested_ = true; };
     sigemptyset(&request.sa_mask);
@@ -493,7 +494,9 @@ MESHTORCH_DECL void Watchdog::on_fatal_signal(int signo) {
     // This thread may hold the recorder's lock, and never release it: the watchdog stops waiting for it.
     FlightRecorder::instance().reading_after_fatal_signal();
     watchdog.fatal_signal_ = signo;
-    for (std::int64_t waited_ms = 0; waited_ms < budget_ms && !watchdog.fatal_dump_done_; waited_ms += 10) {
+    // Against the clock (clock_gettime is async-signal-safe): a loaded machine oversleeps.
+    const auto until = Clock::now() + std::chrono::milliseconds(budget_ms);
+    while (!watchdog.fatal_dump_done_ && Clock::now() < until) {
       timespec pause{0, 10'000'000};
       ::nanosleep(&pause, nullptr);
     }
