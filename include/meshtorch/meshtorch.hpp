@@ -25,6 +25,7 @@
 #include <meshtorch/layout/layout.hpp>
 #include <meshtorch/models/llama/config.hpp>
 #include <meshtorch/models/llama/config_json.hpp>
+#include <meshtorch/models/llama/generate.hpp>
 #include <meshtorch/models/llama/layers.hpp>
 #include <meshtorch/models/llama/model.hpp>
 #include <meshtorch/models/llama/weights.hpp>

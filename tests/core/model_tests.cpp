@@ -307,9 +307,24 @@ TEST_CASE("config.json of each family: read, refused by name, written back as th
   CHECK(qwen3.sliding_window == 0);
   // Each layer's norms: two of hidden_size, and q_norm and k_norm of head_dim.
   CHECK(qwen3.parameter_counts()->layer_norms == 2 * 64 + 2 * 32);
-  const auto qwen3_window = parse(R"(, "model_type": "qwen3", "use_sliding_window": true, "sliding_window": 96)");
+  // transformers' window: layers from max_window_layers (default 28) on, only with use_sliding_window.
+  const auto qwen3_window =
+      parse(R"(, "model_type": "qwen3", "use_sliding_window": true, "sliding_window": 96, "max_window_layers": 1)");
   CHECK(qwen3_window.sliding_window == 96);
-  CHECK_THAT(error_for(R"(, "model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"])"),
+  CHECK(qwen3_window.sliding_window_from_layer == 1);
+  CHECK(parse(R"(, "model_type": "qwen3", "use_sliding_window": true, "sliding_window": 96)").sliding_window == 0);
+  CHECK(parse(R"(, "model_type": "qwen3", "sliding_window": 96, "max_window_layers": 0)").sliding_window == 0);
+  CHECK_THAT(error_for(R"(, "model_type": "qwen3", "use_sliding_window": true, "sliding_window": 8,
+                          "layer_types": ["sliding_attention", "full_attention"])"),
+             Catch::Contains("sliding layers followed by full ones are not supported"));
+  // transformers' defaults for a missing head_dim: 128 for Qwen3, hidden / heads otherwise.
+  const std::string without_head_dim = R"({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+      "vocab_size": 300, "num_attention_heads": 4, "num_key_value_heads": 2, "model_type": ")";
+  CHECK(mt::llama::config_from_json(nlohmann::json::parse(without_head_dim + R"(qwen3"})")).resolved_head_dim() == 128);
+  CHECK(mt::llama::config_from_json(nlohmann::json::parse(without_head_dim + R"(mistral"})")).resolved_head_dim() ==
+        16);
+  CHECK_THAT(error_for(R"(, "model_type": "qwen3", "use_sliding_window": true,
+                          "layer_types": ["full_attention", "sliding_attention"])"),
              Catch::Contains("'sliding_window' is missing"));
   CHECK_THAT(error_for(R"(, "model_type": "qwen3", "layer_types": ["full_attention"])"),
              Catch::Contains("'layer_types' must be a list of num_hidden_layers (2) entries"));
@@ -321,6 +336,7 @@ TEST_CASE("config.json of each family: read, refused by name, written back as th
   CHECK(!mistral.qk_norm());
   CHECK(mistral.sliding_window == 4096);
   CHECK(parse(R"(, "model_type": "mistral", "sliding_window": null)").sliding_window == 0);
+  CHECK(parse(R"(, "model_type": "mistral")").sliding_window == 4096);  // MistralConfig's default
   CHECK_THAT(error_for(R"(, "model_type": "mistral", "sliding_window": 0)"),
              Catch::Contains("'sliding_window' is 0; give a positive window or null"));
   // A Llama's config does not have a window: a field it does not read is listed, not applied.
@@ -383,6 +399,59 @@ TEST_CASE("a Qwen3 model normalises each head's q and k, and refuses sequences p
                     Catch::Contains("a sequence of 16 positions is longer than the model's sliding_window (8)") &&
                         Catch::Contains("use sequences of at most 8 positions"));
   CHECK_NOTHROW(windowed->loss(ids.slice(1, 0, 8), ids.slice(1, 0, 8)));
+}
+
+TEST_CASE("generation with a KV cache: the full forward's argmax, batched as alone, seeded sampling", "[generate]") {
+  auto config = mt::llama::presets::llama_tiny;
+  config.family = mt::llama::Family::qwen3;  // with the q/k norms
+  torch::manual_seed(1);
+  mt::llama::LlamaForCausalLM lm(config);
+  mt::llama::init_weights(lm);
+  {
+    // Weights 10x HF's initialisation: logits far enough apart that rounding never flips an argmax.
+    torch::NoGradGuard no_grad;
+    for (auto& parameter : lm->parameters())
+      if (parameter.dim() == 2) parameter.mul_(10.0);
+  }
+  const std::vector<std::vector<std::int64_t>> prompts{{5, 9, 13, 200, 7}, {42}, {3, 4, 5, 6, 7, 8, 9, 10, 11}};
+  const mt::llama::GenerateOptions greedy{.max_new_tokens = 12};
+  // Each prompt alone: every new token is the argmax of the whole sequence's forward (no cache).
+  std::vector<std::vector<std::int64_t>> alone;
+  for (const auto& prompt : prompts) {
+    alone.push_back(mt::llama::generate(lm, {prompt}, greedy).at(0));
+    REQUIRE(alone.back().size() == 12);
+    auto sequence = prompt;
+    torch::NoGradGuard no_grad;
+    for (const auto token : alone.back()) {
+      const auto logits = lm->forward(torch::tensor(sequence).unsqueeze(0));
+      CHECK(logits[0][-1].argmax().item<std::int64_t>() == token);
+      sequence.push_back(token);
+    }
+  }
+  // Left-padded into one batch: the same tokens.
+  CHECK(mt::llama::generate(lm, prompts, greedy) == alone);
+  // An eos ends a row, which keeps it; the others go on.
+  auto until_eos = greedy;
+  until_eos.eos_ids = {alone[0][3]};
+  const auto stopped = mt::llama::generate(lm, prompts, until_eos);
+  CHECK(stopped[0] == std::vector<std::int64_t>(alone[0].begin(), alone[0].begin() + 4));
+  // Sampling: the seed fixes the tokens; top_k 1 is greedy.
+  const mt::llama::GenerateOptions sampled{.max_new_tokens = 12, .temperature = 1.5, .top_p = 0.9, .seed = 7};
+  const auto first = mt::llama::generate(lm, prompts, sampled);
+  CHECK(mt::llama::generate(lm, prompts, sampled) == first);
+  auto other_seed = sampled;
+  other_seed.seed = 8;
+  CHECK(mt::llama::generate(lm, prompts, other_seed) != first);
+  auto top1 = sampled;
+  top1.top_k = 1;
+  CHECK(mt::llama::generate(lm, prompts, top1) == alone);
+  // The cache is what the plan says.
+  const mt::llama::KvCache cache(config, 3, 21, torch::TensorOptions().dtype(torch::kFloat));
+  CHECK(cache.allocated_bytes() == mt::llama::KvCache::bytes(config, 3, 21, 4));
+  CHECK(mt::llama::KvCache::bytes(config, 3, 21, 4) == 2 * 4 * 3 * 4 * 21 * 16 * 4);
+  // Bad input by name.
+  CHECK_THROWS_WITH(mt::llama::generate(lm, {{1, 999}}, greedy), Catch::Contains("prompt 0 holds token id 999"));
+  CHECK_THROWS_WITH(mt::llama::generate(lm, {{}}, greedy), Catch::Contains("prompt 0 is empty"));
 }
 
 TEST_CASE("safetensors round-trips tensors of every dtype", "[io]") {

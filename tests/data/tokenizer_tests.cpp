@@ -12,6 +12,7 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <meshtorch/data/byte_level.hpp>
 #include <meshtorch/data/folder_tokenizer.hpp>
 
 #include "data_support.hpp"
@@ -84,6 +85,56 @@ TEST_CASE("byte-level BPE decodes its ids back to the text", "[tokenizer]") {
                tokenizer.decode(std::vector<std::int32_t>{5, 9999});
              }),
              Catch::Contains("token id 9999 is not in the vocabulary"));
+}
+
+TEST_CASE("decoded bytes become valid UTF-8 as transformers' decode makes them, held back while cut short",
+          "[tokenizer]") {
+  const auto lossy = [](std::string_view bytes, bool last) {
+    std::string out;
+    const auto consumed = mt::data::byte_level::append_utf8_lossy(bytes, out, last);
+    return std::pair(out, consumed);
+  };
+  const std::string fffd = "\xEF\xBF\xBD";
+  // Expected values: Python's bytes.decode("utf-8", "replace"), which follows the same rule.
+  CHECK(lossy("a\xC3\xA9"
+              "b",
+              true) == std::pair(std::string("a\xC3\xA9"
+                                             "b"),
+                                 std::size_t{4}));
+  CHECK(lossy("\xF0\x9F\x98\x80", true).first == "\xF0\x9F\x98\x80");
+  CHECK(lossy("\xFF!", true).first == fffd + "!");
+  CHECK(lossy("\xE2\x82x", true).first == fffd + "x");             // one maximal subpart
+  CHECK(lossy("\xED\xA0\x80", true).first == fffd + fffd + fffd);  // a surrogate: three
+  CHECK(lossy("\xC0\xAF", true).first == fffd + fffd);             // overlong
+  // Cut short by the end: left for the next bytes, unless this is the last of them.
+  CHECK(lossy("ok\xE2\x82", false) == std::pair(std::string("ok"), std::size_t{2}));
+  CHECK(lossy("ok\xE2\x82", true) == std::pair("ok" + fffd, std::size_t{4}));
+}
+
+TEST_CASE("a prompt gets the special tokens of tokenizer.json's post-processor, as transformers' encode adds them",
+          "[tokenizer]") {
+  std::ifstream in(fixtures / "bpe" / "tokenizer.json");
+  auto json = nlohmann::json::parse(in);
+  const mt::data::BpeTokenizer plain(json, "fixture");
+  CHECK(plain.encode_with_special_tokens("Hello") == plain.encode("Hello"));  // no post_processor: nothing
+  // Llama 3's: a Sequence of ByteLevel and a template putting <|begin_of_text|> (id 0) first.
+  json["post_processor"] = nlohmann::json::parse(R"({"type": "Sequence", "processors": [
+      {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+      {"type": "TemplateProcessing",
+       "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                  {"SpecialToken": {"id": "<|end_of_text|>", "type_id": 0}}],
+       "pair": [],
+       "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [0], "tokens": ["<|begin_of_text|>"]},
+                          "<|end_of_text|>": {"id": "<|end_of_text|>", "ids": [1], "tokens": ["<|end_of_text|>"]}}}]})");
+  const mt::data::BpeTokenizer templated(json, "fixture");
+  auto expected = plain.encode("Hello");
+  expected.insert(expected.begin(), 0);
+  expected.push_back(1);
+  CHECK(templated.encode_with_special_tokens("Hello") == expected);
+  json["post_processor"] =
+      nlohmann::json::parse(R"({"type": "BertProcessing", "sep": ["[SEP]", 1], "cls": ["[CLS]", 0]})");
+  CHECK_THAT(error_of([&] { mt::data::BpeTokenizer bert(json, "fixture"); }),
+             Catch::Contains("post_processor.type") && Catch::Contains("'BertProcessing'"));
 }
 
 TEST_CASE("special tokens written in the text are single ids", "[tokenizer]") {

@@ -44,6 +44,7 @@ def main():
     parser.add_argument("--legacy-config", action="store_true")
     parser.add_argument("--size", choices=SIZES, default="tiny")
     parser.add_argument("--family", choices=FAMILIES, default="llama")
+    parser.add_argument("--vocab-size", type=int, help="the vocabulary's size instead of the size's own")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -52,7 +53,7 @@ def main():
         max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-        **family_fields, **SIZES[args.size]["config"])
+        **family_fields, **{**SIZES[args.size]["config"], **({"vocab_size": args.vocab_size} if args.vocab_size else {})})
     model = model_class(config)
     with torch.no_grad():
         for p in model.parameters():  # norms away from 1, so a weight read into the wrong norm shows

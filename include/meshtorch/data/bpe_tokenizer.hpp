@@ -100,6 +100,7 @@ class BpeTokenizer final : public TextTokenizer {
   void read_pre_tokenizer(const nlohmann::json& pre);
 
   void read_decoder(const nlohmann::json& decoder);
+  void read_post_processor(const nlohmann::json& processor);
 
   void read_added_tokens(const nlohmann::json& added);
 
@@ -197,9 +198,9 @@ MESHTORCH_DECL BpeTokenizer::BpeTokenizer(const nlohmann::json& j, std::string s
   read_pre_tokenizer(j.contains("pre_tokenizer") ? j["pre_tokenizer"] : nlohmann::json());
   read_decoder(j.contains("decoder") ? j["decoder"] : nlohmann::json());
   if (auto added = j.find("added_tokens"); added != j.end() && !added->is_null()) read_added_tokens(*added);
-  // truncation, padding and post_processor are options of HF's encode call (cut to a length,
-  // pad a batch, add <bos>); this class never truncates or pads, and documents get <bos>/<eos>
-  // from encode_document, so they are not read.
+  read_post_processor(j.contains("post_processor") ? j["post_processor"] : nlohmann::json());
+  // truncation and padding are options of HF's encode call (cut to a length, pad a batch); this
+  // class never truncates or pads, so they are not read.
 }
 
 MESHTORCH_DECL std::string BpeTokenizer::decode(std::span<const std::int32_t> ids) const {
@@ -385,6 +386,46 @@ MESHTORCH_DECL void BpeTokenizer::read_pre_tokenizer(const nlohmann::json& pre) 
   if (!byte_level)
     throw ConfigError(
         fmt::format("{} has no ByteLevel step; only byte-level BPE is supported", where("pre_tokenizer")));
+}
+
+// The template's special tokens around a single sequence ($A): what HF's encode adds by default,
+// and what a prompt for generation gets (training documents take <bos>/<eos> from
+// encode_document). TemplateProcessing, alone or in a Sequence; ByteLevel adds nothing; another
+// processor (BERT's, RoBERTa's) is refused by name.
+MESHTORCH_DECL void BpeTokenizer::read_post_processor(const nlohmann::json& processor) {
+  if (processor.is_null()) return;
+  const auto type = bpe_detail::string_field(processor, "type", where("post_processor.type"), "");
+  if (type == "ByteLevel") return;
+  if (type == "Sequence") {
+    for (const auto& step : field(processor, "processors", "post_processor")) read_post_processor(step);
+    return;
+  }
+  if (type != "TemplateProcessing")
+    throw ConfigError(fmt::format("{} is '{}'; supported: TemplateProcessing, ByteLevel, Sequence of them, null",
+                                  where("post_processor.type"), type));
+  const auto& single = field(processor, "single", "post_processor");
+  const auto& specials = processor.contains("special_tokens") ? processor["special_tokens"] : nlohmann::json::object();
+  bool after = false;
+  for (const auto& piece : single) {
+    if (piece.contains("Sequence")) {
+      after = true;
+      continue;
+    }
+    const auto token = piece.contains("SpecialToken") && piece["SpecialToken"].contains("id") &&
+                               piece["SpecialToken"]["id"].is_string()
+                           ? piece["SpecialToken"]["id"].get<std::string>()
+                           : std::string();
+    const auto it = specials.find(token);
+    if (token.empty() || it == specials.end() || !it->contains("ids") || !(*it)["ids"].is_array())
+      throw ConfigError(fmt::format("{} holds {}, not a special token of post_processor.special_tokens",
+                                    where("post_processor.single"), piece.dump()));
+    for (const auto& id : (*it)["ids"]) {
+      if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() >= id_bound_)
+        throw ConfigError(fmt::format("{}: token '{}' has id {}, outside the vocabulary",
+                                      where("post_processor.special_tokens"), token, id.dump()));
+      (after ? added_after : added_before).push_back(id.get<std::int32_t>());
+    }
+  }
 }
 
 MESHTORCH_DECL void BpeTokenizer::read_decoder(const nlohmann::json& decoder) {

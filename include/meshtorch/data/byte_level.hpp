@@ -43,6 +43,64 @@ inline void append_utf8(char32_t cp, std::string& out) {
   }
 }
 
+// Appends `bytes` to `out` as valid UTF-8, each ill-formed part replaced by U+FFFD as Unicode's
+// "maximal subpart" rule says (what Rust's from_utf8_lossy, and so HF's tokenizers' decode, does).
+// A sequence cut short by the end of `bytes` is left out unless `last`: a stream of decoded text
+// prints it once its next bytes have come. Returns the bytes consumed. By hand: the rule is a
+// table of lead-byte ranges (Unicode's table 3-7), and no library in use here applies it.
+inline std::size_t append_utf8_lossy(std::string_view bytes, std::string& out, bool last) {
+  constexpr std::string_view replacement = "\xEF\xBF\xBD";
+  std::size_t i = 0;
+  while (i < bytes.size()) {
+    const auto lead = static_cast<unsigned char>(bytes[i]);
+    if (lead < 0x80) {
+      out.push_back(static_cast<char>(lead));
+      ++i;
+      continue;
+    }
+    // The sequence's length and the range of its second byte (the others are 80..BF).
+    int length = 0;
+    unsigned char low = 0x80, high = 0xBF;
+    if (lead >= 0xC2 && lead <= 0xDF)
+      length = 2;
+    else if (lead == 0xE0)
+      length = 3, low = 0xA0;
+    else if (lead >= 0xE1 && lead <= 0xEC)
+      length = 3;
+    else if (lead == 0xED)
+      length = 3, high = 0x9F;
+    else if (lead >= 0xEE && lead <= 0xEF)
+      length = 3;
+    else if (lead == 0xF0)
+      length = 4, low = 0x90;
+    else if (lead >= 0xF1 && lead <= 0xF3)
+      length = 4;
+    else if (lead == 0xF4)
+      length = 4, high = 0x8F;
+    if (length == 0) {  // not a lead byte
+      out += replacement;
+      ++i;
+      continue;
+    }
+    std::size_t end = i + 1;
+    while (end < bytes.size() && end < i + static_cast<std::size_t>(length)) {
+      const auto b = static_cast<unsigned char>(bytes[end]);
+      const bool fits = end == i + 1 ? (b >= low && b <= high) : (b >= 0x80 && b <= 0xBF);
+      if (!fits) break;
+      ++end;
+    }
+    if (end == i + static_cast<std::size_t>(length)) {
+      out.append(bytes.substr(i, end - i));
+    } else if (end == bytes.size() && !last) {
+      return i;  // cut short: wait for the rest
+    } else {
+      out += replacement;  // the maximal subpart, one replacement
+    }
+    i = end;
+  }
+  return i;
+}
+
 // The code points of a UTF-8 string that is known to be valid (JSON strings are), or nothing.
 inline std::optional<std::vector<char32_t>> code_points(std::string_view s) {
   std::vector<char32_t> out;

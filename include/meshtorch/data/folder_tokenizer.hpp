@@ -145,10 +145,16 @@ MESHTORCH_DECL std::unique_ptr<TextTokenizer> load_tokenizer(const std::filesyst
       eos_from = "tokenizer_config.json";
     }
     if (auto add = config->find("add_bos_token"); add != config->end() && add->is_boolean() && !add->get<bool>()) {
+      // As transformers' Llama tokenizers rebuild their template without it.
+      if (tokenizer->bos_id) std::erase(tokenizer->added_before, *tokenizer->bos_id);
       tokenizer->bos_id.reset();
       bos_from = "tokenizer_config.json (add_bos_token false)";
     }
   }
+  // A SentencePiece model adds <bos> to a text as transformers' LlamaTokenizer does (add_bos_token,
+  // true unless the config says false).
+  if (model_path && dynamic_cast<SentencePieceTokenizer*>(tokenizer.get()) && tokenizer->bos_id)
+    tokenizer->added_before = {*tokenizer->bos_id};
   if (note) {
     auto id_text = [](const std::optional<std::int32_t>& id) { return id ? std::to_string(*id) : std::string("none"); };
     *note = fmt::format("{}; bos {} from {}, eos {} from {}{}", tokenizer->describe(), id_text(tokenizer->bos_id),

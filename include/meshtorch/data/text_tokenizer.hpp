@@ -36,6 +36,12 @@ class TextTokenizer {
   std::optional<std::int32_t> bos_id;
   std::optional<std::int32_t> eos_id;
 
+  // The special tokens HF's encode adds around a text by default (add_special_tokens=True): those
+  // of tokenizer.json's post-processor template (Llama 3's <|begin_of_text|>), or <bos> for a
+  // SentencePiece model; set by the tokenizer and by load_tokenizer. What a prompt is encoded with.
+  std::vector<std::int32_t> added_before, added_after;
+  MESHTORCH_DECL std::vector<std::int32_t> encode_with_special_tokens(std::string_view text) const;
+
   // Appends [<bos>] ids <eos>, as the byte tokenizer does for the built-in corpus.
   MESHTORCH_DECL void encode_document(std::string_view text, std::vector<std::int32_t>& out) const;
 
@@ -117,6 +123,14 @@ void TextTokenizer::run_on_threads(std::size_t count, unsigned threads, const Wo
   body();
   for (auto& thread : pool) thread.join();
   if (failure) std::rethrow_exception(failure);
+}
+
+MESHTORCH_DECL std::vector<std::int32_t> TextTokenizer::encode_with_special_tokens(std::string_view text) const {
+  std::vector<std::int32_t> ids = added_before;
+  const auto body = encode(text);
+  ids.insert(ids.end(), body.begin(), body.end());
+  ids.insert(ids.end(), added_after.begin(), added_after.end());
+  return ids;
 }
 
 MESHTORCH_DECL void TextTokenizer::encode_document(std::string_view text, std::vector<std::int32_t>& out) const {

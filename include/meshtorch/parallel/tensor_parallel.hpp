@@ -312,8 +312,9 @@ MESHTORCH_DECL void NormGradientSum::use_trained(const std::map<std::string, tor
   for (auto& [name, tensor] : trained_) {
     const auto it = by_name.find(name);
     if (it == by_name.end())
-      throw ConfigError(fmt::format("tensor parallel: nothing trains the sequence-parallel norm weight '{}' on {}",
-                                    name, group_.describe()));
+      throw ConfigError(
+          fmt::format("tensor parallel: nothing trains the norm weight '{}' (its gradient summed over TP) on {}", name,
+                      group_.describe()));
     tensor = it->second;
   }
 }

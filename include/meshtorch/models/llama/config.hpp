@@ -73,6 +73,7 @@ struct Config {
   // position. Sliding-window attention is not implemented: a sequence longer than the window is
   // refused, and one within it is computed exactly.
   std::int64_t sliding_window = 0;
+  std::int64_t sliding_window_from_layer = 0;  // the first layer the window applies to (Qwen3's max_window_layers)
 
   constexpr bool qk_norm() const { return traits(family).qk_norm; }
 
@@ -159,6 +160,8 @@ constexpr std::optional<std::string_view> first_invalid_field(const Config& c) {
   if (c.max_position_embeddings <= 0) return "max_position_embeddings must be positive";
   if (!(c.initializer_range > 0)) return "initializer_range must be positive";
   if (c.sliding_window < 0) return "sliding_window must not be negative";
+  if (c.sliding_window_from_layer < 0 || (c.sliding_window > 0 && c.sliding_window_from_layer >= c.num_hidden_layers))
+    return "sliding_window_from_layer must name a layer";
   if (c.rope_scaling.kind == RopeScalingKind::llama3) {
     if (!(c.rope_scaling.factor >= 1)) return "rope_scaling.factor must be >= 1";
     if (!(c.rope_scaling.high_freq_factor > c.rope_scaling.low_freq_factor))

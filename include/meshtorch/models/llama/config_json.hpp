@@ -231,37 +231,57 @@ inline Family read_family(const nlohmann::json& j, const std::string& source) {
   throw ConfigError(fmt::format("{} is '{}'; supported: llama, mistral, qwen3", where(source, "model_type"), type));
 }
 
-// The attention span: Mistral's sliding_window (null: none), or Qwen3's when use_sliding_window
-// is true, which applies it to the layers from max_window_layers on (layer_types says which, in
-// transformers 5). Returns the fields it read.
+// The attention span, with transformers' defaults for a missing field. Mistral: sliding_window
+// (absent: 4096, as MistralConfig; null: none). Qwen3: a window only with use_sliding_window true
+// (else transformers sets it to None), on the layers layer_types marks sliding, by default those
+// from max_window_layers (absent: 28) on; none sliding, no window. The layers that slide are kept
+// (Config::sliding_window_from_layer) so that config_to_json writes them back. Returns the fields
+// it read.
 inline std::vector<std::string> read_sliding_window(const nlohmann::json& j, const std::string& source, Config& c) {
   if (c.family == Family::mistral) {
-    c.sliding_window = read_field<std::int64_t>(j, "sliding_window", source, std::int64_t{0});
-    if (j.contains("sliding_window") && !j["sliding_window"].is_null() && c.sliding_window <= 0)
-      throw ConfigError(fmt::format("{} is {}; give a positive window or null", where(source, "sliding_window"),
-                                    j["sliding_window"].dump()));
+    if (!j.contains("sliding_window")) {
+      c.sliding_window = 4096;
+    } else if (!j["sliding_window"].is_null()) {
+      c.sliding_window = read_field<std::int64_t>(j, "sliding_window", source, std::nullopt);
+      if (c.sliding_window <= 0)
+        throw ConfigError(fmt::format("{} is {}; give a positive window or null", where(source, "sliding_window"),
+                                      j["sliding_window"].dump()));
+    }
     return {"sliding_window"};
   }
   if (c.family != Family::qwen3) return {};
-  bool sliding_layers = read_field<bool>(j, "use_sliding_window", source, false);
+  const std::vector<std::string> fields{"use_sliding_window", "layer_types", "sliding_window", "max_window_layers"};
+  const bool windowed = read_field<bool>(j, "use_sliding_window", source, false);
+  const auto first_by_count = read_field<std::int64_t>(j, "max_window_layers", source, std::int64_t{28});
+  std::vector<bool> sliding(static_cast<std::size_t>(c.num_hidden_layers));
   if (const auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
     if (!it->is_array() || static_cast<std::int64_t>(it->size()) != c.num_hidden_layers)
       throw ConfigError(fmt::format("{} must be a list of num_hidden_layers ({}) entries", where(source, "layer_types"),
                                     c.num_hidden_layers));
-    for (const auto& type : *it) {
+    for (std::size_t i = 0; i < it->size(); ++i) {
+      const auto& type = (*it)[i];
       if (type != "full_attention" && type != "sliding_attention")
         throw ConfigError(fmt::format("{} holds {}; supported: 'full_attention', 'sliding_attention'",
                                       where(source, "layer_types"), type.dump()));
-      sliding_layers = sliding_layers || type == "sliding_attention";
+      sliding[i] = type == "sliding_attention";
     }
+  } else {
+    for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) sliding[static_cast<std::size_t>(i)] = i >= first_by_count;
   }
-  if (sliding_layers) {
-    c.sliding_window = read_field<std::int64_t>(j, "sliding_window", source, std::nullopt);
-    if (c.sliding_window <= 0)
-      throw ConfigError(fmt::format("{} is {}; sliding-window layers need a positive window",
-                                    where(source, "sliding_window"), c.sliding_window));
-  }
-  return {"use_sliding_window", "layer_types", "sliding_window", "max_window_layers"};
+  if (!windowed) return fields;
+  const auto first = std::find(sliding.begin(), sliding.end(), true);
+  if (first == sliding.end()) return fields;  // no layer slides
+  if (std::find(first, sliding.end(), false) != sliding.end())
+    throw ConfigError(
+        fmt::format("{}: sliding layers followed by full ones are not supported (only full layers, "
+                    "then sliding ones to the last)",
+                    where(source, "layer_types")));
+  c.sliding_window = read_field<std::int64_t>(j, "sliding_window", source, std::nullopt);
+  if (c.sliding_window <= 0)
+    throw ConfigError(fmt::format("{} is {}; sliding-window layers need a positive window",
+                                  where(source, "sliding_window"), c.sliding_window));
+  c.sliding_window_from_layer = first - sliding.begin();
+  return fields;
 }
 
 }  // namespace detail
@@ -277,7 +297,8 @@ MESHTORCH_DECL ConfigFile read_config_json(const nlohmann::json& j, const std::s
   c.num_hidden_layers = read_field<std::int64_t>(j, "num_hidden_layers", source, std::nullopt);
   c.num_attention_heads = read_field<std::int64_t>(j, "num_attention_heads", source, std::nullopt);
   c.num_key_value_heads = read_field<std::int64_t>(j, "num_key_value_heads", source, c.num_attention_heads);
-  c.head_dim = read_field<std::int64_t>(j, "head_dim", source, std::int64_t{0});
+  // transformers' default: hidden_size / heads, but 128 for Qwen3 (Qwen3Config's).
+  c.head_dim = read_field<std::int64_t>(j, "head_dim", source, std::int64_t{c.family == Family::qwen3 ? 128 : 0});
   c.vocab_size = read_field<std::int64_t>(j, "vocab_size", source, std::nullopt);
   c.rms_norm_eps = read_field<double>(j, "rms_norm_eps", source, 1e-6);
   c.max_position_embeddings = read_field<std::int64_t>(j, "max_position_embeddings", source, std::int64_t{2048});
@@ -401,14 +422,19 @@ MESHTORCH_DECL nlohmann::json config_to_json(const Config& c, std::string_view d
       j["sliding_window"] = c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json(nullptr);
       break;
     case Family::qwen3:
-      j.update(
-          {{"attention_bias", false},
-           {"head_dim", c.resolved_head_dim()},
-           {"use_sliding_window", c.sliding_window > 0},
-           {"sliding_window", c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json(nullptr)},
-           {"max_window_layers", c.sliding_window > 0 ? 0 : c.num_hidden_layers},
-           {"layer_types", std::vector<std::string>(static_cast<std::size_t>(c.num_hidden_layers),
-                                                    c.sliding_window > 0 ? "sliding_attention" : "full_attention")}});
+      j.update({{"attention_bias", false},
+                {"head_dim", c.resolved_head_dim()},
+                {"use_sliding_window", c.sliding_window > 0},
+                {"sliding_window", c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json(nullptr)}});
+      {
+        // The layers from the first sliding one on slide, as transformers derives them.
+        const std::int64_t first = c.sliding_window > 0 ? c.sliding_window_from_layer : c.num_hidden_layers;
+        std::vector<std::string> types;
+        for (std::int64_t i = 0; i < c.num_hidden_layers; ++i)
+          types.push_back(i >= first ? "sliding_attention" : "full_attention");
+        j["max_window_layers"] = first;
+        j["layer_types"] = types;
+      }
       break;
   }
   return j;

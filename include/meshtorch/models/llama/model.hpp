@@ -16,6 +16,7 @@
 #include <meshtorch/kernels/swiglu.hpp>
 #include <meshtorch/models/chunked_loss.hpp>
 #include <meshtorch/models/llama/config.hpp>
+#include <meshtorch/models/llama/kv_cache.hpp>
 #include <meshtorch/models/llama/layers.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
@@ -25,7 +26,10 @@ class AttentionImpl : public torch::nn::Module {
  public:
   MESHTORCH_DECL AttentionImpl(const Config& c, const torch::TensorOptions& options);
 
-  MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  // With `cached`, a decoding step: its keys and values go into the cache and its queries attend
+  // the cached positions `cached->mask` allows, instead of causal attention over x alone.
+  MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                       const CachedAttention* cached = nullptr);
 
   // Causal attention of q [B, H, S, D] over k and v [B, Hkv, S, D] (positions already rotated),
   // giving [B, H, S, D]: what a layout that splits the sequence replaces (context parallel's
@@ -42,7 +46,8 @@ class AttentionImpl : public torch::nn::Module {
   bool fused_kernels = true;         // kernels/rotary.hpp's fused CPU kernel, or the composite ops
 
  private:
-  MESHTORCH_DECL torch::Tensor attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  MESHTORCH_DECL torch::Tensor attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                      const CachedAttention* cached);
 
   std::int64_t head_dim_;
   std::int64_t sliding_window_;  // 0: none
@@ -63,7 +68,8 @@ TORCH_MODULE(Mlp);
 class DecoderLayerImpl : public torch::nn::Module {
  public:
   MESHTORCH_DECL DecoderLayerImpl(const Config& c, const torch::TensorOptions& options);
-  MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                       const CachedAttention* cached = nullptr);
 
   Attention self_attn{nullptr};
   Mlp mlp{nullptr};
@@ -86,6 +92,13 @@ class LlamaModelImpl : public torch::nn::Module {
   // pipeline stage runs of it.
   MESHTORCH_DECL torch::Tensor run_layers(torch::Tensor hidden, const torch::Tensor& positions, std::int64_t first,
                                           std::int64_t end);
+
+  // A decoding step (models/llama/generate.hpp): hidden states after the final norm of
+  // `input_ids` [B, S] at `positions` [B, S], its keys and values written into `cache` after its
+  // filled part, each query attending the cached positions `mask` [B, 1, S, filled + S] allows.
+  // The caller advances the cache.
+  MESHTORCH_DECL torch::Tensor forward_cached(const torch::Tensor& input_ids, const torch::Tensor& positions,
+                                              const KvCache& cache, const torch::Tensor& mask);
 
   // Positions 0..S-1 for every row of a [B, S] batch.
   static torch::Tensor default_positions(std::int64_t seq_length, const torch::Device& device) {
@@ -204,12 +217,12 @@ MESHTORCH_DECL AttentionImpl::AttentionImpl(const Config& c, const torch::Tensor
 }
 
 MESHTORCH_DECL torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                                    const torch::Tensor& sin) {
-  return hooks.around(x, [&](const torch::Tensor& in) { return attend(in, cos, sin); });
+                                                    const torch::Tensor& sin, const CachedAttention* cached) {
+  return hooks.around(x, [&](const torch::Tensor& in) { return attend(in, cos, sin, cached); });
 }
 
 MESHTORCH_DECL torch::Tensor AttentionImpl::attend(const torch::Tensor& x, const torch::Tensor& cos,
-                                                   const torch::Tensor& sin) {
+                                                   const torch::Tensor& sin, const CachedAttention* cached) {
   const auto batch = x.size(0), seq = x.size(1);
   if (sliding_window_ > 0 && seq > sliding_window_)
     throw ConfigError(
@@ -228,7 +241,14 @@ MESHTORCH_DECL torch::Tensor AttentionImpl::attend(const torch::Tensor& x, const
   auto q = rotated_q.transpose(1, 2);
   auto k = rotated_k.transpose(1, 2);
   auto v = heads_of(v_proj(x)).transpose(1, 2);
-  if (causal_attention) return o_proj(causal_attention(q, k, v).transpose(1, 2).reshape({batch, seq, -1}));
+  if (cached) {
+    cached->keys.narrow(2, cached->start, seq).copy_(k);
+    cached->values.narrow(2, cached->start, seq).copy_(v);
+    k = cached->keys.narrow(2, 0, cached->start + seq);
+    v = cached->values.narrow(2, 0, cached->start + seq);
+  } else if (causal_attention) {
+    return o_proj(causal_attention(q, k, v).transpose(1, 2).reshape({batch, seq, -1}));
+  }
   const bool grouped = q.size(1) != k.size(1);
   // Grouped-query attention: SDPA's enable_gqa saves repeating the key/value heads, but the
   // CPU kernel in bf16 is slower with it than on repeated heads (55 against 45 ms for a
@@ -238,7 +258,8 @@ MESHTORCH_DECL torch::Tensor AttentionImpl::attend(const torch::Tensor& x, const
     k = k.repeat_interleave(q.size(1) / k.size(1), 1);
     v = v.repeat_interleave(q.size(1) / v.size(1), 1);
   }
-  auto out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+  const auto mask = cached ? std::optional<torch::Tensor>(cached->mask) : std::nullopt;
+  auto out = at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, /*is_causal=*/!cached,
                                               /*scale=*/std::nullopt, /*enable_gqa=*/grouped && !repeat_heads);
   return o_proj(out.transpose(1, 2).reshape({batch, seq, -1}));
 }
@@ -265,10 +286,12 @@ MESHTORCH_DECL DecoderLayerImpl::DecoderLayerImpl(const Config& c, const torch::
 }
 
 MESHTORCH_DECL torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                                       const torch::Tensor& sin) {
-  // By value: a checkpointed layer runs this again in backward.
-  return hooks.around(x, [this, cos, sin](const torch::Tensor& in) {
-    auto [h, normed] = post_attention_layernorm->add_and_forward(in, self_attn(input_layernorm(in), cos, sin));
+                                                       const torch::Tensor& sin, const CachedAttention* cached) {
+  // By value: a checkpointed layer runs this again in backward (a decoding step, with `cached`,
+  // has no backward).
+  return hooks.around(x, [this, cos, sin, cached](const torch::Tensor& in) {
+    auto [h, normed] =
+        post_attention_layernorm->add_and_forward(in, self_attn->forward(input_layernorm(in), cos, sin, cached));
     return h + mlp(normed);
   });
 }
@@ -295,6 +318,18 @@ MESHTORCH_DECL torch::Tensor LlamaModelImpl::run_layers(torch::Tensor hidden, co
   auto [cos, sin] = rotary.tables(positions, hidden.scalar_type());
   for (std::int64_t i = first; i < end; ++i) hidden = decoder_layers.at(static_cast<std::size_t>(i))(hidden, cos, sin);
   return hidden;
+}
+
+MESHTORCH_DECL torch::Tensor LlamaModelImpl::forward_cached(const torch::Tensor& input_ids,
+                                                            const torch::Tensor& positions, const KvCache& cache,
+                                                            const torch::Tensor& mask) {
+  auto hidden = embed_tokens(input_ids);
+  auto [cos, sin] = rotary.tables(positions, hidden.scalar_type());
+  for (std::size_t i = 0; i < decoder_layers.size(); ++i) {
+    const auto step = cache.step(i, mask);
+    hidden = decoder_layers[i]->forward(hidden, cos, sin, &step);
+  }
+  return norm(hidden);
 }
 
 MESHTORCH_DECL void check_fits_host_memory(const Config& c, const torch::TensorOptions& options) {
