@@ -41,6 +41,7 @@ sys.path.insert(0, str(REFERENCE))
 from metrics_summary import read_jsonl, summarize  # noqa: E402
 
 import context_parallel  # noqa: E402  (bench/context_parallel.py: the cp section)
+import generate_bench  # noqa: E402  (bench/generate_bench.py: the generate section)
 
 # Per size: the config folder both sides read, batch x sequence, steps, and steps left out as
 # warm-up. The step counts keep bench/run under 20 minutes on 2 cores; llama-100m's first step
@@ -67,7 +68,8 @@ DDP_RANKS = 2
 # A plain bench/run runs DEFAULT_SECTIONS (about 16 minutes on 2 idle cores); the others would take
 # it past 20 minutes (fsdp + tp + 2d about 6 more at llama-tiny, pp about 2 with its three schedules,
 # ch1-bf16 about as long as ch1, profile about 4), so they are opt-in through --only.
-SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "pp", "cp", "zero2", "ch5", "ch1-bf16", "profile", "compile-time"]
+SECTIONS = ["ch1", "ddp", "fsdp", "tp", "2d", "pp", "cp", "zero2", "ch5", "ch1-bf16", "profile", "generate",
+            "compile-time"]
 DEFAULT_SECTIONS = ["ch1", "ddp", "compile-time"]
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 IMPL_NAMES = {"ours": "meshtorch", "hf-eager": "HF eager", "hf-compile": "HF compile",
@@ -1256,7 +1258,8 @@ def main():
             ("zero2", lambda: zero2_section(args, corpus, runs_dir, out, machine)),
             ("ch5", lambda: ch5_section(args, corpus, runs_dir, out, machine)),
             ("ch1-bf16", lambda: chapter1(bf16_args, corpus, runs_dir, out, machine, stem="chapter1-bf16")),
-            ("profile", lambda: profile_section(args, corpus, runs_dir, out, machine))]
+            ("profile", lambda: profile_section(args, corpus, runs_dir, out, machine)),
+            ("generate", lambda: generate_bench.generate_section(sys.modules[__name__], args, runs_dir, out, machine))]
     for name, section in runs:
         if name in sections:
             _, section_docs, e, d = section()

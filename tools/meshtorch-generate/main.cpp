@@ -13,6 +13,7 @@
 // each output line is the JSON list of that prompt's new ids, up to and including the eos id where
 // it stops there, as transformers' generate returns them. The eos ids are generation_config.json's,
 // else config.json's, as transformers takes them.
+#include <chrono>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -77,7 +78,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Generate text from a model folder with a KV cache"};
   std::string folder, dtype = "float32";
   std::vector<std::string> prompts, stops;
-  bool ids_mode = false, chat = false;
+  bool ids_mode = false, chat = false, ignore_eos = false;
   int threads = 0;
   mt::llama::GenerateOptions options;
   app.add_option("folder", folder, "model folder: config.json, safetensors weights and (for text) a tokenizer")
@@ -93,6 +94,7 @@ int main(int argc, char** argv) {
   app.add_option("--top-p", options.top_p)->capture_default_str()->check(CLI::Range(0.0, 1.0));
   app.add_option("--seed", options.seed)->capture_default_str();
   app.add_option("--stop", stops, "end a prompt's text where it holds this string (repeatable; text prompts)");
+  app.add_flag("--ignore-eos", ignore_eos, "always produce --max-new-tokens tokens (for timing)");
   app.add_option("--dtype", dtype)->capture_default_str()->check(CLI::IsMember({"float32", "bfloat16", "auto"}));
   app.add_option("--threads", threads, "intra-op threads (0: LibTorch's default)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -115,14 +117,25 @@ int main(int argc, char** argv) {
     mt::llama::LlamaForCausalLM model(mt::llama::resolve_model(folder), torch::TensorOptions().dtype(type));
     mt::llama::load_pretrained_weights(model, dir);
     model->eval();
-    options.eos_ids = eos_ids_of(dir);
+    if (!ignore_eos) options.eos_ids = eos_ids_of(dir);
+    // What generation took, without loading: on stderr, so that stdout holds only the output.
+    const auto timed = [](auto&& generate_batch) {
+      const auto start = std::chrono::steady_clock::now();
+      const auto rows = generate_batch();
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::size_t tokens = 0;
+      for (const auto& row : rows) tokens += row.size();
+      std::cerr << fmt::format("meshtorch-generate: {} new tokens for {} prompt(s) in {:.3f} s ({:.1f} tokens/s)\n",
+                               tokens, rows.size(), seconds, static_cast<double>(tokens) / seconds);
+      return rows;
+    };
 
     if (ids_mode) {
       std::vector<std::vector<std::int64_t>> batch;
       std::size_t number = 0;
       for (std::string line; std::getline(std::cin, line);)
         if (++number, line.find_first_not_of(" \t\r") != std::string::npos) batch.push_back(ids_of_line(line, number));
-      for (const auto& row : mt::llama::generate(model, batch, options))
+      for (const auto& row : timed([&] { return mt::llama::generate(model, batch, options); }))
         std::cout << nlohmann::json(row).dump() << "\n";
       return 0;
     }
@@ -182,7 +195,10 @@ int main(int argc, char** argv) {
         print_new(text, /*last=*/false);
         return false;
       };
-      mt::llama::generate(model, {std::vector<std::int64_t>(encoded.begin(), encoded.end())}, options, on_token);
+      timed([&] {
+        return mt::llama::generate(model, {std::vector<std::int64_t>(encoded.begin(), encoded.end())}, options,
+                                   on_token);
+      });
       if (printed < text.size()) print_new(text, /*last=*/true);
       std::cout << "\n" << std::flush;
     }

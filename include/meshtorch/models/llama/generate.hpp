@@ -143,6 +143,10 @@ MESHTORCH_DECL std::vector<std::vector<std::int64_t>> generate(LlamaForCausalLM&
     return (causal.unsqueeze(0).logical_and(real)).logical_or(keys.unsqueeze(0) == queries).unsqueeze(1);
   };
 
+  // Prompts of one length need no mask (the flash kernel then runs, not the masked one).
+  const bool padded = std::any_of(prompts.begin(), prompts.end(), [&](const auto& prompt) {
+    return static_cast<std::int64_t>(prompt.size()) != longest;
+  });
   auto generator = at::detail::createCPUGenerator(options.seed);
   std::vector<std::vector<std::int64_t>> out(prompts.size());
   std::vector<bool> done(prompts.size(), false);
@@ -150,7 +154,11 @@ MESHTORCH_DECL std::vector<std::vector<std::int64_t>> generate(LlamaForCausalLM&
   std::int64_t start = 0;
   for (std::int64_t produced = 0; produced < options.max_new_tokens; ++produced) {
     const auto steps = step_ids.size(1);
-    const auto hidden = lm->model->forward_cached(step_ids, positions_of(start, steps), cache, mask_of(start, steps));
+    const auto positions =
+        padded ? positions_of(start, steps)
+               : torch::arange(start, start + steps, on_device.dtype(torch::kLong)).unsqueeze(0).expand({batch, steps});
+    const auto hidden =
+        lm->model->forward_cached(step_ids, positions, cache, padded ? mask_of(start, steps) : torch::Tensor());
     cache.advance(steps);
     start += steps;
     const auto last = hidden.select(1, steps - 1);

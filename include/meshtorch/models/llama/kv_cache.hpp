@@ -17,7 +17,9 @@ namespace meshtorch::llama {
 struct CachedAttention {
   torch::Tensor keys, values;  // [B, Hkv, capacity, head_dim] of this layer
   std::int64_t start = 0;      // this step's first position in the cache
-  torch::Tensor mask;          // [B, 1, S, start + S] bool: true where a query attends a key
+  // [B, 1, S, start + S] bool: true where a query attends a key. Undefined when no row is padded:
+  // causal attention for the first step, every cached key for a one-position step after it.
+  torch::Tensor mask;
 };
 
 class KvCache {

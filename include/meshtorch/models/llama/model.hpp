@@ -258,8 +258,13 @@ MESHTORCH_DECL torch::Tensor AttentionImpl::attend(const torch::Tensor& x, const
     k = k.repeat_interleave(q.size(1) / k.size(1), 1);
     v = v.repeat_interleave(q.size(1) / v.size(1), 1);
   }
-  const auto mask = cached ? std::optional<torch::Tensor>(cached->mask) : std::nullopt;
-  auto out = at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, /*is_causal=*/!cached,
+  // Without a mask (no padding): causal from the cache's start, or one query over every key.
+  const bool masked = cached && cached->mask.defined();
+  if (cached && !masked && cached->start > 0 && seq > 1)
+    throw ConfigError("a decoding step of several positions after the first needs a mask (CachedAttention::mask)");
+  const auto mask = masked ? std::optional<torch::Tensor>(cached->mask) : std::nullopt;
+  auto out = at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0,
+                                              /*is_causal=*/!masked && seq > 1,
                                               /*scale=*/std::nullopt, /*enable_gqa=*/grouped && !repeat_heads);
   return o_proj(out.transpose(1, 2).reshape({batch, seq, -1}));
 }
