@@ -205,6 +205,10 @@ TEST_CASE("fsdp prefetch settings below zero are refused", "[.][bad_prefetch]") 
                     Catch::Contains("prefetch_layers -1 is negative"));
   CHECK_THROWS_WITH(mt::FullyShardedDataParallel(model, mesh.group<mt::FSDP>(), {.reduce_scatters_in_flight = -2}),
                     Catch::Contains("reduce_scatters_in_flight -2 is negative"));
+  // Both refusals need no collective, so without this a rank could exit while its peer still
+  // connects the world group ("Gloo connectFullMesh failed ... Connection closed by peer": seen
+  // once under a loaded test run).
+  mt::comm::barrier(mesh.world());
 }
 
 TEST_CASE("fsdp with bf16 compute and fp32 reduction keeps fp32 shards and tracks the fp32 model",
