@@ -6,6 +6,7 @@ usage: chapter11_checks.py MESHRUN CHAPTER1 CHAPTER7 CHAPTER11
        {1f1b-parity|schedules-parity|fsdp-pp-parity|pp-tp-parity|resume-across-meshes|stalled-stage|bad-flags}
 """
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -14,20 +15,23 @@ import tempfile
 import threading
 import time
 
-from chapter02_checks import CLIP, COMMON, ENV, compare_grad_norms, compare_losses, compare_params, metrics, model_file, run
+from chapter02_checks import (CLIP, COMMON, ENV, common_except, compare_grad_norms, compare_losses, compare_params,
+                              metrics, model_file, run)
 from ports import free_port
 
 
-def run_pp(tools, nproc, *args, expect_ok=True):
+def run_pp(tools, nproc, *args, expect_ok=True, common=COMMON):
     return run([tools["meshrun"], "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "--",
-                tools["chapter11"], *COMMON, *args], expect_ok=expect_ok)
+                tools["chapter11"], *common, *args], expect_ok=expect_ok)
 
 
-def parity(tools, single_batch, nproc, args, steps=20, extra=()):
+def parity(tools, single_batch, nproc, args, steps=20, extra=(), model=None):
+    """`model` (a preset or folder) instead of COMMON's llama-tiny, on both sides."""
+    common = COMMON if model is None else [*common_except(["-m"]), "-m", model]
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["--save-dir", tmp, "--max-steps", str(steps), "--ckpt-freq", str(steps), *extra]
-        run([tools["chapter1"], *COMMON, "-b", str(single_batch), "-e", "one", *flags])
-        out = run_pp(tools, nproc, *args, "-e", "pp", *flags)
+        run([tools["chapter1"], *common, "-b", str(single_batch), "-e", "one", *flags])
+        out = run_pp(tools, nproc, *args, "-e", "pp", *flags, common=common)
         compare_losses(metrics(f"{tmp}/one"), metrics(f"{tmp}/pp"), 1e-5)
         if extra == CLIP:
             compare_grad_norms(metrics(f"{tmp}/one"), metrics(f"{tmp}/pp"), 1e-4)
@@ -86,6 +90,13 @@ def pp_tp_parity(tools):
     parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--tp", "2", "--microbatches", "2"], extra=CLIP)
     parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--tp", "2", "--schedule", "zbv", "--stages-per-rank", "2",
                          "--microbatches", "2"], steps=10)
+
+
+def qwen3_pp_tp_parity(tools):
+    # A Qwen3 folder (q_norm and k_norm over each head): 2 stages, each over 2 TP ranks, whose
+    # per-head norms' partial gradients are summed within the stage.
+    qwen3 = pathlib.Path(__file__).resolve().parent.parent / "hf_parity" / "configs" / "qwen3-gqa-tied"
+    parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--tp", "2", "--microbatches", "2"], extra=CLIP, model=str(qwen3))
 
 
 def resume_across_meshes(tools):
@@ -177,5 +188,6 @@ def bad_flags(tools):
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter7": sys.argv[3], "chapter11": sys.argv[4]}
     {"1f1b-parity": one_f_one_b_parity, "schedules-parity": schedules_parity, "fsdp-pp-parity": fsdp_pp_parity,
-     "pp-tp-parity": pp_tp_parity, "resume-across-meshes": resume_across_meshes, "stalled-stage": stalled_stage,
+     "pp-tp-parity": pp_tp_parity, "qwen3-pp-tp-parity": qwen3_pp_tp_parity,
+     "resume-across-meshes": resume_across_meshes, "stalled-stage": stalled_stage,
      "bad-flags": bad_flags}[sys.argv[5]](tools)
