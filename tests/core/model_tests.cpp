@@ -452,6 +452,10 @@ TEST_CASE("generation with a KV cache: the full forward's argmax, batched as alo
   // Bad input by name.
   CHECK_THROWS_WITH(mt::llama::generate(lm, {{1, 999}}, greedy), Catch::Contains("prompt 0 holds token id 999"));
   CHECK_THROWS_WITH(mt::llama::generate(lm, {{}}, greedy), Catch::Contains("prompt 0 is empty"));
+  // A cache larger than this process may take: refused before it is allocated.
+  CHECK_THROWS_WITH(mt::llama::generate(lm, {{1, 2}}, {.max_new_tokens = 1'000'000'000'000}),
+                    Catch::Contains("max_new_tokens, 1000000000000) needs") &&
+                        Catch::Contains("ask for fewer new tokens or fewer prompts at once"));
 }
 
 TEST_CASE("safetensors round-trips tensors of every dtype", "[io]") {

@@ -41,35 +41,20 @@ std::vector<std::int64_t> eos_ids_of(const std::filesystem::path& dir) {
   for (const char* name : {"generation_config.json", "config.json"}) {
     if (!mt::io::present_in_folder(dir / name)) continue;
     const auto json = mt::io::read_json_file<mt::ConfigError>(mt::io::model_file(dir, name, dir.string()), name);
-    const auto it = json.find("eos_token_id");
-    if (it == json.end()) continue;
-    std::vector<std::int64_t> ids;
-    if (it->is_number_integer()) ids.push_back(it->get<std::int64_t>());
-    if (it->is_array())
-      for (const auto& id : *it) {
-        if (!id.is_number_integer())
-          throw mt::ConfigError(fmt::format("{}: field 'eos_token_id' holds {}, not a token id", name, id.dump()));
-        ids.push_back(id.get<std::int64_t>());
-      }
-    if (!it->is_null() && !it->is_number_integer() && !it->is_array())
-      throw mt::ConfigError(fmt::format("{}: field 'eos_token_id' must be an id, a list of ids or null", name));
-    return ids;
+    if (const auto it = json.find("eos_token_id"); it != json.end())
+      return mt::llama::token_ids(*it, fmt::format("{}: field 'eos_token_id'", (dir / name).string()));
   }
   return {};
 }
 
+// One --ids line, through the project's bounded JSON parser (a line nested 100,000 deep is an
+// error, not a stack overflow).
 std::vector<std::int64_t> ids_of_line(const std::string& line, std::size_t number) {
-  const auto json = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+  const auto where = fmt::format("--ids: stdin line {}", number);
+  const auto json = mt::io::parse_json<mt::ConfigError>(line, where, "the line");
   if (!json.is_array() || json.empty())
-    throw mt::ConfigError(
-        fmt::format("--ids: stdin line {} is not a non-empty JSON list of token ids: {}", number, line.substr(0, 80)));
-  std::vector<std::int64_t> ids;
-  for (const auto& id : json) {
-    if (!id.is_number_integer())
-      throw mt::ConfigError(fmt::format("--ids: stdin line {} holds {}, not a token id", number, id.dump()));
-    ids.push_back(id.get<std::int64_t>());
-  }
-  return ids;
+    throw mt::ConfigError(fmt::format("{} is not a non-empty JSON list of token ids: {}", where, line.substr(0, 80)));
+  return mt::llama::token_ids(json, where);
 }
 
 }  // namespace

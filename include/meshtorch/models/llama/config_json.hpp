@@ -47,6 +47,11 @@ MESHTORCH_DECL Config resolve_model(const std::string& name_or_dir, std::vector<
 // there are none (and for a preset).
 MESHTORCH_DECL std::string unread_config_fields_note(const std::string& name_or_dir);
 
+// Token ids as config.json and generation_config.json write them (eos_token_id, which Llama 3
+// instruct gives as a list): an id, a list of ids, or null (none). Anything else is a ConfigError
+// naming `where` (the file and field).
+MESHTORCH_DECL std::vector<std::int64_t> token_ids(const nlohmann::json& value, const std::string& where);
+
 }  // namespace meshtorch::llama
 
 #if MESHTORCH_DEFINES(core)
@@ -92,10 +97,9 @@ inline std::int64_t read_token_id(const nlohmann::json& j, std::string_view fiel
                                   std::int64_t fallback) {
   const auto it = j.find(std::string(field));
   if (it == j.end() || it->is_null()) return fallback;
-  if (it->is_number_integer()) return it->get<std::int64_t>();
-  if (it->is_array() && !it->empty() && (*it)[0].is_number_integer()) return (*it)[0].get<std::int64_t>();
-  throw ConfigError(
-      fmt::format("{} must be an integer or a list of integers, got {}", where(source, field), it->dump()));
+  const auto ids = token_ids(*it, where(source, field));
+  if (ids.empty()) throw ConfigError(fmt::format("{} is an empty list", where(source, field)));
+  return ids.front();
 }
 
 // Fields every writer adds that say nothing about the computation; not worth a log line.
@@ -455,6 +459,19 @@ MESHTORCH_DECL Config resolve_model(const std::string& name_or_dir, std::vector<
   for (const auto& p : presets::all) known.push_back(p.name);
   throw ConfigError(fmt::format("-m/--model-name '{}' is neither a preset ({}) nor a directory with a config.json",
                                 name_or_dir, fmt::join(known, ", ")));
+}
+
+MESHTORCH_DECL std::vector<std::int64_t> token_ids(const nlohmann::json& value, const std::string& where) {
+  std::vector<std::int64_t> ids;
+  if (value.is_null()) return ids;
+  if (value.is_number_integer()) return {value.get<std::int64_t>()};
+  if (!value.is_array())
+    throw ConfigError(fmt::format("{} must be an integer, a list of integers or null, got {}", where, value.dump()));
+  for (const auto& id : value) {
+    if (!id.is_number_integer()) throw ConfigError(fmt::format("{} holds {}, not an integer", where, id.dump()));
+    ids.push_back(id.get<std::int64_t>());
+  }
+  return ids;
 }
 
 MESHTORCH_DECL std::string unread_config_fields_note(const std::string& name_or_dir) {

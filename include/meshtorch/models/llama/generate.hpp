@@ -56,6 +56,7 @@ MESHTORCH_DECL torch::Tensor choose_next_tokens(torch::Tensor logits, const Gene
 #include <fmt/format.h>
 
 #include <meshtorch/error.hpp>
+#include <meshtorch/io/host_memory.hpp>
 
 namespace meshtorch::llama {
 
@@ -112,6 +113,15 @@ MESHTORCH_DECL std::vector<std::vector<std::int64_t>> generate(LlamaForCausalLM&
   const auto weight = lm->output_weight();
   const auto device = weight.device();
   const auto on_device = torch::TensorOptions().device(device);
+  const double cache_bytes = KvCache::bytes(config, batch, capacity, static_cast<std::int64_t>(weight.element_size()));
+  if (const auto memory = io::available_host_memory();
+      device.is_cpu() && memory && cache_bytes > static_cast<double>(memory->available_bytes))
+    throw ConfigError(
+        fmt::format("generate: the KV cache of {} prompt(s) x {} positions (the longest prompt, {}, and "
+                    "max_new_tokens, {}) needs {:.3g} GB, and this process may take {:.3g} GB ({}); "
+                    "ask for fewer new tokens or fewer prompts at once",
+                    batch, capacity, longest, options.max_new_tokens, cache_bytes / 1e9,
+                    static_cast<double>(memory->available_bytes) / 1e9, memory->source));
   KvCache cache(config, batch, capacity, on_device.dtype(weight.scalar_type()));
 
   // Left padding: row r's prompt fills the last positions of the first `longest`.
@@ -151,16 +161,14 @@ MESHTORCH_DECL std::vector<std::vector<std::int64_t>> generate(LlamaForCausalLM&
   std::vector<std::vector<std::int64_t>> out(prompts.size());
   std::vector<bool> done(prompts.size(), false);
   auto step_ids = ids;
-  std::int64_t start = 0;
   for (std::int64_t produced = 0; produced < options.max_new_tokens; ++produced) {
-    const auto steps = step_ids.size(1);
+    const auto start = cache.length(), steps = step_ids.size(1);
     const auto positions =
         padded ? positions_of(start, steps)
                : torch::arange(start, start + steps, on_device.dtype(torch::kLong)).unsqueeze(0).expand({batch, steps});
     const auto hidden =
         lm->model->forward_cached(step_ids, positions, cache, padded ? mask_of(start, steps) : torch::Tensor());
     cache.advance(steps);
-    start += steps;
     const auto last = hidden.select(1, steps - 1);
     const auto logits = at::linear(last, weight).to(torch::kFloat).cpu();
     const auto next = choose_next_tokens(logits, options, generator);
@@ -175,7 +183,7 @@ MESHTORCH_DECL std::vector<std::vector<std::int64_t>> generate(LlamaForCausalLM&
       all_done = all_done && done[row];
     }
     if (all_done) break;
-    filled.narrow(1, start, 1).fill_(true);
+    filled.narrow(1, cache.length(), 1).fill_(true);
     step_ids = next.to(device).unsqueeze(-1);
   }
   return out;

@@ -24,8 +24,7 @@ struct CachedAttention {
 
 class KvCache {
  public:
-  KvCache(const Config& c, std::int64_t batch, std::int64_t capacity, const torch::TensorOptions& options)
-      : capacity_(capacity) {
+  KvCache(const Config& c, std::int64_t batch, std::int64_t capacity, const torch::TensorOptions& options) {
     const auto shape = std::vector<std::int64_t>{batch, c.num_key_value_heads, capacity, c.resolved_head_dim()};
     for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
       keys_.push_back(torch::empty(shape, options));
@@ -34,13 +33,15 @@ class KvCache {
   }
 
   // The bytes a cache of `capacity` positions for `batch` rows takes: what the constructor
-  // allocates, and what a plan counts.
-  static constexpr std::int64_t bytes(const Config& c, std::int64_t batch, std::int64_t capacity,
-                                      std::int64_t element_bytes) {
-    return 2 * c.num_hidden_layers * batch * c.num_key_value_heads * capacity * c.resolved_head_dim() * element_bytes;
+  // allocates, and what a plan counts. In double, as the plans count: a figure for any request,
+  // never an overflow.
+  static constexpr double bytes(const Config& c, std::int64_t batch, std::int64_t capacity,
+                                std::int64_t element_bytes) {
+    return 2.0 * static_cast<double>(c.num_hidden_layers) * static_cast<double>(batch) *
+           static_cast<double>(c.kv_size()) * static_cast<double>(capacity) * static_cast<double>(element_bytes);
   }
 
-  std::int64_t capacity() const { return capacity_; }
+  std::int64_t capacity() const { return keys_.empty() ? 0 : keys_.front().size(2); }
   std::int64_t length() const { return length_; }  // positions filled so far
 
   // Layer `layer`'s view for a step of `steps` positions under `mask`; advance() after the step.
@@ -57,7 +58,7 @@ class KvCache {
   }
 
  private:
-  std::int64_t capacity_ = 0, length_ = 0;
+  std::int64_t length_ = 0;
   std::vector<torch::Tensor> keys_, values_;
 };
 
