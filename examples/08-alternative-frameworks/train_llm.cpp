@@ -29,6 +29,9 @@ struct Chapter8Args : mt::train::TrainArgs {
     for (const char* flag : {"-b", "--grad-accum", "--global-batch-size", "--lr", "--lr-schedule", "--warmup-steps",
                              "--warmup-type", "--lr-decay-steps", "--min-lr-ratio", "--max-grad-norm", "--dtype"})
       app.remove_option(app.get_option(flag));
+    // The engine's loop does not evaluate (a DeepSpeed config has no evaluation); --eval-split still
+    // holds blocks out, and meshtorch-eval-loss --eval-split evaluates the checkpoints on them.
+    app.remove_option(app.get_option("--eval-freq"));
     app.add_option("--deepspeed-config", deepspeed_config,
                    "a DeepSpeed JSON config: micro batch, accumulation, optimizer, scheduler, bf16, ZeRO stage")
         ->required()

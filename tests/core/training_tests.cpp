@@ -5,6 +5,7 @@
 #include <fstream>
 #include <limits>
 #include <numbers>
+#include <numeric>
 #include <optional>
 #include <set>
 
@@ -26,6 +27,7 @@
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/train/caching_host_allocator.hpp>
 #include <meshtorch/train/cpu_allocation_counter.hpp>
+#include <meshtorch/train/evaluation.hpp>
 #include <meshtorch/train/grad_clipping.hpp>
 #include <meshtorch/train/profiler.hpp>
 #include <meshtorch/train/tensorboard.hpp>
@@ -179,6 +181,55 @@ TEST_CASE("the prefetching loader yields the sampler's rows in order and rethrow
     }
   CHECK(count == (sampler.steps_per_epoch() - 3) * 2);
   CHECK_FALSE(loader.next());
+}
+
+TEST_CASE("--eval-split holds the last blocks out, and every rank count evaluates each of them once", "[data]") {
+  std::vector<std::int32_t> tokens(10 * 4 + 2);  // 10 blocks of 4 (row r starts at 4r), 2 tokens dropped
+  std::iota(tokens.begin(), tokens.end(), 0);
+  mt::data::TokenBlocks blocks(tokens, 4, "test");
+  CHECK(blocks.held_out() == nullptr);
+  const auto held = blocks.hold_out(0.3);
+  CHECK(blocks.size() == 7);
+  REQUIRE(held.size() == 3);
+  REQUIRE(blocks.held_out() != nullptr);
+  CHECK(blocks.held_out()->size() == 3);
+  CHECK(held.gather({0, 1, 2})[2][3].item<std::int64_t>() == 39);  // the last block, whole
+  CHECK(blocks.gather({6})[0][0].item<std::int64_t>() == 24);      // training keeps blocks 0-6
+  CHECK_THROWS_WITH(blocks.gather({7}), Catch::Contains("block 7 requested of 7"));
+  CHECK_THROWS_WITH(blocks.hold_out(0.1), Catch::Contains("already held out"));
+  mt::data::TokenBlocks few(tokens, 20, "few");  // 2 blocks
+  CHECK_THROWS_WITH(few.hold_out(0.8), Catch::Contains("few has 2 block(s) of 20 tokens, which would leave none"));
+  CHECK_THROWS_WITH(few.hold_out(0), Catch::Contains("above 0 and below 1"));
+  CHECK(mt::data::TokenBlocks(tokens, 4, "t").hold_out(0.001).size() == 1);  // at least one
+
+  // A "loss" that is each row's first id: the mean over the held-out blocks is (28 + 32 + 36) / 3.
+  const auto first_ids = [](const torch::Tensor& ids) { return ids.select(1, 0).to(torch::kDouble).mean(); };
+  for (const std::int64_t ranks : {1, 2, 3}) {
+    for (const std::int64_t batch : {1, 2, 5}) {
+      double summed = 0;
+      std::vector<int> forwards(static_cast<std::size_t>(ranks), 0);
+      for (std::int64_t rank = 0; rank < ranks; ++rank) {
+        const auto result = mt::train::evaluate_held_out(
+            held, batch, ranks, rank, torch::kCPU,
+            [&](const torch::Tensor& ids) {
+              ++forwards[static_cast<std::size_t>(rank)];
+              return first_ids(ids);
+            },
+            [&](torch::Tensor t) {
+              summed += t.item<double>() / static_cast<double>(ranks);  // this rank's part of the mean
+              return t;
+            });
+        CHECK(result.blocks == 3);
+        CHECK(result.tokens == 3 * 3);
+      }
+      INFO(ranks << " ranks, batches of " << batch);
+      CHECK(summed == Approx(32.0).epsilon(1e-12));
+      CHECK(std::set<int>(forwards.begin(), forwards.end()).size() == 1);  // the same number of forwards on each
+    }
+  }
+  CHECK_THROWS_WITH(
+      mt::train::evaluate_held_out(held, 1, 4, 0, torch::kCPU, first_ids, [](torch::Tensor t) { return t; }),
+      Catch::Contains("holds out 3 block(s), fewer than the 4 data-parallel ranks"));
 }
 
 TEST_CASE("deterministic mode: LibTorch's deterministic algorithms and cuBLAS's fixed workspace", "[optim]") {

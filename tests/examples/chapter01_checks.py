@@ -244,7 +244,13 @@ def bad_input(binary):
             (["-b", "4", "--grad-accum", "4611686018427387904"],
              "the global batch -b/--batch-size 4 x 1 data-parallel rank(s) x --grad-accum 4611686018427387904 "
              "overflows a 64-bit integer"),
+            # Evaluation needs blocks held out, and holding out needs blocks left to train on.
+            (["--eval-freq", "5"], "--eval-freq requires --eval-split"),
+            (["--eval-split", "1"], "--eval-split 1: give the fraction of blocks held out, above 0 and below 1"),
+            (["-d", f"{tmp}/tiny.txt", "-s", "64", "--eval-split", "0.9"], "has 2 block(s) of 64 tokens, which would "
+             "leave none to train on"),
         ]
+        (pathlib.Path(tmp) / "tiny.txt").write_text("a few words " * 12)  # 144 bytes: 2 blocks of 64
         config_dir = pathlib.Path(tmp) / "model"
         config_dir.mkdir()
         (config_dir / "config.json").write_text('{"hidden_size": 64, "num_hidden_layers": 2}')

@@ -168,6 +168,7 @@ def bad_flags(tools):
         (["--stages-per-rank", "4", "--schedule", "interleaved-1f1b"], "lower --pp or --stages-per-rank"),
         (["-b", "3", "--microbatches", "2"], "make -b a multiple of 2"),
         (["--grad-accum", "2"], "use --microbatches"),
+        (["--eval-split", "0.01", "--eval-freq", "1"], "evaluate its checkpoints with meshtorch-eval-loss --eval-split"),
     ]
     for args, needle in cases:
         started = time.monotonic()

@@ -1,54 +1,138 @@
-// meshtorch-eval-loss: the loss of a saved model folder on a fixed token batch, written as JSON
-// ({"tokens": [[...]], "loss": x}) so that another implementation (transformers) can be checked
-// against ours on exactly the same input.
+// meshtorch-eval-loss: the loss of a model, from an HF folder or a sharded checkpoint of any mesh.
+//
+//   meshtorch-eval-loss runs/llama -d data/ --eval-split 0.05 -s 256   # perplexity on the held-out blocks
+//   meshtorch-eval-loss models/llama out.json -b 2 -s 32 --seed 0       # a seeded random batch, as JSON
+//
+// With --eval-split, the blocks a training run with the same -d, --dataset-subset, -s and
+// --eval-split held out (data::TokenBlocks::hold_out), tokenised as that run did (-m: the
+// folder's own tokenizer, or the -m a checkpoint's run was trained with). Without it, a seeded
+// random batch ({"tokens": [[...]], "loss": x, "token_losses": [[...]]}), so that another
+// implementation (transformers) can be checked against ours on exactly the same input.
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
+#include <meshtorch/data/dataset_tokenizer.hpp>
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/checkpointing.hpp>
+#include <meshtorch/train/evaluation.hpp>
 
 namespace mt = meshtorch;
 
+namespace {
+
+// The -m whose tokenizer encodes -d: given, else the folder itself, else the -m the checkpoint's
+// run trained with (state.json's "model").
+std::string tokenizer_source(const std::string& given, const mt::WholeModel& whole) {
+  if (!given.empty()) return given;
+  if (!whole.from_checkpoint) return whole.folder.string();
+  const auto state = mt::io::read_json_file<mt::DataError>(whole.folder / "state.json");
+  const auto run = state.find("run");
+  if (run == state.end() || !run->is_object() || !run->contains("model") || !(*run)["model"].is_string())
+    throw mt::DataError(
+        fmt::format("{}: no string field 'run.model' (the run's -m); pass -m with the folder or preset "
+                    "the run was trained with",
+                    (whole.folder / "state.json").string()));
+  return (*run)["model"].get<std::string>();
+}
+
+int held_out_loss(mt::WholeModel& whole, const mt::train::TrainArgs& args, const std::string& output) {
+  const auto model_name = tokenizer_source(args.model_name, whole);
+  std::string note;
+  auto blocks = mt::data::load_dataset(args.dataset_name, args.seq_length, model_name, &note, args.dataset_subset);
+  std::cout << "data: " << note << "\n";
+  blocks.check_vocab(whole.model->config.vocab_size);
+  const auto held_out = blocks.hold_out(args.eval_split);
+  const auto result = mt::train::evaluate_held_out(
+      held_out, args.batch_size, /*dp_size=*/1, /*dp_rank=*/0, torch::kCPU,
+      [&](const torch::Tensor& ids) { return whole.model->loss(ids, /*labels=*/ids); },
+      [](torch::Tensor sum) { return sum; });
+  const nlohmann::ordered_json record{{"eval_loss", result.loss},
+                                      {"eval_perplexity", result.perplexity()},
+                                      {"eval_tokens", result.tokens},
+                                      {"eval_blocks", result.blocks},
+                                      {"eval_s", result.seconds}};
+  std::cout << mt::train::format_metrics(record) << "\n";
+  if (!output.empty()) mt::io::write_file_atomically(output, record.dump() + "\n");
+  return 0;
+}
+
+int random_batch_loss(mt::WholeModel& whole, std::int64_t batch, std::int64_t seq, std::uint64_t seed,
+                      const std::string& output) {
+  auto& model = whole.model;
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(seed);
+  const auto ids = torch::randint(0, model->config.vocab_size, {batch, seq}, torch::kLong);
+  const auto logits = model->forward(ids);
+  const double loss = mt::llama::LlamaForCausalLMImpl::causal_lm_loss(logits, ids).item<double>();
+  // Each position's next-token loss too: a mean can hide errors that cancel.
+  const auto token_losses = torch::nn::functional::cross_entropy(
+                                logits.narrow(1, 0, seq - 1).to(torch::kFloat).reshape({-1, logits.size(-1)}),
+                                ids.narrow(1, 1, seq - 1).reshape({-1}),
+                                torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone))
+                                .view({batch, seq - 1})
+                                .to(torch::kDouble)
+                                .contiguous();
+  nlohmann::json record{{"loss", loss}, {"tokens", nlohmann::json::array()}, {"token_losses", nlohmann::json::array()}};
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const auto row = ids[b].contiguous();
+    record["tokens"].push_back(
+        std::vector<std::int64_t>(row.data_ptr<std::int64_t>(), row.data_ptr<std::int64_t>() + seq));
+    const auto losses = token_losses[b];
+    record["token_losses"].push_back(
+        std::vector<double>(losses.data_ptr<double>(), losses.data_ptr<double>() + (seq - 1)));
+  }
+  mt::io::write_file_atomically(output, record.dump() + "\n");
+  std::cout << "loss " << loss << "\n";
+  return 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  CLI::App app{"Loss of a saved Llama folder (config.json + model.safetensors) on a seeded token batch"};
+  CLI::App app{"Loss of a model folder or checkpoint: on the blocks --eval-split held out, or on a seeded batch"};
   std::string model_dir, output;
-  std::int64_t batch = 2, seq = 32;
   std::uint64_t seed = 0;
-  app.add_option("model_dir", model_dir, "folder with config.json and model.safetensors")->required();
-  app.add_option("output", output, "JSON file to write")->required();
-  app.add_option("-b,--batch-size", batch)->capture_default_str();
-  app.add_option("-s,--seq-length", seq)->capture_default_str();
-  app.add_option("--seed", seed)->capture_default_str();
+  int threads = 0;
+  mt::train::TrainArgs args;
+  args.model_name.clear();
+  args.batch_size = 2;
+  args.seq_length = 32;
+  app.add_option("model_dir", model_dir,
+                 "model folder (config.json and safetensors weights), ckpt-<step> checkpoint of any mesh, or "
+                 "experiment folder (its latest checkpoint)")
+      ->required();
+  app.add_option("output", output, "JSON file to write (required without --eval-split)");
+  auto* split = app.add_option("--eval-split", args.eval_split,
+                               "evaluate the last fraction of -d's blocks, as a run with this --eval-split held out")
+                    ->check(CLI::Range(0.0, 1.0));
+  app.add_option("-d,--dataset-name", args.dataset_name, "with --eval-split: the run's -d")
+      ->capture_default_str()
+      ->needs(split);
+  app.add_option("--dataset-subset", args.dataset_subset, "with --eval-split: the run's --dataset-subset")
+      ->needs(split);
+  app.add_option("-m,--model-name", args.model_name,
+                 "with --eval-split: whose tokenizer encodes -d (default: the model folder, or the -m a checkpoint's "
+                 "run trained with)")
+      ->needs(split);
+  app.add_option("-b,--batch-size", args.batch_size)->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("-s,--seq-length", args.seq_length)->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--seed", seed, "without --eval-split: the random batch's seed")
+      ->capture_default_str()
+      ->excludes(split);
+  app.add_option("--threads", threads, "intra-op threads (0: LibTorch's default)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (args.eval_split == 0 && output.empty()) {
+    std::cerr << "meshtorch-eval-loss: give an output file, or --eval-split to evaluate held-out data\n";
+    return 2;
+  }
   return mt::diagnostics::run_recorded([&] {
-    mt::llama::LlamaForCausalLM model(mt::llama::resolve_model(model_dir));
-    mt::llama::load_pretrained_weights(model, model_dir);
-    torch::NoGradGuard no_grad;
-    torch::manual_seed(seed);
-    const auto ids = torch::randint(0, model->config.vocab_size, {batch, seq}, torch::kLong);
-    const auto logits = model->forward(ids);
-    const double loss = mt::llama::LlamaForCausalLMImpl::causal_lm_loss(logits, ids).item<double>();
-    // Each position's next-token loss too: a mean can hide errors that cancel.
-    const auto token_losses = torch::nn::functional::cross_entropy(
-                                  logits.narrow(1, 0, seq - 1).to(torch::kFloat).reshape({-1, logits.size(-1)}),
-                                  ids.narrow(1, 1, seq - 1).reshape({-1}),
-                                  torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone))
-                                  .view({batch, seq - 1})
-                                  .to(torch::kDouble)
-                                  .contiguous();
-    nlohmann::json record{
-        {"loss", loss}, {"tokens", nlohmann::json::array()}, {"token_losses", nlohmann::json::array()}};
-    for (std::int64_t b = 0; b < batch; ++b) {
-      const auto row = ids[b].contiguous();
-      record["tokens"].push_back(
-          std::vector<std::int64_t>(row.data_ptr<std::int64_t>(), row.data_ptr<std::int64_t>() + seq));
-      const auto losses = token_losses[b];
-      record["token_losses"].push_back(
-          std::vector<double>(losses.data_ptr<double>(), losses.data_ptr<double>() + (seq - 1)));
-    }
-    mt::io::write_file_atomically(output, record.dump() + "\n");
-    std::cout << "loss " << loss << "\n";
-    return 0;
+    if (threads > 0) torch::set_num_threads(threads);
+    auto whole = mt::load_whole_model(model_dir, torch::kFloat);  // fp32, as transformers' reference runs
+    return args.eval_split > 0 ? held_out_loss(whole, args, output)
+                               : random_batch_loss(whole, args.batch_size, args.seq_length, seed, output);
   });
 }

@@ -1,9 +1,10 @@
-// meshtorch-generate: text from a model folder (config.json, safetensors weights, a tokenizer),
-// with a KV cache (models/llama/generate.hpp).
+// meshtorch-generate: text from a model folder (config.json, safetensors weights, a tokenizer) or
+// from a sharded checkpoint of any mesh, with a KV cache (models/llama/generate.hpp).
 //
 //   meshtorch-generate FOLDER --prompt "The capital of France is" --max-new-tokens 32
 //   echo "Tell me a joke" | meshtorch-generate FOLDER --chat --temperature 0.7 --seed 1
 //   echo "[1, 15043, 29892]" | meshtorch-generate FOLDER --ids --max-new-tokens 48
+//   meshtorch-generate runs/llama --tokenizer models/llama --prompt "Once upon a time"
 //
 // Text prompts (--prompt, else one per stdin line) are encoded with the folder's tokenizer and the
 // special tokens it adds by default (tokenizer.json's post-processor template), or rendered by its chat template as a
@@ -31,6 +32,7 @@
 #include <meshtorch/io/json_file.hpp>
 #include <meshtorch/io/model_folder.hpp>
 #include <meshtorch/meshtorch.hpp>
+#include <meshtorch/parallel/checkpointing.hpp>
 
 namespace mt = meshtorch;
 
@@ -61,13 +63,18 @@ std::vector<std::int64_t> ids_of_line(const std::string& line, std::size_t numbe
 
 int main(int argc, char** argv) {
   CLI::App app{"Generate text from a model folder with a KV cache"};
-  std::string folder, dtype = "float32";
+  std::string folder, tokenizer_dir, dtype = "float32";
   std::vector<std::string> prompts, stops;
   bool ids_mode = false, chat = false, ignore_eos = false;
   int threads = 0;
   mt::llama::GenerateOptions options;
-  app.add_option("folder", folder, "model folder: config.json, safetensors weights and (for text) a tokenizer")
+  app.add_option("folder", folder,
+                 "model folder (config.json, safetensors weights and, for text, a tokenizer), a ckpt-<step> "
+                 "checkpoint saved on any mesh, or an experiment folder (its latest checkpoint)")
       ->required();
+  app.add_option("--tokenizer", tokenizer_dir,
+                 "folder whose tokenizer encodes and decodes text (default: the model folder)")
+      ->check(CLI::ExistingDirectory);
   app.add_option("--prompt", prompts, "a text prompt (repeatable); default: one per stdin line");
   app.add_flag("--ids", ids_mode, "stdin lines are JSON lists of prompt ids, decoded as one batch; prints new ids");
   app.add_flag("--chat", chat, "render each prompt as a user message with the folder's chat template");
@@ -90,17 +97,12 @@ int main(int argc, char** argv) {
   }
   return mt::diagnostics::run_recorded([&] {
     if (threads > 0) torch::set_num_threads(threads);
-    const std::filesystem::path dir(folder);
-    if (!mt::llama::has_pretrained_weights(dir))
-      throw mt::ConfigError(
-          fmt::format("{}: no model.safetensors or model.safetensors.index.json to generate with; "
-                      "consolidate a checkpoint into a folder first (meshtorch-consolidate)",
-                      folder));
-    const auto type = dtype == "auto"       ? mt::llama::pretrained_dtype(dir).value_or(torch::kFloat)
-                      : dtype == "bfloat16" ? torch::kBFloat16
-                                            : torch::kFloat;
-    mt::llama::LlamaForCausalLM model(mt::llama::resolve_model(folder), torch::TensorOptions().dtype(type));
-    mt::llama::load_pretrained_weights(model, dir);
+    const auto type = dtype == "auto"       ? std::nullopt
+                      : dtype == "bfloat16" ? std::optional(torch::kBFloat16)
+                                            : std::optional(torch::kFloat);
+    auto whole = mt::load_whole_model(folder, type);
+    auto& model = whole.model;
+    const auto& dir = whole.folder;
     model->eval();
     if (!ignore_eos) options.eos_ids = eos_ids_of(dir);
     // What generation took, without loading: on stderr, so that stdout holds only the output.
@@ -125,13 +127,21 @@ int main(int argc, char** argv) {
       return 0;
     }
 
-    const auto tokenizer = mt::data::load_tokenizer(dir);
-    const auto chat_template = chat ? mt::data::ChatTemplate::from_folder(dir) : std::nullopt;
+    // A checkpoint holds the weights and config.json, not the tokenizer: that stays in the folder
+    // the run was trained from.
+    if (tokenizer_dir.empty() && whole.from_checkpoint)
+      throw mt::ConfigError(fmt::format(
+          "{} is a checkpoint, which holds no tokenizer: pass --tokenizer with the model folder it was trained "
+          "from (its -m), or prompts as ids (--ids)",
+          folder));
+    const std::filesystem::path text_dir = tokenizer_dir.empty() ? dir : std::filesystem::path(tokenizer_dir);
+    const auto tokenizer = mt::data::load_tokenizer(text_dir);
+    const auto chat_template = chat ? mt::data::ChatTemplate::from_folder(text_dir) : std::nullopt;
     if (chat && !chat_template)
       throw mt::ConfigError(
           fmt::format("--chat: {} has no chat template (tokenizer_config.json's chat_template, or "
                       "chat_template.jinja)",
-                      folder));
+                      text_dir.string()));
     if (prompts.empty())
       for (std::string line; std::getline(std::cin, line);) prompts.push_back(line);
     for (const auto& prompt : prompts) {

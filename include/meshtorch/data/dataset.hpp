@@ -2,6 +2,7 @@
 // Causal-LM datasets: documents (documents.hpp) are tokenised once, concatenated and cut into
 // blocks of seq_length tokens, dropping the remainder (the guide's group_texts).
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -48,12 +49,22 @@ class TokenBlocks {
   // token cache recorded when there is one: a cached start does not read the whole file).
   MESHTORCH_DECL void check_vocab(std::int64_t vocab_size) const;
 
+  // --eval-split: the last `fraction` of the blocks (rounded, at least one) set apart for
+  // evaluation, and these blocks cut to the rest. The last ones, whatever the seed or the number of
+  // ranks, so that training and meshtorch-eval-loss agree on them; a document the boundary cuts
+  // lends its start to training and its end to evaluation. A DataError when no block would be left
+  // on either side. Both stay views of the same tokens.
+  MESHTORCH_DECL TokenBlocks hold_out(double fraction);
+  // The blocks hold_out set apart, or nothing.
+  const TokenBlocks* held_out() const { return held_out_.get(); }
+
  private:
   torch::Tensor blocks_;
   std::int64_t seq_length_;
   std::string source_;
   std::optional<IdRange> ids_;
   std::int64_t dropped_tokens_ = 0;
+  std::shared_ptr<const TokenBlocks> held_out_;
 };
 
 // `-d builtin` or files (data_files.hpp) read whole into memory with the byte tokenizer; training
@@ -64,6 +75,7 @@ MESHTORCH_DECL TokenBlocks load_dataset(const std::string& name, std::int64_t se
 
 #if MESHTORCH_DEFINES(core)
 #include <algorithm>
+#include <cmath>
 #include <span>
 
 #include <fmt/format.h>
@@ -117,6 +129,24 @@ MESHTORCH_DECL void TokenBlocks::check_vocab(std::int64_t vocab_size) const {
   if (min_id < 0 || max_id >= vocab_size)
     throw DataError(fmt::format("{}: token id {} lies outside the model's vocab_size {}", source_,
                                 min_id < 0 ? min_id : max_id, vocab_size));
+}
+
+MESHTORCH_DECL TokenBlocks TokenBlocks::hold_out(double fraction) {
+  if (!(fraction > 0 && fraction < 1))
+    throw ConfigError(
+        fmt::format("--eval-split {}: give the fraction of blocks held out, above 0 and below 1", fraction));
+  if (held_out_) throw ConfigError(fmt::format("{}: blocks are already held out for evaluation", source_));
+  const auto held = std::max<std::int64_t>(1, std::llround(fraction * static_cast<double>(size())));
+  if (held >= size())
+    throw DataError(fmt::format("--eval-split {}: {} has {} block(s) of {} tokens, which would leave none to train on",
+                                fraction, source_, size(), seq_length_));
+  TokenBlocks tail = *this;
+  tail.blocks_ = blocks_.narrow(0, size() - held, held);
+  tail.source_ = fmt::format("{} (held out)", source_);
+  tail.dropped_tokens_ = 0;
+  blocks_ = blocks_.narrow(0, 0, size() - held);
+  held_out_ = std::make_shared<const TokenBlocks>(tail);
+  return tail;
 }
 
 MESHTORCH_DECL TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length) {

@@ -67,6 +67,20 @@ MESHTORCH_DECL std::optional<train::TrainState> load_training_checkpoint(const s
 // config.json of the model as saved: consolidation turns the checkpoint into an HF folder with it.
 MESHTORCH_DECL std::map<std::string, std::string> config_file(const llama::Config& config, torch::ScalarType dtype);
 
+// Chapter 1's model holding every weight of `source` whole, for generation and evaluation in one
+// process. `source` is an HF folder (config.json and safetensors weights), a sharded checkpoint
+// saved on any mesh and world size (a ckpt-<step> folder: every file checked against its manifest
+// first, the optimizer's state left unread), or an experiment folder (the checkpoint its link
+// names). `dtype`: the weights' own when absent.
+struct WholeModel {
+  llama::LlamaForCausalLM model;
+  std::filesystem::path folder;  // where config.json and the weights were read: the checkpoint's, for an experiment
+  bool from_checkpoint = false;
+};
+
+MESHTORCH_DECL WholeModel load_whole_model(const std::filesystem::path& source,
+                                           std::optional<torch::ScalarType> dtype = {});
+
 }  // namespace meshtorch
 
 namespace meshtorch::train {
@@ -245,6 +259,42 @@ MESHTORCH_DECL std::optional<train::TrainState> load_training_checkpoint(const s
 
 MESHTORCH_DECL std::map<std::string, std::string> config_file(const llama::Config& config, torch::ScalarType dtype) {
   return {{"config.json", llama::config_to_json(config, llama::dtype_name(dtype)).dump(2) + "\n"}};
+}
+
+MESHTORCH_DECL WholeModel load_whole_model(const std::filesystem::path& source,
+                                           std::optional<torch::ScalarType> dtype) {
+  if (!std::filesystem::is_directory(source))
+    throw ConfigError(fmt::format("{}: not a folder (a model folder, a ckpt-<step> checkpoint or an experiment folder)",
+                                  source.string()));
+  const bool model_folder = llama::has_pretrained_weights(source);
+  const auto point = model_folder ? checkpoint::ResumePoint{} : checkpoint::find_checkpoint_to_resume(source);
+  if (!model_folder && !point.checkpoint)
+    throw ConfigError(fmt::format(
+        "{}: no weights here: neither model.safetensors (or its index) of a model folder, nor {} of a checkpoint, "
+        "nor an experiment folder's '{}' link to one",
+        source.string(), checkpoint::manifest_file_name, checkpoint::checkpoint_link_name));
+  const auto folder = model_folder ? source : *point.checkpoint;
+  const auto config = llama::resolve_model(folder.string());
+  if (model_folder) {
+    const auto type = dtype.value_or(llama::pretrained_dtype(folder).value_or(torch::kFloat));
+    WholeModel whole{llama::LlamaForCausalLM(config, torch::TensorOptions().dtype(type)), folder, false};
+    llama::load_pretrained_weights(whole.model, folder);
+    return whole;
+  }
+  // Loaded in the dtype it was saved in (a load never converts silently), then cast if asked.
+  const auto manifest = checkpoint::read_manifest(folder);
+  const auto* embedding = manifest.find("model.embed_tokens.weight");
+  if (!embedding)
+    throw DataError(fmt::format("{}: holds no model.embed_tokens.weight: not a checkpoint of a Llama-style model",
+                                folder.string()));
+  WholeModel whole{llama::LlamaForCausalLM(config, torch::TensorOptions().dtype(embedding->dtype)), folder, true};
+  auto tensors = train::Checkpointing<llama::LlamaForCausalLM>::weights(whole.model);
+  {
+    torch::NoGradGuard no_grad;
+    checkpoint::load_sharded_checkpoint(folder, tensors);
+  }
+  if (dtype && *dtype != embedding->dtype) whole.model->to(*dtype);
+  return whole;
 }
 
 }  // namespace meshtorch

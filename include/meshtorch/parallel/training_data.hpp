@@ -39,7 +39,8 @@ struct DataParallelCoordinate {
 MESHTORCH_DECL std::int64_t micro_batches_per_step(const train::TrainArgs& args, std::int64_t dp_size);
 
 // `world`: every rank of the job; nothing on one process. -d other than 'builtin' goes through its
-// token cache (data/token_cache.hpp), written once and mapped by every rank. The blocks must fit
+// token cache (data/token_cache.hpp), written once and mapped by every rank. With --eval-split the
+// last blocks are held out (TokenBlocks::held_out) and the sampler sees the rest. The blocks must fit
 // the model: its vocabulary, and its sliding window (a longer sequence is refused before anything
 // is read, as sliding-window attention is not implemented).
 MESHTORCH_DECL TrainingData load_training_data(const train::TrainArgs& args, const llama::Config& model_config,
@@ -150,6 +151,13 @@ MESHTORCH_DECL TrainingData load_training_data(const train::TrainArgs& args, con
           : data::load_dataset(args.dataset_name, args.seq_length, args.model_name, &note, args.dataset_subset);
   if (!world || world->rank() == 0) train::Logger(world ? world->global_rank() : 0).info(fmt::format("data: {}", note));
   blocks.check_vocab(model_config.vocab_size);
+  if (args.eval_split > 0) {
+    const auto held_out = blocks.hold_out(args.eval_split);
+    if (!world || world->rank() == 0)
+      train::Logger(world ? world->global_rank() : 0)
+          .info(fmt::format("data: the last {} of {} blocks held out for evaluation (--eval-split {})", held_out.size(),
+                            held_out.size() + blocks.size(), args.eval_split));
+  }
   data::DpInvariantSampler sampler({.num_samples = blocks.size(),
                                     .batch_size = args.batch_size,
                                     .dp_size = data_parallel.size,

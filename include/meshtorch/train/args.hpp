@@ -74,6 +74,18 @@ MESHTORCH_DECL void TrainArgs::add_to(CLI::App& app) {
                  "(a run per rank)")
       ->capture_default_str()
       ->check(CLI::IsMember({"rank0", "node", "all"}));
+  auto* eval_split_flag =
+      app.add_option("--eval-split", eval_split,
+                     "hold the last fraction of -d's blocks out of training, for evaluation (--eval-freq, "
+                     "meshtorch-eval-loss --eval-split with the same -d, -s and fraction); 0: none")
+          ->capture_default_str()
+          ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--eval-freq", eval_freq,
+                 "every N optimizer steps, the loss and perplexity on the held-out blocks (eval_loss, eval_perplexity "
+                 "in metrics.jsonl and TensorBoard); needs --eval-split; 0: never")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber)
+      ->needs(eval_split_flag);
   app.add_option("--dataset-subset", dataset_subset,
                  "the subfolder of -d's folder to train on (an HF data set's "
                  "configuration name)");

@@ -28,6 +28,7 @@
 #include <meshtorch/error.hpp>
 #include <meshtorch/separate_compilation.hpp>
 #include <meshtorch/train/checkpoint.hpp>
+#include <meshtorch/train/evaluation.hpp>
 #include <meshtorch/train/log.hpp>
 #include <meshtorch/train/metrics.hpp>
 #include <meshtorch/train/state.hpp>
@@ -118,6 +119,12 @@ class Experiment {
   // call it, since closing the window resets each rank's timers and peak memory).
   MESHTORCH_DECL void log_metrics(TrainState& state, std::int64_t steps_per_epoch, double lr, PhaseTimers& timers);
 
+  // An evaluation of the held-out blocks after `state`'s step (train/evaluation.hpp), its loss
+  // already averaged over the data-parallel ranks: printed and appended to metrics.jsonl by rank
+  // 0 as eval_loss, eval_perplexity, eval_tokens and eval_s, and given to the tracker. Its time is
+  // not training time.
+  MESHTORCH_DECL void log_evaluation(const TrainState& state, const Evaluation& evaluation);
+
   // Whether the step just ended saves a checkpoint: every --ckpt-freq steps and at the run's
   // last step (--max-steps reached, or the last step of the last epoch), so a run with -e always
   // ends with its final state saved.
@@ -166,9 +173,10 @@ class Experiment {
 namespace meshtorch::train {
 
 MESHTORCH_DECL RunIdentity run_identity(const TrainArgs& args, std::int64_t global_batch) {
-  const auto dataset = args.dataset_subset.empty()
-                           ? args.dataset_name
-                           : fmt::format("{} (subset {})", args.dataset_name, args.dataset_subset);
+  auto dataset = args.dataset_subset.empty() ? args.dataset_name
+                                             : fmt::format("{} (subset {})", args.dataset_name, args.dataset_subset);
+  // Holding blocks out changes the blocks the sampler orders: a resume must hold out the same.
+  if (args.eval_split > 0) dataset += fmt::format(" (--eval-split {})", args.eval_split);
   return {args.seed, args.seq_length, global_batch, dataset, args.model_name};
 }
 
@@ -228,6 +236,21 @@ MESHTORCH_DECL void Experiment::end_step(TrainState& state, double loss, Progres
   state.running_loss += loss;
   ++state.running_steps;
   progress.update(state.epoch_step, fmt::format("loss={:.6f}", loss));
+}
+
+MESHTORCH_DECL void Experiment::log_evaluation(const TrainState& state, const Evaluation& evaluation) {
+  window_.exclude(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(evaluation.seconds)));
+  nlohmann::ordered_json record{{"global_step", state.global_step},
+                                {"eval_loss", evaluation.loss},
+                                {"eval_perplexity", evaluation.perplexity()},
+                                {"eval_tokens", evaluation.tokens},
+                                {"eval_s", evaluation.seconds}};
+  if (rank_ == 0) {
+    log_.info(format_metrics(record));
+    if (metrics_) metrics_->append(record);
+  }
+  if (tracker_) tracker_->on_metrics(record);
 }
 
 MESHTORCH_DECL void Experiment::log_metrics(TrainState& state, std::int64_t steps_per_epoch, double lr,

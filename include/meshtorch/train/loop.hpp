@@ -12,7 +12,8 @@
 //
 // It owns what the guide's script keeps beside the loop: the learning-rate schedule, the phase
 // timers, the experiment folder (metrics, checkpoints, resuming), the epochs (train::Epochs:
-// each one's loader and progress bar) and, with --profile, the step profiler (train/profiler.hpp).
+// each one's loader and progress bar), with --eval-freq the loss on the held-out blocks
+// (train/evaluation.hpp) and, with --profile, the step profiler (train/profiler.hpp).
 // The model, the optimizer and the data stay the chapter's. Chapter 8's engine
 // (parallel/engine.hpp) makes the same calls for a DeepSpeed config, a micro-batch at a time.
 //
@@ -28,7 +29,9 @@
 
 #include <meshtorch/data/dataset.hpp>
 #include <meshtorch/data/sampler.hpp>
+#include <meshtorch/error.hpp>
 #include <meshtorch/train/epochs.hpp>
+#include <meshtorch/train/evaluation.hpp>
 #include <meshtorch/train/experiment.hpp>
 #include <meshtorch/train/grad_clipping.hpp>
 #include <meshtorch/train/lr_schedule.hpp>
@@ -72,7 +75,17 @@ class Loop {
         timers_(device),
         step_loss_(zero_loss()),
         epochs_(args, blocks, sampler, rank, device),
-        profiler_(args, rank, experiment_.log()) {}
+        profiler_(args, rank, experiment_.log()),
+        held_out_(blocks.held_out()),
+        data_parallel_size_(sampler.options().dp_size),
+        data_parallel_rank_(sampler.options().dp_rank) {
+    if (args.eval_freq == 0) return;
+    check_can_evaluate<Model>(args.eval_freq);
+    if (!held_out_)
+      throw ConfigError(
+          "--eval-freq: the blocks this program passed to its loop hold nothing out; give --eval-split and load "
+          "them with load_training_data");
+  }
 
   Loop(const Loop&) = delete;
   Loop& operator=(const Loop&) = delete;
@@ -162,8 +175,20 @@ class Loop {
                          epochs_.progress());
     if (state.global_step % args_.log_freq == 0)
       experiment_.log_metrics(state, epochs_.steps_per_epoch(), lr(state), timers_);
+    if (args_.eval_freq > 0 && state.global_step % args_.eval_freq == 0) evaluate(state);
     if (experiment_.checkpoint_due(state, epochs_.steps_per_epoch())) experiment_.save(state, model_, optimizer_);
     profiler_.end_step();
+  }
+
+  // --eval-freq: the loss on the held-out blocks (train/evaluation.hpp), each data-parallel rank
+  // a share and every rank of the model in each forward, logged by the experiment. Every rank
+  // calls it.
+  void evaluate(const TrainState& state) {
+    experiment_.log_evaluation(state,
+                               evaluate_held_out(
+                                   *held_out_, args_.batch_size, data_parallel_size_, data_parallel_rank_, device_,
+                                   [&](const torch::Tensor& input_ids) { return forward_loss(input_ids); },
+                                   [&](torch::Tensor sum) { return global_mean(std::move(sum)); }));
   }
 
   // The scheduled rate of the step `state` is at.
@@ -199,6 +224,15 @@ class Loop {
     else
       return loss;
   }
+  // A forward alone and its loss (the constructor refused --eval-freq for a model without one).
+  torch::Tensor forward_loss(const torch::Tensor& input_ids) {
+    if constexpr (requires { model_->loss(input_ids, input_ids); })
+      return model_->loss(input_ids, /*labels=*/input_ids);
+    else if constexpr (requires { model_.loss(input_ids, input_ids); })
+      return model_.loss(input_ids, /*labels=*/input_ids);
+    else
+      throw ConfigError("--eval-freq: this model has no forward-only pass");
+  }
   double clip(double max_norm) {
     if constexpr (requires { model_.clip_grad_norm(max_norm); })
       return model_.clip_grad_norm(max_norm);
@@ -217,7 +251,9 @@ class Loop {
   torch::Tensor step_loss_;       // the step's loss so far, summed over its micro-batches
   std::int64_t micro_batch_ = 0;  // of the step under way
   Epochs epochs_;
-  StepProfiler profiler_;  // after experiment_, whose logger it writes to
+  StepProfiler profiler_;              // after experiment_, whose logger it writes to
+  const data::TokenBlocks* held_out_;  // --eval-split's blocks, or nullptr
+  std::int64_t data_parallel_size_, data_parallel_rank_;
 };
 
 }  // namespace meshtorch::train

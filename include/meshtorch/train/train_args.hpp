@@ -20,6 +20,8 @@ struct TrainArgs {
   bool no_resume = false;       // start at step 0 even when -e's folder holds a checkpoint
   std::string dataset_name = "builtin";
   std::string dataset_subset;  // a subfolder of the folder -d names (data/data_files.hpp)
+  double eval_split = 0;       // the last fraction of -d's blocks, held out of training (TokenBlocks::hold_out)
+  std::int64_t eval_freq = 0;  // evaluate on them every N steps (train/evaluation.hpp); 0: never
   bool tensorboard = false;    // event files under <save-dir>/<experiment>/tensorboard (train/tensorboard.hpp)
   std::string tracking_ranks = "rank0";  // which ranks write them: rank0, node or all
   std::string model_name = "llama-tiny";
