@@ -399,6 +399,13 @@ def tensorboard(tools):
         assert run["files"] == 2 and run["session_starts"] == [[10, 1]], run
         check_run(run, metrics(pathlib.Path(tmp) / "rank0"), GLOBAL_METRICS, "rank0 resumed")
 
+        # --eval-freq's lines reach TensorBoard as scalars of their own, at their steps.
+        ddp(tools, 2, *flags, "-e", "eval", "--tracking-ranks", "rank0", "--eval-split", "0.002", "--eval-freq", "5")
+        evaluations = [r for r in metrics(pathlib.Path(tmp) / "eval") if "eval_loss" in r]
+        assert [r["global_step"] for r in evaluations] == [5, 10], evaluations
+        check_run(read_run(pathlib.Path(tmp) / "eval" / "tensorboard"), evaluations,
+                  ["eval_loss", "eval_perplexity", "eval_tokens"], "eval")
+
 
 def elastic(tools):
     """An elastic job of 1 to 2 nodes loses a node: node 0 restarts alone, resumes from the 2-rank
