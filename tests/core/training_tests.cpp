@@ -183,7 +183,7 @@ TEST_CASE("the prefetching loader yields the sampler's rows in order and rethrow
   CHECK_FALSE(loader.next());
 }
 
-TEST_CASE("--eval-split holds the last blocks out, and every rank count evaluates each of them once", "[data]") {
+TEST_CASE("held-out blocks: --eval-split keeps the last ones, and any rank count evaluates each once", "[data]") {
   std::vector<std::int32_t> tokens(10 * 4 + 2);  // 10 blocks of 4 (row r starts at 4r), 2 tokens dropped
   std::iota(tokens.begin(), tokens.end(), 0);
   mt::data::TokenBlocks blocks(tokens, 4, "test");

@@ -31,6 +31,14 @@ cmp -s "$tmp/sp.jsonl" "$tmp/sp-want.jsonl" || { diff "$tmp/sp.jsonl" "$tmp/sp-w
 # Bad input names the line.
 if printf '[1, 2]\nnot json\n' | "$tool" "$fixtures/bpe" --decode >/dev/null 2>"$tmp/err"; then fail "--decode accepted a line that is not JSON"; fi
 grep -q "standard input line 2" "$tmp/err" || fail "the error does not name line 2: $(cat "$tmp/err")"
+# A line nested 100,000 deep is a named error in each stdin mode, not a stack overflow.
+python3 -c 'print("[" * 100000 + "]" * 100000)' >"$tmp/deep.txt"
+mkdir "$tmp/chat" && cp "$fixtures/bpe/"* "$tmp/chat/"
+echo '{% for m in messages %}{{ m.content }}{% endfor %}' >"$tmp/chat/chat_template.jinja"
+for mode in --decode --json --chat-text; do
+  if "$tool" "$tmp/chat" $mode <"$tmp/deep.txt" >/dev/null 2>"$tmp/err"; then fail "$mode accepted a line nested 100,000 deep"; fi
+  grep -q "standard input line 1: nested deeper than" "$tmp/err" || fail "$mode: $(head -c 300 "$tmp/err")"
+done
 # --prepare: the corpus as a JSONL data set tokenised into its cache (the fixture's <bos>/<eos>
 # around each text), then found current on the second call.
 mkdir "$tmp/data"

@@ -246,6 +246,7 @@ def bad_input(binary):
              "overflows a 64-bit integer"),
             # Evaluation needs blocks held out, and holding out needs blocks left to train on.
             (["--eval-freq", "5"], "--eval-freq requires --eval-split"),
+            (["--eval-freq", "5", "--eval-split", "0"], "--eval-freq 5: no blocks are held out to evaluate on"),
             (["--eval-split", "1"], "--eval-split 1: give the fraction of blocks held out, above 0 and below 1"),
             (["-d", f"{tmp}/tiny.txt", "-s", "64", "--eval-split", "0.9"], "has 2 block(s) of 64 tokens, which would "
              "leave none to train on"),

@@ -99,10 +99,20 @@ def eval_generate(tools):
             print(f"step {a['global_step']}: eval_loss {a['eval_loss']:.9f} vs {b['eval_loss']:.9f}")
             assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * a["eval_loss"], (a, b)
             assert a["eval_tokens"] == b["eval_tokens"] == 125 * 63, (a, b)  # every held-out block, on any mesh
+        # Evaluating changes nothing of training: the same losses as a run that does not.
+        run([tools["chapter1"], *COMMON, "-b", "4", "-e", "plain", "--save-dir", tmp, "--max-steps", "10",
+             "--eval-split", "0.004"])
+        losses = lambda exp: [(r["global_step"], r["running_loss"]) for r in metrics(exp) if "running_loss" in r]
+        assert losses(f"{tmp}/one") == losses(f"{tmp}/plain"), (losses(f"{tmp}/one"), losses(f"{tmp}/plain"))
         # Training saw none of the held-out blocks: 31251 - 125 blocks of 64, by 4 a step.
         assert "31126 blocks" in run([tools["chapter1"], *COMMON, "-b", "4", "--max-steps", "1", "--eval-split",
                                       "0.004"]).stdout
-        out = run([tools["eval_loss"], f"{tmp}/2d", "--eval-split", "0.004", "-d", "builtin", "-s", "64", "-b", "3",
+        # From the checkpoint, -s is the run's; another -s or split would hold other blocks out: refused.
+        for wrong, needle in ((["--eval-split", "0.004", "-s", "32"], "-s 32: the run of"),
+                              (["--eval-split", "0.01"], "--eval-split 0.01")):
+            proc = run([tools["eval_loss"], f"{tmp}/2d", *wrong, f"{tmp}/x.json"], expect_ok=False)
+            assert proc.returncode != 0 and needle in proc.stderr, proc.stderr
+        out = run([tools["eval_loss"], f"{tmp}/2d", "--eval-split", "0.004", "-d", "builtin", "-b", "3",
                    "--threads", "1", f"{tmp}/eval.json"])
         tool = json.loads(pathlib.Path(f"{tmp}/eval.json").read_text())
         print(out.stdout.strip())

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tools/meshtorch-plot with bench/.venv's matplotlib (skipped, exit 77, without it): a run chart
-# from two experiments' metrics.jsonl and the ratios chart of a performance page are PNG files; the
+# from two experiments' metrics.jsonl (one with an evaluation line) and the ratios chart of a performance page are PNG files; the
 # page's ratio rows are the ones expected; a missing metrics file is named.
 #
 #   check_plot.sh PYTHON PLOT
@@ -18,6 +18,8 @@ for run in a b; do
     printf '{"global_step": %d, "running_loss": %s, "tokens_per_s": %d}\n' "$step" "$((40 - step)).5" "$((step * 100))"
   done >"$tmp/$run/metrics.jsonl"
 done
+# --eval-freq's lines of their own, without running_loss or tokens_per_s (a KeyError before).
+printf '{"global_step": 20, "eval_loss": 21.5, "eval_perplexity": 2e9, "eval_tokens": 630, "eval_s": 0.1}\n' >>"$tmp/a/metrics.jsonl"
 "$python" "$plot" run "$tmp/a" "$tmp/b" --label one --label two -o "$tmp/run.png" >/dev/null
 png "$tmp/run.png" || fail "the run chart is not a PNG file"
 

@@ -1,6 +1,6 @@
 // meshtorch-eval-loss: the loss of a model, from an HF folder or a sharded checkpoint of any mesh.
 //
-//   meshtorch-eval-loss runs/llama -d data/ --eval-split 0.05 -s 256   # perplexity on the held-out blocks
+//   meshtorch-eval-loss runs/llama -d data/ --eval-split 0.05         # perplexity on the held-out blocks
 //   meshtorch-eval-loss models/llama out.json -b 2 -s 32 --seed 0       # a seeded random batch, as JSON
 //
 // With --eval-split, the blocks a training run with the same -d, --dataset-subset, -s and
@@ -39,7 +39,34 @@ std::string tokenizer_source(const std::string& given, const mt::WholeModel& who
   return (*run)["model"].get<std::string>();
 }
 
-int held_out_loss(mt::WholeModel& whole, const mt::train::TrainArgs& args, const std::string& output) {
+// A checkpoint's state.json records the run's -s and the data it held blocks out of (-d,
+// --dataset-subset, --eval-split, as run_identity writes them): the held-out blocks are the same
+// only with the same three. -s is taken from it when not given; any difference is refused.
+void match_checkpoint_run(const mt::WholeModel& whole, mt::train::TrainArgs& args, bool seq_length_given) {
+  if (!whole.from_checkpoint) return;
+  const auto path = whole.folder / "state.json";
+  const auto state = mt::io::read_json_file<mt::DataError>(path);
+  const auto run = state.find("run");
+  if (run == state.end() || !run->is_object() || !run->contains("seq_length") || !run->contains("dataset"))
+    throw mt::DataError(fmt::format("{}: no 'run' record of the run's -s and -d", path.string()));
+  const auto seq_length = (*run)["seq_length"].get<std::int64_t>();
+  if (!seq_length_given) args.seq_length = seq_length;
+  if (args.seq_length != seq_length)
+    throw mt::ConfigError(
+        fmt::format("-s {}: the run of {} trained with -s {}, and its held-out blocks are those of "
+                    "that length; give -s {}",
+                    args.seq_length, whole.folder.string(), seq_length, seq_length));
+  const auto recorded = (*run)["dataset"].get<std::string>();
+  const auto asked = mt::train::run_identity(args, 0).dataset;
+  if (recorded != asked)
+    throw mt::ConfigError(
+        fmt::format("the run of {} read '{}', this evaluation '{}': give the run's -d, "
+                    "--dataset-subset and --eval-split, so that the blocks it held out are evaluated",
+                    whole.folder.string(), recorded, asked));
+}
+
+int held_out_loss(mt::WholeModel& whole, mt::train::TrainArgs& args, bool seq_length_given, const std::string& output) {
+  match_checkpoint_run(whole, args, seq_length_given);
   const auto model_name = tokenizer_source(args.model_name, whole);
   std::string note;
   auto blocks = mt::data::load_dataset(args.dataset_name, args.seq_length, model_name, &note, args.dataset_subset);
@@ -119,7 +146,10 @@ int main(int argc, char** argv) {
                  "run trained with)")
       ->needs(split);
   app.add_option("-b,--batch-size", args.batch_size)->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("-s,--seq-length", args.seq_length)->capture_default_str()->check(CLI::PositiveNumber);
+  auto* seq_flag = app.add_option("-s,--seq-length", args.seq_length,
+                                  "the sequence length (with --eval-split from a checkpoint: the run's by default)")
+                       ->capture_default_str()
+                       ->check(CLI::PositiveNumber);
   app.add_option("--seed", seed, "without --eval-split: the random batch's seed")
       ->capture_default_str()
       ->excludes(split);
@@ -132,7 +162,7 @@ int main(int argc, char** argv) {
   return mt::diagnostics::run_recorded([&] {
     if (threads > 0) torch::set_num_threads(threads);
     auto whole = mt::load_whole_model(model_dir, torch::kFloat);  // fp32, as transformers' reference runs
-    return args.eval_split > 0 ? held_out_loss(whole, args, output)
+    return args.eval_split > 0 ? held_out_loss(whole, args, seq_flag->count() > 0, output)
                                : random_batch_loss(whole, args.batch_size, args.seq_length, seed, output);
   });
 }

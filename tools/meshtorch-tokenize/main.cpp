@@ -22,6 +22,7 @@
 #include <meshtorch/data/chat_template.hpp>
 #include <meshtorch/data/documents.hpp>
 #include <meshtorch/data/folder_tokenizer.hpp>
+#include <meshtorch/io/json_file.hpp>
 
 namespace mt = meshtorch;
 
@@ -39,11 +40,10 @@ void encode_lines(const mt::data::TextTokenizer& tokenizer, unsigned threads, bo
   for (std::string line; std::getline(std::cin, line);) {
     ++number;
     if (json) {
-      try {
-        line = nlohmann::json::parse(line).get<std::string>();
-      } catch (const nlohmann::json::exception& e) {
-        throw mt::DataError(fmt::format("standard input line {}: not a JSON string ({})", number, e.what()));
-      }
+      const auto where = fmt::format("standard input line {}", number);
+      const auto value = mt::io::parse_json<mt::DataError>(line, where, "the line");  // bounded: depth, size
+      if (!value.is_string()) throw mt::DataError(fmt::format("{}: not a JSON string", where));
+      line = value.get<std::string>();
     }
     lines.push_back(std::move(line));
     if (lines.size() == batch_lines) flush();
@@ -76,11 +76,13 @@ void benchmark(const mt::data::TextTokenizer& tokenizer, unsigned threads) {
 void decode_lines(const mt::data::TextTokenizer& tokenizer, bool json) {
   std::string line;
   for (std::size_t number = 1; std::getline(std::cin, line); ++number) {
+    const auto where = fmt::format("standard input line {}", number);
+    const auto value = mt::io::parse_json<mt::DataError>(line, where, "the line");  // bounded: depth, size
     std::vector<std::int32_t> ids;
     try {
-      ids = nlohmann::json::parse(line).get<std::vector<std::int32_t>>();
+      ids = value.get<std::vector<std::int32_t>>();
     } catch (const nlohmann::json::exception& e) {
-      throw mt::DataError(fmt::format("standard input line {}: not a JSON array of ids ({})", number, e.what()));
+      throw mt::DataError(fmt::format("{}: not a JSON array of ids ({})", where, e.what()));
     }
     const auto text = tokenizer.decode(ids);
     if (json)
@@ -102,12 +104,7 @@ void chat_lines(const mt::data::TextTokenizer& tokenizer, const std::filesystem:
   std::string line;
   for (std::size_t number = 1; std::getline(std::cin, line); ++number) {
     const auto where = fmt::format("standard input line {}", number);
-    nlohmann::ordered_json record;
-    try {
-      record = nlohmann::ordered_json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      throw mt::DataError(fmt::format("{}: not valid JSON ({})", where, e.what()));
-    }
+    auto record = mt::io::parse_ordered_json<mt::DataError>(line, where, "the line");  // bounded: depth, size
     if (record.is_array()) record = {{"messages", std::move(record)}};
     if (!record.is_object() || !record.contains("messages"))
       throw mt::DataError(fmt::format("{}: needs a 'messages' list (or to be one)", where));

@@ -224,6 +224,18 @@ MESHTORCH_DECL void PipelineArgs::add_pipeline_flags(CLI::App& app) {
   // -b keeps its meaning (the batch of a data-parallel rank per step): the pipeline cuts it.
   if (auto* batch = app.get_option_no_throw("--batch-size"))
     batch->description("samples per data-parallel rank and step, split into --microbatches micro-batches");
+  // A pipeline's step runs forward and backward together: no forward alone to evaluate with. Refused
+  // as the flags are parsed, before any weight or data is read.
+  if (auto* eval_freq = app.get_option_no_throw("--eval-freq"))
+    eval_freq->check(CLI::Validator(
+        [](const std::string& value) {
+          return value == "0" ? std::string()
+                              : std::string(
+                                    "a pipeline runs forward and backward together, so it cannot evaluate "
+                                    "between steps; evaluate its checkpoints with meshtorch-eval-loss "
+                                    "--eval-split instead");
+        },
+        "", "no evaluation in a pipeline"));
   add_extent_flag(app, "--pp", pp, "pipeline stages' ranks (divides the world)");
   std::vector<std::string> schedules;
   for (const auto& [kind, name] : pp::schedule_flag_names) schedules.emplace_back(name);

@@ -40,6 +40,15 @@ void check_can_evaluate(std::int64_t eval_freq) {
           "backward together); evaluate its checkpoints with meshtorch-eval-loss --eval-split instead");
 }
 
+// Every data-parallel rank needs a block of its own.
+inline void check_enough_held_out(std::int64_t blocks, std::int64_t dp_size) {
+  if (blocks < dp_size)
+    throw ConfigError(
+        fmt::format("--eval-split holds out {} block(s), fewer than the {} data-parallel ranks that evaluate them; "
+                    "hold out more (a larger --eval-split)",
+                    blocks, dp_size));
+}
+
 struct Evaluation {
   double loss = 0;          // mean next-token loss (nats) over every held-out block
   std::int64_t tokens = 0;  // next-token predictions evaluated
@@ -58,11 +67,7 @@ Evaluation evaluate_held_out(const data::TokenBlocks& held_out, std::int64_t bat
                              MeanOverDataParallel&& mean_over_data_parallel) {
   const auto start = std::chrono::steady_clock::now();
   const std::int64_t count = held_out.size();
-  if (count < dp_size)
-    throw ConfigError(
-        fmt::format("--eval-split holds out {} block(s), fewer than the {} data-parallel ranks that evaluate them; "
-                    "hold out more (a larger --eval-split)",
-                    count, dp_size));
+  check_enough_held_out(count, dp_size);
   const std::int64_t first = dp_rank * count / dp_size, last = (dp_rank + 1) * count / dp_size;
   const std::int64_t longest_share = (count + dp_size - 1) / dp_size;
   torch::NoGradGuard no_grad;

@@ -25,6 +25,8 @@
 #include <utility>
 #include <variant>
 
+#include <fmt/format.h>
+
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/data/dataset.hpp>
@@ -82,9 +84,11 @@ class Loop {
     if (args.eval_freq == 0) return;
     check_can_evaluate<Model>(args.eval_freq);
     if (!held_out_)
-      throw ConfigError(
-          "--eval-freq: the blocks this program passed to its loop hold nothing out; give --eval-split and load "
-          "them with load_training_data");
+      throw ConfigError(fmt::format(
+          "--eval-freq {}: no blocks are held out to evaluate on (--eval-split is 0, or the program did not load its "
+          "blocks with load_training_data); give --eval-split above 0",
+          args.eval_freq));
+    check_enough_held_out(held_out_->size(), data_parallel_size_);  // now, not after --eval-freq steps
   }
 
   Loop(const Loop&) = delete;
