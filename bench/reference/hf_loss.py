@@ -1,9 +1,9 @@
 """Model parity with transformers: loads a checkpoint folder written by our binaries (HF
 config.json + model.safetensors under HF names) with the class its config names (AutoModelForCausalLM:
-LlamaForCausalLM, MistralForCausalLM or Qwen3ForCausalLM), computes HF's loss on the token batch
+LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM), computes HF's loss on the token batch
 given in a JSON file, and compares it with the loss we computed on the same batch.
 
-    python hf_loss.py CHECKPOINT_DIR OURS_JSON [--tol 1e-5] [--family llama|mistral|qwen3]
+    python hf_loss.py CHECKPOINT_DIR OURS_JSON [--tol 1e-5] [--family llama|mistral|qwen2|qwen3]
 
 OURS_JSON is {"tokens": [[...], ...], "loss": x} (a batch of equal-length rows; labels are the
 tokens, shifted inside the model as in training), optionally with "token_losses": [[...]], each

@@ -345,13 +345,22 @@ TEST_CASE("config.json of each family: read, refused by name, written back as th
   CHECK(llama_file.config.sliding_window == 0);
   CHECK(std::find(llama_file.ignored_fields.begin(), llama_file.ignored_fields.end(), "sliding_window") !=
         llama_file.ignored_fields.end());
+  // Qwen2: biases on q, k and v whatever attention_bias says (Qwen2Config has no such field), and
+  // Qwen3's window fields.
+  const auto qwen2 = parse(R"(, "model_type": "qwen2", "attention_bias": false)");
+  CHECK(qwen2.family == mt::llama::Family::qwen2);
+  CHECK(qwen2.qkv_bias());
+  CHECK(!qwen2.qk_norm());
+  const auto qwen2_window = parse(R"(, "model_type": "qwen2", "use_sliding_window": true, "sliding_window": 64,
+                                      "max_window_layers": 1)");
+  CHECK(qwen2_window.sliding_window == 64);
+  CHECK(qwen2_window.sliding_window_from_layer == 1);
+  CHECK(parse(R"(, "model_type": "qwen2", "sliding_window": 64)").sliding_window == 0);  // not used without the flag
   // Families not implemented, by name.
-  CHECK_THAT(error_for(R"(, "model_type": "qwen2")"), Catch::Contains("'model_type' is 'qwen2': its q, k and v "
-                                                                      "projections carry biases"));
   CHECK_THAT(error_for(R"(, "model_type": "gemma")"),
-             Catch::Contains("'model_type' is 'gemma'; supported: llama, mistral, qwen3"));
+             Catch::Contains("'model_type' is 'gemma'; supported: llama, mistral, qwen2, qwen3"));
   // Written back as the same family, with the fields its transformers class reads.
-  for (const auto& config : {qwen3, qwen3_window, mistral}) {
+  for (const auto& config : {qwen3, qwen3_window, mistral, qwen2, qwen2_window}) {
     const auto written = mt::llama::config_to_json(config);
     CHECK(written["model_type"] == std::string(traits(config.family).model_type));
     CHECK(written["architectures"][0] == std::string(traits(config.family).architecture));
@@ -399,6 +408,53 @@ TEST_CASE("a Qwen3 model normalises each head's q and k, and refuses sequences p
                     Catch::Contains("a sequence of 16 positions is longer than the model's sliding_window (8)") &&
                         Catch::Contains("use sequences of at most 8 positions"));
   CHECK_NOTHROW(windowed->loss(ids.slice(1, 0, 8), ids.slice(1, 0, 8)));
+}
+
+TEST_CASE("a Qwen2 model adds a bias to q, k and v: named as transformers names it, zero at first, trained",
+          "[model]") {
+  auto config = mt::llama::presets::llama_tiny;
+  config.family = mt::llama::Family::qwen2;
+  torch::manual_seed(0);
+  mt::llama::LlamaForCausalLM lm(config);
+  mt::llama::init_weights(lm);
+  auto& attention = *lm->model->decoder_layers[0]->self_attn;
+  REQUIRE(attention.q_proj->bias.defined());
+  CHECK(attention.q_proj->bias.sizes() == torch::IntArrayRef{config.q_size()});
+  CHECK(attention.k_proj->bias.sizes() == torch::IntArrayRef{config.kv_size()});
+  CHECK_FALSE(attention.o_proj->bias.defined());
+  CHECK_FALSE(lm->model->decoder_layers[0]->mlp->gate_proj->bias.defined());
+  CHECK(attention.v_proj->bias.abs().sum().item<double>() == 0);  // transformers' initialisation
+  const auto names = lm->named_parameters().keys();
+  for (const char* name : {"model.layers.0.self_attn.q_proj.bias", "model.layers.3.self_attn.k_proj.bias",
+                           "model.layers.3.self_attn.v_proj.bias"})
+    CHECK(std::count(names.begin(), names.end(), name) == 1);
+  CHECK(std::count(names.begin(), names.end(), "model.layers.0.self_attn.o_proj.bias") == 0);
+  std::int64_t elements = 0;
+  for (const auto& parameter : lm->parameters()) elements += parameter.numel();
+  CHECK(elements == config.num_parameters());
+  // leaf_tensors() lists each bias right after its weight, as named_parameters() does.
+  const auto tensors = mt::leaf_tensors(*lm);
+  REQUIRE(tensors.size() == names.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) CHECK(tensors[i].name == names[i]);
+  // The biases take part: they get gradients (fused and composite), and changing one changes the loss.
+  const auto ids = torch::randint(0, config.vocab_size, {2, 16});
+  for (const bool fused : {true, false}) {
+    lm->use_fused_kernels(fused);
+    lm->zero_grad();
+    lm->loss(ids, ids).backward();
+    for (auto* projection : {attention.q_proj.get(), attention.k_proj.get(), attention.v_proj.get()})
+      CHECK(projection->bias.grad().abs().sum().item<double>() > 0);
+  }
+  const double before = lm->loss(ids, ids).item<double>();
+  {
+    torch::NoGradGuard no_grad;
+    attention.v_proj->bias.fill_(0.5);
+  }
+  CHECK(lm->loss(ids, ids).item<double>() != Approx(before).epsilon(1e-6));
+  // A copy of the leaf's bias (a loader's, FSDP's gathered one) is what forward adds.
+  const auto replaced = torch::full_like(attention.v_proj->bias, 0.25);
+  attention.v_proj->replace(mt::LeafSlot::bias, replaced);
+  CHECK(lm->named_parameters()["model.layers.0.self_attn.v_proj.bias"].data_ptr() == replaced.data_ptr());
 }
 
 TEST_CASE("generation with a KV cache: the full forward's argmax, batched as alone, seeded sampling", "[generate]") {

@@ -3,7 +3,7 @@
 global batch, run by CTest on CPU with Gloo, fp32, one thread per rank.
 
 usage: chapter04_checks.py MESHRUN CHAPTER1 CHAPTER4
-       {fsdp-parity|no-reshard-offload-parity|grad-accum-parity|qwen3-fsdp-parity|resume|export|bf16}
+       {fsdp-parity|no-reshard-offload-parity|grad-accum-parity|qwen3-fsdp-parity|qwen2-fsdp-parity|mistral-fsdp-parity|resume|export|bf16}
 """
 import pathlib
 import sys
@@ -67,6 +67,18 @@ def qwen3_fsdp_parity(tools):
     parity(tools, 4, ["-b", "2"], extra=(*CLIP, "-m", str(qwen3)))
 
 
+def qwen2_fsdp_parity(tools):
+    # A Qwen2 folder: the q, k and v biases sharded by rows with the weights of their unit.
+    qwen2 = pathlib.Path(__file__).resolve().parent.parent / "hf_parity" / "configs" / "qwen2-gqa"
+    parity(tools, 4, ["-b", "2"], extra=(*CLIP, "-m", str(qwen2)))
+
+
+def mistral_fsdp_parity(tools):
+    # A Mistral folder (a sliding window of 32): trained within the window, at -s 32.
+    mistral = pathlib.Path(__file__).resolve().parent.parent / "hf_parity" / "configs" / "mistral-window-32"
+    parity(tools, 4, ["-b", "2"], extra=(*CLIP, "-m", str(mistral), "-s", "32"))
+
+
 def grad_accum_parity(tools):
     # With every other decoder layer recomputed in backward (inside FSDP's units).
     parity(tools, 8, ["-b", "2", "--grad-accum", "2", "--activation-checkpointing", "2"])
@@ -127,6 +139,7 @@ def bf16(tools):
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter4": sys.argv[3]}
     {"fsdp-parity": fsdp_parity, "no-reshard-offload-parity": no_reshard_offload_parity,
-     "grad-accum-parity": grad_accum_parity, "qwen3-fsdp-parity": qwen3_fsdp_parity, "resume": resume,
+     "grad-accum-parity": grad_accum_parity, "qwen3-fsdp-parity": qwen3_fsdp_parity,
+     "qwen2-fsdp-parity": qwen2_fsdp_parity, "mistral-fsdp-parity": mistral_fsdp_parity, "resume": resume,
      "export": export, "bf16": bf16}[sys.argv[4]](tools)
     print("ok")

@@ -2,14 +2,15 @@
 """End-to-end checks of examples/06-tensor-parallel against chapter 1, run by CTest on CPU with
 Gloo, fp32, one thread per rank.
 
-usage: chapter06_checks.py MESHRUN CHAPTER1 CHAPTER6 {tp-parity|dp-tp-parity|qwen3-tp-parity|resume|bad-input}
+usage: chapter06_checks.py MESHRUN CHAPTER1 CHAPTER6 {tp-parity|dp-tp-parity|qwen3-tp-parity|qwen2-tp-parity|mistral-tp-parity|resume|bad-input}
+       CONSOLIDATE
 """
 import pathlib
 import sys
 import tempfile
 
 from chapter02_checks import (CLIP, compare_grad_norms, COMMON, manifest, check_stop_and_resume, common_except, compare_losses, compare_params,
-                              metrics, model_file, run)
+                              metrics, model_file, read_safetensors, run)
 from ports import free_port
 
 
@@ -51,6 +52,28 @@ def qwen3_tp_parity(tools):
     parity(tools, 4, 2, ["-b", "4", "--tp", "2"], extra=(*CLIP, "-m", str(qwen3)))
 
 
+def qwen2_tp_parity(tools):
+    # A Qwen2 folder whose biases are far from their zero start (5 steps of chapter 1 at --lr 1e-2,
+    # consolidated): each TP rank must load its heads' rows of the q, k and v biases with their
+    # weights, and a bias loaded into the wrong rank's rows would show in the first loss.
+    qwen2 = pathlib.Path(__file__).resolve().parent.parent / "hf_parity" / "configs" / "qwen2-gqa"
+    with tempfile.TemporaryDirectory() as tmp:
+        run([tools["chapter1"], *common_except(["-m"]), "-m", str(qwen2), "-b", "4", "--lr", "1e-2", "--max-steps", "5",
+             "--save-dir", tmp, "-e", "pre"])
+        run([tools["consolidate"], f"{tmp}/pre/checkpoint", f"{tmp}/folder"])
+        biases = {name: values for name, (shape, values) in read_safetensors(f"{tmp}/folder/model.safetensors").items()
+                  if name.endswith("_proj.bias")}
+        assert len(biases) == 2 * 3, sorted(biases)
+        assert all(max(abs(v) for v in values) > 1e-3 for values in biases.values()), "biases still near zero"
+        parity(tools, 4, 2, ["-b", "4", "--tp", "2"], extra=(*CLIP, "-m", f"{tmp}/folder"))
+
+
+def mistral_tp_parity(tools):
+    # A Mistral folder (a sliding window of 32): trained within the window, at -s 32.
+    mistral = pathlib.Path(__file__).resolve().parent.parent / "hf_parity" / "configs" / "mistral-window-32"
+    parity(tools, 4, 2, ["-b", "4", "--tp", "2"], extra=(*CLIP, "-m", str(mistral), "-s", "32"))
+
+
 def resume(tools):
     with tempfile.TemporaryDirectory() as tmp:
         check_stop_and_resume(lambda *args: tp_run(tools, 2, *args), tmp,
@@ -87,7 +110,8 @@ def bad_input(tools):
 
 
 if __name__ == "__main__":
-    tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter6": sys.argv[3]}
-    {"tp-parity": tp_parity, "dp-tp-parity": dp_tp_parity, "qwen3-tp-parity": qwen3_tp_parity, "resume": resume,
+    tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter6": sys.argv[3], "consolidate": sys.argv[5]}
+    {"tp-parity": tp_parity, "dp-tp-parity": dp_tp_parity, "qwen3-tp-parity": qwen3_tp_parity,
+     "qwen2-tp-parity": qwen2_tp_parity, "mistral-tp-parity": mistral_tp_parity, "resume": resume,
      "bad-input": bad_input}[sys.argv[4]](tools)
     print("ok")

@@ -1,7 +1,7 @@
 # Chapter 11 (pipeline parallel, with FSDP and TP inside the stages and DP replicas) against
 # chapter 1 on the same global batch, resume across meshes, a stalled stage, and schedules refused
 # at start-up.
-foreach(check 1f1b-parity schedules-parity fsdp-pp-parity pp-tp-parity qwen3-pp-tp-parity resume-across-meshes
+foreach(check 1f1b-parity schedules-parity fsdp-pp-parity pp-tp-parity qwen3-pp-tp-parity qwen2-pp-tp-parity resume-across-meshes
               stalled-stage bad-flags)
   add_test(NAME "examples: 11-pipeline-parallel ${check}"
            COMMAND Python3::Interpreter ${CMAKE_CURRENT_SOURCE_DIR}/chapter11_checks.py

@@ -99,6 +99,14 @@ def qwen3_pp_tp_parity(tools):
     parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--tp", "2", "--microbatches", "2"], extra=CLIP, model=str(qwen3))
 
 
+def qwen2_pp_tp_parity(tools):
+    # A Qwen2 folder (q/k/v biases, TP-sharded with their weights) in 2 stages over 2 TP ranks, under
+    # ZBV: the split backward's weight step reaches the biases too.
+    qwen2 = pathlib.Path(__file__).resolve().parent.parent / "hf_parity" / "configs" / "qwen2-gqa"
+    parity(tools, 4, 4, ["-b", "4", "--pp", "2", "--tp", "2", "--schedule", "zbv", "--stages-per-rank", "2",
+                         "--microbatches", "2"], steps=10, model=str(qwen2))
+
+
 def resume_across_meshes(tools):
     """PP 2 for 5 steps, then chapter 7's FSDP 2 for 5, then PP 2 again to 15 (global batch 4
     throughout): the losses and weights of the straight PP run."""
@@ -190,5 +198,6 @@ if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter7": sys.argv[3], "chapter11": sys.argv[4]}
     {"1f1b-parity": one_f_one_b_parity, "schedules-parity": schedules_parity, "fsdp-pp-parity": fsdp_pp_parity,
      "pp-tp-parity": pp_tp_parity, "qwen3-pp-tp-parity": qwen3_pp_tp_parity,
+     "qwen2-pp-tp-parity": qwen2_pp_tp_parity,
      "resume-across-meshes": resume_across_meshes, "stalled-stage": stalled_stage,
      "bad-flags": bad_flags}[sys.argv[5]](tools)

@@ -3,9 +3,10 @@
 Gloo, fp32, one thread per rank.
 
 usage: chapter12_checks.py MESHRUN CHAPTER1 CHAPTER7 CHAPTER12
-       {cp2-parity|cp4-parity|cp-tp-parity|fsdp-cp-parity|composition-parity|pp-cp-parity|resume-across-meshes|
+       {cp2-parity|cp4-parity|cp-tp-parity|families-cp-parity|fsdp-cp-parity|composition-parity|pp-cp-parity|resume-across-meshes|
         bad-flags}
 """
+import pathlib
 import sys
 import tempfile
 import time
@@ -56,6 +57,15 @@ def cp_tp_parity(tools):
     for seq in (64, 256):
         print(f"--- -s {seq}")
         parity(tools, 4, 4, ["-b", "4", "--cp", "2", "--tp", "2"], seq=seq, extra=CLIP if seq == 64 else ())
+
+
+def families_cp_parity(tools):
+    # A Qwen3 (per-head q/k norms) and a Qwen2 (q/k/v biases) folder under CP 2 x TP 2: each CP rank's
+    # chunks through the family's attention, the heads split over TP.
+    configs = pathlib.Path(__file__).resolve().parent.parent / "hf_parity" / "configs"
+    for folder in ("qwen3-gqa-tied", "qwen2-gqa"):
+        print(f"--- {folder}")
+        parity(tools, 4, 4, ["-b", "4", "--cp", "2", "--tp", "2"], steps=10, extra=("-m", str(configs / folder)))
 
 
 def fsdp_cp_parity(tools):
@@ -129,6 +139,6 @@ def bad_flags(tools):
 
 if __name__ == "__main__":
     tools = {"meshrun": sys.argv[1], "chapter1": sys.argv[2], "chapter7": sys.argv[3], "chapter12": sys.argv[4]}
-    {"cp2-parity": cp2_parity, "cp4-parity": cp4_parity, "cp-tp-parity": cp_tp_parity,
+    {"cp2-parity": cp2_parity, "cp4-parity": cp4_parity, "cp-tp-parity": cp_tp_parity, "families-cp-parity": families_cp_parity,
      "fsdp-cp-parity": fsdp_cp_parity, "composition-parity": composition_parity, "pp-cp-parity": pp_cp_parity,
      "resume-across-meshes": resume_across_meshes, "bad-flags": bad_flags}[sys.argv[5]](tools)

@@ -452,9 +452,8 @@ TEST_CASE(
   torch::manual_seed(11);
   auto sharded = mlp(torch::TensorOptions().device(torch::kMeta).dtype(torch::kFloat));
   mt::FullyShardedDataParallel fsdp(
-      sharded, group, {}, {.initialise = [](const std::string&, const mt::WeightModule& leaf, torch::Tensor& full) {
-        init_mlp_weight(leaf, full);
-      }});
+      sharded, group, {},
+      {.initialise = [](const mt::LeafTensor& tensor, torch::Tensor& full) { init_mlp_weight(*tensor.leaf, full); }});
   fsdp.fully_shard(sharded->up);
   fsdp.fully_shard(sharded->down);
   fsdp.fully_shard(sharded);  // the root takes the rest: scale

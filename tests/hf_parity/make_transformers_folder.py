@@ -4,9 +4,9 @@ bands, rope_theta not 10000) saved with save_pretrained into sharded safetensors
 
     python make_transformers_folder.py OUT [--legacy-config] [--size tiny|400mb] [--family F]
 
---family mistral or qwen3 writes the same shapes as that family's model (MistralForCausalLM with a
-sliding_window of 256, longer than the sequences the checks use; Qwen3ForCausalLM, whose q_norm
-and k_norm then hold random weights too).
+--family mistral, qwen2 or qwen3 writes the same shapes as that family's model (MistralForCausalLM
+with a sliding_window of 256, longer than the sequences the checks use; Qwen2ForCausalLM, whose q,
+k and v biases then hold random values; Qwen3ForCausalLM, whose q_norm and k_norm do too).
 
 With --legacy-config, config.json is then rewritten in the earlier generation's fields (top-level
 rope_theta and rope_scaling, torch_dtype), which transformers still reads to the same model.
@@ -18,12 +18,13 @@ import json
 import os
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 256}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"use_sliding_window": False}),
 }
 

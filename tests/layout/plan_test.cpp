@@ -206,6 +206,16 @@ static_assert(largest_row_shards(presets::llama_tiny, 1, 3).final_norm == 43);
 static_assert(3 * largest_row_shards(presets::llama_tiny, 1, 3).layer >= tp_rank_parameters(tiny_counts, 1).layer);
 static_assert(largest_row_shards(presets::llama_tiny, 1, 4).layer * 4 == tp_rank_parameters(tiny_counts, 1).layer,
               "rows that divide evenly: the shards are exact quarters");
+// Qwen2's q/k/v biases are counted with the layer and split with the heads.
+constexpr auto tiny_qwen2 = [] {
+  auto c = presets::llama_tiny;
+  c.family = meshtorch::llama::Family::qwen2;
+  return c;
+}();
+static_assert(tiny_qwen2.num_parameters() ==
+              presets::llama_tiny.num_parameters() + 4 * (tiny_qwen2.q_size() + 2 * tiny_qwen2.kv_size()));
+static_assert(largest_row_shards(tiny_qwen2, 1, 1) == tp_rank_parameters(*tiny_qwen2.parameter_counts(), 1));
+static_assert(largest_row_shards(tiny_qwen2, 2, 1) == tp_rank_parameters(*tiny_qwen2.parameter_counts(), 2));
 }  // namespace row_shards
 
 // A pipeline of as many stages as llama-tiny has layers with its embedding and head (4 + 2) is a

@@ -89,7 +89,7 @@ concept ForwardHooked = std::derived_from<Impl, torch::nn::Module> && requires(I
 // The model-level state: the units, in the order they were made (layers, then the root).
 class FullyShardedDataParallel {
  public:
-  // `root` is the whole tree; its weights are named by their module paths from it
+  // `root` is the whole tree; its weights (and biases) are named by their module paths from it
   // ("model.layers.0.mlp.up_proj.weight"). `adapter` says what the model family adds: without
   // one, FSDP shards, trains and saves the tree, but init_weights() refuses. `keeps` says which
   // weights this rank shards (unset: all); the others are no unit's and stay as they are (a
@@ -103,8 +103,8 @@ class FullyShardedDataParallel {
         options_(options),
         adapter_(std::move(adapter)),
         schedule_(std::make_shared<FsdpSchedule>(options_)) {
-    for (auto& [name, leaf] : weight_modules(*root_))
-      if (!keeps || keeps(name + ".weight")) all_leaves_.emplace_back(name + ".weight", leaf);
+    for (auto& tensor : leaf_tensors(*root_))
+      if (!keeps || keeps(tensor.name)) all_leaves_.push_back(std::move(tensor));
     check_options();
   }
 
@@ -241,8 +241,8 @@ class FullyShardedDataParallel {
   comm::AxisGroup group_;
   FsdpOptions options_;
   FsdpModelAdapter adapter_;
-  std::vector<std::pair<std::string, WeightModule*>> all_leaves_;  // module path + ".weight", named_modules order
-  std::set<const WeightModule*> claimed_;
+  std::vector<LeafTensor> all_leaves_;      // leaf_tensors() order
+  std::set<std::string> claimed_;           // names of the tensors in a unit
   std::shared_ptr<FsdpSchedule> schedule_;  // before units_: the units point into it
   std::vector<std::unique_ptr<FsdpUnit>> units_;
   bool root_sharded_ = false;
@@ -255,8 +255,8 @@ namespace meshtorch {
 
 MESHTORCH_DECL std::vector<std::pair<std::string, torch::Tensor>> FullyShardedDataParallel::named_parameters() const {
   std::vector<std::pair<std::string, torch::Tensor>> named;
-  for (const auto& [name, leaf] : all_leaves_)
-    if (const auto* p = find(name)) named.emplace_back(name, p->shard);
+  for (const auto& tensor : all_leaves_)
+    if (const auto* p = find(tensor.name)) named.emplace_back(tensor.name, p->shard);
   return named;
 }
 
@@ -269,10 +269,10 @@ MESHTORCH_DECL void FullyShardedDataParallel::init_weights() {
                     "with real weights, which fully_shard keeps",
                     group_.global_rank()));
   torch::NoGradGuard no_grad;
-  for (const auto& [name, leaf] : all_leaves_) {
-    auto& p = *find(name);
+  for (const auto& tensor : all_leaves_) {
+    auto& p = *find(tensor.name);
     auto full = torch::empty(p.full_shape, torch::TensorOptions().device(options_.device).dtype(p.shard.scalar_type()));
-    adapter_.initialise(name, *leaf, full);
+    adapter_.initialise(tensor, full);
     p.shard.copy_(full.narrow(0, p.block.first, p.block.count));
   }
 }
@@ -300,8 +300,8 @@ MESHTORCH_DECL void FullyShardedDataParallel::load_full_state_dict(const io::Nam
     p->shard.copy_(tensor.narrow(0, p->block.first, p->block.count));
     loaded.insert(name);
   }
-  for (const auto& [name, leaf] : all_leaves_)
-    if (!loaded.count(name)) throw DataError(fmt::format("{}: weight '{}' is missing", source, name));
+  for (const auto& tensor : all_leaves_)
+    if (!loaded.count(tensor.name)) throw DataError(fmt::format("{}: weight '{}' is missing", source, tensor.name));
 }
 
 MESHTORCH_DECL std::pair<std::int64_t, std::int64_t> FullyShardedDataParallel::rows_of(const std::string& name) const {
@@ -321,7 +321,7 @@ MESHTORCH_DECL io::NamedTensors FullyShardedDataParallel::full_state_dict() cons
       by_name[p.name] = flat.narrow(0, p.full_offset, p.rows * p.row_numel).view(p.full_shape).to(torch::kCPU).clone();
   }
   io::NamedTensors out;
-  for (const auto& [name, leaf] : all_leaves_) out.emplace_back(name, by_name.at(name));
+  for (const auto& tensor : all_leaves_) out.emplace_back(tensor.name, by_name.at(tensor.name));
   return out;
 }
 
@@ -363,15 +363,15 @@ MESHTORCH_DECL FsdpUnit& FullyShardedDataParallel::make_unit(const std::string& 
                     "the root (rank {})",
                     what, group_.global_rank()));
   const std::set<const WeightModule*> inside(modules.begin(), modules.end());
-  std::vector<std::pair<std::string, WeightModule*>> leaves;
-  for (auto& [n, leaf] : all_leaves_)
-    if (inside.count(leaf) && !claimed_.count(leaf)) leaves.emplace_back(n, leaf);
+  std::vector<LeafTensor> leaves;
+  for (const auto& tensor : all_leaves_)
+    if (inside.count(tensor.leaf) && !claimed_.count(tensor.name)) leaves.push_back(tensor);
   if (leaves.empty())
     throw ConfigError(
         fmt::format("fully_shard({}): it holds no weight that an earlier fully_shard did not take "
                     "and that this rank shards (the constructor's `keeps`) (rank {})",
                     what, group_.global_rank()));
-  for (auto& [n, leaf] : leaves) claimed_.insert(leaf);
+  for (const auto& tensor : leaves) claimed_.insert(tensor.name);
   auto unit_options = options_;
   if (reshard_after_forward) unit_options.reshard_after_forward = *reshard_after_forward;
   units_.push_back(std::make_unique<FsdpUnit>(name, is_root, std::move(leaves), group_, unit_options, schedule_));

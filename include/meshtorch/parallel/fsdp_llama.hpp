@@ -40,8 +40,8 @@ namespace meshtorch {
 
 MESHTORCH_DECL FsdpModelAdapter llama_fsdp_adapter(const llama::Config& config) {
   return {
-      .initialise = [config](const std::string&, const WeightModule& leaf,
-                             torch::Tensor& full) { llama::init_weight(leaf, full, config); },
+      .initialise = [config](const LeafTensor& tensor,
+                             torch::Tensor& full) { llama::init_weight(*tensor.leaf, tensor.slot, full, config); },
       .not_a_weight =
           [tied = config.tie_word_embeddings](const std::string& name) {
             return name.find("rotary_emb.inv_freq") != std::string::npos || (tied && name == "lm_head.weight");

@@ -17,12 +17,12 @@
 namespace meshtorch {
 
 struct FsdpModelAdapter {
-  // Fills `full`, the whole of the weight `name` of `leaf` (on the compute device, in the
-  // shards' dtype), as the family's own initialisation fills the leaf's weight. Called for
-  // every weight in named_modules() order on every rank, so drawing from the default generator
-  // gives each rank the same numbers and the sharded model the single-process one's.
+  // Fills `full`, the whole of the leaf's tensor `tensor` (its weight or bias; on the compute
+  // device, in the shards' dtype), as the family's own initialisation fills it. Called for every
+  // tensor in leaf_tensors() order on every rank, so drawing from the default generator gives
+  // each rank the same numbers and the sharded model the single-process one's.
   // Unset: FullyShardedDataParallel::init_weights() refuses.
-  std::function<void(const std::string& name, const WeightModule& leaf, torch::Tensor& full)> initialise;
+  std::function<void(const LeafTensor& tensor, torch::Tensor& full)> initialise;
   // Whether a tensor of a full state dict that names no weight of the model may be passed over
   // (an HF folder's rotary tables, the lm_head of a model that ties it to the embedding).
   // Unset: none may.

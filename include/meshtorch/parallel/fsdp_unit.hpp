@@ -29,8 +29,9 @@ struct FsdpGradientCopy;
 class FsdpUnit {
  public:
   struct Parameter {
-    std::string name;  // module path + ".weight", e.g. "model.layers.0.mlp.up_proj.weight"
+    std::string name;  // module path + ".weight" (or ".bias"), e.g. "model.layers.0.mlp.up_proj.weight"
     WeightModule* leaf = nullptr;
+    LeafSlot slot = LeafSlot::weight;
     std::vector<std::int64_t> full_shape;
     std::int64_t rows = 0;          // full_shape[0]
     std::int64_t row_numel = 1;     // elements per row
@@ -41,9 +42,8 @@ class FsdpUnit {
     std::int64_t block_numel() const { return block.rows_per_rank * row_numel; }  // one rank's part, padded
   };
 
-  MESHTORCH_DECL FsdpUnit(std::string name, bool is_root, std::vector<std::pair<std::string, WeightModule*>> leaves,
-                          const comm::AxisGroup& group, const FsdpOptions& options,
-                          std::shared_ptr<FsdpSchedule> schedule);
+  MESHTORCH_DECL FsdpUnit(std::string name, bool is_root, std::vector<LeafTensor> leaves, const comm::AxisGroup& group,
+                          const FsdpOptions& options, std::shared_ptr<FsdpSchedule> schedule);
 
   FsdpUnit(const FsdpUnit&) = delete;
   FsdpUnit& operator=(const FsdpUnit&) = delete;
@@ -185,25 +185,25 @@ class FsdpUnit {
 
 namespace meshtorch {
 
-MESHTORCH_DECL FsdpUnit::FsdpUnit(std::string name, bool is_root,
-                                  std::vector<std::pair<std::string, WeightModule*>> leaves,
+MESHTORCH_DECL FsdpUnit::FsdpUnit(std::string name, bool is_root, std::vector<LeafTensor> leaves,
                                   const comm::AxisGroup& group, const FsdpOptions& options,
                                   std::shared_ptr<FsdpSchedule> schedule)
     : name_(std::move(name)), is_root_(is_root), group_(group), options_(options), schedule_(std::move(schedule)) {
   const auto world = group_.size();
   const auto rank = group_.rank();
-  shard_dtype_ = leaves.front().second->weight.scalar_type();
-  for (auto& [leaf_name, leaf] : leaves) {
-    const auto& w = leaf->weight;
+  shard_dtype_ = leaves.front().tensor().scalar_type();
+  for (auto& [leaf_name, leaf, slot] : leaves) {
+    const auto& w = leaf->tensor(slot);
     if (w.scalar_type() != shard_dtype_)
       throw ConfigError(fmt::format(
           "fully_shard({}): '{}' is {} but '{}' is {}; build the model in one dtype "
           "(mixed precision is FsdpOptions::mixed_precision)",
-          describe(), leaf_name, c10::toString(w.scalar_type()), leaves.front().first, c10::toString(shard_dtype_)));
+          describe(), leaf_name, c10::toString(w.scalar_type()), leaves.front().name, c10::toString(shard_dtype_)));
     if (w.dim() == 0) throw ConfigError(fmt::format("fully_shard({}): '{}' is a scalar", describe(), leaf_name));
     Parameter p;
     p.name = leaf_name;
     p.leaf = leaf;
+    p.slot = slot;
     p.full_shape = w.sizes().vec();
     p.rows = w.size(0);
     p.row_numel = w.numel() / std::max<std::int64_t>(p.rows, 1);
@@ -224,7 +224,8 @@ MESHTORCH_DECL FsdpUnit::FsdpUnit(std::string name, bool is_root,
     local_shape[0] = p.block.count;
     p.shard = shard_flat_.narrow(0, p.shard_offset, p.block.count * p.row_numel).view(local_shape);
     // A module that already has real weights (not built on the meta device) keeps its values.
-    if (!p.leaf->weight.is_meta()) p.shard.copy_(p.leaf->weight.narrow(0, p.block.first, p.block.count));
+    const auto& own = p.leaf->tensor(p.slot);
+    if (!own.is_meta()) p.shard.copy_(own.narrow(0, p.block.first, p.block.count));
     p.shard.set_requires_grad(true);
   }
   // The full weights: one storage for the unit, freed until a forward needs it. The gather
@@ -235,7 +236,7 @@ MESHTORCH_DECL FsdpUnit::FsdpUnit(std::string name, bool is_root,
     gather_targets_.push_back(
         fsdp_detail::alias(full_storage_, param_dtype(), p.full_offset, {world, p.block_numel()}));
     block_sizes_.push_back(p.block_numel());
-    p.leaf->replace_weight(full_weight(p));
+    p.leaf->replace(p.slot, full_weight(p));
   }
 }
 
@@ -419,7 +420,7 @@ MESHTORCH_DECL void FsdpUnit::pre_forward() {
     fulls.push_back(full_weight(p));
   }
   auto weights = fsdp_detail::GatherUnitParameters::apply(at::TensorList(shards), this, std::move(fulls));
-  for (std::size_t i = 0; i < params_.size(); ++i) params_[i].leaf->replace_weight(weights[i]);
+  for (std::size_t i = 0; i < params_.size(); ++i) params_[i].leaf->replace(params_[i].slot, weights[i]);
 }
 
 MESHTORCH_DECL void FsdpUnit::pre_backward() { schedule_->before_backward(*this); }

@@ -96,12 +96,14 @@ MESHTORCH_DECL void ParallelLlamaRuntime::keep_piece(const std::map<std::string,
 
 MESHTORCH_DECL void ParallelLlamaRuntime::initialise(torch::ScalarType dtype) {
   torch::NoGradGuard no_grad;
-  const auto leaves = weight_modules(*model_);  // global_shapes_' order
+  const auto tensors = leaf_tensors(*model_);  // global_shapes_' order
   const auto trained = trained_by_name();
   for (std::size_t i = 0; i < global_shapes_.size(); ++i) {
     const auto& [name, shape] = global_shapes_[i];
+    if (tensors[i].name != name)
+      throw std::logic_error(fmt::format("parallelize: '{}' initialised as '{}'", name, tensors[i].name));
     auto full = torch::empty(shape, torch::TensorOptions().device(options_.device).dtype(dtype));
-    llama::init_weight(*leaves[i].second, full, model_->config);
+    llama::init_weight(*tensors[i].leaf, tensors[i].slot, full, model_->config);
     keep_piece(trained, name, piece_of(name, full), "initialisation");
   }
 }

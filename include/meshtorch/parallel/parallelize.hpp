@@ -400,13 +400,13 @@ MESHTORCH_DECL ParallelLlamaRuntime::ParallelLlamaRuntime(llama::LlamaForCausalL
   options_.fsdp.device = options_.device;
   if (groups.tp) plan.validate(model_->config, groups.tp->size(), options_.model_name);
   const auto dtype = model_->parameters().front().scalar_type();
-  for (auto& [name, leaf] : weight_modules(*model_)) {
-    if (!leaf->weight.is_meta())
+  for (const auto& tensor : leaf_tensors(*model_)) {
+    if (!tensor.tensor().is_meta())
       throw ConfigError(
-          fmt::format("parallelize: '{}.weight' is not on the meta device; build the model with "
+          fmt::format("parallelize: '{}' is not on the meta device; build the model with "
                       "torch::TensorOptions().device(torch::kMeta) so that no rank holds it whole",
-                      name));
-    global_shapes_.emplace_back(name + ".weight", leaf->weight.sizes().vec());
+                      tensor.name));
+    global_shapes_.emplace_back(tensor.name, tensor.tensor().sizes().vec());
   }
 
   // 1. Tensor parallel: each rank keeps its TP chunk of every matrix (still on meta).

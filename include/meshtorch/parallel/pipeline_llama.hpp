@@ -295,7 +295,7 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
   for (int s = 0; s < stages; ++s)
     if (table.shape.rank_of_stage(s) == pp_.rank()) local_stages_.push_back(s);
 
-  for (auto& [path, leaf] : weight_modules(*model_)) global_shapes_[path + ".weight"] = leaf->weight.sizes().vec();
+  for (const auto& tensor : leaf_tensors(*model_)) global_shapes_[tensor.name] = tensor.tensor().sizes().vec();
   // Tensor parallel inside every stage: each weight becomes its TP chunk (still on meta).
   if (groups.tp) {
     groups.validate_tp(config, groups.tp->size(), options_.model_name);
@@ -309,16 +309,18 @@ MESHTORCH_DECL PipelineLlamaRuntime::PipelineLlamaRuntime(llama::LlamaForCausalL
   checkpoint_activations(model_, options_.activation_checkpointing);
   // This rank's weights only (FSDP: its rows of them); the others stay on the meta device.
   std::map<std::string, torch::Tensor> by_name;
-  for (auto& [path, leaf] : weight_modules(*model_)) by_name[path + ".weight"] = leaf->weight;
+  for (const auto& tensor : leaf_tensors(*model_)) by_name[tensor.name] = tensor.tensor();
   if (groups.data.fsdp) {
     shard_stages(*groups.data.fsdp);
     trained_ = fsdp_->named_parameters();
   } else {
-    for (auto& [path, leaf] : weight_modules(*model_)) {
-      const std::string name = path + ".weight";
-      if (!keeps(name)) continue;
-      leaf->materialize(torch::TensorOptions().device(options_.device).dtype(leaf->weight.scalar_type()));
-      trained_.emplace_back(name, leaf->weight);
+    for (const auto& tensor : leaf_tensors(*model_)) {
+      if (!keeps(tensor.name)) continue;
+      // A leaf's weight and bias are one stage's: materialised together, at the weight.
+      if (tensor.slot == LeafSlot::weight)
+        tensor.leaf->materialize(
+            torch::TensorOptions().device(options_.device).dtype(tensor.leaf->weight.scalar_type()));
+      trained_.emplace_back(tensor.name, tensor.tensor());
     }
   }
   for (const auto& [name, weight] : trained_) by_name[name] = weight;
@@ -457,11 +459,11 @@ MESHTORCH_DECL void PipelineLlamaRuntime::initialise() {
   // Every weight drawn whole in chapter 1's order, so that the random numbers match; this rank
   // keeps its piece of its stages' weights and drops the rest.
   const std::map<std::string, torch::Tensor> trained(trained_.begin(), trained_.end());
-  for (auto& [path, leaf] : weight_modules(*model_)) {
-    const std::string name = path + ".weight";
+  for (const auto& tensor : leaf_tensors(*model_)) {
+    const auto& name = tensor.name;
     const auto& shape = global_shapes_.at(name);
-    auto full = torch::empty(shape, torch::TensorOptions().device(options_.device).dtype(leaf->weight.dtype()));
-    llama::init_weight(*leaf, full, model_->config);
+    auto full = torch::empty(shape, torch::TensorOptions().device(options_.device).dtype(tensor.tensor().dtype()));
+    llama::init_weight(*tensor.leaf, tensor.slot, full, model_->config);
     if (const auto kept = trained.find(name); kept != trained.end())
       kept->second.copy_(io::view_of(full, io::whole(shape), piece_box(name)));
   }

@@ -546,8 +546,19 @@ MESHTORCH_DECL void TensorParallelRuntime::apply_head(const tp_detail::StyleStep
 
 MESHTORCH_DECL void TensorParallelRuntime::shard(const std::string& name, WeightModule& module, std::int64_t dim) {
   torch::NoGradGuard no_grad;
+  // A colwise layer's bias follows its output rows; a rowwise one's would have to be added once,
+  // after the partial sums are reduced, which no plan needs yet (Qwen2's biases are on q, k, v).
+  if (module.bias.defined() && dim != 0)
+    throw ConfigError(fmt::format(
+        "{}: RowwiseParallel on a layer with a bias is not supported (the bias would be added on every rank "
+        "before the sum); keep the layer NoParallel or ColwiseParallel",
+        name));
   module.set_weight(tp_detail::chunk_of(module.weight.detach(), group_, dim, name + ".weight"));
   sharded_[name + ".weight"] = dim;
+  if (module.bias.defined()) {
+    module.set(LeafSlot::bias, tp_detail::chunk_of(module.bias.detach(), group_, 0, name + ".bias"));
+    sharded_[name + ".bias"] = 0;
+  }
 }
 
 }  // namespace meshtorch

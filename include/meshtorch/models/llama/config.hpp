@@ -18,27 +18,31 @@ enum class RopeScalingKind { none, llama3 };
 
 // The Llama-style families a config.json may name (its model_type). One model serves them all;
 // what sets a family apart is a trait here, read by the model, the plans and the writers.
-enum class Family { llama, mistral, qwen3 };
+enum class Family { llama, mistral, qwen2, qwen3 };
 
 struct FamilyTraits {
   std::string_view model_type;    // config.json's model_type
   std::string_view architecture;  // config.json's architectures[0], what transformers builds
   bool qk_norm;                   // an RMSNorm over each head's q and k, before the rotation (Qwen3)
+  bool qkv_bias;                  // biases on the q, k and v projections (Qwen2)
+  bool qwen_window;               // use_sliding_window / max_window_layers / layer_types (Qwen2, Qwen3)
 };
 
 constexpr FamilyTraits traits(Family family) {
   switch (family) {
     case Family::mistral:
-      return {"mistral", "MistralForCausalLM", false};
+      return {"mistral", "MistralForCausalLM", false, false, false};
+    case Family::qwen2:
+      return {"qwen2", "Qwen2ForCausalLM", false, true, true};
     case Family::qwen3:
-      return {"qwen3", "Qwen3ForCausalLM", true};
+      return {"qwen3", "Qwen3ForCausalLM", true, false, true};
     case Family::llama:
       break;
   }
-  return {"llama", "LlamaForCausalLM", false};
+  return {"llama", "LlamaForCausalLM", false, false, false};
 }
 
-inline constexpr std::array<Family, 3> all_families{Family::llama, Family::mistral, Family::qwen3};
+inline constexpr std::array<Family, 4> all_families{Family::llama, Family::mistral, Family::qwen2, Family::qwen3};
 
 // HF's rope_scaling block; only the llama3 type (Llama 3.1+) is used by the family.
 struct RopeScaling {
@@ -76,6 +80,7 @@ struct Config {
   std::int64_t sliding_window_from_layer = 0;  // the first layer the window applies to (Qwen3's max_window_layers)
 
   constexpr bool qk_norm() const { return traits(family).qk_norm; }
+  constexpr bool qkv_bias() const { return traits(family).qkv_bias; }
 
   constexpr std::int64_t resolved_head_dim() const {
     return head_dim != 0 ? head_dim : (num_attention_heads > 0 ? hidden_size / num_attention_heads : 0);
@@ -85,7 +90,7 @@ struct Config {
 
   struct ParameterCounts {
     std::int64_t embedding = 0;    // embed_tokens
-    std::int64_t attention = 0;    // q, k, v and o of one decoder layer
+    std::int64_t attention = 0;    // q, k, v and o of one decoder layer, with q/k/v's biases (Qwen2)
     std::int64_t mlp = 0;          // gate, up and down of one decoder layer
     std::int64_t layer_norms = 0;  // the two norms of one decoder layer, and its q/k norms (Qwen3)
     std::int64_t final_norm = 0;
@@ -111,7 +116,7 @@ struct Config {
     const std::int64_t kv = mul(num_key_value_heads, resolved_head_dim());
     ParameterCounts p;
     p.embedding = mul(vocab_size, hidden_size);
-    p.attention = mul(hidden_size, add(mul(2, q), mul(2, kv)));
+    p.attention = add(mul(hidden_size, add(mul(2, q), mul(2, kv))), qkv_bias() ? add(q, mul(2, kv)) : 0);
     p.mlp = mul(3, mul(hidden_size, intermediate_size));
     p.layer_norms = add(mul(2, hidden_size), qk_norm() ? mul(2, resolved_head_dim()) : 0);
     p.final_norm = hidden_size;

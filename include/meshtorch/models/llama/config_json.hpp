@@ -225,18 +225,17 @@ inline Family read_family(const nlohmann::json& j, const std::string& source) {
   if (!it->is_string())
     throw ConfigError(fmt::format("{} must be a string, got {}", where(source, "model_type"), it->dump()));
   const auto type = it->get<std::string>();
-  for (const Family family : all_families)
+  std::vector<std::string_view> supported;
+  for (const Family family : all_families) {
     if (traits(family).model_type == type) return family;
-  if (type == "qwen2")
-    throw ConfigError(
-        fmt::format("{} is 'qwen2': its q, k and v projections carry biases, which the model does not "
-                    "implement yet; supported: llama, mistral, qwen3",
-                    where(source, "model_type")));
-  throw ConfigError(fmt::format("{} is '{}'; supported: llama, mistral, qwen3", where(source, "model_type"), type));
+    supported.push_back(traits(family).model_type);
+  }
+  throw ConfigError(
+      fmt::format("{} is '{}'; supported: {}", where(source, "model_type"), type, fmt::join(supported, ", ")));
 }
 
 // The attention span, with transformers' defaults for a missing field. Mistral: sliding_window
-// (absent: 4096, as MistralConfig; null: none). Qwen3: a window only with use_sliding_window true
+// (absent: 4096, as MistralConfig; null: none). Qwen2 and Qwen3: a window only with use_sliding_window true
 // (else transformers sets it to None), on the layers layer_types marks sliding, by default those
 // from max_window_layers (absent: 28) on; none sliding, no window. The layers that slide are kept
 // (Config::sliding_window_from_layer) so that config_to_json writes them back. Returns the fields
@@ -253,7 +252,7 @@ inline std::vector<std::string> read_sliding_window(const nlohmann::json& j, con
     }
     return {"sliding_window"};
   }
-  if (c.family != Family::qwen3) return {};
+  if (!traits(c.family).qwen_window) return {};
   const std::vector<std::string> fields{"use_sliding_window", "layer_types", "sliding_window", "max_window_layers"};
   const bool windowed = read_field<bool>(j, "use_sliding_window", source, false);
   const auto first_by_count = read_field<std::int64_t>(j, "max_window_layers", source, std::int64_t{28});
@@ -318,10 +317,13 @@ MESHTORCH_DECL ConfigFile read_config_json(const nlohmann::json& j, const std::s
   if (auto act = j.find("hidden_act"); act != j.end() && !act->is_null() && *act != "silu")
     throw ConfigError(
         fmt::format("{} is {}; only 'silu' is implemented", detail::where(source, "hidden_act"), act->dump()));
+  // Qwen2's biases are its family's (on q, k and v), whatever attention_bias says: Qwen2Config has no such field.
   for (const char* name : {"attention_bias", "mlp_bias"})
-    if (read_field<bool>(j, name, source, false))
+    if (!(c.family == Family::qwen2 && std::string_view(name) == "attention_bias") &&
+        read_field<bool>(j, name, source, false))
       throw ConfigError(
-          fmt::format("{} is true; layers without biases are all that is implemented", detail::where(source, name)));
+          fmt::format("{} is true; of the biases, only Qwen2's (on q, k and v, model_type qwen2) are implemented",
+                      detail::where(source, name)));
   if (read_field<std::int64_t>(j, "pretraining_tp", source, std::int64_t{1}) > 1)
     throw ConfigError(
         fmt::format("{} is {}; only 1 is implemented (the tensor-parallel slicing of Llama 2's "
@@ -425,10 +427,10 @@ MESHTORCH_DECL nlohmann::json config_to_json(const Config& c, std::string_view d
     case Family::mistral:
       j["sliding_window"] = c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json(nullptr);
       break;
+    case Family::qwen2:
     case Family::qwen3:
-      j.update({{"attention_bias", false},
-                {"head_dim", c.resolved_head_dim()},
-                {"use_sliding_window", c.sliding_window > 0},
+      if (c.family == Family::qwen3) j.update({{"attention_bias", false}, {"head_dim", c.resolved_head_dim()}});
+      j.update({{"use_sliding_window", c.sliding_window > 0},
                 {"sliding_window", c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json(nullptr)}});
       {
         // The layers from the first sliding one on slide, as transformers derives them.

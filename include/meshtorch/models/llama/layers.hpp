@@ -15,7 +15,9 @@ namespace meshtorch::llama {
 
 class LinearImpl : public WeightModule {
  public:
-  MESHTORCH_DECL LinearImpl(std::int64_t in_features, std::int64_t out_features, const torch::TensorOptions& options);
+  // `with_bias`: y = x W^T + b (Qwen2's q, k and v projections); else y = x W^T.
+  MESHTORCH_DECL LinearImpl(std::int64_t in_features, std::int64_t out_features, const torch::TensorOptions& options,
+                            bool with_bias = false);
   MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& x);
 };
 TORCH_MODULE(Linear);
@@ -73,12 +75,13 @@ class Rotary {
 namespace meshtorch::llama {
 
 MESHTORCH_DECL LinearImpl::LinearImpl(std::int64_t in_features, std::int64_t out_features,
-                                      const torch::TensorOptions& options) {
+                                      const torch::TensorOptions& options, bool with_bias) {
   create_weight({out_features, in_features}, options);
+  if (with_bias) create_bias(out_features, options);
 }
 
 MESHTORCH_DECL torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
-  return hooks.around(x, [&](const torch::Tensor& in) { return at::linear(in, weight_in_use()); });
+  return hooks.around(x, [&](const torch::Tensor& in) { return at::linear(in, weight_in_use(), bias_in_use()); });
 }
 
 MESHTORCH_DECL EmbeddingImpl::EmbeddingImpl(std::int64_t num_embeddings, std::int64_t dim,

@@ -144,10 +144,11 @@ constexpr TpRankParameters largest_row_shards(const llama::Config& c, std::int64
   const std::int64_t h = c.hidden_size, q = c.q_size() / tp, kv = c.kv_size() / tp, i = c.intermediate_size / tp;
   const std::int64_t vocab = c.vocab_size / tp;
   const auto rows = [n](std::int64_t rows, std::int64_t row_numel) { return row_block(rows, n, 0).count * row_numel; };
-  return {.layer = rows(q, h) + 2 * rows(kv, h) + rows(h, q)                  // q, k, v (colwise), o (rowwise)
-                   + 2 * rows(i, h) + rows(h, i)                              // gate, up (colwise), down (rowwise)
-                   + 2 * rows(h, 1)                                           // the two norms
-                   + (c.qk_norm() ? 2 * rows(c.resolved_head_dim(), 1) : 0),  // Qwen3's q/k norms, whole under TP
+  return {.layer = rows(q, h) + 2 * rows(kv, h) + rows(h, q)                 // q, k, v (colwise), o (rowwise)
+                   + 2 * rows(i, h) + rows(h, i)                             // gate, up (colwise), down (rowwise)
+                   + 2 * rows(h, 1)                                          // the two norms
+                   + (c.qk_norm() ? 2 * rows(c.resolved_head_dim(), 1) : 0)  // Qwen3's q/k norms, whole under TP
+                   + (c.qkv_bias() ? rows(q, 1) + 2 * rows(kv, 1) : 0),      // Qwen2's q/k/v biases, colwise
           .embedding = rows(vocab, h),
           .head = c.tie_word_embeddings ? 0 : rows(vocab, h),
           .final_norm = rows(h, 1)};

@@ -182,12 +182,12 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaForCausalLM);
 
-// HF's _init_weights for one weight: `weight` (the leaf's own, or a full copy of it that a
-// wrapper holding shards draws) ~ N(0, initializer_range) for linears and embeddings, ones for
-// norms. Uses the default generator, so a seed fixes the result.
-MESHTORCH_DECL void init_weight(const WeightModule& leaf, torch::Tensor& weight, const Config& config);
+// HF's _init_weights for one tensor of a leaf: `tensor` (the leaf's own, or a full copy of it
+// that a wrapper holding shards draws) ~ N(0, initializer_range) for linears' and embeddings'
+// weights, ones for norms, zeros for biases. Uses the default generator, so a seed fixes the result.
+MESHTORCH_DECL void init_weight(const WeightModule& leaf, LeafSlot slot, torch::Tensor& tensor, const Config& config);
 
-// init_weight on every weight, in weight_modules() order.
+// init_weight on every tensor, in leaf_tensors() order.
 MESHTORCH_DECL void init_weights(LlamaForCausalLM& lm);
 
 // Gives every parameter still on the meta device real storage with `options`, then
@@ -206,9 +206,9 @@ namespace meshtorch::llama {
 
 MESHTORCH_DECL AttentionImpl::AttentionImpl(const Config& c, const torch::TensorOptions& options)
     : head_dim_(c.resolved_head_dim()), sliding_window_(c.sliding_window) {
-  q_proj = register_module("q_proj", Linear(c.hidden_size, c.q_size(), options));
-  k_proj = register_module("k_proj", Linear(c.hidden_size, c.kv_size(), options));
-  v_proj = register_module("v_proj", Linear(c.hidden_size, c.kv_size(), options));
+  q_proj = register_module("q_proj", Linear(c.hidden_size, c.q_size(), options, c.qkv_bias()));
+  k_proj = register_module("k_proj", Linear(c.hidden_size, c.kv_size(), options, c.qkv_bias()));
+  v_proj = register_module("v_proj", Linear(c.hidden_size, c.kv_size(), options, c.qkv_bias()));
   o_proj = register_module("o_proj", Linear(c.q_size(), c.hidden_size, options));
   if (c.qk_norm()) {
     q_norm = register_module("q_norm", RMSNorm(head_dim_, c.rms_norm_eps, options));
@@ -427,16 +427,18 @@ MESHTORCH_DECL void LlamaForCausalLMImpl::use_fused_kernels(bool fused) {
   }
 }
 
-MESHTORCH_DECL void init_weight(const WeightModule& leaf, torch::Tensor& weight, const Config& config) {
+MESHTORCH_DECL void init_weight(const WeightModule& leaf, LeafSlot slot, torch::Tensor& tensor, const Config& config) {
   torch::NoGradGuard no_grad;
-  if (dynamic_cast<const RMSNormImpl*>(&leaf))
-    weight.fill_(1.0);
+  if (slot == LeafSlot::bias)
+    tensor.zero_();  // as transformers' _init_weights: no random numbers drawn
+  else if (dynamic_cast<const RMSNormImpl*>(&leaf))
+    tensor.fill_(1.0);
   else
-    weight.normal_(0.0, config.initializer_range);
+    tensor.normal_(0.0, config.initializer_range);
 }
 
 MESHTORCH_DECL void init_weights(LlamaForCausalLM& lm) {
-  for (auto& [name, leaf] : weight_modules(*lm)) init_weight(*leaf, leaf->weight, lm->config);
+  for (const auto& t : leaf_tensors(*lm)) init_weight(*t.leaf, t.slot, t.tensor(), lm->config);
 }
 
 MESHTORCH_DECL void materialize(LlamaForCausalLM& lm, const torch::TensorOptions& options) {
