@@ -356,6 +356,11 @@ TEST_CASE("config.json of each family: read, refused by name, written back as th
   CHECK(qwen2_window.sliding_window == 64);
   CHECK(qwen2_window.sliding_window_from_layer == 1);
   CHECK(parse(R"(, "model_type": "qwen2", "sliding_window": 64)").sliding_window == 0);  // not used without the flag
+  // Token ids index the vocabulary: a negative one is refused (found by fuzzing --ids lines), as is an
+  // integer past int64.
+  CHECK_THAT(error_for(R"(, "eos_token_id": [2, -1])"), Catch::Contains("holds -1, not a token id (0 or more)"));
+  CHECK_THAT(error_for(R"(, "bos_token_id": 18446744073709551615)"), Catch::Contains("not a token id"));
+  CHECK(parse(R"(, "eos_token_id": [7, 9])").eos_token_id == 7);
   // Families not implemented, by name.
   CHECK_THAT(error_for(R"(, "model_type": "gemma")"),
              Catch::Contains("'model_type' is 'gemma'; supported: llama, mistral, qwen2, qwen3"));

@@ -212,6 +212,8 @@ void check_encodes(const mt::data::TextTokenizer& tokenizer) {
     const auto ids = tokenizer.encode(text);
     for (const auto id : ids) CHECK((id >= 0 && id < vocab));
     tokenizer.decode(ids);
+    // With the special tokens the post-processor's template adds (meshtorch-generate's prompts).
+    for (const auto id : tokenizer.encode_with_special_tokens(text)) CHECK((id >= 0 && id < vocab));
   }
   for (const auto& id : {tokenizer.bos_id, tokenizer.eos_id})
     if (id) CHECK((*id >= 0 && *id < vocab));
@@ -370,6 +372,49 @@ TEST_CASE("fuzzed tokenizer.json files load a tokenizer or give a named error", 
                                               nlohmann::json::object({{"Regex", "(((("}})};
   Mutator mutator(seed_for(13));
   FuzzTally tally("tokenizer.json");
+  for (std::uint64_t input = 0; input < iterations(); ++input) {
+    const auto text = mutator.mutate_json(seed, likely);
+    write_bytes(dir / "tokenizer.json", text);
+    tally.run(input, text, [&] { load_folder_tokenizer(dir); });
+  }
+  tally.report();
+  fs::remove_all(root);
+}
+
+// The same with a post-processor: Llama 3's TemplateProcessing, <|begin_of_text|> before each text.
+TEST_CASE("fuzzed tokenizer.json post-processor templates load a tokenizer or give a named error", "[fuzz]") {
+  const auto root = fresh_dir("fuzz-post-processor");
+  const auto dir = make_model_folder(root / "model");
+  auto seed = nlohmann::json::parse(read_bytes(dir / "tokenizer.json"));
+  const nlohmann::json bos = {{"SpecialToken", {{"id", "<|begin_of_text|>"}, {"type_id", 0}}}};
+  seed["post_processor"] = {
+      {"type", "Sequence"},
+      {"processors",
+       nlohmann::json::array(
+           {{{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}},
+            {{"type", "TemplateProcessing"},
+             {"single", nlohmann::json::array({bos, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}})},
+             {"pair", nlohmann::json::array({bos,
+                                             {{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
+                                             bos,
+                                             {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}})},
+             {"special_tokens",
+              {{"<|begin_of_text|>",
+                {{"id", "<|begin_of_text|>"}, {"ids", {0}}, {"tokens", {"<|begin_of_text|>"}}}}}}}})}};
+  const std::vector<nlohmann::json> likely = {"TemplateProcessing",
+                                              "RobertaProcessing",
+                                              "SpecialToken",
+                                              "Sequence",
+                                              "A",
+                                              "B",
+                                              "<|begin_of_text|>",
+                                              "<|eot_id|>",
+                                              nlohmann::json::array({0, 1}),
+                                              -1,
+                                              std::int64_t{2147483647},
+                                              nullptr};
+  Mutator mutator(seed_for(23));
+  FuzzTally tally("tokenizer.json post-processor");
   for (std::uint64_t input = 0; input < iterations(); ++input) {
     const auto text = mutator.mutate_json(seed, likely);
     write_bytes(dir / "tokenizer.json", text);

@@ -55,6 +55,31 @@ TEST_CASE("fuzzed config.json files load or give a named error", "[fuzz]") {
   fs::remove_all(dir);
 }
 
+// meshtorch-generate --ids: each stdin line through the bounded JSON parser, then llama::token_ids.
+TEST_CASE("fuzzed --ids lines give prompt ids or a named error", "[fuzz]") {
+  const auto seed = nlohmann::json::array({1, 15043, 29892, 3});
+  const std::vector<nlohmann::json> likely = {-1,
+                                              0,
+                                              std::int64_t{9223372036854775807},
+                                              1.5,
+                                              1e300,
+                                              "x",
+                                              nullptr,
+                                              nlohmann::json::array(),
+                                              nlohmann::json::array({1, nlohmann::json::array({2})}),
+                                              nlohmann::json::object({{"ids", 1}})};
+  Mutator mutator(seed_for(22));
+  FuzzTally tally("--ids line");
+  for (std::uint64_t input = 0; input < iterations(); ++input) {
+    const auto line = mutator.mutate_json(seed, likely);
+    tally.run(input, line, [&] {
+      const auto json = mt::io::parse_json<mt::ConfigError>(line, "--ids: stdin line 1", "the line");
+      for (const auto id : mt::llama::token_ids(json, "--ids: stdin line 1")) CHECK(id >= 0);
+    });
+  }
+  tally.report();
+}
+
 TEST_CASE("fuzzed safetensors files load or give a named error", "[fuzz]") {
   const auto dir = fresh_dir("fuzz-safetensors");
   const auto path = dir / "x.safetensors";

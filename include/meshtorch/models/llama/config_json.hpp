@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <set>
 #include <string>
@@ -48,8 +49,8 @@ MESHTORCH_DECL Config resolve_model(const std::string& name_or_dir, std::vector<
 MESHTORCH_DECL std::string unread_config_fields_note(const std::string& name_or_dir);
 
 // Token ids as config.json and generation_config.json write them (eos_token_id, which Llama 3
-// instruct gives as a list): an id, a list of ids, or null (none). Anything else is a ConfigError
-// naming `where` (the file and field).
+// instruct gives as a list): an id, a list of ids, or null (none). Anything else, a negative id
+// included, is a ConfigError naming `where` (the file and field).
 MESHTORCH_DECL std::vector<std::int64_t> token_ids(const nlohmann::json& value, const std::string& where);
 
 }  // namespace meshtorch::llama
@@ -466,13 +467,19 @@ MESHTORCH_DECL Config resolve_model(const std::string& name_or_dir, std::vector<
 MESHTORCH_DECL std::vector<std::int64_t> token_ids(const nlohmann::json& value, const std::string& where) {
   std::vector<std::int64_t> ids;
   if (value.is_null()) return ids;
-  if (value.is_number_integer()) return {value.get<std::int64_t>()};
+  // An id indexes the vocabulary: a negative one (found by fuzzing --ids lines) is no token.
+  const auto id_of = [&](const nlohmann::json& id) {
+    if (!id.is_number_integer()) throw ConfigError(fmt::format("{} holds {}, not an integer", where, id.dump()));
+    if (id.is_number_unsigned()
+            ? id.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())
+            : id.get<std::int64_t>() < 0)
+      throw ConfigError(fmt::format("{} holds {}, not a token id (0 or more)", where, id.dump()));
+    return id.get<std::int64_t>();
+  };
+  if (value.is_number_integer()) return {id_of(value)};
   if (!value.is_array())
     throw ConfigError(fmt::format("{} must be an integer, a list of integers or null, got {}", where, value.dump()));
-  for (const auto& id : value) {
-    if (!id.is_number_integer()) throw ConfigError(fmt::format("{} holds {}, not an integer", where, id.dump()));
-    ids.push_back(id.get<std::int64_t>());
-  }
+  for (const auto& id : value) ids.push_back(id_of(id));
   return ids;
 }
 
