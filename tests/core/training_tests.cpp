@@ -188,7 +188,8 @@ TEST_CASE("held-out blocks: --eval-split keeps the last ones, and any rank count
   std::iota(tokens.begin(), tokens.end(), 0);
   mt::data::TokenBlocks blocks(tokens, 4, "test");
   CHECK(blocks.held_out() == nullptr);
-  const auto held = blocks.hold_out(0.3);
+  const auto& held = blocks.hold_out(0.3);
+  CHECK(&held == blocks.held_out());  // what it returns is what it keeps
   CHECK(blocks.size() == 7);
   REQUIRE(held.size() == 3);
   REQUIRE(blocks.held_out() != nullptr);

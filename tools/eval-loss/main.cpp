@@ -24,55 +24,40 @@ namespace mt = meshtorch;
 
 namespace {
 
-// The -m whose tokenizer encodes -d: given, else the folder itself, else the -m the checkpoint's
-// run trained with (state.json's "model").
-std::string tokenizer_source(const std::string& given, const mt::WholeModel& whole) {
-  if (!given.empty()) return given;
-  if (!whole.from_checkpoint) return whole.folder.string();
-  const auto state = mt::io::read_json_file<mt::DataError>(whole.folder / "state.json");
-  const auto run = state.find("run");
-  if (run == state.end() || !run->is_object() || !run->contains("model") || !(*run)["model"].is_string())
-    throw mt::DataError(
-        fmt::format("{}: no string field 'run.model' (the run's -m); pass -m with the folder or preset "
-                    "the run was trained with",
-                    (whole.folder / "state.json").string()));
-  return (*run)["model"].get<std::string>();
-}
-
-// A checkpoint's state.json records the run's -s and the data it held blocks out of (-d,
+// A checkpoint's state.json records its run's -s, -m and the data it held blocks out of (-d,
 // --dataset-subset, --eval-split, as run_identity writes them): the held-out blocks are the same
-// only with the same three. -s is taken from it when not given; any difference is refused.
-void match_checkpoint_run(const mt::WholeModel& whole, mt::train::TrainArgs& args, bool seq_length_given) {
-  if (!whole.from_checkpoint) return;
-  const auto path = whole.folder / "state.json";
-  const auto state = mt::io::read_json_file<mt::DataError>(path);
-  const auto run = state.find("run");
-  if (run == state.end() || !run->is_object() || !run->contains("seq_length") || !run->contains("dataset"))
-    throw mt::DataError(fmt::format("{}: no 'run' record of the run's -s and -d", path.string()));
-  const auto seq_length = (*run)["seq_length"].get<std::int64_t>();
-  if (!seq_length_given) args.seq_length = seq_length;
-  if (args.seq_length != seq_length)
+// only with the same -s and data. -s and the tokenizer's -m are taken from it when not given; a
+// different -s or data is refused.
+void match_checkpoint_run(const mt::train::RunIdentity& run, const std::filesystem::path& checkpoint,
+                          mt::train::TrainArgs& args, bool seq_length_given) {
+  if (!seq_length_given) args.seq_length = run.seq_length;
+  if (args.seq_length != run.seq_length)
     throw mt::ConfigError(
         fmt::format("-s {}: the run of {} trained with -s {}, and its held-out blocks are those of "
                     "that length; give -s {}",
-                    args.seq_length, whole.folder.string(), seq_length, seq_length));
-  const auto recorded = (*run)["dataset"].get<std::string>();
+                    args.seq_length, checkpoint.string(), run.seq_length, run.seq_length));
   const auto asked = mt::train::run_identity(args, 0).dataset;
-  if (recorded != asked)
+  if (run.dataset != asked)
     throw mt::ConfigError(
         fmt::format("the run of {} read '{}', this evaluation '{}': give the run's -d, "
                     "--dataset-subset and --eval-split, so that the blocks it held out are evaluated",
-                    whole.folder.string(), recorded, asked));
+                    checkpoint.string(), run.dataset, asked));
+  if (args.model_name.empty()) args.model_name = run.model;
 }
 
 int held_out_loss(mt::WholeModel& whole, mt::train::TrainArgs& args, bool seq_length_given, const std::string& output) {
-  match_checkpoint_run(whole, args, seq_length_given);
-  const auto model_name = tokenizer_source(args.model_name, whole);
+  if (whole.from_checkpoint) {
+    const auto state = whole.folder / "state.json";
+    match_checkpoint_run(mt::train::read_run_identity(mt::io::read_json_file<mt::DataError>(state), state.string()),
+                         whole.folder, args, seq_length_given);
+  }
+  // -d is tokenised with the -m given, else the run's (above), else the folder's own tokenizer.
+  if (args.model_name.empty()) args.model_name = whole.folder.string();
   std::string note;
-  auto blocks = mt::data::load_dataset(args.dataset_name, args.seq_length, model_name, &note, args.dataset_subset);
+  auto blocks = mt::data::load_dataset(args.dataset_name, args.seq_length, args.model_name, &note, args.dataset_subset);
   std::cout << "data: " << note << "\n";
   blocks.check_vocab(whole.model->config.vocab_size);
-  const auto held_out = blocks.hold_out(args.eval_split);
+  const auto& held_out = blocks.hold_out(args.eval_split);
   const auto result = mt::train::evaluate_held_out(
       held_out, args.batch_size, /*dp_size=*/1, /*dp_rank=*/0, torch::kCPU,
       [&](const torch::Tensor& ids) { return whole.model->loss(ids, /*labels=*/ids); },

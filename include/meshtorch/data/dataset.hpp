@@ -53,8 +53,8 @@ class TokenBlocks {
   // evaluation, and these blocks cut to the rest. The last ones, whatever the seed or the number of
   // ranks, so that training and meshtorch-eval-loss agree on them; a document the boundary cuts
   // lends its start to training and its end to evaluation. A DataError when no block would be left
-  // on either side. Both stay views of the same tokens.
-  MESHTORCH_DECL TokenBlocks hold_out(double fraction);
+  // on either side. Both stay views of the same tokens. Returns held_out().
+  MESHTORCH_DECL const TokenBlocks& hold_out(double fraction);
   // The blocks hold_out set apart, or nothing.
   const TokenBlocks* held_out() const { return held_out_.get(); }
 
@@ -131,7 +131,7 @@ MESHTORCH_DECL void TokenBlocks::check_vocab(std::int64_t vocab_size) const {
                                 min_id < 0 ? min_id : max_id, vocab_size));
 }
 
-MESHTORCH_DECL TokenBlocks TokenBlocks::hold_out(double fraction) {
+MESHTORCH_DECL const TokenBlocks& TokenBlocks::hold_out(double fraction) {
   if (!(fraction > 0 && fraction < 1))
     throw ConfigError(
         fmt::format("--eval-split {}: give the fraction of blocks held out, above 0 and below 1", fraction));
@@ -140,13 +140,13 @@ MESHTORCH_DECL TokenBlocks TokenBlocks::hold_out(double fraction) {
   if (held >= size())
     throw DataError(fmt::format("--eval-split {}: {} has {} block(s) of {} tokens, which would leave none to train on",
                                 fraction, source_, size(), seq_length_));
-  TokenBlocks tail = *this;
-  tail.blocks_ = blocks_.narrow(0, size() - held, held);
-  tail.source_ = fmt::format("{} (held out)", source_);
-  tail.dropped_tokens_ = 0;
+  auto tail = std::make_shared<TokenBlocks>(*this);
+  tail->blocks_ = blocks_.narrow(0, size() - held, held);
+  tail->source_ = fmt::format("{} (held out)", source_);
+  tail->dropped_tokens_ = 0;
   blocks_ = blocks_.narrow(0, 0, size() - held);
-  held_out_ = std::make_shared<const TokenBlocks>(tail);
-  return tail;
+  held_out_ = std::move(tail);
+  return *held_out_;
 }
 
 MESHTORCH_DECL TokenBlocks load_dataset(const std::string& name, std::int64_t seq_length) {

@@ -149,14 +149,15 @@ MESHTORCH_DECL TrainingData load_training_data(const train::TrainArgs& args, con
       world && args.dataset_name != "builtin"
           ? training_data_detail::load_cached(args, *world, note)
           : data::load_dataset(args.dataset_name, args.seq_length, args.model_name, &note, args.dataset_subset);
-  if (!world || world->rank() == 0) train::Logger(world ? world->global_rank() : 0).info(fmt::format("data: {}", note));
-  blocks.check_vocab(model_config.vocab_size);
+  const train::Logger log(world ? world->global_rank() : 0);
+  const bool logs = !world || world->rank() == 0;
+  if (logs) log.info(fmt::format("data: {}", note));
+  blocks.check_vocab(model_config.vocab_size);  // every block, the held-out ones too
   if (args.eval_split > 0) {
-    const auto held_out = blocks.hold_out(args.eval_split);
-    if (!world || world->rank() == 0)
-      train::Logger(world ? world->global_rank() : 0)
-          .info(fmt::format("data: the last {} of {} blocks held out for evaluation (--eval-split {})", held_out.size(),
-                            held_out.size() + blocks.size(), args.eval_split));
+    const auto& held_out = blocks.hold_out(args.eval_split);
+    if (logs)
+      log.info(fmt::format("data: the last {} of {} blocks held out for evaluation (--eval-split {})", held_out.size(),
+                           held_out.size() + blocks.size(), args.eval_split));
   }
   data::DpInvariantSampler sampler({.num_samples = blocks.size(),
                                     .batch_size = args.batch_size,

@@ -7,7 +7,6 @@
 #include <limits>
 #include <string>
 #include <string_view>
-#include <type_traits>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -41,6 +40,10 @@ MESHTORCH_DECL TrainState read_train_state(const nlohmann::json& j, const std::s
 // The same from <dir>/state.json.
 MESHTORCH_DECL TrainState read_train_state(const std::filesystem::path& dir, const RunIdentity& identity);
 
+// state.json's run record (the flags that fix the data order), every field checked for its type:
+// what read_train_state compares with this run's, and what meshtorch-eval-loss reads.
+MESHTORCH_DECL RunIdentity read_run_identity(const nlohmann::json& j, const std::string& state_path);
+
 }  // namespace meshtorch::train
 
 #if MESHTORCH_DEFINES(core)
@@ -65,61 +68,77 @@ MESHTORCH_DECL nlohmann::ordered_json to_json(const TrainState& s, const RunIden
             {"model", id.model}}}};
 }
 
+namespace checkpoint_detail {
+
+inline const nlohmann::json& field(const nlohmann::json& object, const std::string& key,
+                                   const std::string& state_path) {
+  if (!object.contains(key)) throw DataError(state_path + ": field '" + key + "' is missing");
+  return object[key];
+}
+
+// A non-negative integer that fits int64 (nlohmann reads a non-negative integer as unsigned, a
+// negative one as signed); `shown` names it in the message.
+inline std::int64_t count(const nlohmann::json& object, const std::string& key, const std::string& shown,
+                          const std::string& state_path) {
+  const auto& value = field(object, key, state_path);
+  const bool fits = value.is_number_unsigned() &&
+                    value.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+  if (!fits)
+    throw DataError(state_path + ": field '" + shown + "' must be a non-negative integer, got " + value.dump());
+  return value.get<std::int64_t>();
+}
+
+}  // namespace checkpoint_detail
+
+MESHTORCH_DECL RunIdentity read_run_identity(const nlohmann::json& j, const std::string& state_path) {
+  using checkpoint_detail::field;
+  if (!j.is_object()) throw DataError(state_path + ": expected a JSON object at the top level");
+  const auto& run = field(j, "run", state_path);
+  if (!run.is_object()) throw DataError(state_path + ": field 'run' must be an object, got " + run.dump());
+  const auto text = [&](const std::string& key) {
+    const auto& value = field(run, key, state_path);
+    if (!value.is_string())
+      throw DataError(state_path + ": field 'run." + key + "' must be a string, got " + value.dump());
+    return value.get<std::string>();
+  };
+  const auto& seed = field(run, "seed", state_path);
+  if (!seed.is_number_unsigned())
+    throw DataError(state_path + ": field 'run.seed' must be a non-negative integer, got " + seed.dump());
+  RunIdentity identity;
+  identity.seed = seed.get<std::uint64_t>();
+  identity.seq_length = checkpoint_detail::count(run, "seq_length", "run.seq_length", state_path);
+  identity.global_batch = checkpoint_detail::count(run, "global_batch", "run.global_batch", state_path);
+  identity.dataset = text("dataset");
+  identity.model = text("model");
+  return identity;
+}
+
 MESHTORCH_DECL TrainState read_train_state(const nlohmann::json& j, const std::string& state_path,
                                            const RunIdentity& identity) {
   if (!j.is_object()) throw DataError(state_path + ": expected a JSON object at the top level");
-  auto field = [&](const nlohmann::json& object, const std::string& key) -> const nlohmann::json& {
-    if (!object.contains(key)) throw DataError(state_path + ": field '" + key + "' is missing");
-    return object[key];
-  };
-  auto count = [&](const nlohmann::json& object, const std::string& key, const std::string& shown) {
-    const auto& value = field(object, key);
-    // nlohmann reads a non-negative integer as unsigned, a negative one as signed.
-    const bool fits =
-        value.is_number_unsigned() &&
-        value.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
-    if (!fits)
-      throw DataError(state_path + ": field '" + shown + "' must be a non-negative integer, got " + value.dump());
-    return value.get<std::int64_t>();
-  };
+  const auto count = [&](const std::string& key) { return checkpoint_detail::count(j, key, key, state_path); };
   TrainState state;
-  state.epoch = count(j, "epoch", "epoch");
-  state.global_step = count(j, "global_step", "global_step");
-  state.epoch_step = count(j, "epoch_step", "epoch_step");
-  const auto& running_loss = field(j, "running_loss");
+  state.epoch = count("epoch");
+  state.global_step = count("global_step");
+  state.epoch_step = count("epoch_step");
+  const auto& running_loss = checkpoint_detail::field(j, "running_loss", state_path);
   if (!running_loss.is_number())
     throw DataError(state_path + ": field 'running_loss' must be a number, got " + running_loss.dump());
   state.running_loss = running_loss.get<double>();
-  state.running_steps = count(j, "running_steps", "running_steps");
-  const auto& run = field(j, "run");
-  if (!run.is_object()) throw DataError(state_path + ": field 'run' must be an object, got " + run.dump());
-  auto same = [&](const std::string& key, const auto& ours) {
-    using T = std::decay_t<decltype(ours)>;
-    T saved{};
-    if constexpr (std::is_same_v<T, std::string>) {
-      const auto& value = field(run, key);
-      if (!value.is_string())
-        throw DataError(state_path + ": field 'run." + key + "' must be a string, got " + value.dump());
-      saved = value.template get<std::string>();
-    } else if constexpr (std::is_unsigned_v<T>) {
-      const auto& value = field(run, key);
-      if (!value.is_number_unsigned())
-        throw DataError(state_path + ": field 'run." + key + "' must be a non-negative integer, got " + value.dump());
-      saved = value.template get<T>();
-    } else {
-      saved = count(run, key, "run." + key);
-    }
-    if (saved != ours)
+  state.running_steps = count("running_steps");
+  const auto saved = read_run_identity(j, state_path);
+  const auto same = [&](const std::string& key, const auto& written, const auto& ours) {
+    if (written != ours)
       throw ConfigError(
           fmt::format("{}: the checkpoint was written with {} = {}, this run has {}; resume with the "
                       "same flags or use a new -e/--experiment-name",
-                      state_path, key, saved, ours));
+                      state_path, key, written, ours));
   };
-  same("seed", identity.seed);
-  same("seq_length", identity.seq_length);
-  same("global_batch", identity.global_batch);
-  same("dataset", identity.dataset);
-  same("model", identity.model);
+  same("seed", saved.seed, identity.seed);
+  same("seq_length", saved.seq_length, identity.seq_length);
+  same("global_batch", saved.global_batch, identity.global_batch);
+  same("dataset", saved.dataset, identity.dataset);
+  same("model", saved.model, identity.model);
   return state;
 }
 

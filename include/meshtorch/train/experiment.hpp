@@ -147,6 +147,9 @@ class Experiment {
   }
 
  private:
+  // A metrics record: printed and appended to metrics.jsonl by rank 0, given to the tracker on every rank.
+  MESHTORCH_DECL void publish(const nlohmann::ordered_json& record);
+
   Logger log_;
   int rank_;
   RunIdentity identity_;
@@ -241,11 +244,14 @@ MESHTORCH_DECL void Experiment::end_step(TrainState& state, double loss, Progres
 MESHTORCH_DECL void Experiment::log_evaluation(const TrainState& state, const Evaluation& evaluation) {
   window_.exclude(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
       std::chrono::duration<double>(evaluation.seconds)));
-  nlohmann::ordered_json record{{"global_step", state.global_step},
-                                {"eval_loss", evaluation.loss},
-                                {"eval_perplexity", evaluation.perplexity()},
-                                {"eval_tokens", evaluation.tokens},
-                                {"eval_s", evaluation.seconds}};
+  publish({{"global_step", state.global_step},
+           {"eval_loss", evaluation.loss},
+           {"eval_perplexity", evaluation.perplexity()},
+           {"eval_tokens", evaluation.tokens},
+           {"eval_s", evaluation.seconds}});
+}
+
+MESHTORCH_DECL void Experiment::publish(const nlohmann::ordered_json& record) {
   if (rank_ == 0) {
     log_.info(format_metrics(record));
     if (metrics_) metrics_->append(record);
@@ -255,12 +261,7 @@ MESHTORCH_DECL void Experiment::log_evaluation(const TrainState& state, const Ev
 
 MESHTORCH_DECL void Experiment::log_metrics(TrainState& state, std::int64_t steps_per_epoch, double lr,
                                             PhaseTimers& timers) {
-  const auto record = window_.record(state, steps_per_epoch, lr, timers);
-  if (rank_ == 0) {
-    log_.info(format_metrics(record));
-    if (metrics_) metrics_->append(record);
-  }
-  if (tracker_) tracker_->on_metrics(record);
+  publish(window_.record(state, steps_per_epoch, lr, timers));
   window_.close(state, timers);
 }
 
