@@ -172,6 +172,66 @@ TEST_CASE("rotary takes q and k as strided views, and refuses mismatched shapes"
                     Catch::Contains("differ in batch, seq or an even head_dim"));
 }
 
+TEST_CASE("few-rows linear equals x W^T + b for 2 to 8 rows on each instruction set this CPU runs", "[kernels]") {
+  using mt::kernels::FewRowsIsa;
+  torch::manual_seed(11);
+  torch::NoGradGuard no_grad;
+  const auto threads = GENERATE(1, 2);
+  WithThreads with(threads);
+  std::vector<FewRowsIsa> isas;
+  for (const auto isa : {FewRowsIsa::avx2_fma, FewRowsIsa::avx512})
+    if (isa <= mt::kernels::few_rows_isa()) isas.push_back(isa);
+#if defined(__x86_64__)
+  CHECK_FALSE(isas.empty());  // every x86-64 machine of the last decade has AVX2 and FMA
+#endif
+  // Widths that leave every tail of 16 and 8 lanes, and row counts odd and even.
+  for (const std::int64_t in : {1, 7, 16, 37, 768})
+    for (const std::int64_t out : {1, 3, 64, 257})
+      for (auto rows = mt::kernels::few_rows_minimum; rows <= mt::kernels::few_rows_limit; ++rows) {
+        const auto x = torch::randn({rows, 1, in}), w = torch::randn({out, in}), b = torch::randn({out});
+        const auto exact = at::linear(x.to(torch::kDouble), w.to(torch::kDouble), b.to(torch::kDouble));
+        REQUIRE(mt::kernels::few_rows_linear_applies(x, w, b));
+        for (const auto isa : isas) {
+          INFO("isa " << static_cast<int>(isa) << ", " << rows << " rows, in " << in << ", out " << out);
+          const auto y = mt::kernels::few_rows_linear(x, w, b, isa);
+          CHECK(y.sizes() == exact.sizes());
+          CHECK(max_difference(y, exact) <= 1e-5);
+          CHECK(max_difference(mt::kernels::few_rows_linear(x.squeeze(1), w, {}, isa),
+                               exact.squeeze(1) - b.to(torch::kDouble)) <= 1e-5);
+        }
+      }
+}
+
+TEST_CASE("few-rows linear is taken only where it applies, and at::linear elsewhere", "[kernels]") {
+  const auto x = torch::randn({8, 32}), w = torch::randn({5, 32}), b = torch::randn({5});
+  const bool available = mt::kernels::few_rows_isa() != mt::kernels::FewRowsIsa::none;
+  {
+    torch::NoGradGuard no_grad;
+    CHECK(mt::kernels::few_rows_linear_applies(x, w, b) == available);
+    CHECK(mt::kernels::few_rows_linear_applies(x, w.detach().requires_grad_(true), b) == available);
+    CHECK_FALSE(mt::kernels::few_rows_linear_applies(torch::randn({9, 32}), w, b));  // past few_rows_limit
+    CHECK_FALSE(mt::kernels::few_rows_linear_applies(torch::randn({1, 32}), w, b));  // one row: LibTorch's GEMV
+    CHECK_FALSE(mt::kernels::few_rows_linear_applies(x.to(torch::kBFloat16), w.to(torch::kBFloat16), {}));
+    CHECK_FALSE(mt::kernels::few_rows_linear_applies(x, torch::randn({32, 5}).t(), b));  // w not contiguous
+    CHECK_FALSE(mt::kernels::few_rows_linear_applies(x, w, torch::randn({4})));
+    CHECK_FALSE(mt::kernels::few_rows_linear_applies(x, torch::randn({5, 31}), {}));
+    CHECK_THROWS_WITH(mt::kernels::few_rows_linear(torch::randn({9, 32}), w, b),
+                      Catch::Contains("not for these tensors"));
+  }
+  // Gradients asked for: LibTorch's GEMM, whose backward autograd knows.
+  const auto trained = w.detach().requires_grad_(true);
+  CHECK_FALSE(mt::kernels::few_rows_linear_applies(x, trained, b));
+  const auto y = mt::kernels::linear(x, trained, b);
+  CHECK(y.requires_grad());
+  y.sum().backward();
+  CHECK(trained.grad().defined());
+  {
+    c10::InferenceMode inference;
+    CHECK(mt::kernels::few_rows_linear_applies(x, trained, b) == available);
+    CHECK(max_difference(mt::kernels::linear(x, trained, b), at::linear(x, w, b)) <= 1e-5);
+  }
+}
+
 TEST_CASE("a model with fused kernels gives the composite model's loss and gradients", "[kernels][model]") {
   torch::manual_seed(6);
   auto config = mt::llama::presets::llama_tiny;

@@ -491,6 +491,10 @@ TEST_CASE("generation with a KV cache: the full forward's argmax, batched as alo
   }
   // Left-padded into one batch: the same tokens.
   CHECK(mt::llama::generate(lm, prompts, greedy) == alone);
+  // LibTorch's GEMM instead of the few-rows kernel (--fused off) for every product: the same tokens.
+  lm->use_fused_kernels(false);
+  CHECK(mt::llama::generate(lm, prompts, greedy) == alone);
+  lm->use_fused_kernels(true);
   // An eos ends a row, which keeps it; the others go on.
   auto until_eos = greedy;
   until_eos.eos_ids = {alone[0][3]};

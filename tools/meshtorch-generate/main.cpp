@@ -89,6 +89,12 @@ int main(int argc, char** argv) {
   app.add_flag("--ignore-eos", ignore_eos, "always produce --max-new-tokens tokens (for timing)");
   app.add_option("--dtype", dtype)->capture_default_str()->check(CLI::IsMember({"float32", "bfloat16", "auto"}));
   app.add_option("--threads", threads, "intra-op threads (0: LibTorch's default)")->capture_default_str();
+  std::string fused = "on";
+  app.add_option("--fused", fused,
+                 "on: the fused CPU kernels (RMSNorm, SwiGLU, rotary, and the few-rows product of a decoding "
+                 "step); off: LibTorch's composite ops and GEMM, for comparison")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
   CLI11_PARSE(app, argc, argv);
   if (ids_mode && (chat || !prompts.empty() || !stops.empty())) {
     std::cerr << "meshtorch-generate: --ids takes prompts from stdin as ids; it does not combine with --chat, "
@@ -104,6 +110,7 @@ int main(int argc, char** argv) {
     auto& model = whole.model;
     const auto& dir = whole.folder;
     model->eval();
+    model->use_fused_kernels(fused == "on");
     if (!ignore_eos) options.eos_ids = eos_ids_of(dir);
     // What generation took, without loading: on stderr, so that stdout holds only the output.
     const auto timed = [](auto&& generate_batch) {

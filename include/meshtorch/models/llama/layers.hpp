@@ -6,6 +6,7 @@
 
 #include <meshtorch/torch.hpp>
 
+#include <meshtorch/kernels/few_rows_linear.hpp>
 #include <meshtorch/kernels/rms_norm.hpp>
 #include <meshtorch/models/llama/config.hpp>
 #include <meshtorch/models/weight_module.hpp>
@@ -19,6 +20,10 @@ class LinearImpl : public WeightModule {
   MESHTORCH_DECL LinearImpl(std::int64_t in_features, std::int64_t out_features, const torch::TensorOptions& options,
                             bool with_bias = false);
   MESHTORCH_DECL torch::Tensor forward(const torch::Tensor& x);
+
+  // kernels/few_rows_linear.hpp's kernel for the few rows of a decoding step, or LibTorch's GEMM
+  // always (--fused off)
+  bool fused_kernels = true;
 };
 TORCH_MODULE(Linear);
 
@@ -81,7 +86,10 @@ MESHTORCH_DECL LinearImpl::LinearImpl(std::int64_t in_features, std::int64_t out
 }
 
 MESHTORCH_DECL torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
-  return hooks.around(x, [&](const torch::Tensor& in) { return at::linear(in, weight_in_use(), bias_in_use()); });
+  return hooks.around(x, [&](const torch::Tensor& in) {
+    return fused_kernels ? kernels::linear(in, weight_in_use(), bias_in_use())
+                         : at::linear(in, weight_in_use(), bias_in_use());
+  });
 }
 
 MESHTORCH_DECL EmbeddingImpl::EmbeddingImpl(std::int64_t num_embeddings, std::int64_t dim,

@@ -167,8 +167,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   MESHTORCH_DECL torch::Tensor head_loss_sum(const torch::Tensor& hidden, const torch::Tensor& targets);
 
   // The fused kernels of kernels/ (the default), or LibTorch's composite ops for the same maths
-  // (--fused off): RMSNorm with the residual add before it, SwiGLU, rotary embeddings.
+  // (--fused off): RMSNorm with the residual add before it, SwiGLU, rotary embeddings, and the
+  // products of a decoding step's few rows.
   MESHTORCH_DECL void use_fused_kernels(bool fused);
+  bool fused_kernels = true;  // what use_fused_kernels set last
 
   const Config config;
   LlamaModel model{nullptr};
@@ -420,8 +422,10 @@ MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::head_loss_sum(const torch::Te
 }
 
 MESHTORCH_DECL void LlamaForCausalLMImpl::use_fused_kernels(bool fused) {
+  fused_kernels = fused;
   for (auto& module : modules()) {
     if (auto* norm = dynamic_cast<RMSNormImpl*>(module.get())) norm->fused_kernels = fused;
+    if (auto* linear = dynamic_cast<LinearImpl*>(module.get())) linear->fused_kernels = fused;
     if (auto* attention = dynamic_cast<AttentionImpl*>(module.get())) attention->fused_kernels = fused;
     if (auto* mlp = dynamic_cast<MlpImpl*>(module.get())) mlp->fused_kernels = fused;
   }
