@@ -2,6 +2,8 @@
 // reference left whole, and a copy that the plan shards over the TP group; the sharded model's
 // loss, gradients and trained parameters must match the reference's (fp32, Gloo). Tests tagged
 // [single] run in one process; the others are rank bodies run on 2 ranks (see CMakeLists.txt).
+#include <functional>
+
 #include <catch2/catch.hpp>
 
 #include <meshtorch/comm/comm.hpp>
@@ -42,11 +44,17 @@ double max_relative_error(const torch::Tensor& actual, const torch::Tensor& expe
 
 // Trains the reference and the TP model side by side for `steps` steps and checks loss, every
 // gradient (the shard of the reference's) and every parameter after each step.
+// `adjust` changes both models alike before the plan applies (adds layers' biases).
 template <class Plan, class DeviceMesh>
-void check_parity(DeviceMesh& mesh, const llama::Config& config, int steps, std::int64_t loss_chunk = 0) {
+void check_parity(DeviceMesh& mesh, const llama::Config& config, int steps, std::int64_t loss_chunk = 0,
+                  const std::function<void(llama::LlamaForCausalLM&)>& adjust = {}) {
   const auto& tp = mesh.template group<mt::TP>();
   auto reference = seeded_llama(config, 7);
   auto model = seeded_llama(config, 7);
+  if (adjust) {
+    adjust(reference);
+    adjust(model);
+  }
   auto parallel = mt::apply_tensor_parallel<Plan>(model, tp);
   model->loss_chunk = loss_chunk;  // the reference computes all logits at once
   mt::train::AdamW reference_opt(mt::train::named_trainable_parameters(*reference), {.lr = 1e-3});
@@ -130,6 +138,42 @@ TEST_CASE("the chunked loss under TP (loss parallel, and Megatron's gathered log
 // The families' own weights under both plans: Qwen3's per-head q/k norms (whole on every rank, their
 // gradients summed over TP with or without sequence parallel) and Qwen2's q/k/v biases (split with
 // the heads: each rank's gradient is its shard of the full one).
+// Biases on the rowwise layers (o_proj, down_proj), drawn from one seed: no family has them, but
+// a plan may put RowwiseParallel on a layer with a bias, which each rank must not add.
+static void with_rowwise_biases(llama::LlamaForCausalLM& lm) {
+  torch::manual_seed(5);
+  torch::NoGradGuard no_grad;
+  const auto biased_copy = [](const llama::Linear& linear) {
+    llama::Linear biased(linear->weight.size(1), linear->weight.size(0), linear->weight.options(), /*with_bias=*/true);
+    biased->replace_weight(linear->weight);
+    biased->bias.normal_(0.0, 0.5);
+    return biased;
+  };
+  for (auto& layer : lm->model->decoder_layers) {
+    auto& attention = *layer->self_attn;
+    attention.o_proj = llama::Linear(attention.replace_module("o_proj", biased_copy(attention.o_proj)));
+    auto& mlp = *layer->mlp;
+    mlp.down_proj = llama::Linear(mlp.replace_module("down_proj", biased_copy(mlp.down_proj)));
+  }
+}
+
+TEST_CASE("RowwiseParallel layers with a bias add it once, and train it as one process does", "[.][tp_rowwise_bias]") {
+  auto mesh = mt::comm::init<Tp2>();
+  auto config = llama::presets::llama_tiny;
+  config.family = llama::Family::qwen2;  // colwise biases too
+  // The bias changes the loss: a model that dropped or doubled it would not match.
+  {
+    auto plain = seeded_llama(config, 7), biased = seeded_llama(config, 7);
+    with_rowwise_biases(biased);
+    const auto ids = torch::randint(0, config.vocab_size, {2, 16}, torch::kLong);
+    torch::NoGradGuard no_grad;
+    CHECK(std::abs(plain->loss(ids, ids).item<double>() - biased->loss(ids, ids).item<double>()) > 1e-3);
+  }
+  check_parity<llama::Plan<Tp2>>(mesh, config, 2, 0, with_rowwise_biases);
+  check_parity<llama::Plan<Tp2, llama::presets::llama_tiny, llama::TensorParallelStyles>>(mesh, config, 2, 0,
+                                                                                          with_rowwise_biases);
+}
+
 TEST_CASE("Qwen3 and Qwen2 under both TP plans match one process", "[.][tp_families]") {
   auto mesh = mt::comm::init<Tp2>();
   for (const auto family : {llama::Family::qwen3, llama::Family::qwen2}) {

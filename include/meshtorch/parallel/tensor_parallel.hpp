@@ -13,7 +13,9 @@
 //                    input -> all-gather along d (reduce-scatter backward). Leave: Shard<-1> as
 //                    it is, or all-gather to Replicate.
 //   RowwiseParallel  Replicate input -> this rank's chunk; the partial sums leave by all-reduce
-//                    (Replicate) or reduce-scatter along the sequence (Shard<1>).
+//                    (Replicate) or reduce-scatter along the sequence (Shard<1>). A bias stays
+//                    whole, added by rank 0 alone; its gradient joins the norms' sum.
+//   Colwise biases are split with their layer's output rows.
 //   SequenceParallel the norm runs on its sequence shard; its weight's gradient is a partial
 //                    sum, which Style::weight (f) all-reduces: once per backward for all the
 //                    norms together (tp_detail::NormGradientSum), not once per norm.
@@ -243,9 +245,11 @@ class TensorParallelRuntime {
   // model's head_hooks either way.
   MESHTORCH_DECL void apply_head(const tp_detail::StyleSteps& style);
   MESHTORCH_DECL void shard(const std::string& name, WeightModule& module, std::int64_t dim);
-  // A whole weight whose gradient is a partial sum on each rank (a sequence-parallel norm's, a
-  // per-head norm's with the heads split): summed over the group when the backward ends.
-  MESHTORCH_DECL void sum_partial_gradient(const std::string& name, WeightModule& module);
+  // A whole tensor whose gradient is a partial sum on each rank (a sequence-parallel norm's weight,
+  // a per-head norm's with the heads split, a rowwise layer's bias): summed over the group when
+  // the backward ends.
+  MESHTORCH_DECL void sum_partial_gradient(const std::string& name, WeightModule& module,
+                                           LeafSlot slot = LeafSlot::weight);
 
   llama::LlamaForCausalLM model_;
   comm::AxisGroup group_;
@@ -312,9 +316,8 @@ MESHTORCH_DECL void NormGradientSum::use_trained(const std::map<std::string, tor
   for (auto& [name, tensor] : trained_) {
     const auto it = by_name.find(name);
     if (it == by_name.end())
-      throw ConfigError(
-          fmt::format("tensor parallel: nothing trains the norm weight '{}' (its gradient summed over TP) on {}", name,
-                      group_.describe()));
+      throw ConfigError(fmt::format("tensor parallel: nothing trains '{}' (its gradient summed over TP) on {}", name,
+                                    group_.describe()));
     tensor = it->second;
   }
 }
@@ -336,7 +339,7 @@ MESHTORCH_DECL torch::Tensor NormGradientSum::partial_gradient_of(const torch::T
   view.register_hook([self = shared_from_this(), name](const torch::Tensor& grad) {
     if (self->queued_for_ == -1)
       throw ConfigError(
-          fmt::format("tensor parallel: the gradient of the norm '{}' (a partial sum on each rank) reached a "
+          fmt::format("tensor parallel: the gradient of '{}' (a partial sum on each rank) reached a "
                       "backward that did not start at TensorParallel::loss (or ParallelLlama::loss), "
                       "so its sum over the {} would never run; compute the loss through them",
                       name, self->group_.describe()));
@@ -514,12 +517,15 @@ MESHTORCH_DECL void TensorParallelRuntime::apply(const std::string& name, Weight
   throw ConfigError(fmt::format("{}: PrepareModuleInput applies to a module with children, not to a leaf", name));
 }
 
-MESHTORCH_DECL void TensorParallelRuntime::sum_partial_gradient(const std::string& name, WeightModule& module) {
-  // Run for all such weights at once when the backward ends. A parametrization, so it holds when
-  // a wrapper (FSDP) swaps the weight tensor for a gathered one.
-  norm_gradients_->add(name + ".weight", module.weight);
-  module.parametrizations.push_back([sum = norm_gradients_, weight_name = name + ".weight"](const torch::Tensor& w) {
-    return sum->partial_gradient_of(w, weight_name);
+MESHTORCH_DECL void TensorParallelRuntime::sum_partial_gradient(const std::string& name, WeightModule& module,
+                                                                LeafSlot slot) {
+  // Run for all such tensors at once when the backward ends. A parametrization, so it holds when
+  // a wrapper (FSDP) swaps the tensor for a gathered one.
+  const auto tensor_name = name + (slot == LeafSlot::weight ? ".weight" : ".bias");
+  norm_gradients_->add(tensor_name, module.tensor(slot));
+  auto& functions = slot == LeafSlot::weight ? module.parametrizations : module.bias_parametrizations;
+  functions.push_back([sum = norm_gradients_, tensor_name](const torch::Tensor& t) {
+    return sum->partial_gradient_of(t, tensor_name);
   });
 }
 
@@ -546,19 +552,21 @@ MESHTORCH_DECL void TensorParallelRuntime::apply_head(const tp_detail::StyleStep
 
 MESHTORCH_DECL void TensorParallelRuntime::shard(const std::string& name, WeightModule& module, std::int64_t dim) {
   torch::NoGradGuard no_grad;
-  // A colwise layer's bias follows its output rows; a rowwise one's would have to be added once,
-  // after the partial sums are reduced, which no plan needs yet (Qwen2's biases are on q, k, v).
-  if (module.bias.defined() && dim != 0)
-    throw ConfigError(fmt::format(
-        "{}: RowwiseParallel on a layer with a bias is not supported (the bias would be added on every rank "
-        "before the sum); keep the layer NoParallel or ColwiseParallel",
-        name));
   module.set_weight(tp_detail::chunk_of(module.weight.detach(), group_, dim, name + ".weight"));
   sharded_[name + ".weight"] = dim;
-  if (module.bias.defined()) {
+  if (!module.bias.defined()) return;
+  if (dim == 0) {  // a colwise layer's bias follows its output rows
     module.set(LeafSlot::bias, tp_detail::chunk_of(module.bias.detach(), group_, 0, name + ".bias"));
     sharded_[name + ".bias"] = 0;
+    return;
   }
+  // A rowwise layer's outputs are partial sums, reduced as they leave the layer: its bias, kept
+  // whole on every rank, is added by rank 0 alone, so that the sum holds it once (DTensor's
+  // Replicate -> Partial). Its gradient, whole on rank 0 and zero on the others, is summed over TP
+  // when the backward ends, as a sequence-parallel norm's is.
+  sum_partial_gradient(name, module, LeafSlot::bias);
+  module.bias_parametrizations.push_back(
+      [added_here = group_.rank() == 0](const torch::Tensor& bias) { return added_here ? bias : bias * 0.0; });
 }
 
 }  // namespace meshtorch
