@@ -1,5 +1,5 @@
 #pragma once
-// x W^T (+ b) for a few rows of x on the CPU in fp32, without autograd: the matrix products of a
+// x W^T (+ b) for a few rows of x on the CPU in fp32, in inference mode: the matrix products of a
 // decoding step (models/llama/generate.hpp, one row per prompt), which read every weight once a
 // token and compute little with it.
 //
@@ -9,7 +9,9 @@
 // is read once for all rows of x, two weight rows at a time, with the rows ahead prefetched: 17 ms
 // at two rows, 20 ms at eight. The loops are compiled for AVX-512 and for AVX2 with FMA through
 // function target attributes (a header cannot choose compiler flags) and picked at run time;
-// another CPU, type or device, other row counts, or a call that needs gradients take at::linear.
+// another CPU, type or device, other row counts, or a call outside inference mode take at::linear.
+// Inference mode, not only no gradients: a checkpointed layer's forward runs without gradients and
+// is recomputed with them, and both must compute alike.
 #include <cstdint>
 
 #include <meshtorch/torch.hpp>
@@ -31,14 +33,14 @@ enum class FewRowsIsa { none, avx2_fma, avx512 };
 // none, avx2: avx2_fma).
 MESHTORCH_DECL FewRowsIsa few_rows_isa();
 
-// Whether few_rows_linear takes x [..., in], w [out, in] and b ([out] or undefined): fp32 on the
-// CPU, w contiguous, few_rows_minimum to few_rows_limit rows of x, no gradient asked for, and a CPU with
-// AVX2 and FMA at least.
+// Whether few_rows_linear takes x [..., in], w [out, in] and b ([out] or undefined): in inference
+// mode (c10::InferenceMode), without CPU autocast, plain fp32 tensors on the CPU, w contiguous,
+// few_rows_minimum to few_rows_limit rows of x, and a CPU with AVX2 and FMA at least.
 MESHTORCH_DECL bool few_rows_linear_applies(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
 
-// at::linear(x, w, b) for tensors few_rows_linear_applies to, with the loops of `isa` (which this
-// CPU must run; none: at::linear itself). The sum over `in` runs in another order than the GEMM's:
-// the results agree to fp32 rounding, not bit for bit.
+// at::linear(x, w, b) for tensors few_rows_linear_applies to, with the loops of `isa` (at most
+// few_rows_isa()). The sum over `in` runs in another order than the GEMM's: the results agree to
+// fp32 rounding, not bit for bit.
 MESHTORCH_DECL torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
                                              FewRowsIsa isa = few_rows_isa());
 
@@ -53,12 +55,15 @@ MESHTORCH_DECL torch::Tensor linear(const torch::Tensor& x, const torch::Tensor&
 #include <string_view>
 
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 
 #include <meshtorch/error.hpp>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define MESHTORCH_FEW_ROWS_X86 1
 #include <immintrin.h>
+#else
+#define MESHTORCH_FEW_ROWS_X86 0
 #endif
 
 namespace meshtorch::kernels {
@@ -66,6 +71,13 @@ namespace meshtorch::kernels {
 namespace few_rows_detail {
 
 #if MESHTORCH_FEW_ROWS_X86
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's _mm512_reduce_add_ps starts from _mm512_undefined_ps, which -Wall reports as
+// maybe-uninitialized (GCC bug 105593) in every program that includes this header.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 // The weight rows after the ones being read are fetched this far ahead: 4 kB measured best of 1,
 // 4 and 8 kB (26, 21 and 22 ms at 8 rows). A prefetch never faults, even past the matrix's end.
 inline const char* ahead(const float* p) {
@@ -204,6 +216,9 @@ void product_of_rows(std::int64_t rows, FewRowsIsa isa, const float* x, const fl
     product_of_rows<M + 1>(rows, isa, x, w, y, in, out);
   }
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #endif  // MESHTORCH_FEW_ROWS_X86
 
 inline FewRowsIsa detect_isa() {
@@ -232,11 +247,13 @@ MESHTORCH_DECL FewRowsIsa few_rows_isa() {
 }
 
 MESHTORCH_DECL bool few_rows_linear_applies(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  if (few_rows_isa() == FewRowsIsa::none || !x.defined() || !w.defined() || x.dim() < 1 || w.dim() != 2) return false;
-  if (at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || (b.defined() && b.requires_grad())))
+  if (few_rows_isa() == FewRowsIsa::none || !c10::InferenceMode::is_enabled() ||
+      at::autocast::is_autocast_enabled(at::kCPU) || !x.defined() || !w.defined() || x.dim() < 1 || w.dim() != 2)
     return false;
+  // Plain tensors only: no nested ones, no lazily negated views, no forward-mode tangents.
   const auto on_cpu_in_fp32 = [](const torch::Tensor& t) {
-    return t.device().is_cpu() && t.layout() == torch::kStrided && t.scalar_type() == torch::kFloat;
+    return t.device().is_cpu() && t.layout() == torch::kStrided && t.scalar_type() == torch::kFloat && !t.is_nested() &&
+           !t.is_neg() && !t.is_conj() && !t._fw_grad(0).defined();
   };
   if (!on_cpu_in_fp32(x) || !on_cpu_in_fp32(w) || !w.is_contiguous() || x.size(-1) != w.size(1) || w.size(1) == 0)
     return false;
@@ -249,8 +266,8 @@ MESHTORCH_DECL torch::Tensor few_rows_linear(const torch::Tensor& x, const torch
                                              FewRowsIsa isa) {
   if (!few_rows_linear_applies(x, w, b))
     throw ConfigError("few_rows_linear: not for these tensors (see few_rows_linear_applies)");
-  if (isa > few_rows_isa()) throw ConfigError("few_rows_linear: this CPU does not run the instruction set asked for");
-  if (isa == FewRowsIsa::none) return at::linear(x, w, b);
+  if (isa > few_rows_isa() || isa == FewRowsIsa::none)
+    throw ConfigError("few_rows_linear: this CPU does not run the instruction set asked for");
 #if MESHTORCH_FEW_ROWS_X86
   const auto in = w.size(1), out = w.size(0);
   const auto rows = x.reshape({-1, in}).contiguous();

@@ -34,7 +34,8 @@ struct GenerateOptions {
 };
 
 // Called with (row, token) as each new token is chosen (for streaming); returning true ends that
-// row there (a stop string its text now holds).
+// row there (a stop string its text now holds). It runs in generate's inference mode: a tensor it
+// makes is an inference tensor.
 using TokenCallback = std::function<bool(std::size_t row, std::int64_t token)>;
 
 // The new tokens of each prompt. Runs without gradients, on the model's device and dtype.
