@@ -118,6 +118,16 @@ TEST_CASE("fused SwiGLU equals silu(gate) * up in values and gradients", "[kerne
     CHECK(values <= (dtype == torch::kFloat ? 2e-6 : 2e-2));
     CHECK(grads <= (dtype == torch::kFloat ? 2e-6 : 5e-2));
   }
+  // Gates where exp over- or underflows (the one-pass sigmoid clamps its argument): finite, and
+  // the composite's values and gradients.
+  const auto extreme = torch::tensor({-1e4f, -1000.0f, -100.0f, -88.5f, -87.0f, -1e-3f, 0.0f, 1e-3f, 87.0f, 88.5f,
+                                      100.0f, 1000.0f, 1e4f, 3.0f, -3.0f, 0.5f, -0.5f});
+  const auto [values, grads] = compare(
+      {extreme, torch::randn({extreme.numel()})},
+      [](const auto& in) { return std::vector{mt::kernels::swiglu(in[0], in[1])}; },
+      [](const auto& in) { return std::vector{mt::kernels::composite::swiglu(in[0], in[1])}; });
+  CHECK(values <= 2e-6);
+  CHECK(grads <= 2e-6);
 }
 
 TEST_CASE("fused rotary embeddings equal x cos + rotate_half(x) sin on q and k, values and gradients", "[kernels]") {
@@ -176,14 +186,14 @@ TEST_CASE("rotary takes q and k as strided views, and refuses mismatched shapes"
 }
 
 TEST_CASE("few-rows linear equals x W^T + b for 2 to 8 rows on each instruction set this CPU runs", "[kernels]") {
-  using mt::kernels::FewRowsIsa;
+  using mt::kernels::Isa;
   torch::manual_seed(11);
   c10::InferenceMode inference;
   const auto threads = GENERATE(1, 2);
   WithThreads with(threads);
-  std::vector<FewRowsIsa> isas;
-  for (const auto isa : {FewRowsIsa::avx2_fma, FewRowsIsa::avx512})
-    if (isa <= mt::kernels::few_rows_isa()) isas.push_back(isa);
+  std::vector<Isa> isas;
+  for (const auto isa : {Isa::avx2_fma, Isa::avx512})
+    if (isa <= mt::kernels::cpu_isa()) isas.push_back(isa);
 #if defined(__x86_64__)
   // Every x86-64 machine of the last decade has AVX2 and FMA, unless LibTorch's switch turns them off.
   if (std::getenv("ATEN_CPU_CAPABILITY") == nullptr) CHECK_FALSE(isas.empty());
@@ -223,7 +233,7 @@ TEST_CASE("few-rows linear equals x W^T + b for 2 to 8 rows on each instruction 
 
 TEST_CASE("few-rows linear is taken only in inference mode where it applies, and at::linear elsewhere", "[kernels]") {
   const auto x = torch::randn({8, 32}), w = torch::randn({5, 32}), b = torch::randn({5});
-  const bool available = mt::kernels::few_rows_isa() != mt::kernels::FewRowsIsa::none;
+  const bool available = mt::kernels::cpu_isa() != mt::kernels::Isa::none;
   {
     c10::InferenceMode inference;
     CHECK(mt::kernels::few_rows_linear_applies(x, w, b) == available);

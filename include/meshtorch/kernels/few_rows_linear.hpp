@@ -16,6 +16,7 @@
 
 #include <meshtorch/torch.hpp>
 
+#include <meshtorch/kernels/cpu_isa.hpp>
 #include <meshtorch/separate_compilation.hpp>
 
 namespace meshtorch::kernels {
@@ -26,23 +27,16 @@ namespace meshtorch::kernels {
 inline constexpr std::int64_t few_rows_minimum = 2;
 inline constexpr std::int64_t few_rows_limit = 8;
 
-// The instruction sets the loops are compiled for.
-enum class FewRowsIsa { none, avx2_fma, avx512 };
-
-// The best of them this CPU runs, at most what LibTorch's ATEN_CPU_CAPABILITY allows (default:
-// none, avx2: avx2_fma).
-MESHTORCH_DECL FewRowsIsa few_rows_isa();
-
 // Whether few_rows_linear takes x [..., in], w [out, in] and b ([out] or undefined): in inference
 // mode (c10::InferenceMode), without CPU autocast, plain fp32 tensors on the CPU, w contiguous,
 // few_rows_minimum to few_rows_limit rows of x, and a CPU with AVX2 and FMA at least.
 MESHTORCH_DECL bool few_rows_linear_applies(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
 
 // at::linear(x, w, b) for tensors few_rows_linear_applies to, with the loops of `isa` (at most
-// few_rows_isa()). The sum over `in` runs in another order than the GEMM's: the results agree to
+// cpu_isa()). The sum over `in` runs in another order than the GEMM's: the results agree to
 // fp32 rounding, not bit for bit.
 MESHTORCH_DECL torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
-                                             FewRowsIsa isa = few_rows_isa());
+                                             Isa isa = cpu_isa());
 
 // few_rows_linear where it applies, at::linear elsewhere: what a linear layer computes with.
 MESHTORCH_DECL torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b = {});
@@ -51,26 +45,17 @@ MESHTORCH_DECL torch::Tensor linear(const torch::Tensor& x, const torch::Tensor&
 
 #if MESHTORCH_DEFINES(core)
 #include <algorithm>
-#include <cstdlib>
-#include <string_view>
 
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 
 #include <meshtorch/error.hpp>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define MESHTORCH_FEW_ROWS_X86 1
-#include <immintrin.h>
-#else
-#define MESHTORCH_FEW_ROWS_X86 0
-#endif
-
 namespace meshtorch::kernels {
 
 namespace few_rows_detail {
 
-#if MESHTORCH_FEW_ROWS_X86
+#if MESHTORCH_X86_KERNELS
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12's _mm512_reduce_add_ps starts from _mm512_undefined_ps, which -Wall reports as
 // maybe-uninitialized (GCC bug 105593) in every program that includes this header.
@@ -184,10 +169,10 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const float* 
 // The weight rows [first, end) with `isa`'s loops: pairs of rows (AVX2: pairs while the
 // accumulators fit), then the odd row left.
 template <int M>
-void rows_of(FewRowsIsa isa, const float* x, const float* w, float* y, std::int64_t in, std::int64_t out,
-             std::int64_t first, std::int64_t end) {
+void rows_of(Isa isa, const float* x, const float* w, float* y, std::int64_t in, std::int64_t out, std::int64_t first,
+             std::int64_t end) {
   const auto paired = first + (end - first) / 2 * 2;
-  if (isa == FewRowsIsa::avx512) {
+  if (isa == Isa::avx512) {
     rows_avx512<M, 2>(x, w, y, in, out, first, paired);
     rows_avx512<M, 1>(x, w, y, in, out, paired, end);
   } else if constexpr (M <= 4) {
@@ -201,7 +186,7 @@ void rows_of(FewRowsIsa isa, const float* x, const float* w, float* y, std::int6
 // The M rows of x against every weight row, split over LibTorch's intra-op threads by pairs of
 // weight rows (at least 16 pairs a task: a small matrix is not worth more threads).
 template <int M>
-void product(FewRowsIsa isa, const float* x, const float* w, float* y, std::int64_t in, std::int64_t out) {
+void product(Isa isa, const float* x, const float* w, float* y, std::int64_t in, std::int64_t out) {
   at::parallel_for(0, (out + 1) / 2, 16, [&](std::int64_t begin, std::int64_t end) {
     rows_of<M>(isa, x, w, y, in, out, 2 * begin, std::min(2 * end, out));
   });
@@ -209,7 +194,7 @@ void product(FewRowsIsa isa, const float* x, const float* w, float* y, std::int6
 
 // product<M> for the count of rows given at run time.
 template <int M = few_rows_minimum>
-void product_of_rows(std::int64_t rows, FewRowsIsa isa, const float* x, const float* w, float* y, std::int64_t in,
+void product_of_rows(std::int64_t rows, Isa isa, const float* x, const float* w, float* y, std::int64_t in,
                      std::int64_t out) {
   if constexpr (M <= few_rows_limit) {
     if (rows == M) return product<M>(isa, x, w, y, in, out);
@@ -219,36 +204,13 @@ void product_of_rows(std::int64_t rows, FewRowsIsa isa, const float* x, const fl
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-#endif  // MESHTORCH_FEW_ROWS_X86
-
-inline FewRowsIsa detect_isa() {
-#if MESHTORCH_FEW_ROWS_X86
-  __builtin_cpu_init();
-  auto best = __builtin_cpu_supports("avx512f")                                 ? FewRowsIsa::avx512
-              : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? FewRowsIsa::avx2_fma
-                                                                                : FewRowsIsa::none;
-  // LibTorch's own switch for the instruction sets its kernels may use.
-  if (const char* allowed = std::getenv("ATEN_CPU_CAPABILITY")) {
-    const std::string_view capability(allowed);
-    if (capability == "default") best = FewRowsIsa::none;
-    if (capability == "avx2") best = std::min(best, FewRowsIsa::avx2_fma);
-  }
-  return best;
-#else
-  return FewRowsIsa::none;
-#endif
-}
+#endif  // MESHTORCH_X86_KERNELS
 
 }  // namespace few_rows_detail
 
-MESHTORCH_DECL FewRowsIsa few_rows_isa() {
-  static const FewRowsIsa isa = few_rows_detail::detect_isa();
-  return isa;
-}
-
 MESHTORCH_DECL bool few_rows_linear_applies(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  if (few_rows_isa() == FewRowsIsa::none || !c10::InferenceMode::is_enabled() ||
-      at::autocast::is_autocast_enabled(at::kCPU) || !x.defined() || !w.defined() || x.dim() < 1 || w.dim() != 2)
+  if (cpu_isa() == Isa::none || !c10::InferenceMode::is_enabled() || at::autocast::is_autocast_enabled(at::kCPU) ||
+      !x.defined() || !w.defined() || x.dim() < 1 || w.dim() != 2)
     return false;
   // Plain tensors only: no nested ones, no lazily negated views, no forward-mode tangents.
   const auto on_cpu_in_fp32 = [](const torch::Tensor& t) {
@@ -263,12 +225,12 @@ MESHTORCH_DECL bool few_rows_linear_applies(const torch::Tensor& x, const torch:
 }
 
 MESHTORCH_DECL torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
-                                             FewRowsIsa isa) {
+                                             Isa isa) {
   if (!few_rows_linear_applies(x, w, b))
     throw ConfigError("few_rows_linear: not for these tensors (see few_rows_linear_applies)");
-  if (isa > few_rows_isa() || isa == FewRowsIsa::none)
+  if (isa > cpu_isa() || isa == Isa::none)
     throw ConfigError("few_rows_linear: this CPU does not run the instruction set asked for");
-#if MESHTORCH_FEW_ROWS_X86
+#if MESHTORCH_X86_KERNELS
   const auto in = w.size(1), out = w.size(0);
   const auto rows = x.reshape({-1, in}).contiguous();
   auto y = torch::empty({rows.size(0), out}, x.options());

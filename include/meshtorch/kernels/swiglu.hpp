@@ -4,10 +4,11 @@
 // Composed, silu and the product are two passes forward and three backward (silu's gradient, and
 // the product's two), and autograd keeps gate, silu(gate) and up: three activations of the MLP's
 // width per layer. Fused, the product and both gradients are one pass each, and only gate and up
-// are kept. sigmoid(gate) comes from LibTorch's own kernel, forward and again backward: its
-// vectorised exp is SLEEF's, which ATen compiles per instruction set and a header cannot reach
-// (a baseline build's Vectorized<float>::exp is std::exp lane by lane, three times slower than
-// the whole composite). Off the CPU the composite runs.
+// are kept. In fp32 on a CPU with AVX-512 (kernels/cpu_isa.hpp) sigmoid(gate) is computed in the
+// registers of that pass; elsewhere it comes from LibTorch's own kernel, forward and again
+// backward, a pass of its own each time: its vectorised exp is SLEEF's, which ATen compiles per
+// instruction set and a header cannot reach (a baseline build's Vectorized<float>::exp is std::exp
+// lane by lane, three times slower than the whole composite). Off the CPU the composite runs.
 #include <meshtorch/torch.hpp>
 
 #include <meshtorch/separate_compilation.hpp>
@@ -29,6 +30,7 @@ MESHTORCH_DECL torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tens
 #include <ATen/record_function.h>
 #include <torch/autograd.h>
 
+#include <meshtorch/kernels/cpu_isa.hpp>
 #include <meshtorch/kernels/cpu_rows.hpp>
 
 namespace meshtorch::kernels {
@@ -62,19 +64,96 @@ void backward_elements(const T* grad, const T* gate, const T* sigmoids, const T*
   });
 }
 
+#if MESHTORCH_X86_KERNELS
+// The one-pass loops for fp32 on AVX-512: sigmoid(gate) computed in the registers, so neither
+// pass writes or reads it as a tensor. e^t is Cephes' expf (range reduction by ln 2 in two parts,
+// a degree-6 polynomial, the power of 2 by scalef): within 2e-7 of sigmoid's value in fp64.
+__attribute__((target("avx512f"), always_inline)) inline __m512 sigmoid_avx512(__m512 x) {
+  // t = -x, clamped so that 2^n stays finite (sigmoid is 0 or 1 in fp32 well before).
+  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(-88.0f)),
+                                 _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 exp_t = _mm512_scalef_ps(p, n);
+  return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp_t));
+}
+
+// out = silu(gate) * up over [0, count), the last part through a mask.
+__attribute__((target("avx512f"))) inline void forward_avx512(const float* gate, const float* up, float* out,
+                                                              std::int64_t count) {
+  for (std::int64_t i = 0; i < count; i += 16) {
+    const auto mask = static_cast<__mmask16>(count - i >= 16 ? 0xFFFF : (1u << (count - i)) - 1u);
+    const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
+    const __m512 silu = _mm512_mul_ps(g, sigmoid_avx512(g));
+    _mm512_mask_storeu_ps(out + i, mask, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(mask, up + i)));
+  }
+}
+
+// grad_up = grad silu(gate), grad_gate = grad up silu'(gate), as backward_elements.
+__attribute__((target("avx512f"))) inline void backward_avx512(const float* grad, const float* gate, const float* up,
+                                                               float* grad_gate, float* grad_up, std::int64_t count) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (std::int64_t i = 0; i < count; i += 16) {
+    const auto mask = static_cast<__mmask16>(count - i >= 16 ? 0xFFFF : (1u << (count - i)) - 1u);
+    const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
+    const __m512 d = _mm512_maskz_loadu_ps(mask, grad + i);
+    const __m512 s = sigmoid_avx512(g);
+    _mm512_mask_storeu_ps(grad_up + i, mask, _mm512_mul_ps(d, _mm512_mul_ps(g, s)));
+    const __m512 slope = _mm512_mul_ps(s, _mm512_fmadd_ps(g, _mm512_sub_ps(one, s), one));
+    _mm512_mask_storeu_ps(grad_gate + i, mask,
+                          _mm512_mul_ps(_mm512_mul_ps(d, _mm512_maskz_loadu_ps(mask, up + i)), slope));
+  }
+}
+#endif  // MESHTORCH_X86_KERNELS
+
+// body(begin, end) over blocks of [0, count) split across the intra-op threads, as
+// cpu::for_each_element splits its elements.
+template <class Body>
+void over_blocks(std::int64_t count, Body&& body) {
+  constexpr std::int64_t block = 4096;
+  const auto rows = (count + block - 1) / block;
+  cpu::for_row_ranges(rows, cpu::row_ranges(rows, block), [&](std::int64_t, std::int64_t first, std::int64_t end) {
+    body(first * block, std::min(end * block, count));
+  });
+}
+
+// Whether the one-pass loops take these rows.
+inline bool one_pass(const torch::Tensor& gate) {
+  return MESHTORCH_X86_KERNELS && gate.scalar_type() == torch::kFloat && cpu_isa() == Isa::avx512;
+}
+
 class FusedSwiGlu : public torch::autograd::Function<FusedSwiGlu> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& gate,
                                const torch::Tensor& up) {
     const auto g = gate.contiguous();
     const auto u = up.contiguous();
-    const auto s = at::sigmoid(g);
     auto out = torch::empty_like(g);
+    ctx->save_for_backward({g, u});
+#if MESHTORCH_X86_KERNELS
+    if (one_pass(g)) {
+      const float *gates = g.const_data_ptr<float>(), *ups = u.const_data_ptr<float>();
+      float* outs = out.mutable_data_ptr<float>();
+      over_blocks(g.numel(), [&](std::int64_t begin, std::int64_t end) {
+        forward_avx512(gates + begin, ups + begin, outs + begin, end - begin);
+      });
+      return out;
+    }
+#endif
+    const auto s = at::sigmoid(g);
     cpu::with_element_type(g.scalar_type(), [&]<class T>() {
       forward_elements<T>(g.const_data_ptr<T>(), s.const_data_ptr<T>(), u.const_data_ptr<T>(),
                           out.mutable_data_ptr<T>(), g.numel());
     });
-    ctx->save_for_backward({g, u});
     return out;
   }
 
@@ -85,9 +164,21 @@ class FusedSwiGlu : public torch::autograd::Function<FusedSwiGlu> {
     const auto& g = saved[0];
     const auto& u = saved[1];
     const auto grad = grads[0].contiguous();
-    const auto s = at::sigmoid(g);
     auto grad_gate = torch::empty_like(g);
     auto grad_up = torch::empty_like(u);
+#if MESHTORCH_X86_KERNELS
+    if (one_pass(g)) {
+      const float *grads_in = grad.const_data_ptr<float>(), *gates = g.const_data_ptr<float>(),
+                  *ups = u.const_data_ptr<float>();
+      float *gate_grads = grad_gate.mutable_data_ptr<float>(), *up_grads = grad_up.mutable_data_ptr<float>();
+      over_blocks(g.numel(), [&](std::int64_t begin, std::int64_t end) {
+        backward_avx512(grads_in + begin, gates + begin, ups + begin, gate_grads + begin, up_grads + begin,
+                        end - begin);
+      });
+      return {grad_gate, grad_up};
+    }
+#endif
+    const auto s = at::sigmoid(g);
     cpu::with_element_type(g.scalar_type(), [&]<class T>() {
       backward_elements<T>(grad.const_data_ptr<T>(), g.const_data_ptr<T>(), s.const_data_ptr<T>(),
                            u.const_data_ptr<T>(), grad_gate.mutable_data_ptr<T>(), grad_up.mutable_data_ptr<T>(),
