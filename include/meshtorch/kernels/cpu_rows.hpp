@@ -51,14 +51,21 @@ void for_each_lane(std::int64_t n, Step&& step) {
   for (; i < n; ++i) step(i, 0.0f);
 }
 
-// step(i, lane) over [0, count) as for_each_lane does, the elements split over the intra-op
-// threads in blocks: for elementwise kernels, whose rows are any size.
-template <class T, class Step>
-void for_each_element(std::int64_t count, Step&& step) {
+// body(begin, end) over ranges of [0, count) split over the intra-op threads in blocks: for
+// elementwise kernels, whose rows are any size.
+template <class Body>
+void for_element_ranges(std::int64_t count, Body&& body) {
   constexpr std::int64_t block = 4096;  // elements per row of the parallel split: any size works
   const auto rows = (count + block - 1) / block;
   for_row_ranges(rows, row_ranges(rows, block), [&](std::int64_t, std::int64_t first, std::int64_t end) {
-    const auto begin = first * block, stop = std::min(end * block, count);
+    body(first * block, std::min(end * block, count));
+  });
+}
+
+// step(i, lane) over [0, count) as for_each_lane does, split as for_element_ranges splits.
+template <class T, class Step>
+void for_each_element(std::int64_t count, Step&& step) {
+  for_element_ranges(count, [&](std::int64_t begin, std::int64_t stop) {
     for_each_lane<T>(stop - begin, [&](std::int64_t j, auto lane) { step(begin + j, lane); });
   });
 }

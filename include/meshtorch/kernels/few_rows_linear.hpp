@@ -224,29 +224,38 @@ MESHTORCH_DECL bool few_rows_linear_applies(const torch::Tensor& x, const torch:
   return rows >= few_rows_minimum && rows <= few_rows_limit;
 }
 
+namespace few_rows_detail {
+// few_rows_linear for tensors already checked.
+inline torch::Tensor product_of(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, Isa isa) {
+#if MESHTORCH_X86_KERNELS
+  const auto in = w.size(1), out = w.size(0);
+  const auto rows = x.reshape({-1, in}).contiguous();
+  auto y = torch::empty({rows.size(0), out}, x.options());
+  product_of_rows(rows.size(0), isa, rows.const_data_ptr<float>(), w.const_data_ptr<float>(),
+                  y.mutable_data_ptr<float>(), in, out);
+  if (b.defined()) y.add_(b);
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  return y.view(sizes);
+#else
+  (void)isa;
+  return at::linear(x, w, b);
+#endif
+}
+}  // namespace few_rows_detail
+
 MESHTORCH_DECL torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
                                              Isa isa) {
   if (!few_rows_linear_applies(x, w, b))
     throw ConfigError("few_rows_linear: not for these tensors (see few_rows_linear_applies)");
   if (isa > cpu_isa() || isa == Isa::none)
     throw ConfigError("few_rows_linear: this CPU does not run the instruction set asked for");
-#if MESHTORCH_X86_KERNELS
-  const auto in = w.size(1), out = w.size(0);
-  const auto rows = x.reshape({-1, in}).contiguous();
-  auto y = torch::empty({rows.size(0), out}, x.options());
-  few_rows_detail::product_of_rows(rows.size(0), isa, rows.const_data_ptr<float>(), w.const_data_ptr<float>(),
-                                   y.mutable_data_ptr<float>(), in, out);
-  if (b.defined()) y.add_(b);
-  auto sizes = x.sizes().vec();
-  sizes.back() = out;
-  return y.view(sizes);
-#else
-  return at::linear(x, w, b);
-#endif
+  return few_rows_detail::product_of(x, w, b, isa);
 }
 
+// Checked once: a Linear layer calls this for every product, in training too.
 MESHTORCH_DECL torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  return few_rows_linear_applies(x, w, b) ? few_rows_linear(x, w, b) : at::linear(x, w, b);
+  return few_rows_linear_applies(x, w, b) ? few_rows_detail::product_of(x, w, b, cpu_isa()) : at::linear(x, w, b);
 }
 
 }  // namespace meshtorch::kernels

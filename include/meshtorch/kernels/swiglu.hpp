@@ -115,17 +115,6 @@ __attribute__((target("avx512f"))) inline void backward_avx512(const float* grad
 }
 #endif  // MESHTORCH_X86_KERNELS
 
-// body(begin, end) over blocks of [0, count) split across the intra-op threads, as
-// cpu::for_each_element splits its elements.
-template <class Body>
-void over_blocks(std::int64_t count, Body&& body) {
-  constexpr std::int64_t block = 4096;
-  const auto rows = (count + block - 1) / block;
-  cpu::for_row_ranges(rows, cpu::row_ranges(rows, block), [&](std::int64_t, std::int64_t first, std::int64_t end) {
-    body(first * block, std::min(end * block, count));
-  });
-}
-
 // Whether the one-pass loops take these rows.
 inline bool one_pass(const torch::Tensor& gate) {
   return MESHTORCH_X86_KERNELS && gate.scalar_type() == torch::kFloat && cpu_isa() == Isa::avx512;
@@ -143,7 +132,7 @@ class FusedSwiGlu : public torch::autograd::Function<FusedSwiGlu> {
     if (one_pass(g)) {
       const float *gates = g.const_data_ptr<float>(), *ups = u.const_data_ptr<float>();
       float* outs = out.mutable_data_ptr<float>();
-      over_blocks(g.numel(), [&](std::int64_t begin, std::int64_t end) {
+      cpu::for_element_ranges(g.numel(), [&](std::int64_t begin, std::int64_t end) {
         forward_avx512(gates + begin, ups + begin, outs + begin, end - begin);
       });
       return out;
@@ -171,7 +160,7 @@ class FusedSwiGlu : public torch::autograd::Function<FusedSwiGlu> {
       const float *grads_in = grad.const_data_ptr<float>(), *gates = g.const_data_ptr<float>(),
                   *ups = u.const_data_ptr<float>();
       float *gate_grads = grad_gate.mutable_data_ptr<float>(), *up_grads = grad_up.mutable_data_ptr<float>();
-      over_blocks(g.numel(), [&](std::int64_t begin, std::int64_t end) {
+      cpu::for_element_ranges(g.numel(), [&](std::int64_t begin, std::int64_t end) {
         backward_avx512(grads_in + begin, gates + begin, ups + begin, gate_grads + begin, up_grads + begin,
                         end - begin);
       });
