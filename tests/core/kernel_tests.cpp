@@ -1,8 +1,10 @@
 // The fused CPU kernels (kernels/) against the composite ops they replace: values and gradients,
 // fp32 and bf16, sizes that leave a scalar tail and sizes split over two threads.
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <numeric>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -185,6 +187,99 @@ TEST_CASE("rotary takes q and k as strided views, and refuses mismatched shapes"
                     Catch::Contains("differ in batch, seq or an even head_dim"));
 }
 
+TEST_CASE("fused cross entropy equals log_softmax and nll_loss summed, in values and gradients", "[kernels]") {
+  torch::manual_seed(12);
+  const auto threads = GENERATE(1, 2);
+  WithThreads with(threads);
+  const bool one_pass = mt::kernels::cpu_isa() == mt::kernels::Isa::avx512;
+  // Vocabularies leaving every tail of 16 lanes, llama-tiny's and one past llama-6x384's; rows of
+  // large, shifted and ordinary logits; a third of the targets ignored.
+  std::vector<std::int64_t> vocabularies(33);
+  std::iota(vocabularies.begin(), vocabularies.end(), 1);
+  vocabularies.insert(vocabularies.end(), {264, 4103});
+  for (const auto vocab : vocabularies)
+    for (const std::int64_t rows : {1, 5, 67}) {
+      for (const double scale : {1.0, 30.0}) {
+        INFO("threads " << threads << ", " << rows << " rows, vocabulary " << vocab << ", logits x" << scale);
+        const auto logits = (torch::randn({rows, vocab}) * scale + 40.0 * torch::randn({rows, 1}));
+        auto targets = torch::randint(vocab, {rows});
+        targets.masked_fill_(torch::rand({rows}) < 1.0 / 3, -100);
+        const auto [values, grads] = compare(
+            {logits}, [&](const auto& in) { return std::vector{mt::kernels::cross_entropy_sum(in[0], targets)}; },
+            [&](const auto& in) { return std::vector{mt::kernels::composite::cross_entropy_sum(in[0], targets)}; });
+        CHECK(values <= 2e-6);
+        CHECK(grads <= 2e-6);
+        // Against fp64: the sum of lse - x[target] over the rows kept.
+        const auto exact = torch::nn::functional::cross_entropy(
+            logits.to(torch::kDouble), targets,
+            torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
+        CHECK(max_difference(mt::kernels::cross_entropy_sum(logits, targets), exact) <= 2e-6);
+      }
+    }
+  // Where AVX-512 runs, the one-pass kernel is what ran (its autograd node), not the composite.
+  const auto x = torch::randn({4, 100}).requires_grad_(true);
+  const auto loss = mt::kernels::cross_entropy_sum(x, torch::tensor({1, 2, 3, 4}, torch::kLong));
+  CHECK((loss.grad_fn()->name().find("FusedCrossEntropy") != std::string::npos) == one_pass);
+}
+
+TEST_CASE("fused cross entropy: ignored rows, masked and extreme logits, NaN, bf16 logits, and bad targets",
+          "[kernels]") {
+  const bool one_pass = mt::kernels::cpu_isa() == mt::kernels::Isa::avx512;
+  const auto inf = std::numeric_limits<float>::infinity();
+  // Every row ignored: a sum of 0 and a gradient of zeros.
+  {
+    const auto x = torch::randn({3, 20}).requires_grad_(true);
+    const auto loss = mt::kernels::cross_entropy_sum(x, torch::full({3}, -100, torch::kLong));
+    CHECK(loss.item<double>() == 0.0);
+    loss.backward();
+    CHECK(x.grad().abs().max().item<double>() == 0.0);
+  }
+  // Masked entries (-inf), logits far apart (e^x overflows and underflows), a target at each end.
+  {
+    const auto logits = torch::tensor(
+        {{0.0f, -inf, 3.0f, -inf, 1.0f, 2.0f, -1.0f, 0.5f, 0.25f, -inf, 4.0f, 1.5f, 2.5f, -2.0f, 0.0f, 1.0f, 7.0f},
+         {1e4f, -1e4f, 0.0f, 100.0f, -100.0f, 88.5f, -88.5f, 1e4f, 0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f,
+          9999.0f}});
+    const auto targets = torch::tensor({0, 16}, torch::kLong);
+    const auto [values, grads] = compare(
+        {logits}, [&](const auto& in) { return std::vector{mt::kernels::cross_entropy_sum(in[0], targets)}; },
+        [&](const auto& in) { return std::vector{mt::kernels::composite::cross_entropy_sum(in[0], targets)}; });
+    CHECK(values <= 2e-6);
+    CHECK(grads <= 2e-6);
+  }
+  // A NaN logit makes its row's loss NaN, as the composite's does.
+  {
+    auto logits = torch::randn({2, 40});
+    logits[1][7] = std::numeric_limits<float>::quiet_NaN();
+    CHECK(std::isnan(mt::kernels::cross_entropy_sum(logits, torch::tensor({3, 5}, torch::kLong)).item<float>()));
+  }
+  // bf16 logits, as a bf16 model's head gives them: the fused loss of their fp32 copy, and the
+  // gradient back to bf16, equal the composite's.
+  {
+    const auto logits = leaf({9, 77}, torch::kBFloat16);
+    const auto targets = torch::randint(77, {9});
+    const auto [values, grads] = compare(
+        {logits},
+        [&](const auto& in) {
+          return std::vector{mt::llama::LlamaForCausalLMImpl::cross_entropy_sum(in[0], targets, true)};
+        },
+        [&](const auto& in) {
+          return std::vector{mt::llama::LlamaForCausalLMImpl::cross_entropy_sum(in[0], targets, false)};
+        });
+    CHECK(values <= 2e-6);
+    CHECK(grads <= 2e-6);
+  }
+  // A target outside the vocabulary is refused by row (the composite's ATen message differs).
+  const auto bad = torch::tensor({1, -100, 4096, 2}, torch::kLong);
+  if (one_pass)
+    CHECK_THROWS_WITH(mt::kernels::cross_entropy_sum(torch::randn({4, 4096}), bad),
+                      Catch::Contains("the target of row 2 is 4096, outside the vocabulary [0, 4096)"));
+  else
+    CHECK_THROWS(mt::kernels::cross_entropy_sum(torch::randn({4, 4096}), bad));
+  CHECK_THROWS_WITH(mt::kernels::cross_entropy_sum(torch::randn({2, 8}), torch::tensor({-1, 0}, torch::kLong)),
+                    Catch::Contains("-1"));
+}
+
 TEST_CASE("few-rows linear equals x W^T + b for 2 to 8 rows on each instruction set this CPU runs", "[kernels]") {
   using mt::kernels::Isa;
   torch::manual_seed(11);
@@ -305,6 +400,12 @@ TEST_CASE("the fused kernels refuse a gradient of their gradient, and leave to t
   const auto gate = torch::randn({4, 16}).requires_grad_(true), up = torch::randn({4, 16});
   CHECK_THROWS_WITH(torch::autograd::grad({mt::kernels::swiglu(gate, up).sum()}, {gate}, {}, true, true),
                     Catch::Contains("swiglu: the fused kernel's backward is not differentiable"));
+  if (mt::kernels::cpu_isa() == mt::kernels::Isa::avx512) {
+    const auto logits = torch::randn({4, 16}).requires_grad_(true);
+    const auto loss = mt::kernels::cross_entropy_sum(logits, torch::tensor({1, 2, 3, 4}, torch::kLong));
+    CHECK_THROWS_WITH(torch::autograd::grad({loss}, {logits}, {}, true, true),
+                      Catch::Contains("cross_entropy_sum: the fused kernel's backward is not differentiable"));
+  }
   // A weight in another dtype than the rows (HF's fp32 weight on bf16 rows): the composite's promotion.
   const auto rows = torch::randn({3, 8}).to(torch::kBFloat16);
   const auto fp32_weight = torch::rand({8});

@@ -358,13 +358,15 @@ TEST_CASE(
       model->loss_chunk = chunk;
       model->use_fused_kernels(fused);
       const auto ids = torch::randint(0, config.vocab_size, {batch, seq}, torch::kLong);
-      const auto estimate = mt::llama::estimate_memory(config, {.data_parallel = mt::llama::DataParallelKind::ddp},
-                                                       {.batch = batch,
-                                                        .seq = seq,
-                                                        .compute_bytes = 4,
-                                                        .checkpoint_every = every,
-                                                        .loss_chunk = chunk,
-                                                        .fused_kernels = fused});
+      const auto estimate =
+          mt::llama::estimate_memory(config, {.data_parallel = mt::llama::DataParallelKind::ddp},
+                                     {.batch = batch,
+                                      .seq = seq,
+                                      .compute_bytes = 4,
+                                      .checkpoint_every = every,
+                                      .loss_chunk = chunk,
+                                      .fused_kernels = fused,
+                                      .fused_loss = fused && mt::kernels::fused_cross_entropy_available()});
 
       const double before = static_cast<double>(counter.current());
       auto loss = model->loss(ids, ids);
@@ -442,7 +444,8 @@ TEST_CASE("the memory timeline's FSDP events are what one rank holds, with bf16 
                .state_bytes = 4,
                .checkpoint_every = every,
                .loss_chunk = chunk,
-               .fused_kernels = true});  // the CPU's
+               .fused_kernels = true,  // the CPU's
+               .fused_loss = mt::kernels::fused_cross_entropy_available()});
 
           const double before = static_cast<double>(counter.current());
           counter.reset_peak();

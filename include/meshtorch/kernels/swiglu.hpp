@@ -32,6 +32,7 @@ MESHTORCH_DECL torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tens
 
 #include <meshtorch/kernels/cpu_isa.hpp>
 #include <meshtorch/kernels/cpu_rows.hpp>
+#include <meshtorch/kernels/vector_exp.hpp>
 
 namespace meshtorch::kernels {
 
@@ -66,32 +67,18 @@ void backward_elements(const T* grad, const T* gate, const T* sigmoids, const T*
 
 #if MESHTORCH_X86_KERNELS
 // The one-pass loops for fp32 on AVX-512: sigmoid(gate) computed in the registers, so neither
-// pass writes or reads it as a tensor. e^t is Cephes' expf (range reduction by ln 2 in two parts,
-// a degree-6 polynomial, the power of 2 by scalef): within 2e-7 of sigmoid's value in fp64.
+// pass writes or reads it as a tensor: 1 / (1 + e^-x), e^-x by kernels/vector_exp.hpp (sigmoid
+// within 2e-7 of its value in fp64; 0 or 1 in fp32 well before the exp's clamp).
 __attribute__((target("avx512f"), always_inline)) inline __m512 sigmoid_avx512(__m512 x) {
-  // t = -x, clamped so that 2^n stays finite (sigmoid is 0 or 1 in fp32 well before).
-  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(-88.0f)),
-                                 _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512 exp_t = _mm512_scalef_ps(p, n);
-  return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp_t));
+  const __m512 exp_minus_x = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+  return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp_minus_x));
 }
 
 // out = silu(gate) * up over [0, count), the last part through a mask.
 __attribute__((target("avx512f"))) inline void forward_avx512(const float* gate, const float* up, float* out,
                                                               std::int64_t count) {
   for (std::int64_t i = 0; i < count; i += 16) {
-    const auto mask = static_cast<__mmask16>(count - i >= 16 ? 0xFFFF : (1u << (count - i)) - 1u);
+    const auto mask = first_lanes(count - i);
     const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
     const __m512 silu = _mm512_mul_ps(g, sigmoid_avx512(g));
     _mm512_mask_storeu_ps(out + i, mask, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(mask, up + i)));
@@ -103,7 +90,7 @@ __attribute__((target("avx512f"))) inline void backward_avx512(const float* grad
                                                                float* grad_gate, float* grad_up, std::int64_t count) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (std::int64_t i = 0; i < count; i += 16) {
-    const auto mask = static_cast<__mmask16>(count - i >= 16 ? 0xFFFF : (1u << (count - i)) - 1u);
+    const auto mask = first_lanes(count - i);
     const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
     const __m512 d = _mm512_maskz_loadu_ps(mask, grad + i);
     const __m512 s = sigmoid_avx512(g);

@@ -86,6 +86,10 @@ struct RunShape {
   // kernels/' fused CPU kernels (a CPU run's default), or the composite ops, which every other
   // device runs (and --fused off): what a GPU's plan counts, and the larger.
   bool fused_kernels = false;
+  // The loss's fused CPU kernel (kernels/cross_entropy.hpp: fp32 logits on a CPU with AVX-512,
+  // kernels::fused_cross_entropy_available()), which keeps no log-probabilities and whose backward
+  // writes the logits' gradient alone. Not under tensor parallel, whose loss is vocab-parallel.
+  bool fused_loss = false;
 };
 
 // Ranks of each kind; tensor parallel with sequence and loss parallel (chapter 6's plan).
@@ -328,18 +332,23 @@ constexpr StepBytes step_bytes(const llama::Config& c, LayoutSizes layout, RunSh
   const std::int64_t chunk = loss_chunk_positions(run.loss_chunk, rows, static_cast<std::int64_t>(vocab));
   b.chunked_loss = chunk < rows;
   b.rows_gradient = h * d * tokens;
+  const bool fused_loss = run.fused_loss && tp == 1;
   if (!b.chunked_loss) {
-    b.head_input = h * d * tokens;     // at::linear saves the final norm's output
-    b.loss_kept = 4 * vocab * tokens;  // log_softmax's output, fp32
+    b.head_input = h * d * tokens;  // at::linear saves the final norm's output
+    // log_softmax's output, fp32 (fused: the fp32 logits themselves, and two floats a row).
+    b.loss_kept = 4 * vocab * tokens;
     // Forward: the logits, their fp32 copy (cross_entropy_sum's .to(kFloat), none in fp32) and
-    // log_softmax's output at once; backward: its gradient and the logits' gradient.
+    // log_softmax's output at once; backward: its gradient and the logits' gradient (fused: the
+    // logits' gradient alone).
     b.loss_forward_working = (d + (d != 4 ? 4 : 0)) * vocab * tokens;
-    b.loss_backward_working = 2 * 4 * vocab * tokens;
+    b.loss_backward_working = (fused_loss ? 1 : 2) * 4 * vocab * tokens;
   } else {
     // ChunkedLinearLoss keeps the gradients of the rows and of the output weight from forward;
-    // each chunk's logits, forward and backward, live only while it runs.
+    // each chunk's logits, log-probabilities and gradient live only while it runs (fused: no
+    // log-probabilities, but below fp32 the logits and their gradient in d bytes beside the fp32 ones).
     b.loss_kept = b.rows_gradient + b.head_gradient;
-    b.loss_forward_working = 3 * 4 * vocab * static_cast<double>(chunk);
+    const double chunk_bytes_per_logit = fused_loss ? 2 * 4 + (d != 4 ? 2 * d : 0) : 3 * 4;
+    b.loss_forward_working = chunk_bytes_per_logit * vocab * static_cast<double>(chunk);
   }
 
   // The trained state on the device when the step starts: the weights, AdamW's state, and the

@@ -12,6 +12,7 @@
 
 #include <meshtorch/torch.hpp>
 
+#include <meshtorch/kernels/cross_entropy.hpp>
 #include <meshtorch/kernels/rotary.hpp>
 #include <meshtorch/kernels/swiglu.hpp>
 #include <meshtorch/models/chunked_loss.hpp>
@@ -142,8 +143,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // position ignored (-100), so no copy of the logits is made.
   MESHTORCH_DECL static torch::Tensor next_token_targets(const torch::Tensor& labels);
 
-  // The sum of the cross entropies of rows of logits against their targets (-100 ignored), in fp32.
-  MESHTORCH_DECL static torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets);
+  // The sum of the cross entropies of rows of logits against their targets (-100 ignored), in fp32:
+  // kernels/cross_entropy.hpp's fused kernel, or the composite ops.
+  MESHTORCH_DECL static torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets,
+                                                        bool fused = false);
 
   // Mean next-token cross entropy of logits [B, S, vocab].
   MESHTORCH_DECL static torch::Tensor causal_lm_loss(const torch::Tensor& logits, const torch::Tensor& labels);
@@ -383,10 +386,9 @@ MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::next_token_targets(const torc
 }
 
 MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::cross_entropy_sum(const torch::Tensor& logits,
-                                                                     const torch::Tensor& targets) {
-  return torch::nn::functional::cross_entropy(
-      logits.to(torch::kFloat), targets,
-      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
+                                                                     const torch::Tensor& targets, bool fused) {
+  const auto fp32 = logits.to(torch::kFloat);
+  return fused ? kernels::cross_entropy_sum(fp32, targets) : kernels::composite::cross_entropy_sum(fp32, targets);
 }
 
 MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::causal_lm_loss(const torch::Tensor& logits,
@@ -413,7 +415,12 @@ MESHTORCH_DECL torch::Tensor LlamaForCausalLMImpl::head_loss_sum(const torch::Te
                                                                  const torch::Tensor& targets) {
   const auto rows = head_hooks.before(hidden).reshape({-1, hidden.size(-1)});
   const auto weight = output_weight();
-  const TokenLossSum token_loss = this->token_loss ? this->token_loss : TokenLossSum(cross_entropy_sum);
+  const TokenLossSum token_loss =
+      this->token_loss
+          ? this->token_loss
+          : TokenLossSum([fused = fused_kernels](const torch::Tensor& logits, const torch::Tensor& targets) {
+              return cross_entropy_sum(logits, targets, fused);
+            });
   const auto after = [this, hidden](const torch::Tensor& logits) { return head_hooks.after(hidden, logits); };
   const auto chunk = loss_chunk_positions(loss_chunk, rows.size(0), weight.size(0));
   const auto sum = chunk >= rows.size(0) ? token_loss(after(at::linear(rows, weight)), targets)

@@ -1,0 +1,38 @@
+#pragma once
+// e^x on 16 floats in AVX-512 registers, for the one-pass kernels (SwiGLU's sigmoid, the cross
+// entropy's softmax) whose exp would otherwise be a pass of its own through LibTorch: ATen's
+// vectorised exp is SLEEF's, compiled per instruction set inside ATen, which a header cannot
+// reach. Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial, the power of 2
+// by scalef; within 2 ulp of e^x in fp32.
+#include <cstdint>
+
+#include <meshtorch/kernels/cpu_isa.hpp>
+
+namespace meshtorch::kernels {
+
+#if MESHTORCH_X86_KERNELS
+// x is clamped to [-88, 88], where 2^n stays finite (e^-88 is 6e-39, e^88 is 1.7e38); NaN passes
+// through (max and min return their second operand when either is NaN).
+__attribute__((target("avx512f"), always_inline)) inline __m512 exp_avx512(__m512 x) {
+  const __m512 t = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-88.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The mask of the first `count` of 16 lanes (all 16 for count >= 16): a loop's last, partial vector.
+__attribute__((target("avx512f"), always_inline)) inline __mmask16 first_lanes(std::int64_t count) {
+  return static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1u);
+}
+#endif  // MESHTORCH_X86_KERNELS
+
+}  // namespace meshtorch::kernels
