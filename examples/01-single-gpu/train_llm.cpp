@@ -8,6 +8,7 @@
 #include <meshtorch/parallel/activation_checkpointing.hpp>
 #include <meshtorch/parallel/checkpointing.hpp>
 #include <meshtorch/parallel/training_data.hpp>
+#include <meshtorch/train/caching_host_allocator.hpp>
 #include <meshtorch/train/loop.hpp>
 #include <meshtorch/train/run_main.hpp>
 
@@ -18,6 +19,7 @@ int train(const mt::train::TrainArgs& args) {
   mt::train::use_deterministic_algorithms(args.deterministic);
   if (args.measure_waiting) throw mt::ConfigError("--measure-waiting: one process waits for no other rank");
   const auto device = mt::train::resolve_device(args.device);
+  if (device.is_cpu()) mt::train::use_host_allocator_from_environment();  // large blocks cached, as CUDA's are
   const auto dtype = mt::train::resolve_dtype(args.dtype, device, mt::llama::weights_dtype(args.model_name));
   torch::manual_seed(args.seed);
 

@@ -11,7 +11,7 @@
 // (1.1-1.2x the step time). Small blocks go straight to c10's allocation functions, as LibTorch's
 // default allocator does.
 //
-// launch() installs it on CPU runs; MESHTORCH_HOST_ALLOCATOR=default keeps LibTorch's own.
+// launch() and chapter 1 install it on CPU runs; MESHTORCH_HOST_ALLOCATOR=default keeps LibTorch's own.
 #include <cstddef>
 #include <deque>
 #include <mutex>
