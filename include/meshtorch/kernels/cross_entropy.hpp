@@ -9,7 +9,9 @@
 // (docs/performance.md). Fused, forward reads each row twice while it is in the cache (its max,
 // then the sum of e^(x - max)) and keeps one logsumexp a row; backward reads the logits once and
 // writes their gradient, softmax(row) - onehot(target), once. In fp32 on a CPU with AVX-512 (the
-// exp in the registers, kernels/vector_exp.hpp); elsewhere the composite runs.
+// exp in the registers, kernels/vector_exp.hpp); elsewhere the composite runs. One difference
+// from the composite: an ignored row's gradient is zero whatever its logits, where
+// log_softmax's backward gives NaN across an ignored row that holds a NaN.
 #include <cstdint>
 
 #include <meshtorch/torch.hpp>
@@ -101,10 +103,13 @@ __attribute__((target("avx512f"))) inline void scaled_softmax_row(const float* x
 
 // Whether the one-pass loops take these logits and targets.
 inline bool one_pass(const torch::Tensor& logits, const torch::Tensor& targets) {
-  return fused_cross_entropy_available() && logits.device().is_cpu() &&
-         logits.scalar_type() == torch::kFloat && logits.dim() == 2 && targets.device().is_cpu() &&
-         targets.scalar_type() == torch::kLong && targets.dim() == 1 && targets.size(0) == logits.size(0) &&
-         !logits.is_nested() && logits.layout() == torch::kStrided;
+  // Plain tensors only: no nested ones, no lazily negated views (contiguous() keeps the flag, the
+  // loops would read the values unnegated), no forward-mode tangents (this function has no
+  // forward-mode derivative).
+  return fused_cross_entropy_available() && logits.device().is_cpu() && logits.scalar_type() == torch::kFloat &&
+         logits.dim() == 2 && logits.layout() == torch::kStrided && !logits.is_nested() && !logits.is_neg() &&
+         !logits._fw_grad(0).defined() && targets.device().is_cpu() && targets.scalar_type() == torch::kLong &&
+         targets.dim() == 1 && targets.size(0) == logits.size(0);
 }
 
 // Refuses a target outside [0, vocab) that is not ignore_index, naming its row: the one-pass loops
@@ -127,7 +132,7 @@ class FusedCrossEntropy : public torch::autograd::Function<FusedCrossEntropy> {
     const auto x = logits.contiguous();
     const auto t = targets.contiguous();
     const auto rows = x.size(0), vocab = x.size(1);
-    const float* xs = x.const_data_ptr<float>();
+    [[maybe_unused]] const float* xs = x.const_data_ptr<float>();
     const std::int64_t* ts = t.const_data_ptr<std::int64_t>();
     check_targets(ts, rows, vocab, ignore_index);
     auto shifts = torch::empty({rows, 2}, x.options());  // RowShift per row
@@ -142,6 +147,8 @@ class FusedCrossEntropy : public torch::autograd::Function<FusedCrossEntropy> {
         losses[row] = ts[row] == ignore_index ? 0.0f : (shift.max - r[ts[row]]) + shift.log_sum;
       }
     });
+#else
+    TORCH_INTERNAL_ASSERT(false, "meshtorch::cross_entropy_sum: the one-pass loops exist on x86-64 only");
 #endif
     ctx->save_for_backward({x, t, shifts});
     ctx->saved_data["ignore_index"] = ignore_index;
@@ -173,6 +180,9 @@ class FusedCrossEntropy : public torch::autograd::Function<FusedCrossEntropy> {
         g[ts[row]] -= scale;
       }
     });
+#else
+    (void)ignore_index, (void)rows, (void)vocab, (void)scale;
+    TORCH_INTERNAL_ASSERT(false, "meshtorch::cross_entropy_sum: the one-pass loops exist on x86-64 only");
 #endif
     return {grad, torch::Tensor(), torch::Tensor()};
   }
@@ -184,7 +194,8 @@ MESHTORCH_DECL bool fused_cross_entropy_available() { return MESHTORCH_X86_KERNE
 
 MESHTORCH_DECL torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets,
                                                std::int64_t ignore_index) {
-  if (!cross_entropy_detail::one_pass(logits, targets)) return composite::cross_entropy_sum(logits, targets, ignore_index);
+  if (!cross_entropy_detail::one_pass(logits, targets))
+    return composite::cross_entropy_sum(logits, targets, ignore_index);
   RECORD_FUNCTION("meshtorch::cross_entropy_sum", std::vector<c10::IValue>{});  // named in a profile
   return cross_entropy_detail::FusedCrossEntropy::apply(logits, targets, ignore_index);
 }
@@ -193,7 +204,8 @@ namespace composite {
 MESHTORCH_DECL torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets,
                                                std::int64_t ignore_index) {
   return torch::nn::functional::cross_entropy(
-      logits, targets, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index).reduction(torch::kSum));
+      logits, targets,
+      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index).reduction(torch::kSum));
 }
 }  // namespace composite
 

@@ -11,10 +11,11 @@
 namespace meshtorch::kernels {
 
 #if MESHTORCH_X86_KERNELS
-// x is clamped to [-88, 88], where 2^n stays finite (e^-88 is 6e-39, e^88 is 1.7e38); NaN passes
-// through (max and min return their second operand when either is NaN).
+// x is clamped to [-104, 88]: e^88 is 1.7e38, below fp32's largest; below -104 the result rounds
+// to exactly 0, as e^-inf is (a masked logit's probability), and down to there the subnormals are
+// kept. NaN passes through (max and min return their second operand when either is NaN).
 __attribute__((target("avx512f"), always_inline)) inline __m512 exp_avx512(__m512 x) {
-  const __m512 t = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-88.0f), x));
+  const __m512 t = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
