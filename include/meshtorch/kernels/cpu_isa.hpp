@@ -7,6 +7,7 @@
 // caps the choice as it caps ATen's kernels. Elsewhere (another architecture, another compiler)
 // MESHTORCH_X86_KERNELS is 0 and the kernels keep their portable loops.
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <string_view>
 
@@ -46,5 +47,25 @@ inline Isa cpu_isa() {
   static const Isa isa = isa_detail::detect();
   return isa;
 }
+
+#if MESHTORCH_X86_KERNELS
+// The mask of the first `count` of 16 lanes (all 16 for count >= 16, none for 0): a loop's last,
+// partial vector.
+__attribute__((target("avx512f"), always_inline)) inline __mmask16 first_lanes(std::int64_t count) {
+  return static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1u);
+}
+#endif
+
+// Around loops that call _mm512_reduce_*_ps: GCC 12 expands them from _mm512_undefined_ps, which
+// -Wall reports as maybe-uninitialized (GCC bug 105593) in every program that includes the kernel.
+#if defined(__GNUC__) && !defined(__clang__)
+#define MESHTORCH_REDUCE_WARNINGS_OFF                                                        \
+  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") \
+      _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
+#define MESHTORCH_REDUCE_WARNINGS_ON _Pragma("GCC diagnostic pop")
+#else
+#define MESHTORCH_REDUCE_WARNINGS_OFF
+#define MESHTORCH_REDUCE_WARNINGS_ON
+#endif
 
 }  // namespace meshtorch::kernels

@@ -7,7 +7,7 @@
 // gradient, and log_softmax's backward reads both and writes the logits' gradient. At llama-6x384's
 // vocabulary of 4096 and 2048 positions that is 10 ms forward and 17 backward of a chapter-1 step
 // (docs/performance.md). Fused, forward reads each row twice while it is in the cache (its max,
-// then the sum of e^(x - max)) and keeps one logsumexp a row; backward reads the logits once and
+// then the sum of e^(x - max)) and keeps those two floats a row; backward reads the logits once and
 // writes their gradient, softmax(row) - onehot(target), once. In fp32 on a CPU with AVX-512 (the
 // exp in the registers, kernels/vector_exp.hpp); elsewhere the composite runs. One difference
 // from the composite: an ignored row's gradient is zero whatever its logits, where
@@ -64,10 +64,7 @@ struct RowShift {
 static_assert(sizeof(RowShift) == 2 * sizeof(float), "a RowShift is a row of 2 floats of a [rows, 2] tensor");
 
 #if MESHTORCH_X86_KERNELS
-// GCC's maybe-uninitialized warnings from _mm512_reduce_*_ps's inline expansion (GCC bug 105593).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+MESHTORCH_REDUCE_WARNINGS_OFF
 
 // The row of n floats' RowShift: its max, then the sum of e^(x - max), read from the cache.
 __attribute__((target("avx512f"))) inline RowShift row_shift(const float* x, std::int64_t n) {
@@ -98,7 +95,7 @@ __attribute__((target("avx512f"))) inline void scaled_softmax_row(const float* x
     _mm512_mask_storeu_ps(out + i, mask, _mm512_mul_ps(factor, e));
   }
 }
-#pragma GCC diagnostic pop
+MESHTORCH_REDUCE_WARNINGS_ON
 #endif  // MESHTORCH_X86_KERNELS
 
 // Whether the one-pass loops take these logits and targets.

@@ -56,13 +56,7 @@ namespace meshtorch::kernels {
 namespace few_rows_detail {
 
 #if MESHTORCH_X86_KERNELS
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's _mm512_reduce_add_ps starts from _mm512_undefined_ps, which -Wall reports as
-// maybe-uninitialized (GCC bug 105593) in every program that includes this header.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+MESHTORCH_REDUCE_WARNINGS_OFF
 // The weight rows after the ones being read are fetched this far ahead: 4 kB measured best of 1,
 // 4 and 8 kB (26, 21 and 22 ms at 8 rows). A prefetch never faults, even past the matrix's end.
 inline const char* ahead(const float* p) {
@@ -99,7 +93,7 @@ __attribute__((target("avx512f"))) void rows_avx512(const float* x, const float*
                                                     std::int64_t out, std::int64_t first, std::int64_t end) {
   constexpr std::int64_t lanes = 16;
   const std::int64_t full = in - in % lanes;
-  const auto tail = static_cast<__mmask16>((1u << (in % lanes)) - 1u);
+  const auto tail = first_lanes(in % lanes);
   for (std::int64_t n = first; n + R <= end; n += R) {
     __m512 acc[R][M];
 #pragma GCC unroll 16
@@ -201,9 +195,7 @@ void product_of_rows(std::int64_t rows, Isa isa, const float* x, const float* w,
     product_of_rows<M + 1>(rows, isa, x, w, y, in, out);
   }
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+MESHTORCH_REDUCE_WARNINGS_ON
 #endif  // MESHTORCH_X86_KERNELS
 
 }  // namespace few_rows_detail

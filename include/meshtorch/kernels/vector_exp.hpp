@@ -4,8 +4,6 @@
 // vectorised exp is SLEEF's, compiled per instruction set inside ATen, which a header cannot
 // reach. Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial, the power of 2
 // by scalef; within 2 ulp of e^x in fp32.
-#include <cstdint>
-
 #include <meshtorch/kernels/cpu_isa.hpp>
 
 namespace meshtorch::kernels {
@@ -28,11 +26,6 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 exp_avx512(__m51
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
-}
-
-// The mask of the first `count` of 16 lanes (all 16 for count >= 16): a loop's last, partial vector.
-__attribute__((target("avx512f"), always_inline)) inline __mmask16 first_lanes(std::int64_t count) {
-  return static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1u);
 }
 #endif  // MESHTORCH_X86_KERNELS
 
