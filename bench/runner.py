@@ -139,6 +139,11 @@ def parse_args():
                         "setting; each side prefetches as it does by default), keep (--no-reshard-after-forward), "
                         "offload (--cpu-offload), noprefetch (--prefetch-layers 0 on both sides), ac (every decoder "
                         "layer checkpointed on both sides: chapter 5's recipe)")
+    p.add_argument("--our-transports", default="shm",
+                   help="CPU transports of our side in the fsdp, tp, 2d and pp sections, comma-separated: shm "
+                        "(collectives through shared memory, the default) and gloo (Gloo's sockets, as PyTorch); "
+                        "the first gives the main rows, each further one adds rows of ours on it, paired with the "
+                        "same PyTorch runs")
     p.add_argument("--tp-size", type=int, default=2, help="--tp of the tp and 2d sections (2d: mesh (2/tp, tp))")
     p.add_argument("--fsdp-bin", default=str(ROOT / "build" / "bin" / "04-fully-sharded-data-parallel"),
                    help="our chapter-4 binary")
@@ -717,6 +722,29 @@ def pp_details(summary, name, spec, runs_dir):
     return summary
 
 
+TRANSPORT_WORDS = {"shm": "through shared memory (MESHTORCH_CPU_TRANSPORT=shm)",
+                   "gloo": "over Gloo (MESHTORCH_CPU_TRANSPORT=gloo)"}
+
+
+def our_transports(args):
+    """Our side's CPU transports, the main one first."""
+    names = [t for t in args.our_transports.split(",") if t]
+    unknown = [t for t in names if t not in TRANSPORT_WORDS]
+    if unknown or not names:
+        sys.exit(f"bench/run: unknown --our-transports {', '.join(unknown)}; known: {', '.join(TRANSPORT_WORDS)}")
+    return names
+
+
+def our_sides(transports):
+    """(result key, transport) of our side on each transport: "ours" on the main one."""
+    return [("ours" if i == 0 else f"ours-{t}", t) for i, t in enumerate(transports)]
+
+
+def on_transport(text, side, transport):
+    """A row label for our side: the extra transports say which they are."""
+    return text if side == "ours" else f"{text} on {transport}"
+
+
 def par_tables(kind, results, sizes, variants, reps, args):
     meta = PAR_SECTIONS[kind]
     phases = meta.get("phases", PHASES)
@@ -726,7 +754,9 @@ def par_tables(kind, results, sizes, variants, reps, args):
     shared = ("with pipeline parallelism the ranks of a pipeline share one batch, split into "
               f"{args.pp_microbatches} micro-batches" if kind == "pp" else
               "with tensor parallelism the ranks of a TP group share one batch")
-    lines = [f"{PAR_RANKS} ranks x 1 thread on the CPU, Gloo over loopback, {args.dtype}. tokens/s counts the global "
+    transports = our_transports(args)
+    lines = [f"{PAR_RANKS} ranks x 1 thread on the CPU, {args.dtype}; PyTorch's collectives over Gloo (loopback), ours "
+             f"{TRANSPORT_WORDS[transports[0]]}. tokens/s counts the global "
              f"batch (data-parallel ranks x batch x sequence: {shared}). Figures are medians over repetitions of each "
              "run's median step after warm-up; every ratio "
              "is the median over repetitions of the ratio within a repetition (ours / PyTorch; tokens/s: above 1 means "
@@ -736,10 +766,12 @@ def par_tables(kind, results, sizes, variants, reps, args):
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for size in sizes:
         for v in variants:
-            o, t = results.get((size, v, "ours"), {}), results.get((size, v, "torch"), {})
-            lines.append(f"| {size} | {v} | {fmt(med(o))} | {fmt(med(t))} | {r2(paired(o, t, 'tokens_per_s'))} "
-                         f"| {fmt(med(o, 'peak_rss_gb'), 2)} | {fmt(med(t, 'peak_rss_gb'), 2)} "
-                         f"| {r2(paired(o, t, 'peak_rss_gb'))} |")
+            t = results.get((size, v, "torch"), {})
+            for side, transport in our_sides(transports):
+                o = results.get((size, v, side), {})
+                lines.append(f"| {size} | {on_transport(v, side, transport)} | {fmt(med(o))} | {fmt(med(t))} "
+                             f"| {r2(paired(o, t, 'tokens_per_s'))} | {fmt(med(o, 'peak_rss_gb'), 2)} | {fmt(med(t, 'peak_rss_gb'), 2)} "
+                             f"| {r2(paired(o, t, 'peak_rss_gb'))} |")
     keys = ["tokens_per_s", "time/total", *[f"time/{p}" for p in phases], "peak_rss_gb", "wall_s"]
     for size in sizes:
         spec = par_sizes(kind)[size]
@@ -749,9 +781,9 @@ def par_tables(kind, results, sizes, variants, reps, args):
                   + " | rank 0 peak RSS GB | process s | load avg (min–max) |",
                   "| --- | --- |" + " ---: |" * (len(phases) + 5)]
         for v in variants:
-            for side in ("ours", "torch"):
+            sides = our_sides(transports)
+            for side, label in [*((o, on_transport(meta["ours"], o, t)) for o, t in sides), ("torch", meta["theirs"])]:
                 runs = results.get((size, v, side), {})
-                label = meta["ours"] if side == "ours" else meta["theirs"]
                 if not runs:
                     lines.append(f"| {v} | {label} | not run |" + "  |" * (len(phases) + 4))
                     continue
@@ -761,9 +793,12 @@ def par_tables(kind, results, sizes, variants, reps, args):
                 cells += [fmt(med(runs, f"time/{p}"), 2) for p in phases]
                 cells += [fmt(med(runs, "peak_rss_gb"), 2), fmt(med(runs, "wall_s")), f"{min(load):.2f}–{max(load):.2f}"]
                 lines.append(f"| {v} | {label} | " + " | ".join(cells) + " |")
-            o, t = results.get((size, v, "ours"), {}), results.get((size, v, "torch"), {})
-            if o and t:
-                lines.append(f"| {v} | ours / PyTorch | " + " | ".join(r2(paired(o, t, k)) for k in keys) + " |")
+            t = results.get((size, v, "torch"), {})
+            for side, transport in sides:
+                o = results.get((size, v, side), {})
+                if o and t:
+                    lines.append(f"| {v} | {on_transport('ours', side, transport)} / PyTorch | "
+                                 + " | ".join(r2(paired(o, t, k)) for k in keys) + " |")
     if kind == "pp":
         lines += pp_loss_table(results, sizes, variants)
     return "\n".join(lines) + "\n"
@@ -907,18 +942,22 @@ def par_section(kind, args, corpus, runs_dir, out, machine):
     results, expected = {}, 0
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
+    transports = our_transports(args)
+    ours = [side for side, _ in our_sides(transports)]
     for size in sizes:
         spec = par_sizes(kind)[size]
         for rep in range(1, reps + 1):
             for v, flags in variants.items():
                 # Ours first in odd repetitions, theirs first in even ones, as in the DDP section.
-                for side in (("ours", "torch") if rep % 2 else ("torch", "ours")):
-                    if side == "ours" and not with_ours:
+                for side in ([*ours, "torch"] if rep % 2 else ["torch", *ours]):
+                    if side != "torch" and not with_ours:
                         continue
                     expected += 1
                     name = f"{kind}-{size}-{v}-{side}-r{rep}"
-                    cmd = par_command(kind, side, spec, flags, name, args, corpus, runs_dir)
-                    summary = run_cmd(cmd, spec, name, args, runs_dir, env)
+                    cmd = par_command(kind, "torch" if side == "torch" else "ours", spec, flags, name, args, corpus,
+                                      runs_dir)
+                    transport = transports[ours.index(side)] if side != "torch" else "gloo"
+                    summary = run_cmd(cmd, spec, name, args, runs_dir, dict(env, MESHTORCH_CPU_TRANSPORT=transport))
                     if summary is not None and kind == "pp":
                         summary = pp_details(summary, name, spec, runs_dir)
                     if summary is not None:

@@ -78,6 +78,54 @@ TEST_CASE("a collective that a peer never joins fails after its timeout", "[mult
   require_ranks_succeed(2, "[rank_timeout]", 30s);
 }
 
+// The shared-memory transport's runs set MESHTORCH_CPU_TRANSPORT for their ranks only.
+class TransportForRanks {
+ public:
+  explicit TransportForRanks(const char* value) {
+    if (const char* before = std::getenv("MESHTORCH_CPU_TRANSPORT")) before_ = before;
+    ::setenv("MESHTORCH_CPU_TRANSPORT", value, 1);
+  }
+  ~TransportForRanks() {
+    if (before_.empty())
+      ::unsetenv("MESHTORCH_CPU_TRANSPORT");
+    else
+      ::setenv("MESHTORCH_CPU_TRANSPORT", before_.c_str(), 1);
+  }
+
+ private:
+  std::string before_;
+};
+
+TEST_CASE("collectives through shared memory give Gloo's values, over several steps, on 4 ranks",
+          "[multiprocess][shared_memory]") {
+  const TransportForRanks shm("shm");
+  require_ranks_succeed(4, "[rank_shared_memory]", 120s);
+}
+
+TEST_CASE("collectives through shared memory on 2 ranks, and every collective of the transport-neutral test",
+          "[multiprocess][shared_memory]") {
+  const TransportForRanks shm("shm");
+  require_ranks_succeed(2, "[rank_shared_memory]", 120s);
+  require_ranks_succeed(2, "[rank_collectives_dp_tp]");
+  require_ranks_succeed(2, "[rank_differentiable]");
+}
+
+TEST_CASE("MESHTORCH_CPU_TRANSPORT=gloo keeps every collective on Gloo's sockets, timeouts included",
+          "[multiprocess][gloo_transport]") {
+  const TransportForRanks gloo("gloo");
+  require_ranks_succeed(4, "[rank_gloo_transport]");
+  require_ranks_succeed(2, "[rank_differentiable]");
+  require_ranks_succeed(2, "[rank_timeout]", 30s);
+}
+
+TEST_CASE("through shared memory, a mismatch fails both ranks at once, an exited peer is named, a timeout holds",
+          "[multiprocess][shared_memory_faults]") {
+  const TransportForRanks shm("shm");
+  require_ranks_succeed(2, "[rank_shared_memory_mismatch]", 30s);
+  require_ranks_succeed(2, "[rank_shared_memory_exit]", 30s);
+  require_ranks_succeed(2, "[rank_timeout]", 30s);
+}
+
 TEST_CASE("a fatal signal in the thread that holds the flight recorder's lock still leaves the dump, in the budget",
           "[multiprocess][fatal_signal]") {
   // Before, the watchdog's dump waited for that lock for ever, the handler gave up after 10 s and

@@ -20,6 +20,7 @@
 
 #include <meshtorch/comm/comm.hpp>
 #include <meshtorch/comm/init.hpp>
+#include <meshtorch/comm/shared_memory_backend.hpp>
 #include <meshtorch/diagnostics/stack_dump.hpp>
 #include <meshtorch/layout/layout.hpp>
 
@@ -370,6 +371,102 @@ TEST_CASE("rank body: a collective a peer never joins times out", "[.rank_timeou
   } else {
     std::this_thread::sleep_for(2s);
   }
+}
+
+TEST_CASE("rank body: collectives through shared memory", "[.rank_shared_memory]") {
+  auto mesh = init<Mesh<DP<dynamic>, TP<2>>>(test_options());
+  REQUIRE(mesh.world().backend()->getBackendName() == "shm");
+  REQUIRE(mesh.group<TP>().backend()->getBackendName() == "shm");
+  check_mesh(mesh);
+  const AxisGroup& world = mesh.world();
+  const int n = world.size(), me = world.rank();
+  // Larger than a slot (1 MiB at most): many steps a collective, and odd element counts.
+  const int64_t big = (int64_t{3} << 20) + 7;
+  const double ranks_sum = n * (n - 1) / 2.0;
+  expect_equal(all_reduce(world, torch::full({big}, me + 0.5, torch::kFloat32)),
+               torch::full({big}, ranks_sum + 0.5 * n, torch::kFloat32), "all_reduce of 12 MB of fp32");
+  const auto ramp = torch::arange(big, torch::kFloat64);
+  const auto gathered = all_gather(world, ramp + 1e7 * me);
+  for (int r = 0; r < n; ++r) CHECK(torch::equal(gathered.narrow(0, r * big, big), ramp + 1e7 * r));
+  const auto rows = torch::arange(n * big, torch::kInt64).view({n, big});
+  // An integer factor: an int64 tensor times a double would be float32, inexact at these values.
+  const int64_t factor = n * (n + 1) / 2;
+  expect_equal(reduce_scatter(world, rows * (me + 1), 0), rows[me].unsqueeze(0) * factor,
+               "reduce_scatter of 24 MB a rank of int64");
+  expect_equal(broadcast(world, torch::full({big}, me, torch::kInt32), n - 1), torch::full({big}, n - 1, torch::kInt32),
+               "broadcast of 12 MB from the last rank");
+  // bf16 adds in float and rounds; max and min of integers; an empty tensor still takes its step.
+  expect_equal(all_reduce(world, torch::full({1000}, 0.25 * (me + 1), torch::kBFloat16)),
+               torch::full({1000}, 0.25 * (ranks_sum + n), torch::kBFloat16), "all_reduce of bf16");
+  expect_equal(all_reduce(world, torch::full({5}, int64_t{1} << (40 + me), torch::kInt64), ReduceOp::max),
+               torch::full({5}, int64_t{1} << (40 + n - 1), torch::kInt64), "all_reduce max of int64");
+  CHECK(all_reduce(world, torch::empty({0}, torch::kFloat32)).numel() == 0);
+  // Bools are Gloo's: its all_gather, in the same group.
+  expect_equal(all_gather(world, torch::full({1}, me % 2 == 0, torch::kBool)).to(torch::kInt64),
+               torch::arange(n, torch::kInt64).remainder(2).eq(0).to(torch::kInt64), "all_gather of bool, by Gloo");
+  // Every rank holds bitwise the same sum of values that round differently in each order.
+  const auto noisy = torch::randn({4099}, torch::TensorOptions().dtype(torch::kFloat32)) * (me + 1) * 1e3;
+  const auto summed = all_reduce(world, noisy.clone());
+  const auto everyone = all_gather(world, summed.unsqueeze(0));
+  for (int r = 1; r < n; ++r) CHECK(torch::equal(everyone[r], everyone[0]));
+  check_collectives(world);
+  check_collectives(mesh.group<TP>());
+  barrier(world);
+}
+
+TEST_CASE("rank body: collectives over Gloo's sockets alone", "[.rank_gloo_transport]") {
+  auto mesh = init<Mesh<DP<dynamic>, TP<2>>>(test_options());
+  REQUIRE(mesh.world().backend()->getBackendName() == "gloo");
+  check_collectives(mesh.world());
+  check_collectives(mesh.group<TP>());
+  barrier(mesh.world());
+}
+
+TEST_CASE("rank body: ranks that issue different collectives are told so at once", "[.rank_shared_memory_mismatch]") {
+  auto mesh = init<Mesh<DP<dynamic>>>(test_options(20s));
+  const auto start = std::chrono::steady_clock::now();
+  const auto dp = mesh.group<DP>();
+  const auto mine = mesh.rank() == 0 ? torch::ones({4}) : torch::ones({1});
+  CHECK_THROWS_WITH(all_reduce(dp, mine),
+                    Catch::Contains("the ranks issued different collectives (a collective mismatch)") &&
+                        Catch::Contains("all_reduce (sum) of 16 bytes of Float") &&
+                        Catch::Contains("all_reduce (sum) of 4 bytes of Float"));
+  // The group is broken: the next collective fails at once, with the first failure's reason.
+  CHECK_THROWS_WITH(all_gather(dp, torch::ones({2})),
+                    Catch::Contains("the shared-memory group is broken since an earlier collective failed") &&
+                        Catch::Contains("collective mismatch"));
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+}
+
+TEST_CASE("rank body: a peer that exits is named at once, not at the timeout", "[.rank_shared_memory_exit]") {
+  auto mesh = init<Mesh<DP<dynamic>>>(test_options(30s));
+  if (mesh.rank() == 1) std::_Exit(0);  // gone, without a word to its group
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(all_reduce(mesh.group<DP>(), torch::ones({2})),
+                    Catch::Contains("all_reduce over the DP group [0, 1] on rank 0 failed") &&
+                        Catch::Contains("group rank 1 (pid ") &&
+                        Catch::Contains("has exited while group rank 0 waits"));
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+}
+
+TEST_CASE("MESHTORCH_CPU_TRANSPORT takes shm (the default) or gloo and refuses anything else, naming both",
+          "[comm][single]") {
+  const char* before = std::getenv("MESHTORCH_CPU_TRANSPORT");
+  const std::string kept = before ? before : "";
+  ::setenv("MESHTORCH_CPU_TRANSPORT", "shm", 1);
+  CHECK(cpu_transport_from_environment() == CpuTransport::shared_memory);
+  ::setenv("MESHTORCH_CPU_TRANSPORT", "gloo", 1);
+  CHECK(cpu_transport_from_environment() == CpuTransport::gloo);
+  ::setenv("MESHTORCH_CPU_TRANSPORT", "tcp", 1);
+  CHECK_THROWS_WITH(
+      cpu_transport_from_environment(),
+      Catch::Contains("MESHTORCH_CPU_TRANSPORT is 'tcp': expected 'shm' (the default") && Catch::Contains("or 'gloo'"));
+  ::unsetenv("MESHTORCH_CPU_TRANSPORT");
+  CHECK(cpu_transport_from_environment() == CpuTransport::shared_memory);
+  if (before)
+    ::setenv("MESHTORCH_CPU_TRANSPORT", kept.c_str(), 1);
+  else
+    ::unsetenv("MESHTORCH_CPU_TRANSPORT");
 }
 
 TEST_CASE("a one-rank mesh needs no peers and its collectives return their input", "[comm][single]") {

@@ -2,7 +2,7 @@
 """End-to-end checks of examples/09-diagnosing-errors: each failure caused on purpose on 2 ranks
 under meshrun, and what meshtorch reports for it.
 
-usage: chapter09_checks.py MESHRUN EXAMPLE MESHTORCH_DIAGNOSE {hang|desync|crash|nan|slow|elastic-restart}
+usage: chapter09_checks.py MESHRUN EXAMPLE MESHTORCH_DIAGNOSE {hang|desync|desync-gloo|crash|nan|slow|elastic-restart}
 """
 import json
 import os
@@ -94,9 +94,37 @@ def hang(meshrun, example, diagnose_tool, logs):
 
 
 def desync(meshrun, example, diagnose_tool, logs):
-    """Rank 1 all-reduces one element where rank 0 all-reduces DDP's gradient bucket: Gloo sees the
-    sizes differ and aborts rank 1; the flight recorder shows the extra collective, with its shape,
-    after the last one both ranks completed."""
+    """Rank 1 all-reduces one element where rank 0 all-reduces DDP's gradient bucket. Through shared
+    memory (the default CPU transport) both ranks see at once that their steps differ and fail with
+    a message naming both collectives; every rank's flight recorder is written on the failure, and
+    meshtorch-diagnose names the desync with both shapes, after DDP's last completed bucket."""
+    run = Run(meshrun, example, logs, "--fault", "desync", "--fault-step", "3", "--max-steps", "1000")
+    code = run.finish()
+    output = run.text()
+    require(code != 0, "meshrun exited with 0", output)
+    mismatch = re.search(r"the ranks issued different collectives \(a collective mismatch\): group rank (\d) is in "
+                         r"all_reduce \(sum\) of (\d+) bytes of Float, group rank (\d) in all_reduce \(sum\) of (\d+) "
+                         r"bytes of Float", output)
+    require(mismatch, "meshrun's summary does not carry the transport's mismatch message from the error file", output)
+    sizes = {int(mismatch.group(1)): int(mismatch.group(2)), int(mismatch.group(3)): int(mismatch.group(4))}
+    require(sizes.get(1) == 4 and sizes.get(0, 0) > 4, f"the message's sizes by rank are {sizes}", output)
+    report = diagnose(diagnose_tool, logs)
+    found = re.search(r"culprit: desync: ranks issued a collective on tensors of different shapes or dtypes: rank 1 is "
+                      r"in all_reduce #(\d+) over the DP group \[0, 1\] \(shm\) on Float\[1\] while rank 0 is in "
+                      r"all_reduce #\d+ on Float\[\d+\]", report)
+    require(found, "meshtorch-diagnose does not name rank 1's one-element all_reduce", report)
+    seq = int(found.group(1))
+    require(f"all_reduce #{seq} over the DP group [0, 1] (shm) [1] Float (failed)" in report,
+            "the ring does not show the one-element all_reduce that failed", report)
+    require(re.search(rf"all_reduce #{seq - 2} over the DP group \[0, 1\] \(shm\) \[\d+\] Float \(completed\): "
+                      rf"DDP all_reduce", report), "the ring does not show DDP's last completed bucket", report)
+
+
+def desync_gloo(meshrun, example, diagnose_tool, logs):
+    """The same over Gloo's sockets (MESHTORCH_CPU_TRANSPORT=gloo): Gloo sees the sizes differ and
+    aborts rank 1; the flight recorder shows the extra collective, with its shape, after the last one
+    both ranks completed."""
+    os.environ["MESHTORCH_CPU_TRANSPORT"] = "gloo"
     run = Run(meshrun, example, logs, "--fault", "desync", "--fault-step", "3", "--max-steps", "1000")
     code = run.finish()
     output = run.text()
@@ -188,7 +216,7 @@ def elastic_restart(meshrun, example, diagnose_tool, logs):
 def main():
     meshrun, example, diagnose_tool, check = sys.argv[1:5]
     with tempfile.TemporaryDirectory() as tmp:
-        {"hang": hang, "desync": desync, "crash": crash, "nan": nan, "slow": slow,
+        {"hang": hang, "desync": desync, "desync-gloo": desync_gloo, "crash": crash, "nan": nan, "slow": slow,
          "elastic-restart": elastic_restart}[check](meshrun, example, diagnose_tool, pathlib.Path(tmp) / "logs")
     print("ok")
 

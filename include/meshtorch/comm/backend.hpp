@@ -1,6 +1,7 @@
 #pragma once
-// Creating one c10d backend: Gloo for CPU tensors, NCCL for CUDA tensors. The NCCL path compiles
-// only in a CUDA build (MESHTORCH_WITH_CUDA, set by -DMESHTORCH_CUDA=ON).
+// Creating one c10d backend: Gloo for CPU tensors (wrapped by the shared-memory transport where
+// MESHTORCH_CPU_TRANSPORT=shm, comm/shared_memory_backend.hpp), NCCL for CUDA tensors. The NCCL
+// path compiles only in a CUDA build (MESHTORCH_WITH_CUDA, set by -DMESHTORCH_CUDA=ON).
 //
 // An NCCL backend is bound to the rank's GPU and connected at once (PyTorch's
 // init_process_group(device_id=...)): left unbound, ProcessGroupNCCL guesses the GPU from the
@@ -49,6 +50,7 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_backend(const BackendReque
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <meshtorch/comm/shared_memory_backend.hpp>
 #include <meshtorch/error.hpp>
 
 namespace meshtorch::comm {
@@ -67,7 +69,12 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_backend(const BackendReque
     // One thread per group: every rank is a process with one compute thread (OMP_NUM_THREADS=1
     // in tests), and meshes create several groups.
     options->threads = 1;
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(request.store, request.rank, request.size, options);
+    c10::intrusive_ptr<c10d::Backend> gloo =
+        c10::make_intrusive<c10d::ProcessGroupGloo>(request.store, request.rank, request.size, options);
+    if (request.size > 1 && cpu_transport_from_environment() == CpuTransport::shared_memory)
+      if (auto shared = make_shared_memory_backend(request.store, request.rank, request.size, request.timeout, gloo))
+        return shared;
+    return gloo;
   }
 #if defined(MESHTORCH_WITH_CUDA)
   if (request.cuda_device < 0)

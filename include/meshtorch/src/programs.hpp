@@ -18,6 +18,7 @@
 #include <meshtorch/comm/backend.hpp>
 #include <meshtorch/comm/init.hpp>
 #include <meshtorch/comm/rendezvous.hpp>
+#include <meshtorch/comm/shared_memory_backend.hpp>
 #include <meshtorch/comm/store_gate.hpp>
 #include <meshtorch/data/text_tokenizer.hpp>
 #include <meshtorch/data/token_cache.hpp>

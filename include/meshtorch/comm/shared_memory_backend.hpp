@@ -1,0 +1,879 @@
+#pragma once
+// The collectives of a CPU group whose ranks share one host, through one shared-memory segment
+// instead of Gloo's sockets. Gloo moves every message through the kernel's loopback TCP stack
+// (a copy into and out of socket buffers, a system call per piece, a thread hop); here a rank
+// copies its piece into its slot of the segment once and reads its peers' slots directly:
+// docs/performance.md "CPU collectives through shared memory" has what that buys.
+//
+// It is the default for CPU groups (MESHTORCH_CPU_TRANSPORT=gloo keeps Gloo alone). It serves
+// all_reduce (sum, product, max, min), all_gather, reduce_scatter, broadcast and barrier of
+// contiguous tensors of the usual numeric dtypes; everything else (send and receive, all_to_all,
+// bool or complex tensors) goes to the group's Gloo backend, which it wraps. A group whose ranks
+// run on several hosts uses Gloo alone; one whose ranks share a host but cannot all map the
+// segment (/dev/shm full or missing) falls back to Gloo on every rank alike, and rank 0 says why.
+//
+// How the segment is used. Each rank has two slots, used by alternate steps; a collective is one
+// step per slot-sized chunk. In step k a rank writes its chunk to slot (k mod 2), then publishes k
+// in its own counter, then waits until every peer has published k, then reads their slots. A slot
+// is written again two steps later, by which time every peer has published k + 1 and so has
+// finished reading step k. Each rank also publishes what its step is (op, dtype, sizes), so ranks
+// that issue different collectives are told so at once instead of reading garbage. Reductions
+// add the slots in rank order on every rank, so all ranks hold bitwise the same result.
+//
+// Every wait is bounded by the group's timeout and names the group ranks that did not arrive; a
+// peer that has exited (same host, so its pid can be asked) is reported within 100 ms. After a
+// failure the group is broken: later collectives fail at once with the first failure's reason.
+// The collectives run in order on one thread per group, as Gloo's do, so *_async overlaps them
+// with compute and Work::wait keeps its meaning.
+#include <chrono>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <meshtorch/separate_compilation.hpp>
+
+namespace meshtorch::comm {
+
+enum class CpuTransport { gloo, shared_memory };
+
+// MESHTORCH_CPU_TRANSPORT: "shm" (or unset) or "gloo"; anything else is a ConfigError.
+MESHTORCH_DECL CpuTransport cpu_transport_from_environment();
+
+// A backend that serves the group's CPU collectives through shared memory and hands the rest to
+// `fallback`, or nullptr when the group's ranks are on several hosts or cannot all map the segment.
+// Every rank of the group calls it at the same point (it meets the others through `store`, already
+// prefixed for the group), and all of them get a backend or all get nullptr.
+MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_shared_memory_backend(c10::intrusive_ptr<c10d::Store> store,
+                                                                            int rank, int size,
+                                                                            std::chrono::milliseconds timeout,
+                                                                            c10::intrusive_ptr<c10d::Backend> fallback);
+
+}  // namespace meshtorch::comm
+
+#if MESHTORCH_DEFINES(programs)
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <meshtorch/error.hpp>
+
+namespace meshtorch::comm {
+
+MESHTORCH_DECL CpuTransport cpu_transport_from_environment() {
+  const char* choice = std::getenv("MESHTORCH_CPU_TRANSPORT");
+  const std::string value = choice && *choice ? choice : "shm";
+  if (value == "gloo") return CpuTransport::gloo;
+  if (value == "shm") return CpuTransport::shared_memory;
+  throw ConfigError(fmt::format(
+      "MESHTORCH_CPU_TRANSPORT is '{}': expected 'shm' (the default: CPU collectives between the ranks of "
+      "one host through shared memory) or 'gloo' (Gloo's sockets alone)",
+      value));
+}
+
+namespace shared_memory {
+
+enum class Op : std::uint32_t { all_reduce = 1, all_gather, reduce_scatter, broadcast, barrier };
+
+inline const char* op_name(Op op) {
+  switch (op) {
+    case Op::all_reduce:
+      return "all_reduce";
+    case Op::all_gather:
+      return "all_gather";
+    case Op::reduce_scatter:
+      return "reduce_scatter";
+    case Op::broadcast:
+      return "broadcast";
+    case Op::barrier:
+      return "barrier";
+  }
+  return "an unknown collective";
+}
+
+// What a rank says its step is; every rank of a step must say the same.
+struct StepDescription {
+  std::uint32_t op = 0;
+  std::int32_t dtype = -1;
+  std::int32_t reduce = -1;
+  std::int32_t root = -1;
+  std::uint64_t bytes = 0;   // of the whole collective, per rank
+  std::uint64_t offset = 0;  // of this chunk in it
+
+  bool operator==(const StepDescription&) const = default;
+};
+
+inline std::string describe(const StepDescription& step) {
+  std::string out = op_name(static_cast<Op>(step.op));
+  if (static_cast<Op>(step.op) == Op::barrier) return out;
+  if (step.reduce >= 0) out += fmt::format(" ({})", step.reduce == 0   ? "sum"
+                                                    : step.reduce == 1 ? "product"
+                                                    : step.reduce == 2 ? "max"
+                                                                       : "min");
+  if (step.root >= 0) out += fmt::format(" from group rank {}", step.root);
+  out += fmt::format(" of {} bytes of {}", step.bytes, c10::toString(static_cast<c10::ScalarType>(step.dtype)));
+  return step.offset ? out + fmt::format(" (the chunk at byte {})", step.offset) : out;
+}
+
+struct alignas(64) RankState {
+  // The last step whose slot this rank has written: the word peers wait on (a futex).
+  std::atomic<std::uint32_t> published{0};
+  std::int32_t pid = 0;
+  StepDescription steps[2];  // by the step's parity, so that a fast rank never overwrites one being read
+};
+
+static_assert(std::atomic<std::uint32_t>::is_always_lock_free, "the step counters are shared between processes");
+
+struct Header {
+  std::uint64_t magic = 0;
+  std::uint32_t world = 0;
+  std::uint64_t slot_bytes = 0;
+};
+
+constexpr std::uint64_t kMagic = 0x6d65736874736d31;  // "meshtsm1"
+
+inline std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+// The segment's layout: the header, one RankState per rank, then two slots per rank.
+struct Layout {
+  int world = 0;
+  std::size_t slot_bytes = 0;
+
+  std::size_t states_offset() const { return round_up(sizeof(Header), 64); }
+  std::size_t slots_offset() const { return round_up(states_offset() + world * sizeof(RankState), 4096); }
+  std::size_t total_bytes() const { return slots_offset() + 2 * static_cast<std::size_t>(world) * slot_bytes; }
+
+  // 4 MiB a group (1 MiB slots for a pair of ranks, 256 KiB for eight, more only beyond 8): the
+  // pages a rank touches count in its resident set, and the groups of a mesh must fit a
+  // container's default 64 MiB /dev/shm. Larger slots save only a step's handshake, a few
+  // microseconds, per slot of data.
+  static std::size_t slot_bytes_for(int world) {
+    const std::size_t budget = std::size_t{4} << 20;
+    return std::clamp(round_up(budget / (2 * static_cast<std::size_t>(world)), 4096), std::size_t{256} << 10,
+                      std::size_t{1} << 20);
+  }
+};
+
+// A mapped segment; unmapped when destroyed. The name is unlinked as soon as every rank has
+// mapped it, so nothing is left in /dev/shm whatever happens to the job later.
+class Segment {
+ public:
+  Segment(void* base, Layout layout) : base_(static_cast<std::byte*>(base)), layout_(layout) {}
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment() { ::munmap(base_, layout_.total_bytes()); }
+
+  Header& header() { return *reinterpret_cast<Header*>(base_); }
+  RankState& state(int rank) { return reinterpret_cast<RankState*>(base_ + layout_.states_offset())[rank]; }
+  std::byte* slot(std::uint32_t step, int rank) {
+    const std::size_t index = (step & 1u) * static_cast<std::size_t>(layout_.world) + static_cast<std::size_t>(rank);
+    return base_ + layout_.slots_offset() + index * layout_.slot_bytes;
+  }
+  const Layout& layout() const { return layout_; }
+
+ private:
+  std::byte* base_;
+  Layout layout_;
+};
+
+// Waiting on a counter another process writes. Written by hand because std::atomic::wait has no
+// timeout, and libstdc++ waits on private futexes, which a peer process's notify never reaches.
+inline void futex_wait(std::atomic<std::uint32_t>& word, std::uint32_t seen, std::chrono::nanoseconds timeout) {
+  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(timeout);
+  timespec limit{static_cast<time_t>(seconds.count()), static_cast<long>((timeout - seconds).count())};
+  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAIT, seen, &limit, nullptr, 0);
+}
+
+inline void futex_wake_all(std::atomic<std::uint32_t>& word) {
+  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Whether counter value `published` has reached step `step` (counters wrap after 2^32 steps).
+inline bool reached(std::uint32_t published, std::uint32_t step) {
+  return static_cast<std::int32_t>(published - step) >= 0;
+}
+
+// out[i] = a[i] (op) b[i], in T's arithmetic (bf16 and fp16 compute in float and round, as
+// their operators do). Plain loops: the compiler vectorises them, and they keep ATen's thread
+// pool out of the transport's thread.
+template <class T>
+void combine(T* out, const T* a, const T* b, std::size_t n, c10d::ReduceOp::RedOpType op) {
+  switch (op) {
+    case c10d::ReduceOp::SUM:
+      for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<T>(a[i] + b[i]);
+      break;
+    case c10d::ReduceOp::PRODUCT:
+      for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<T>(a[i] * b[i]);
+      break;
+    case c10d::ReduceOp::MAX:
+      for (std::size_t i = 0; i < n; ++i) out[i] = a[i] < b[i] ? b[i] : a[i];
+      break;
+    case c10d::ReduceOp::MIN:
+      for (std::size_t i = 0; i < n; ++i) out[i] = b[i] < a[i] ? b[i] : a[i];
+      break;
+    default:
+      throw std::logic_error("shared-memory transport: a reduction it does not serve was let through");
+  }
+}
+
+// memcpy, which may not be given a null pointer even for no bytes (an empty tensor has one).
+inline void copy_bytes(void* to, const void* from, std::size_t bytes) {
+  if (bytes) std::memcpy(to, from, bytes);
+}
+
+inline bool serves(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kFloat:
+    case c10::kDouble:
+    case c10::kBFloat16:
+    case c10::kHalf:
+    case c10::kChar:
+    case c10::kByte:
+    case c10::kShort:
+    case c10::kInt:
+    case c10::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+inline bool serves(c10d::ReduceOp::RedOpType op) {
+  return op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::PRODUCT || op == c10d::ReduceOp::MAX ||
+         op == c10d::ReduceOp::MIN;
+}
+
+inline int reduce_code(c10d::ReduceOp::RedOpType op) {
+  return op == c10d::ReduceOp::SUM ? 0 : op == c10d::ReduceOp::PRODUCT ? 1 : op == c10d::ReduceOp::MAX ? 2 : 3;
+}
+
+// out = sources[0] (op) sources[1] (op) ..., in that order.
+inline void reduce_into(std::byte* out, const std::vector<const std::byte*>& sources, std::size_t bytes,
+                        c10::ScalarType dtype, c10d::ReduceOp::RedOpType op) {
+  auto run = [&]<class T>(T*) {
+    const std::size_t n = bytes / sizeof(T);
+    auto* target = reinterpret_cast<T*>(out);
+    combine(target, reinterpret_cast<const T*>(sources[0]), reinterpret_cast<const T*>(sources[1]), n, op);
+    for (std::size_t s = 2; s < sources.size(); ++s)
+      combine(target, target, reinterpret_cast<const T*>(sources[s]), n, op);
+  };
+  switch (dtype) {
+    case c10::kFloat:
+      return run(static_cast<float*>(nullptr));
+    case c10::kDouble:
+      return run(static_cast<double*>(nullptr));
+    case c10::kBFloat16:
+      return run(static_cast<c10::BFloat16*>(nullptr));
+    case c10::kHalf:
+      return run(static_cast<c10::Half*>(nullptr));
+    case c10::kChar:
+      return run(static_cast<std::int8_t*>(nullptr));
+    case c10::kByte:
+      return run(static_cast<std::uint8_t*>(nullptr));
+    case c10::kShort:
+      return run(static_cast<std::int16_t*>(nullptr));
+    case c10::kInt:
+      return run(static_cast<std::int32_t*>(nullptr));
+    case c10::kLong:
+      return run(static_cast<std::int64_t*>(nullptr));
+    default:
+      throw std::logic_error("shared-memory transport: a dtype it does not serve was let through");
+  }
+}
+
+// Whether process `pid` is still running: not gone, and not a zombie its parent has yet to reap.
+inline bool process_alive(int pid) {
+  if (::kill(pid, 0) != 0) return errno != ESRCH;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;  // no /proc to ask: kill's answer stands
+  const auto name_end = line.rfind(')');
+  return name_end == std::string::npos || name_end + 2 >= line.size() ||
+         (line[name_end + 2] != 'Z' && line[name_end + 2] != 'X');
+}
+
+// A collective in the transport's queue: done (or failed) when its thread has run it.
+class SharedMemoryWork final : public c10d::Work {
+ public:
+  SharedMemoryWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
+                   std::function<std::string()> waiting_for)
+      : c10d::Work(rank, type),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())),
+        waiting_for_(std::move(waiting_for)) {}
+
+  void complete() {
+    finish();
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+
+  void fail(std::exception_ptr error) {
+    finish(error);
+    future_->setError(error);
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock lock(mutex_);
+    if (timeout == kNoTimeout)
+      cv_.wait(lock, [&] { return completed_; });
+    else if (!cv_.wait_for(lock, timeout, [&] { return completed_; }))
+      throw std::runtime_error(fmt::format("timed out after {} ms: {}", timeout.count(), waiting_for_()));
+    if (exception_) std::rethrow_exception(exception_);
+    return true;
+  }
+
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::function<std::string()> waiting_for_;
+};
+
+class SharedMemoryBackend final : public c10d::Backend {
+ public:
+  SharedMemoryBackend(int rank, int size, std::chrono::milliseconds timeout, std::unique_ptr<Segment> segment,
+                      c10::intrusive_ptr<c10d::Backend> fallback, std::vector<int> peer_pids)
+      : c10d::Backend(rank, size),
+        timeout_(timeout),
+        segment_(std::move(segment)),
+        fallback_(std::move(fallback)),
+        peer_pids_(std::move(peer_pids)),
+        status_(std::make_shared<Status>()) {
+    worker_ = std::thread([this] { serve(); });
+  }
+
+  ~SharedMemoryBackend() override {
+    {
+      std::lock_guard lock(queue_mutex_);
+      stopping_ = true;
+    }
+    stopping_flag_.store(true);
+    queue_ready_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+
+  const std::string getBackendName() const override { return "shm"; }
+
+  void setTimeout(std::chrono::milliseconds timeout) override {
+    timeout_ = timeout;
+    fallback_->setTimeout(timeout);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& options) override {
+    if (tensors.size() != 1 || !serves(tensors[0].scalar_type()) || !serves(options.reduceOp.op_))
+      return fallback_->allreduce(tensors, options);
+    at::Tensor tensor = tensors[0];
+    check_dense("all_reduce", {tensor});
+    const auto op = options.reduceOp.op_;
+    return enqueue(c10d::OpType::ALLREDUCE, {tensor}, options.timeout, [this, tensor, op](Deadline deadline) {
+      auto* data = static_cast<std::byte*>(tensor.data_ptr());
+      const std::size_t bytes = tensor.nbytes();
+      const std::size_t chunk = chunk_bytes(tensor.element_size(), 1);
+      StepDescription step{static_cast<std::uint32_t>(Op::all_reduce), static_cast<int>(tensor.scalar_type()),
+                           reduce_code(op), -1, bytes, 0};
+      for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
+        step.offset = offset;
+        const std::uint32_t k = next_step();
+        copy_bytes(segment_->slot(k, rank_), data + offset, length);
+        exchange(k, step, deadline);
+        std::vector<const std::byte*> sources;
+        for (int r = 0; r < size_; ++r) sources.push_back(segment_->slot(k, r));
+        reduce_into(data + offset, sources, length, tensor.scalar_type(), op);
+      });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& options) override {
+    if (inputs.size() != 1 || outputs.size() != 1 || !serves(inputs[0].scalar_type()))
+      return fallback_->allgather(outputs, inputs, options);
+    at::Tensor input = inputs[0];
+    std::vector<at::Tensor> pieces = outputs[0];
+    check_pieces("all_gather", input, pieces);
+    return enqueue(c10d::OpType::ALLGATHER, pieces, options.timeout, [this, input, pieces](Deadline deadline) {
+      const auto* data = static_cast<const std::byte*>(input.data_ptr());
+      const std::size_t bytes = input.nbytes();
+      const std::size_t chunk = chunk_bytes(input.element_size(), 1);
+      StepDescription step{static_cast<std::uint32_t>(Op::all_gather), static_cast<int>(input.scalar_type()), -1, -1,
+                           bytes, 0};
+      for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
+        step.offset = offset;
+        const std::uint32_t k = next_step();
+        copy_bytes(segment_->slot(k, rank_), data + offset, length);
+        exchange(k, step, deadline);
+        for (int r = 0; r < size_; ++r)
+          copy_bytes(static_cast<std::byte*>(pieces[r].data_ptr()) + offset,
+                      r == rank_ ? data + offset : segment_->slot(k, r), length);
+      });
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& options) override {
+    if (outputs.size() != 1 || inputs.size() != 1 || !serves(outputs[0].scalar_type()) ||
+        !serves(options.reduceOp.op_))
+      return fallback_->reduce_scatter(outputs, inputs, options);
+    at::Tensor output = outputs[0];
+    std::vector<at::Tensor> pieces = inputs[0];
+    check_pieces("reduce_scatter", output, pieces);
+    const auto op = options.reduceOp.op_;
+    return enqueue(c10d::OpType::REDUCE_SCATTER, {output}, options.timeout,
+                   [this, output, pieces, op](Deadline deadline) {
+                     auto* data = static_cast<std::byte*>(output.data_ptr());
+                     const std::size_t bytes = output.nbytes();
+                     // Each step carries the same chunk of every piece: piece j's part at j * chunk.
+                     const std::size_t chunk = chunk_bytes(output.element_size(), size_);
+                     StepDescription step{static_cast<std::uint32_t>(Op::reduce_scatter),
+                                          static_cast<int>(output.scalar_type()), reduce_code(op), -1, bytes, 0};
+                     for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
+                       step.offset = offset;
+                       const std::uint32_t k = next_step();
+                       std::byte* mine = segment_->slot(k, rank_);
+                       for (int j = 0; j < size_; ++j)
+                         copy_bytes(mine + j * chunk, static_cast<const std::byte*>(pieces[j].data_ptr()) + offset,
+                                     length);
+                       exchange(k, step, deadline);
+                       std::vector<const std::byte*> sources;
+                       for (int r = 0; r < size_; ++r) sources.push_back(segment_->slot(k, r) + rank_ * chunk);
+                       reduce_into(data + offset, sources, length, output.scalar_type(), op);
+                     });
+                   });
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& options) override {
+    if (tensors.size() != 1 || options.rootTensor != 0 || !serves(tensors[0].scalar_type()))
+      return fallback_->broadcast(tensors, options);
+    at::Tensor tensor = tensors[0];
+    check_dense("broadcast", {tensor});
+    const int root = static_cast<int>(options.rootRank);
+    return enqueue(c10d::OpType::BROADCAST, {tensor}, options.timeout, [this, tensor, root](Deadline deadline) {
+      auto* data = static_cast<std::byte*>(tensor.data_ptr());
+      const std::size_t bytes = tensor.nbytes();
+      const std::size_t chunk = chunk_bytes(tensor.element_size(), 1);
+      StepDescription step{static_cast<std::uint32_t>(Op::broadcast), static_cast<int>(tensor.scalar_type()), -1,
+                           root, bytes, 0};
+      for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
+        step.offset = offset;
+        const std::uint32_t k = next_step();
+        if (rank_ == root) copy_bytes(segment_->slot(k, rank_), data + offset, length);
+        exchange(k, step, deadline);
+        if (rank_ != root) copy_bytes(data + offset, segment_->slot(k, root), length);
+      });
+    });
+  }
+
+  // Ordered after this group's earlier collectives, which run on the same thread.
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& options) override {
+    return enqueue(c10d::OpType::BARRIER, {}, options.timeout, [this](Deadline deadline) {
+      const StepDescription step{static_cast<std::uint32_t>(Op::barrier), -1, -1, -1, 0, 0};
+      exchange(next_step(), step, deadline);
+    });
+  }
+
+  // Everything else is Gloo's.
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& options) override {
+    return fallback_->allreduce_coalesced(tensors, options);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& options) override {
+    return fallback_->reduce(tensors, options);
+  }
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& options) override {
+    return fallback_->_allgather_base(output, input, options);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& options) override {
+    return fallback_->allgather_coalesced(outputs, inputs, options);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& options) override {
+    return fallback_->allgather_into_tensor_coalesced(outputs, inputs, options);
+  }
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& options) override {
+    return fallback_->gather(outputs, inputs, options);
+  }
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& options) override {
+    return fallback_->scatter(outputs, inputs, options);
+  }
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& options) override {
+    return fallback_->_reduce_scatter_base(output, input, options);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& options) override {
+    return fallback_->reduce_scatter_tensor_coalesced(outputs, inputs, options);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits, std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& options) override {
+    return fallback_->alltoall_base(output, input, output_splits, input_splits, options);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& options) override {
+    return fallback_->alltoall(outputs, inputs, options);
+  }
+  void monitoredBarrier(const c10d::BarrierOptions& options, bool wait_all_ranks) override {
+    fallback_->monitoredBarrier(options, wait_all_ranks);
+  }
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int destination, int tag) override {
+    return fallback_->send(tensors, destination, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int source, int tag) override {
+    return fallback_->recv(tensors, source, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    return fallback_->recvAnysource(tensors, tag);
+  }
+
+ private:
+  struct Deadline {
+    std::chrono::steady_clock::time_point at;
+    std::chrono::milliseconds timeout;  // that set it, for the message
+  };
+
+  // What the thread is doing, for a wait that times out; the first failure, which breaks the group.
+  struct Status {
+    std::mutex mutex;
+    std::string waiting;
+    std::string broken;
+  };
+
+  struct Task {
+    c10::intrusive_ptr<SharedMemoryWork> work;
+    std::function<void(Deadline)> body;
+    std::chrono::milliseconds timeout;
+  };
+
+  std::size_t chunk_bytes(std::size_t element_size, int parts) const {
+    const std::size_t per_part = segment_->layout().slot_bytes / static_cast<std::size_t>(parts);
+    return per_part / element_size * element_size;
+  }
+
+  // Calls body(offset, length) for each chunk; once with length 0 for an empty tensor, so that
+  // every rank takes the same steps.
+  template <class Body>
+  static void for_each_chunk(std::size_t bytes, std::size_t chunk, Body&& body) {
+    if (bytes == 0) return body(std::size_t{0}, std::size_t{0});
+    for (std::size_t offset = 0; offset < bytes; offset += chunk) body(offset, std::min(chunk, bytes - offset));
+  }
+
+  std::uint32_t next_step() { return ++step_; }
+
+  // Gloo refuses these too; refusing them when issued keeps every rank on the same path.
+  void check_dense(const char* collective, const std::vector<at::Tensor>& tensors) const {
+    for (const auto& t : tensors)
+      if (!t.device().is_cpu() || !t.is_contiguous() || t.is_sparse())
+        throw std::invalid_argument(fmt::format("{} through shared memory takes contiguous dense CPU tensors, not "
+                                                "a {} tensor of strides {}",
+                                                collective, t.device().str(), t.strides()));
+  }
+
+  void check_pieces(const char* collective, const at::Tensor& tensor, const std::vector<at::Tensor>& pieces) const {
+    if (static_cast<int>(pieces.size()) != size_)
+      throw std::invalid_argument(
+          fmt::format("{} takes one piece per group rank: {} pieces for a group of {}", collective, pieces.size(), size_));
+    check_dense(collective, pieces);
+    check_dense(collective, {tensor});
+    for (const auto& piece : pieces)
+      if (piece.numel() != tensor.numel() || piece.scalar_type() != tensor.scalar_type())
+        throw std::invalid_argument(fmt::format("{}: every piece must have the {} elements of {} of the tensor, not {} of {}",
+                                                collective, tensor.numel(), c10::toString(tensor.scalar_type()),
+                                                piece.numel(), c10::toString(piece.scalar_type())));
+  }
+
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                         std::chrono::milliseconds timeout, std::function<void(Deadline)> body) {
+    auto work = c10::make_intrusive<SharedMemoryWork>(rank_, type, std::move(outputs), [status = status_] {
+      std::lock_guard lock(status->mutex);
+      if (!status->broken.empty()) return status->broken;
+      return status->waiting.empty() ? std::string("the collective is queued behind earlier ones of the group")
+                                     : status->waiting;
+    });
+    {
+      std::lock_guard lock(queue_mutex_);
+      queue_.push_back({work, std::move(body), timeout == c10d::kUnsetTimeout ? timeout_ : timeout});
+    }
+    queue_ready_.notify_one();
+    return work;
+  }
+
+  void serve() {
+    for (;;) {
+      Task task;
+      {
+        std::unique_lock lock(queue_mutex_);
+        queue_ready_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      std::string broken;
+      {
+        std::lock_guard lock(status_->mutex);
+        broken = status_->broken;
+      }
+      if (!broken.empty()) {
+        task.work->fail(std::make_exception_ptr(std::runtime_error(broken)));
+        continue;
+      }
+      try {
+        task.body(Deadline{std::chrono::steady_clock::now() + task.timeout, task.timeout});
+        task.work->complete();
+      } catch (const std::exception& e) {
+        {
+          std::lock_guard lock(status_->mutex);
+          status_->broken = fmt::format("the shared-memory group is broken since an earlier collective failed: {}",
+                                        e.what());
+        }
+        task.work->fail(std::current_exception());
+      }
+    }
+  }
+
+  // Publishes step k as described, waits until every peer has published it, and checks that they
+  // describe it alike.
+  void exchange(std::uint32_t k, const StepDescription& step, Deadline deadline) {
+    RankState& me = segment_->state(rank_);
+    me.steps[k & 1u] = step;
+    me.published.store(k, std::memory_order_release);
+    futex_wake_all(me.published);
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_) wait_for(r, k, step, deadline);
+    for (int r = 0; r < size_; ++r) {
+      const StepDescription& theirs = segment_->state(r).steps[k & 1u];
+      if (!(theirs == step))
+        throw std::runtime_error(fmt::format("the ranks issued different collectives (a collective mismatch): "
+                                             "group rank {} is in {}, group rank {} in {}",
+                                             rank_, describe(step), r, describe(theirs)));
+    }
+  }
+
+  void wait_for(int peer, std::uint32_t k, const StepDescription& step, Deadline deadline) {
+    std::atomic<std::uint32_t>& word = segment_->state(peer).published;
+    // Peers usually arrive within microseconds: spin briefly before sleeping.
+    for (int spin = 0; spin < 2000; ++spin) {
+      if (reached(word.load(std::memory_order_acquire), k)) return;
+      cpu_relax();
+    }
+    {
+      std::lock_guard lock(status_->mutex);
+      status_->waiting = fmt::format("group rank {} waits in {} for group ranks {} that did not arrive", rank_,
+                                     describe(step), missing(k));
+    }
+    auto next_liveness_check = std::chrono::steady_clock::now();
+    for (;;) {
+      const std::uint32_t seen = word.load(std::memory_order_acquire);
+      if (reached(seen, k)) break;
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline.at)
+        throw std::runtime_error(fmt::format("timed out after {} ms: group rank {} waits in {} for group ranks {} "
+                                             "that did not arrive",
+                                             deadline.timeout.count(), rank_, describe(step), missing(k)));
+      if (stopping_flag_.load(std::memory_order_relaxed))
+        throw std::runtime_error(fmt::format("the group was destroyed while group rank {} waited in {}", rank_,
+                                             describe(step)));
+      if (now >= next_liveness_check) {
+        check_alive(peer, step);
+        next_liveness_check = now + std::chrono::milliseconds(100);
+      }
+      futex_wait(word, seen, std::min<std::chrono::nanoseconds>(deadline.at - now, std::chrono::milliseconds(20)));
+    }
+    std::lock_guard lock(status_->mutex);
+    status_->waiting.clear();
+  }
+
+  std::string missing(std::uint32_t k) {
+    std::vector<int> ranks;
+    for (int r = 0; r < size_; ++r)
+      if (!reached(segment_->state(r).published.load(std::memory_order_acquire), k)) ranks.push_back(r);
+    return fmt::format("[{}]", fmt::join(ranks, ", "));
+  }
+
+  // A peer's process has ended: nothing will publish its steps again.
+  void check_alive(int peer, const StepDescription& step) const {
+    const int pid = peer_pids_.empty() ? 0 : peer_pids_[static_cast<std::size_t>(peer)];
+    if (pid > 0 && !process_alive(pid))
+      throw std::runtime_error(fmt::format("group rank {} (pid {}) has exited while group rank {} waits for it in {}",
+                                           peer, pid, rank_, describe(step)));
+  }
+
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<Segment> segment_;
+  c10::intrusive_ptr<c10d::Backend> fallback_;
+  std::vector<int> peer_pids_;  // empty when the ranks do not share a pid namespace
+  std::shared_ptr<Status> status_;
+  std::uint32_t step_ = 0;  // the worker's only
+
+  std::mutex queue_mutex_;
+  std::condition_variable queue_ready_;
+  std::deque<Task> queue_;
+  bool stopping_ = false;
+  std::atomic<bool> stopping_flag_{false};  // read by a wait in progress
+  std::thread worker_;
+};
+
+// This host, as its ranks see it: the name and the kernel's boot id (containers may share a name).
+inline std::string host_identity() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return {};
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  std::getline(boot, boot_id);
+  return std::string(name) + " " + boot_id;
+}
+
+inline std::string pid_namespace() {
+  std::error_code error;
+  const auto target = std::filesystem::read_symlink("/proc/self/ns/pid", error);
+  return error ? std::string() : target.string();
+}
+
+}  // namespace shared_memory
+
+MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_shared_memory_backend(c10::intrusive_ptr<c10d::Store> store,
+                                                                            int rank, int size,
+                                                                            std::chrono::milliseconds timeout,
+                                                                            c10::intrusive_ptr<c10d::Backend> fallback) {
+  using namespace shared_memory;
+  if (size < 2) return nullptr;
+  // Ranks on several hosts: Gloo's sockets, without a word (that is what they are for).
+  const std::string host = host_identity();
+  store->set(fmt::format("shm/host/{}", rank), host);
+  for (int r = 0; r < size; ++r) {
+    const auto theirs = store->get(fmt::format("shm/host/{}", r));
+    if (host.empty() || std::string(theirs.begin(), theirs.end()) != host) return nullptr;
+  }
+  const Layout layout{size, Layout::slot_bytes_for(size)};
+  const auto bytes = layout.total_bytes();
+  std::string problem;
+  void* base = MAP_FAILED;
+  std::string name;
+  if (rank == 0) {
+    std::random_device entropy;
+    name = fmt::format("/meshtorch-{}-{:08x}{:08x}", ::getpid(), entropy(), entropy());
+    const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+      problem = fmt::format("shm_open({}) failed: {}", name, std::strerror(errno));
+    } else {
+      // Reserving the pages now turns a full /dev/shm into this error rather than a SIGBUS later.
+      if (const int error = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); error != 0)
+        problem = fmt::format("reserving {} bytes in /dev/shm failed: {}", bytes, std::strerror(error));
+      else if (base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); base == MAP_FAILED)
+        problem = fmt::format("mmap of {} bytes failed: {}", bytes, std::strerror(errno));
+      ::close(fd);
+    }
+    if (base != MAP_FAILED) {
+      auto* header = new (base) Header{};
+      header->world = static_cast<std::uint32_t>(size);
+      header->slot_bytes = layout.slot_bytes;
+      for (int r = 0; r < size; ++r) new (&reinterpret_cast<RankState*>(static_cast<std::byte*>(base) +
+                                                                        layout.states_offset())[r]) RankState{};
+      std::atomic_thread_fence(std::memory_order_release);
+      header->magic = kMagic;
+    }
+    store->set("shm/segment", problem.empty() ? name : std::string());
+  } else {
+    const auto value = store->get("shm/segment");
+    name.assign(value.begin(), value.end());
+    if (name.empty()) {
+      problem = "rank 0 could not create the segment";
+    } else if (const int fd = ::shm_open(name.c_str(), O_RDWR, 0600); fd < 0) {
+      problem = fmt::format("shm_open({}) failed: {}", name, std::strerror(errno));
+    } else {
+      struct stat info {};
+      if (::fstat(fd, &info) != 0 || static_cast<std::size_t>(info.st_size) != bytes)
+        problem = fmt::format("the segment {} is not the {} bytes expected", name, bytes);
+      else if (base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); base == MAP_FAILED)
+        problem = fmt::format("mmap of {} bytes failed: {}", bytes, std::strerror(errno));
+      ::close(fd);
+      if (base != MAP_FAILED && reinterpret_cast<Header*>(base)->magic != kMagic)
+        problem = fmt::format("the segment {} is not one of this group's", name);
+    }
+  }
+  auto segment = base == MAP_FAILED ? nullptr : std::make_unique<Segment>(base, layout);
+  if (segment && problem.empty()) segment->state(rank).pid = static_cast<std::int32_t>(::getpid());
+  // Every rank says whether it mapped the segment, with its pid and pid namespace.
+  store->set(fmt::format("shm/ready/{}", rank),
+             problem.empty() ? fmt::format("ok {} {}", ::getpid(), pid_namespace()) : "failed " + problem);
+  std::vector<int> pids(static_cast<std::size_t>(size), 0);
+  std::string first_problem = problem.empty() ? "" : fmt::format("rank {}: {}", rank, problem);
+  bool one_namespace = true;
+  const std::string mine = pid_namespace();
+  for (int r = 0; r < size; ++r) {
+    const auto value = store->get(fmt::format("shm/ready/{}", r));
+    const std::string text(value.begin(), value.end());
+    if (text.rfind("ok ", 0) == 0) {
+      const auto space = text.find(' ', 3);
+      pids[static_cast<std::size_t>(r)] = std::atoi(text.substr(3, space - 3).c_str());
+      if (space == std::string::npos || mine.empty() || text.substr(space + 1) != mine) one_namespace = false;
+    } else if (first_problem.empty()) {
+      first_problem = fmt::format("group rank {}: {}", r, text.substr(std::min<std::size_t>(text.size(), 7)));
+    }
+  }
+  // Every rank has mapped it or given up: the name is no longer needed.
+  if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());
+  if (!first_problem.empty()) {
+    if (rank == 0)
+      fmt::print(stderr,
+                 "meshtorch: a group of {} ranks on this host uses Gloo's sockets, not shared memory: {}\n", size,
+                 first_problem);
+    return nullptr;
+  }
+  if (!one_namespace) pids.clear();
+  return c10::make_intrusive<SharedMemoryBackend>(rank, size, timeout, std::move(segment), std::move(fallback),
+                                                  std::move(pids));
+}
+
+}  // namespace meshtorch::comm
+#endif  // MESHTORCH_DEFINES(programs)
