@@ -1,12 +1,13 @@
 """bench/run's body, in sections (--only picks some):
 - ch1: chapter 1 of the guide, our 01-single-gpu against the Python reference on transformers;
-- ddp: chapter 2, 2 ranks x 1 thread on the CPU over Gloo: our 02-distributed-data-parallel under
+- ddp: chapter 2, 2 ranks x 1 thread on the CPU (PyTorch over Gloo, ours through shared memory or, with
+  --our-transports gloo, Gloo too): our 02-distributed-data-parallel under
   meshrun against PyTorch's DistributedDataParallel under torchrun, ZeroRedundancyOptimizer off
   and on, plus one rank of each stack (chapter 1 at the same per-rank batch) for the scaling;
-- fsdp, tp, 2d: chapters 4, 6 and 7, 2 ranks x 1 thread on the CPU over Gloo: our
+- fsdp, tp, 2d: chapters 4, 6 and 7, 2 ranks x 1 thread on the CPU, likewise: our
   04-fully-sharded-data-parallel, 06-tensor-parallel and 07-2d-parallel under meshrun against the
   guide's FSDP2, tensor-parallel and 2D scripts under torchrun (opt-in: --only fsdp,tp,2d);
-- pp: chapter 11, 2 ranks x 1 thread on the CPU over Gloo: our 11-pipeline-parallel under meshrun
+- pp: chapter 11, 2 ranks x 1 thread on the CPU, likewise: our 11-pipeline-parallel under meshrun
   against PyTorch's torch.distributed.pipelining (PipelineStage and its schedules) under torchrun,
   per schedule, the same split into stages and the same micro-batches (opt-in: --only pp);
 - ch1-bf16: chapter 1 in bfloat16 (opt-in: --only ch1-bf16);
@@ -140,10 +141,10 @@ def parse_args():
                         "offload (--cpu-offload), noprefetch (--prefetch-layers 0 on both sides), ac (every decoder "
                         "layer checkpointed on both sides: chapter 5's recipe)")
     p.add_argument("--our-transports", default="shm",
-                   help="CPU transports of our side in the fsdp, tp, 2d and pp sections, comma-separated: shm "
-                        "(collectives through shared memory, the default) and gloo (Gloo's sockets, as PyTorch); "
-                        "the first gives the main rows, each further one adds rows of ours on it, paired with the "
-                        "same PyTorch runs")
+                   help="CPU transports of our multi-rank runs, comma-separated: shm (collectives through shared "
+                        "memory, the default) and gloo (Gloo's sockets, as PyTorch's side). The first serves every "
+                        "section; in the fsdp, tp, 2d and pp sections each further one adds rows of ours on it, "
+                        "paired with the same PyTorch runs")
     p.add_argument("--tp-size", type=int, default=2, help="--tp of the tp and 2d sections (2d: mesh (2/tp, tp))")
     p.add_argument("--fsdp-bin", default=str(ROOT / "build" / "bin" / "04-fully-sharded-data-parallel"),
                    help="our chapter-4 binary")
@@ -522,7 +523,8 @@ def paired(a, b, key):
 
 def ddp_tables(results, plan):
     """Markdown: the scaling and side-by-side summary, then one table per size with the phases."""
-    lines = ["2 ranks x 1 thread on the CPU, Gloo over loopback, fp32. \"1 rank\" is chapter 1 at the same per-rank "
+    lines = ["2 ranks x 1 thread on the CPU, fp32; PyTorch's collectives over Gloo (loopback), ours "
+             f"{TRANSPORT_WORDS[os.environ['MESHTORCH_CPU_TRANSPORT']]}. \"1 rank\" is chapter 1 at the same per-rank "
              "batch with 1 thread (our 01-single-gpu; the guide's chapter-1 script on HF transformers), so 2 ranks "
              "process twice its tokens per step. tokens/s counts the global batch (ranks x batch x sequence). "
              "Figures are medians over repetitions of each run's median step after warm-up; every ratio is the "
@@ -893,8 +895,9 @@ def zero2_section(args, corpus, runs_dir, out, machine):
     r2 = lambda v: f"{v:.2f}" if v is not None else "—"
     med = lambda runs, key="tokens_per_s": median_of(list(runs.values()), key)
     lines = [f"## ZeRO-2 throughput and memory ({machine['date']}, commit {machine['commit']})", "",
-             f"{machine['cpu']}, {machine['cores']} cores; {DDP_RANKS} ranks x 1 thread on the CPU, Gloo over "
-             f"loopback, {args.dtype}, {reps} repetition(s), {minutes} minutes. tokens/s counts the global batch; "
+             f"{machine['cpu']}, {machine['cores']} cores; {DDP_RANKS} ranks x 1 thread on the CPU, PyTorch's "
+             f"collectives over Gloo (loopback), ours {TRANSPORT_WORDS[os.environ['MESHTORCH_CPU_TRANSPORT']]}, "
+             f"{args.dtype}, {reps} repetition(s), {minutes} minutes. tokens/s counts the global batch; "
              "rank 0's peak RSS. Ratios are medians over repetitions of the ratio within a repetition "
              "(tokens/s above 1: ZeRO-2 is faster; memory below 1: ZeRO-2 uses less).", "",
              "| model | " + " | ".join(f"{ZERO2_SIDES[s]} tokens/s" for s in ZERO2_SIDES)
@@ -1277,6 +1280,9 @@ def main():
             sys.exit(f"bench/run: unknown size {s!r}; known: {', '.join(SIZES)}")
     if args.quick:
         args.reps = 1
+    # Our side's main CPU transport, for every section that runs our multi-rank binaries (the fsdp,
+    # tp, 2d and pp sections set it per run, for --our-transports' further ones).
+    os.environ["MESHTORCH_CPU_TRANSPORT"] = our_transports(args)[0]
 
     out = Path(args.out)
     runs_dir = out / "runs"
