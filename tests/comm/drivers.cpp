@@ -123,6 +123,8 @@ TEST_CASE("through shared memory, a mismatch fails both ranks at once, an exited
   const TransportForRanks shm("shm");
   require_ranks_succeed(2, "[rank_shared_memory_mismatch]", 30s);
   require_ranks_succeed(2, "[rank_shared_memory_exit]", 30s);
+  require_ranks_succeed(2, "[rank_shared_memory_gave_up]", 30s);
+  require_ranks_succeed(2, "[rank_transport_mismatch]", 30s);
   require_ranks_succeed(2, "[rank_timeout]", 30s);
 }
 

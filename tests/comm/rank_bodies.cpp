@@ -422,6 +422,35 @@ TEST_CASE("rank body: collectives over Gloo's sockets alone", "[.rank_gloo_trans
   barrier(mesh.world());
 }
 
+TEST_CASE("rank body: rank 1 starts with another CPU transport", "[.rank_transport_mismatch]") {
+  const int rank = launch_env().rank;
+  if (rank == 1) ::setenv("MESHTORCH_CPU_TRANSPORT", "gloo", 1);
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(init<Mesh<DP<dynamic>>>(test_options()),
+                    Catch::Contains("rank 1 was started with 'MESHTORCH_CPU_TRANSPORT=gloo' but rank 0 with "
+                                    "'MESHTORCH_CPU_TRANSPORT=shm'"));
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+}
+
+TEST_CASE("rank body: a rank that gives up on the group is named by its peer at once",
+          "[.rank_shared_memory_gave_up]") {
+  auto mesh = init<Mesh<DP<dynamic>>>(test_options(30s));
+  const auto dp = mesh.group<DP>();
+  if (mesh.rank() == 0) {
+    // Rank 0 gives up waiting after 1 s; rank 1 arrives later and must not wait its 30 s.
+    CHECK_THROWS_WITH(all_reduce(dp.with_timeout(1s), torch::ones({2})), Catch::Contains("timed out after 1000 ms"));
+    barrier(mesh.world());  // another group than the broken one: keeps rank 0 alive until rank 1 is told
+  } else {
+    std::this_thread::sleep_for(2s);
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH(all_reduce(dp, torch::ones({2})),
+                      Catch::Contains("group rank 0 gave up on the group while group rank 1 waited for it") &&
+                          Catch::Contains("timed out after 1000 ms"));
+    CHECK(std::chrono::steady_clock::now() - start < 5s);
+    barrier(mesh.world());
+  }
+}
+
 TEST_CASE("rank body: ranks that issue different collectives are told so at once", "[.rank_shared_memory_mismatch]") {
   auto mesh = init<Mesh<DP<dynamic>>>(test_options(20s));
   const auto start = std::chrono::steady_clock::now();
@@ -476,7 +505,8 @@ TEST_CASE("a one-rank mesh needs no peers and its collectives return their input
   options.env = env;
   auto mesh = init<Mesh<DP<dynamic>, TP<1>>>(options);
   CHECK(mesh.size<DP>() == 1);
-  CHECK(mesh.fingerprint() == "Mesh<DP<dynamic>, TP<1>> on cpu");
+  CHECK(mesh.fingerprint() == std::string("Mesh<DP<dynamic>, TP<1>> on cpu\nMESHTORCH_CPU_TRANSPORT=") +
+                                  (cpu_transport_from_environment() == CpuTransport::shared_memory ? "shm" : "gloo"));
   const auto t = torch::arange(4, f64);
   expect_equal(all_reduce(mesh.group<DP>(), t.clone(), ReduceOp::avg), t, "all_reduce");
   expect_equal(all_gather(mesh.group<TP>(), t), t, "all_gather");

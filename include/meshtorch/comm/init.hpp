@@ -22,6 +22,7 @@
 #include <meshtorch/comm/env.hpp>
 #include <meshtorch/comm/local_device.hpp>
 #include <meshtorch/comm/rendezvous.hpp>
+#include <meshtorch/comm/shared_memory_backend.hpp>
 #include <meshtorch/diagnostics/fingerprint.hpp>
 #include <meshtorch/diagnostics/watchdog.hpp>
 #include <meshtorch/error.hpp>
@@ -30,10 +31,12 @@
 
 namespace meshtorch::comm {
 
-// The fingerprint ranks compare: the mesh type, the device and the caller's string.
+// The fingerprint ranks compare: the mesh type, the device, the CPU transport (ranks that differ
+// would wait for each other's handshake until the store's timeout) and the caller's string.
 template <MeshType M>
 std::string mesh_fingerprint(Device device, const std::string& user) {
-  std::string out = std::string(M::name) + " on " + to_string(device);
+  std::string out = std::string(M::name) + " on " + to_string(device) + "\nMESHTORCH_CPU_TRANSPORT=" +
+                    (cpu_transport_from_environment() == CpuTransport::shared_memory ? "shm" : "gloo");
   // The mesh on a line of its own: a mismatch names the first line that differs.
   return user.empty() ? out : out + "\n" + user;
 }

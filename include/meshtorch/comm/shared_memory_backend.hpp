@@ -24,7 +24,8 @@
 // peer that has exited (same host, so its pid can be asked) is reported within 100 ms. After a
 // failure the group is broken: later collectives fail at once with the first failure's reason.
 // The collectives run in order on one thread per group, as Gloo's do, so *_async overlaps them
-// with compute and Work::wait keeps its meaning.
+// with compute and Work::wait keeps its meaning. Those it serves and those Gloo serves are ordered
+// apart: wait for a receive before reducing the tensor it fills (the library's code does).
 #include <chrono>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -98,10 +99,10 @@ MESHTORCH_DECL CpuTransport cpu_transport_from_environment() {
   const std::string value = choice && *choice ? choice : "shm";
   if (value == "gloo") return CpuTransport::gloo;
   if (value == "shm") return CpuTransport::shared_memory;
-  throw ConfigError(fmt::format(
-      "MESHTORCH_CPU_TRANSPORT is '{}': expected 'shm' (the default: CPU collectives between the ranks of "
-      "one host through shared memory) or 'gloo' (Gloo's sockets alone)",
-      value));
+  throw ConfigError(
+      fmt::format("MESHTORCH_CPU_TRANSPORT is '{}': expected 'shm' (the default: CPU collectives between the ranks of "
+                  "one host through shared memory) or 'gloo' (Gloo's sockets alone)",
+                  value));
 }
 
 namespace shared_memory {
@@ -139,10 +140,11 @@ struct StepDescription {
 inline std::string describe(const StepDescription& step) {
   std::string out = op_name(static_cast<Op>(step.op));
   if (static_cast<Op>(step.op) == Op::barrier) return out;
-  if (step.reduce >= 0) out += fmt::format(" ({})", step.reduce == 0   ? "sum"
-                                                    : step.reduce == 1 ? "product"
-                                                    : step.reduce == 2 ? "max"
-                                                                       : "min");
+  if (step.reduce >= 0)
+    out += fmt::format(" ({})", step.reduce == 0   ? "sum"
+                                : step.reduce == 1 ? "product"
+                                : step.reduce == 2 ? "max"
+                                                   : "min");
   if (step.root >= 0) out += fmt::format(" from group rank {}", step.root);
   out += fmt::format(" of {} bytes of {}", step.bytes, c10::toString(static_cast<c10::ScalarType>(step.dtype)));
   return step.offset ? out + fmt::format(" (the chunk at byte {})", step.offset) : out;
@@ -151,8 +153,11 @@ inline std::string describe(const StepDescription& step) {
 struct alignas(64) RankState {
   // The last step whose slot this rank has written: the word peers wait on (a futex).
   std::atomic<std::uint32_t> published{0};
-  std::int32_t pid = 0;
+  // Set (after `reason`) when this rank's side of the group has failed: its peers then stop
+  // waiting for it at once, with its reason, instead of at their timeout.
+  std::atomic<std::uint32_t> broken{0};
   StepDescription steps[2];  // by the step's parity, so that a fast rank never overwrites one being read
+  char reason[240] = {};
 };
 
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free, "the step counters are shared between processes");
@@ -255,9 +260,11 @@ void combine(T* out, const T* a, const T* b, std::size_t n, c10d::ReduceOp::RedO
   }
 }
 
-// memcpy, which may not be given a null pointer even for no bytes (an empty tensor has one).
+// memcpy, which may not be given a null pointer even for no bytes (an empty tensor has one), nor
+// overlapping ranges.
+// A piece gathered into the tensor it came from is already in place.
 inline void copy_bytes(void* to, const void* from, std::size_t bytes) {
-  if (bytes) std::memcpy(to, from, bytes);
+  if (bytes && to != from) std::memcpy(to, from, bytes);
 }
 
 inline bool serves(c10::ScalarType dtype) {
@@ -341,14 +348,25 @@ class SharedMemoryWork final : public c10d::Work {
         future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())),
         waiting_for_(std::move(waiting_for)) {}
 
+  // The future first, as Gloo does, so that a thread woken by wait() finds it completed. A
+  // callback on the future that throws fails the wait with its error.
   void complete() {
+    try {
+      future_->markCompleted(c10::IValue(outputs_));
+    } catch (...) {
+      finish(std::current_exception());
+      return;
+    }
     finish();
-    future_->markCompleted(c10::IValue(outputs_));
   }
 
   void fail(std::exception_ptr error) {
+    try {
+      future_->setError(error);
+    } catch (...) {
+      // A callback that throws on the error path: the collective's own error is the one to report.
+    }
     finish(error);
-    future_->setError(error);
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
@@ -375,7 +393,7 @@ class SharedMemoryBackend final : public c10d::Backend {
   SharedMemoryBackend(int rank, int size, std::chrono::milliseconds timeout, std::unique_ptr<Segment> segment,
                       c10::intrusive_ptr<c10d::Backend> fallback, std::vector<int> peer_pids)
       : c10d::Backend(rank, size),
-        timeout_(timeout),
+        timeout_(timeout.count()),
         segment_(std::move(segment)),
         fallback_(std::move(fallback)),
         peer_pids_(std::move(peer_pids)),
@@ -396,23 +414,26 @@ class SharedMemoryBackend final : public c10d::Backend {
   const std::string getBackendName() const override { return "shm"; }
 
   void setTimeout(std::chrono::milliseconds timeout) override {
-    timeout_ = timeout;
+    timeout_ = timeout.count();
     fallback_->setTimeout(timeout);
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& options) override {
-    if (tensors.size() != 1 || !serves(tensors[0].scalar_type()) || !serves(options.reduceOp.op_))
+    if (tensors.size() != 1 || !serves(tensors[0]) || !serves(options.reduceOp.op_))
       return fallback_->allreduce(tensors, options);
     at::Tensor tensor = tensors[0];
-    check_dense("all_reduce", {tensor});
     const auto op = options.reduceOp.op_;
     return enqueue(c10d::OpType::ALLREDUCE, {tensor}, options.timeout, [this, tensor, op](Deadline deadline) {
       auto* data = static_cast<std::byte*>(tensor.data_ptr());
       const std::size_t bytes = tensor.nbytes();
       const std::size_t chunk = chunk_bytes(tensor.element_size(), 1);
-      StepDescription step{static_cast<std::uint32_t>(Op::all_reduce), static_cast<int>(tensor.scalar_type()),
-                           reduce_code(op), -1, bytes, 0};
+      StepDescription step{static_cast<std::uint32_t>(Op::all_reduce),
+                           static_cast<int>(tensor.scalar_type()),
+                           reduce_code(op),
+                           -1,
+                           bytes,
+                           0};
       for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
         step.offset = offset;
         const std::uint32_t k = next_step();
@@ -428,7 +449,7 @@ class SharedMemoryBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions& options) override {
-    if (inputs.size() != 1 || outputs.size() != 1 || !serves(inputs[0].scalar_type()))
+    if (inputs.size() != 1 || outputs.size() != 1 || !serves(inputs[0], outputs[0]))
       return fallback_->allgather(outputs, inputs, options);
     at::Tensor input = inputs[0];
     std::vector<at::Tensor> pieces = outputs[0];
@@ -437,8 +458,8 @@ class SharedMemoryBackend final : public c10d::Backend {
       const auto* data = static_cast<const std::byte*>(input.data_ptr());
       const std::size_t bytes = input.nbytes();
       const std::size_t chunk = chunk_bytes(input.element_size(), 1);
-      StepDescription step{static_cast<std::uint32_t>(Op::all_gather), static_cast<int>(input.scalar_type()), -1, -1,
-                           bytes, 0};
+      StepDescription step{
+          static_cast<std::uint32_t>(Op::all_gather), static_cast<int>(input.scalar_type()), -1, -1, bytes, 0};
       for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
         step.offset = offset;
         const std::uint32_t k = next_step();
@@ -446,7 +467,7 @@ class SharedMemoryBackend final : public c10d::Backend {
         exchange(k, step, deadline);
         for (int r = 0; r < size_; ++r)
           copy_bytes(static_cast<std::byte*>(pieces[r].data_ptr()) + offset,
-                      r == rank_ ? data + offset : segment_->slot(k, r), length);
+                     r == rank_ ? data + offset : segment_->slot(k, r), length);
       });
     });
   }
@@ -454,49 +475,53 @@ class SharedMemoryBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                 const c10d::ReduceScatterOptions& options) override {
-    if (outputs.size() != 1 || inputs.size() != 1 || !serves(outputs[0].scalar_type()) ||
-        !serves(options.reduceOp.op_))
+    if (outputs.size() != 1 || inputs.size() != 1 || !serves(outputs[0], inputs[0]) || !serves(options.reduceOp.op_))
       return fallback_->reduce_scatter(outputs, inputs, options);
     at::Tensor output = outputs[0];
     std::vector<at::Tensor> pieces = inputs[0];
     check_pieces("reduce_scatter", output, pieces);
     const auto op = options.reduceOp.op_;
-    return enqueue(c10d::OpType::REDUCE_SCATTER, {output}, options.timeout,
-                   [this, output, pieces, op](Deadline deadline) {
-                     auto* data = static_cast<std::byte*>(output.data_ptr());
-                     const std::size_t bytes = output.nbytes();
-                     // Each step carries the same chunk of every piece: piece j's part at j * chunk.
-                     const std::size_t chunk = chunk_bytes(output.element_size(), size_);
-                     StepDescription step{static_cast<std::uint32_t>(Op::reduce_scatter),
-                                          static_cast<int>(output.scalar_type()), reduce_code(op), -1, bytes, 0};
-                     for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
-                       step.offset = offset;
-                       const std::uint32_t k = next_step();
-                       std::byte* mine = segment_->slot(k, rank_);
-                       for (int j = 0; j < size_; ++j)
-                         copy_bytes(mine + j * chunk, static_cast<const std::byte*>(pieces[j].data_ptr()) + offset,
-                                     length);
-                       exchange(k, step, deadline);
-                       std::vector<const std::byte*> sources;
-                       for (int r = 0; r < size_; ++r) sources.push_back(segment_->slot(k, r) + rank_ * chunk);
-                       reduce_into(data + offset, sources, length, output.scalar_type(), op);
-                     });
-                   });
+    return enqueue(
+        c10d::OpType::REDUCE_SCATTER, {output}, options.timeout, [this, output, pieces, op](Deadline deadline) {
+          auto* data = static_cast<std::byte*>(output.data_ptr());
+          const std::size_t bytes = output.nbytes();
+          // Each step carries the same chunk of every piece: piece j's part at j * chunk.
+          const std::size_t chunk = chunk_bytes(output.element_size(), size_);
+          StepDescription step{static_cast<std::uint32_t>(Op::reduce_scatter),
+                               static_cast<int>(output.scalar_type()),
+                               reduce_code(op),
+                               -1,
+                               bytes,
+                               0};
+          for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
+            step.offset = offset;
+            const std::uint32_t k = next_step();
+            std::byte* mine = segment_->slot(k, rank_);
+            for (int j = 0; j < size_; ++j)
+              copy_bytes(mine + j * chunk, static_cast<const std::byte*>(pieces[j].data_ptr()) + offset, length);
+            exchange(k, step, deadline);
+            std::vector<const std::byte*> sources;
+            for (int r = 0; r < size_; ++r) sources.push_back(segment_->slot(k, r) + rank_ * chunk);
+            reduce_into(data + offset, sources, length, output.scalar_type(), op);
+          });
+        });
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& options) override {
-    if (tensors.size() != 1 || options.rootTensor != 0 || !serves(tensors[0].scalar_type()))
+    if (tensors.size() != 1 || options.rootTensor != 0 || !serves(tensors[0]))
       return fallback_->broadcast(tensors, options);
     at::Tensor tensor = tensors[0];
-    check_dense("broadcast", {tensor});
     const int root = static_cast<int>(options.rootRank);
+    if (root < 0 || root >= size_)
+      throw std::invalid_argument(
+          fmt::format("broadcast from group rank {}, which is not a rank of the group (0 to {})", root, size_ - 1));
     return enqueue(c10d::OpType::BROADCAST, {tensor}, options.timeout, [this, tensor, root](Deadline deadline) {
       auto* data = static_cast<std::byte*>(tensor.data_ptr());
       const std::size_t bytes = tensor.nbytes();
       const std::size_t chunk = chunk_bytes(tensor.element_size(), 1);
-      StepDescription step{static_cast<std::uint32_t>(Op::broadcast), static_cast<int>(tensor.scalar_type()), -1,
-                           root, bytes, 0};
+      StepDescription step{
+          static_cast<std::uint32_t>(Op::broadcast), static_cast<int>(tensor.scalar_type()), -1, root, bytes, 0};
       for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
         step.offset = offset;
         const std::uint32_t k = next_step();
@@ -575,6 +600,12 @@ class SharedMemoryBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
     return fallback_->recvAnysource(tensors, tag);
   }
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& options) override {
+    return fallback_->allreduce_sparse(tensors, options);
+  }
+  void setSequenceNumberForGroup() override { fallback_->setSequenceNumberForGroup(); }
+  uint64_t getSequenceNumberForGroup() override { return fallback_->getSequenceNumberForGroup(); }
 
  private:
   struct Deadline {
@@ -597,7 +628,11 @@ class SharedMemoryBackend final : public c10d::Backend {
 
   std::size_t chunk_bytes(std::size_t element_size, int parts) const {
     const std::size_t per_part = segment_->layout().slot_bytes / static_cast<std::size_t>(parts);
-    return per_part / element_size * element_size;
+    const std::size_t chunk = per_part / element_size * element_size;
+    if (chunk == 0)
+      throw std::logic_error(fmt::format("a slot of {} bytes cannot carry {} parts of {}-byte elements",
+                                         segment_->layout().slot_bytes, parts, element_size));
+    return chunk;
   }
 
   // Calls body(offset, length) for each chunk; once with length 0 for an empty tensor, so that
@@ -610,26 +645,28 @@ class SharedMemoryBackend final : public c10d::Backend {
 
   std::uint32_t next_step() { return ++step_; }
 
-  // Gloo refuses these too; refusing them when issued keeps every rank on the same path.
-  void check_dense(const char* collective, const std::vector<at::Tensor>& tensors) const {
-    for (const auto& t : tensors)
-      if (!t.device().is_cpu() || !t.is_contiguous() || t.is_sparse())
-        throw std::invalid_argument(fmt::format("{} through shared memory takes contiguous dense CPU tensors, not "
-                                                "a {} tensor of strides {}",
-                                                collective, t.device().str(), t.strides()));
+  // Dense contiguous CPU tensors of a dtype it adds: what it serves; Gloo gets the rest. Ranks that
+  // issue the same collective pass the same kinds of tensors, so they all take the same path.
+  static bool serves(const at::Tensor& tensor) {
+    return tensor.layout() == c10::kStrided && tensor.device().is_cpu() && tensor.is_contiguous() &&
+           shared_memory::serves(tensor.scalar_type());
   }
+
+  static bool serves(const at::Tensor& tensor, const std::vector<at::Tensor>& pieces) {
+    return serves(tensor) && std::all_of(pieces.begin(), pieces.end(), [](const at::Tensor& t) { return serves(t); });
+  }
+
+  static bool serves(c10d::ReduceOp::RedOpType op) { return shared_memory::serves(op); }
 
   void check_pieces(const char* collective, const at::Tensor& tensor, const std::vector<at::Tensor>& pieces) const {
     if (static_cast<int>(pieces.size()) != size_)
-      throw std::invalid_argument(
-          fmt::format("{} takes one piece per group rank: {} pieces for a group of {}", collective, pieces.size(), size_));
-    check_dense(collective, pieces);
-    check_dense(collective, {tensor});
+      throw std::invalid_argument(fmt::format("{} takes one piece per group rank: {} pieces for a group of {}",
+                                              collective, pieces.size(), size_));
     for (const auto& piece : pieces)
       if (piece.numel() != tensor.numel() || piece.scalar_type() != tensor.scalar_type())
-        throw std::invalid_argument(fmt::format("{}: every piece must have the {} elements of {} of the tensor, not {} of {}",
-                                                collective, tensor.numel(), c10::toString(tensor.scalar_type()),
-                                                piece.numel(), c10::toString(piece.scalar_type())));
+        throw std::invalid_argument(fmt::format(
+            "{}: every piece must have the {} elements of {} of the tensor, not {} of {}", collective, tensor.numel(),
+            c10::toString(tensor.scalar_type()), piece.numel(), c10::toString(piece.scalar_type())));
   }
 
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
@@ -637,12 +674,14 @@ class SharedMemoryBackend final : public c10d::Backend {
     auto work = c10::make_intrusive<SharedMemoryWork>(rank_, type, std::move(outputs), [status = status_] {
       std::lock_guard lock(status->mutex);
       if (!status->broken.empty()) return status->broken;
-      return status->waiting.empty() ? std::string("the collective is queued behind earlier ones of the group")
-                                     : status->waiting;
+      return status->waiting.empty()
+                 ? std::string("the group's thread had not finished it (it runs the group's collectives in order)")
+                 : status->waiting;
     });
     {
       std::lock_guard lock(queue_mutex_);
-      queue_.push_back({work, std::move(body), timeout == c10d::kUnsetTimeout ? timeout_ : timeout});
+      queue_.push_back({work, std::move(body),
+                        timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeout_.load()) : timeout});
     }
     queue_ready_.notify_one();
     return work;
@@ -673,9 +712,10 @@ class SharedMemoryBackend final : public c10d::Backend {
       } catch (const std::exception& e) {
         {
           std::lock_guard lock(status_->mutex);
-          status_->broken = fmt::format("the shared-memory group is broken since an earlier collective failed: {}",
-                                        e.what());
+          status_->broken =
+              fmt::format("the shared-memory group is broken since an earlier collective failed: {}", e.what());
         }
+        tell_peers(e.what());
         task.work->fail(std::current_exception());
       }
     }
@@ -690,12 +730,16 @@ class SharedMemoryBackend final : public c10d::Backend {
     futex_wake_all(me.published);
     for (int r = 0; r < size_; ++r)
       if (r != rank_) wait_for(r, k, step, deadline);
+    // A peer that published this step and then gave up waiting has already failed it: fail it here too.
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_) throw_if_gave_up(r, step);
     for (int r = 0; r < size_; ++r) {
       const StepDescription& theirs = segment_->state(r).steps[k & 1u];
       if (!(theirs == step))
-        throw std::runtime_error(fmt::format("the ranks issued different collectives (a collective mismatch): "
-                                             "group rank {} is in {}, group rank {} in {}",
-                                             rank_, describe(step), r, describe(theirs)));
+        throw std::runtime_error(
+            fmt::format("the ranks issued different collectives (a collective mismatch): "
+                        "group rank {} is in {}, group rank {} in {}",
+                        rank_, describe(step), r, describe(theirs)));
     }
   }
 
@@ -717,14 +761,20 @@ class SharedMemoryBackend final : public c10d::Backend {
       if (reached(seen, k)) break;
       const auto now = std::chrono::steady_clock::now();
       if (now >= deadline.at)
-        throw std::runtime_error(fmt::format("timed out after {} ms: group rank {} waits in {} for group ranks {} "
-                                             "that did not arrive",
-                                             deadline.timeout.count(), rank_, describe(step), missing(k)));
+        throw std::runtime_error(
+            fmt::format("timed out after {} ms: group rank {} waits in {} for group ranks {} "
+                        "that did not arrive",
+                        deadline.timeout.count(), rank_, describe(step), missing(k)));
       if (stopping_flag_.load(std::memory_order_relaxed))
-        throw std::runtime_error(fmt::format("the group was destroyed while group rank {} waited in {}", rank_,
-                                             describe(step)));
+        throw std::runtime_error(
+            fmt::format("the group was destroyed while group rank {} waited in {}", rank_, describe(step)));
+      throw_if_gave_up(peer, step);
       if (now >= next_liveness_check) {
-        check_alive(peer, step);
+        // Asked after the counter: a peer that published and then exited (the job's end) has arrived.
+        if (!peer_alive(peer) && !reached(word.load(std::memory_order_acquire), k))
+          throw std::runtime_error(
+              fmt::format("group rank {} (pid {}) has exited while group rank {} waits for it in {}", peer,
+                          peer_pids_[static_cast<std::size_t>(peer)], rank_, describe(step)));
         next_liveness_check = now + std::chrono::milliseconds(100);
       }
       futex_wait(word, seen, std::min<std::chrono::nanoseconds>(deadline.at - now, std::chrono::milliseconds(20)));
@@ -740,15 +790,32 @@ class SharedMemoryBackend final : public c10d::Backend {
     return fmt::format("[{}]", fmt::join(ranks, ", "));
   }
 
-  // A peer's process has ended: nothing will publish its steps again.
-  void check_alive(int peer, const StepDescription& step) const {
-    const int pid = peer_pids_.empty() ? 0 : peer_pids_[static_cast<std::size_t>(peer)];
-    if (pid > 0 && !process_alive(pid))
-      throw std::runtime_error(fmt::format("group rank {} (pid {}) has exited while group rank {} waits for it in {}",
-                                           peer, pid, rank_, describe(step)));
+  void throw_if_gave_up(int peer, const StepDescription& step) {
+    const RankState& theirs = segment_->state(peer);
+    if (theirs.broken.load(std::memory_order_acquire))
+      throw std::runtime_error(
+          fmt::format("group rank {} gave up on the group while group rank {} waited for it in {}: {}", peer, rank_,
+                      describe(step), std::string(theirs.reason, strnlen(theirs.reason, sizeof(theirs.reason)))));
   }
 
-  std::chrono::milliseconds timeout_;
+  // Whether a peer's process still runs (true where its pid cannot be asked): once it has ended,
+  // nothing will publish its steps again.
+  bool peer_alive(int peer) const {
+    const int pid = peer_pids_.empty() ? 0 : peer_pids_[static_cast<std::size_t>(peer)];
+    return pid <= 0 || process_alive(pid);
+  }
+
+  // Marks this rank's side of the group failed in the segment and wakes whoever waits for it.
+  void tell_peers(const std::string& reason) {
+    RankState& me = segment_->state(rank_);
+    const std::size_t n = std::min(reason.size(), sizeof(me.reason) - 1);
+    std::memcpy(me.reason, reason.data(), n);
+    me.reason[n] = '\0';
+    me.broken.store(1, std::memory_order_release);
+    futex_wake_all(me.published);
+  }
+
+  std::atomic<std::int64_t> timeout_;  // ms; setTimeout may come from another thread
   std::unique_ptr<Segment> segment_;
   c10::intrusive_ptr<c10d::Backend> fallback_;
   std::vector<int> peer_pids_;  // empty when the ranks do not share a pid namespace
@@ -781,10 +848,9 @@ inline std::string pid_namespace() {
 
 }  // namespace shared_memory
 
-MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_shared_memory_backend(c10::intrusive_ptr<c10d::Store> store,
-                                                                            int rank, int size,
-                                                                            std::chrono::milliseconds timeout,
-                                                                            c10::intrusive_ptr<c10d::Backend> fallback) {
+MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_shared_memory_backend(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
+    c10::intrusive_ptr<c10d::Backend> fallback) {
   using namespace shared_memory;
   if (size < 2) return nullptr;
   // Ranks on several hosts: Gloo's sockets, without a word (that is what they are for).
@@ -797,57 +863,71 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_shared_memory_backend(c10:
   const Layout layout{size, Layout::slot_bytes_for(size)};
   const auto bytes = layout.total_bytes();
   std::string problem;
-  void* base = MAP_FAILED;
-  std::string name;
+  std::unique_ptr<Segment> segment;  // owns the mapping from the moment it exists
+  auto map = [&](int fd) {
+    void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED)
+      problem = fmt::format("mmap of {} bytes failed: {}", bytes, std::strerror(errno));
+    else
+      segment = std::make_unique<Segment>(base, layout);
+  };
+  // Rank 0 removes the name once every rank has mapped the segment or given up, and on any way out
+  // of this function (a peer that dies during the handshake makes the store throw).
+  struct Unlink {
+    std::string name;
+    ~Unlink() {
+      if (!name.empty()) ::shm_unlink(name.c_str());
+    }
+  } unlink;
   if (rank == 0) {
     std::random_device entropy;
-    name = fmt::format("/meshtorch-{}-{:08x}{:08x}", ::getpid(), entropy(), entropy());
+    const std::string name = fmt::format("/meshtorch-{}-{:08x}{:08x}", ::getpid(), entropy(), entropy());
     const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) {
       problem = fmt::format("shm_open({}) failed: {}", name, std::strerror(errno));
     } else {
+      unlink.name = name;
       // Reserving the pages now turns a full /dev/shm into this error rather than a SIGBUS later.
       if (const int error = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); error != 0)
         problem = fmt::format("reserving {} bytes in /dev/shm failed: {}", bytes, std::strerror(error));
-      else if (base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); base == MAP_FAILED)
-        problem = fmt::format("mmap of {} bytes failed: {}", bytes, std::strerror(errno));
+      else
+        map(fd);
       ::close(fd);
     }
-    if (base != MAP_FAILED) {
-      auto* header = new (base) Header{};
-      header->world = static_cast<std::uint32_t>(size);
-      header->slot_bytes = layout.slot_bytes;
-      for (int r = 0; r < size; ++r) new (&reinterpret_cast<RankState*>(static_cast<std::byte*>(base) +
-                                                                        layout.states_offset())[r]) RankState{};
+    if (segment) {
+      Header& header = *new (&segment->header()) Header{};
+      header.world = static_cast<std::uint32_t>(size);
+      header.slot_bytes = layout.slot_bytes;
+      for (int r = 0; r < size; ++r) new (&segment->state(r)) RankState{};
       std::atomic_thread_fence(std::memory_order_release);
-      header->magic = kMagic;
+      header.magic = kMagic;
     }
     store->set("shm/segment", problem.empty() ? name : std::string());
   } else {
     const auto value = store->get("shm/segment");
-    name.assign(value.begin(), value.end());
+    const std::string name(value.begin(), value.end());
     if (name.empty()) {
-      problem = "rank 0 could not create the segment";
+      problem = "group rank 0 could not create the segment";
     } else if (const int fd = ::shm_open(name.c_str(), O_RDWR, 0600); fd < 0) {
       problem = fmt::format("shm_open({}) failed: {}", name, std::strerror(errno));
     } else {
       struct stat info {};
       if (::fstat(fd, &info) != 0 || static_cast<std::size_t>(info.st_size) != bytes)
         problem = fmt::format("the segment {} is not the {} bytes expected", name, bytes);
-      else if (base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); base == MAP_FAILED)
-        problem = fmt::format("mmap of {} bytes failed: {}", bytes, std::strerror(errno));
+      else
+        map(fd);
       ::close(fd);
-      if (base != MAP_FAILED && reinterpret_cast<Header*>(base)->magic != kMagic)
-        problem = fmt::format("the segment {} is not one of this group's", name);
+      if (segment &&
+          (segment->header().magic != kMagic || segment->header().world != static_cast<std::uint32_t>(size) ||
+           segment->header().slot_bytes != layout.slot_bytes))
+        problem = fmt::format("the segment {} is not laid out for this group of {}", name, size);
     }
   }
-  auto segment = base == MAP_FAILED ? nullptr : std::make_unique<Segment>(base, layout);
-  if (segment && problem.empty()) segment->state(rank).pid = static_cast<std::int32_t>(::getpid());
   // Every rank says whether it mapped the segment, with its pid and pid namespace.
   store->set(fmt::format("shm/ready/{}", rank),
              problem.empty() ? fmt::format("ok {} {}", ::getpid(), pid_namespace()) : "failed " + problem);
   std::vector<int> pids(static_cast<std::size_t>(size), 0);
-  std::string first_problem = problem.empty() ? "" : fmt::format("rank {}: {}", rank, problem);
+  std::string first_problem = problem.empty() ? "" : fmt::format("group rank {}: {}", rank, problem);
   bool one_namespace = true;
   const std::string mine = pid_namespace();
   for (int r = 0; r < size; ++r) {
@@ -861,16 +941,13 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_shared_memory_backend(c10:
       first_problem = fmt::format("group rank {}: {}", r, text.substr(std::min<std::size_t>(text.size(), 7)));
     }
   }
-  // Every rank has mapped it or given up: the name is no longer needed.
-  if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());
   if (!first_problem.empty()) {
     if (rank == 0)
-      fmt::print(stderr,
-                 "meshtorch: a group of {} ranks on this host uses Gloo's sockets, not shared memory: {}\n", size,
-                 first_problem);
+      fmt::print(stderr, "meshtorch: a group of {} ranks on this host uses Gloo's sockets, not shared memory: {}\n",
+                 size, first_problem);
     return nullptr;
   }
-  if (!one_namespace) pids.clear();
+  if (!one_namespace) pids.clear();  // their pids mean nothing here: no exit check
   return c10::make_intrusive<SharedMemoryBackend>(rank, size, timeout, std::move(segment), std::move(fallback),
                                                   std::move(pids));
 }
