@@ -424,25 +424,16 @@ class SharedMemoryBackend final : public c10d::Backend {
       return fallback_->allreduce(tensors, options);
     at::Tensor tensor = tensors[0];
     const auto op = options.reduceOp.op_;
-    return enqueue(c10d::OpType::ALLREDUCE, {tensor}, options.timeout, [this, tensor, op](Deadline deadline) {
+    return enqueue(c10d::OpType::ALLREDUCE, {tensor}, options.timeout, [this, tensor, op](const Deadline& deadline) {
       auto* data = static_cast<std::byte*>(tensor.data_ptr());
-      const std::size_t bytes = tensor.nbytes();
-      const std::size_t chunk = chunk_bytes(tensor.element_size(), 1);
-      StepDescription step{static_cast<std::uint32_t>(Op::all_reduce),
-                           static_cast<int>(tensor.scalar_type()),
-                           reduce_code(op),
-                           -1,
-                           bytes,
-                           0};
-      for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
-        step.offset = offset;
-        const std::uint32_t k = next_step();
-        copy_bytes(segment_->slot(k, rank_), data + offset, length);
-        exchange(k, step, deadline);
-        std::vector<const std::byte*> sources;
-        for (int r = 0; r < size_; ++r) sources.push_back(segment_->slot(k, r));
-        reduce_into(data + offset, sources, length, tensor.scalar_type(), op);
-      });
+      in_steps(
+          Op::all_reduce, tensor, reduce_code(op), -1, 1, deadline,
+          [&](std::byte* slot, std::size_t offset, std::size_t length, std::size_t) {
+            copy_bytes(slot, data + offset, length);
+          },
+          [&](std::uint32_t k, std::size_t offset, std::size_t length, std::size_t) {
+            reduce_into(data + offset, slots(k, 0), length, tensor.scalar_type(), op);
+          });
     });
   }
 
@@ -454,21 +445,18 @@ class SharedMemoryBackend final : public c10d::Backend {
     at::Tensor input = inputs[0];
     std::vector<at::Tensor> pieces = outputs[0];
     check_pieces("all_gather", input, pieces);
-    return enqueue(c10d::OpType::ALLGATHER, pieces, options.timeout, [this, input, pieces](Deadline deadline) {
+    return enqueue(c10d::OpType::ALLGATHER, pieces, options.timeout, [this, input, pieces](const Deadline& deadline) {
       const auto* data = static_cast<const std::byte*>(input.data_ptr());
-      const std::size_t bytes = input.nbytes();
-      const std::size_t chunk = chunk_bytes(input.element_size(), 1);
-      StepDescription step{
-          static_cast<std::uint32_t>(Op::all_gather), static_cast<int>(input.scalar_type()), -1, -1, bytes, 0};
-      for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
-        step.offset = offset;
-        const std::uint32_t k = next_step();
-        copy_bytes(segment_->slot(k, rank_), data + offset, length);
-        exchange(k, step, deadline);
-        for (int r = 0; r < size_; ++r)
-          copy_bytes(static_cast<std::byte*>(pieces[r].data_ptr()) + offset,
-                     r == rank_ ? data + offset : segment_->slot(k, r), length);
-      });
+      in_steps(
+          Op::all_gather, input, -1, -1, 1, deadline,
+          [&](std::byte* slot, std::size_t offset, std::size_t length, std::size_t) {
+            copy_bytes(slot, data + offset, length);
+          },
+          [&](std::uint32_t k, std::size_t offset, std::size_t length, std::size_t) {
+            for (int r = 0; r < size_; ++r)
+              copy_bytes(static_cast<std::byte*>(pieces[r].data_ptr()) + offset,
+                         r == rank_ ? data + offset : segment_->slot(k, r), length);
+          });
     });
   }
 
@@ -482,28 +470,18 @@ class SharedMemoryBackend final : public c10d::Backend {
     check_pieces("reduce_scatter", output, pieces);
     const auto op = options.reduceOp.op_;
     return enqueue(
-        c10d::OpType::REDUCE_SCATTER, {output}, options.timeout, [this, output, pieces, op](Deadline deadline) {
+        c10d::OpType::REDUCE_SCATTER, {output}, options.timeout, [this, output, pieces, op](const Deadline& deadline) {
           auto* data = static_cast<std::byte*>(output.data_ptr());
-          const std::size_t bytes = output.nbytes();
           // Each step carries the same chunk of every piece: piece j's part at j * chunk.
-          const std::size_t chunk = chunk_bytes(output.element_size(), size_);
-          StepDescription step{static_cast<std::uint32_t>(Op::reduce_scatter),
-                               static_cast<int>(output.scalar_type()),
-                               reduce_code(op),
-                               -1,
-                               bytes,
-                               0};
-          for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
-            step.offset = offset;
-            const std::uint32_t k = next_step();
-            std::byte* mine = segment_->slot(k, rank_);
-            for (int j = 0; j < size_; ++j)
-              copy_bytes(mine + j * chunk, static_cast<const std::byte*>(pieces[j].data_ptr()) + offset, length);
-            exchange(k, step, deadline);
-            std::vector<const std::byte*> sources;
-            for (int r = 0; r < size_; ++r) sources.push_back(segment_->slot(k, r) + rank_ * chunk);
-            reduce_into(data + offset, sources, length, output.scalar_type(), op);
-          });
+          in_steps(
+              Op::reduce_scatter, output, reduce_code(op), -1, size_, deadline,
+              [&](std::byte* slot, std::size_t offset, std::size_t length, std::size_t chunk) {
+                for (int j = 0; j < size_; ++j)
+                  copy_bytes(slot + j * chunk, static_cast<const std::byte*>(pieces[j].data_ptr()) + offset, length);
+              },
+              [&](std::uint32_t k, std::size_t offset, std::size_t length, std::size_t chunk) {
+                reduce_into(data + offset, slots(k, rank_ * chunk), length, output.scalar_type(), op);
+              });
         });
   }
 
@@ -516,25 +494,22 @@ class SharedMemoryBackend final : public c10d::Backend {
     if (root < 0 || root >= size_)
       throw std::invalid_argument(
           fmt::format("broadcast from group rank {}, which is not a rank of the group (0 to {})", root, size_ - 1));
-    return enqueue(c10d::OpType::BROADCAST, {tensor}, options.timeout, [this, tensor, root](Deadline deadline) {
+    return enqueue(c10d::OpType::BROADCAST, {tensor}, options.timeout, [this, tensor, root](const Deadline& deadline) {
       auto* data = static_cast<std::byte*>(tensor.data_ptr());
-      const std::size_t bytes = tensor.nbytes();
-      const std::size_t chunk = chunk_bytes(tensor.element_size(), 1);
-      StepDescription step{
-          static_cast<std::uint32_t>(Op::broadcast), static_cast<int>(tensor.scalar_type()), -1, root, bytes, 0};
-      for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
-        step.offset = offset;
-        const std::uint32_t k = next_step();
-        if (rank_ == root) copy_bytes(segment_->slot(k, rank_), data + offset, length);
-        exchange(k, step, deadline);
-        if (rank_ != root) copy_bytes(data + offset, segment_->slot(k, root), length);
-      });
+      in_steps(
+          Op::broadcast, tensor, -1, root, 1, deadline,
+          [&](std::byte* slot, std::size_t offset, std::size_t length, std::size_t) {
+            if (rank_ == root) copy_bytes(slot, data + offset, length);
+          },
+          [&](std::uint32_t k, std::size_t offset, std::size_t length, std::size_t) {
+            if (rank_ != root) copy_bytes(data + offset, segment_->slot(k, root), length);
+          });
     });
   }
 
   // Ordered after this group's earlier collectives, which run on the same thread.
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& options) override {
-    return enqueue(c10d::OpType::BARRIER, {}, options.timeout, [this](Deadline deadline) {
+    return enqueue(c10d::OpType::BARRIER, {}, options.timeout, [this](const Deadline& deadline) {
       const StepDescription step{static_cast<std::uint32_t>(Op::barrier), -1, -1, -1, 0, 0};
       exchange(next_step(), step, deadline);
     });
@@ -622,7 +597,7 @@ class SharedMemoryBackend final : public c10d::Backend {
 
   struct Task {
     c10::intrusive_ptr<SharedMemoryWork> work;
-    std::function<void(Deadline)> body;
+    std::function<void(const Deadline&)> body;
     std::chrono::milliseconds timeout;
   };
 
@@ -644,6 +619,32 @@ class SharedMemoryBackend final : public c10d::Backend {
   }
 
   std::uint32_t next_step() { return ++step_; }
+
+  // A collective of `tensor`'s bytes in slot-sized steps, each cut in `parts` (reduce-scatter's
+  // pieces): for each chunk, write(slot, offset, length, chunk) fills this rank's slot, the ranks
+  // meet, and read(step, offset, length, chunk) takes what this rank needs from theirs.
+  template <class Write, class Read>
+  void in_steps(Op op, const at::Tensor& tensor, int reduce, int root, int parts, const Deadline& deadline,
+                Write&& write, Read&& read) {
+    const std::size_t bytes = tensor.nbytes();
+    const std::size_t chunk = chunk_bytes(tensor.element_size(), parts);
+    StepDescription step{
+        static_cast<std::uint32_t>(op), static_cast<int>(tensor.scalar_type()), reduce, root, bytes, 0};
+    for_each_chunk(bytes, chunk, [&](std::size_t offset, std::size_t length) {
+      step.offset = offset;
+      const std::uint32_t k = next_step();
+      write(segment_->slot(k, rank_), offset, length, chunk);
+      exchange(k, step, deadline);
+      read(k, offset, length, chunk);
+    });
+  }
+
+  // Every rank's slot of step k, from byte `at` on, in rank order (the order of every reduction).
+  std::vector<const std::byte*> slots(std::uint32_t k, std::size_t at) {
+    std::vector<const std::byte*> out;
+    for (int r = 0; r < size_; ++r) out.push_back(segment_->slot(k, r) + at);
+    return out;
+  }
 
   // Dense contiguous CPU tensors of a dtype it adds: what it serves; Gloo gets the rest. Ranks that
   // issue the same collective pass the same kinds of tensors, so they all take the same path.
@@ -670,7 +671,7 @@ class SharedMemoryBackend final : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                         std::chrono::milliseconds timeout, std::function<void(Deadline)> body) {
+                                         std::chrono::milliseconds timeout, std::function<void(const Deadline&)> body) {
     auto work = c10::make_intrusive<SharedMemoryWork>(rank_, type, std::move(outputs), [status = status_] {
       std::lock_guard lock(status->mutex);
       if (!status->broken.empty()) return status->broken;
@@ -723,7 +724,7 @@ class SharedMemoryBackend final : public c10d::Backend {
 
   // Publishes step k as described, waits until every peer has published it, and checks that they
   // describe it alike.
-  void exchange(std::uint32_t k, const StepDescription& step, Deadline deadline) {
+  void exchange(std::uint32_t k, const StepDescription& step, const Deadline& deadline) {
     RankState& me = segment_->state(rank_);
     me.steps[k & 1u] = step;
     me.published.store(k, std::memory_order_release);
@@ -743,7 +744,7 @@ class SharedMemoryBackend final : public c10d::Backend {
     }
   }
 
-  void wait_for(int peer, std::uint32_t k, const StepDescription& step, Deadline deadline) {
+  void wait_for(int peer, std::uint32_t k, const StepDescription& step, const Deadline& deadline) {
     std::atomic<std::uint32_t>& word = segment_->state(peer).published;
     // Peers usually arrive within microseconds: spin briefly before sleeping.
     for (int spin = 0; spin < 2000; ++spin) {
