@@ -87,7 +87,8 @@ def cp_section(runner, args, corpus, runs_dir, out, machine):
     med = lambda runs, key="tokens_per_s": runner.median_of(list(runs.values()), key)
     lines = [f"## Context parallel ({machine['date']}, commit {machine['commit']})", "",
              f"{machine['cpu']}, {machine['cores']} cores; {CP_RANKS} ranks x 1 thread on the CPU, collectives "
-             f"{runner.TRANSPORT_WORDS[os.environ['MESHTORCH_CPU_TRANSPORT']]}, {args.dtype}, {reps} repetition(s), {minutes} minutes. Every side trains on the same global "
+             f"{runner.TRANSPORT_WORDS[os.environ['MESHTORCH_CPU_TRANSPORT']]} (the ring's sends and receives over "
+             f"Gloo), {args.dtype}, {reps} repetition(s), {minutes} minutes. Every side trains on the same global "
              "batch of long sequences: CP splits each over both ranks, FSDP gives each rank whole ones, one "
              "process (2 threads) takes them all. tokens/s counts the global batch; memory is rank 0's peak RSS. "
              "Ratios are medians over repetitions of the ratio within a repetition.", "",

@@ -140,11 +140,11 @@ def parse_args():
                         "setting; each side prefetches as it does by default), keep (--no-reshard-after-forward), "
                         "offload (--cpu-offload), noprefetch (--prefetch-layers 0 on both sides), ac (every decoder "
                         "layer checkpointed on both sides: chapter 5's recipe)")
-    p.add_argument("--our-transports", default="shm",
+    p.add_argument("--our-transports", default=os.environ.get("MESHTORCH_CPU_TRANSPORT") or "shm",
                    help="CPU transports of our multi-rank runs, comma-separated: shm (collectives through shared "
                         "memory, the default) and gloo (Gloo's sockets, as PyTorch's side). The first serves every "
                         "section; in the fsdp, tp, 2d and pp sections each further one adds rows of ours on it, "
-                        "paired with the same PyTorch runs")
+                        "paired with the same PyTorch runs (default: $MESHTORCH_CPU_TRANSPORT, else shm)")
     p.add_argument("--tp-size", type=int, default=2, help="--tp of the tp and 2d sections (2d: mesh (2/tp, tp))")
     p.add_argument("--fsdp-bin", default=str(ROOT / "build" / "bin" / "04-fully-sharded-data-parallel"),
                    help="our chapter-4 binary")
@@ -734,6 +734,8 @@ def our_transports(args):
     unknown = [t for t in names if t not in TRANSPORT_WORDS]
     if unknown or not names:
         sys.exit(f"bench/run: unknown --our-transports {', '.join(unknown)}; known: {', '.join(TRANSPORT_WORDS)}")
+    if len(set(names)) != len(names):
+        sys.exit(f"bench/run: --our-transports {args.our_transports} names a transport twice")
     return names
 
 

@@ -1,6 +1,6 @@
 #pragma once
-// The kind of device a mesh's groups communicate on: Gloo serves the CPU, NCCL CUDA
-// (comm/backend.hpp creates them).
+// The kind of device a mesh's groups communicate on: shared memory and Gloo serve the CPU, NCCL
+// CUDA (comm/backend.hpp creates them).
 #include <string>
 
 namespace meshtorch::comm {

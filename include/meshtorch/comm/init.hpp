@@ -1,7 +1,8 @@
 #pragma once
 // comm::init<M>(options): the start of a distributed program. Rendezvous through a TCPStore,
 // the mesh fingerprint check, this rank's process group along each axis and each set of merged
-// axes (Gloo for CPU meshes, NCCL for CUDA ones), and the watchdog attached to the store.
+// axes (shared memory and Gloo for CPU meshes, NCCL for CUDA ones), and the watchdog attached to
+// the store.
 // Start-up code includes it (parallel/launch.hpp does); the umbrella header does not, so that
 // the translation units that only use a mesh do not compile Gloo's headers, the rendezvous
 // and the watchdog (docs/performance.md "Compile time").
@@ -79,7 +80,8 @@ DeviceMesh<M> MeshStartUp<Deferred>::start(InitOptions options) {
 #endif
   }
   const bool single_node = env.local_world_size == env.world_size;
-  // Gloo serves CPU meshes and, on CUDA meshes, each group's CPU companion for metadata.
+  // Gloo (under the shared-memory transport between the ranks of one host) serves CPU meshes and,
+  // on CUDA meshes, each group's CPU companion for metadata.
   auto gloo_device = make_gloo_device(single_node);
   auto make_group = [&](const std::string& axis_name, const std::string& prefix, std::vector<int> ranks) {
     int group_rank = 0;

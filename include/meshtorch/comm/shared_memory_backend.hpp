@@ -22,7 +22,9 @@
 //
 // Every wait is bounded by the group's timeout and names the group ranks that did not arrive; a
 // peer that has exited (same host, so its pid can be asked) is reported within 100 ms. After a
-// failure the group is broken: later collectives fail at once with the first failure's reason.
+// failure the group is broken: later collectives fail at once with the first failure's reason,
+// and so do the peers' (the failure is written into the segment). The flight recorder names such
+// a group "(shm)" for every op, though its sends, receives and all-to-alls ride its Gloo backend.
 // The collectives run in order on one thread per group, as Gloo's do, so *_async overlaps them
 // with compute and Work::wait keeps its meaning. Those it serves and those Gloo serves are ordered
 // apart: wait for a receive before reducing the tensor it fills (the library's code does).
@@ -181,14 +183,14 @@ struct Layout {
   std::size_t slots_offset() const { return round_up(states_offset() + world * sizeof(RankState), 4096); }
   std::size_t total_bytes() const { return slots_offset() + 2 * static_cast<std::size_t>(world) * slot_bytes; }
 
-  // 4 MiB a group (1 MiB slots for a pair of ranks, 256 KiB for eight, more only beyond 8): the
-  // pages a rank touches count in its resident set, and the groups of a mesh must fit a
-  // container's default 64 MiB /dev/shm. Larger slots save only a step's handshake, a few
-  // microseconds, per slot of data.
+  // 2 MiB a group (512 KiB slots for a pair of ranks, 128 KiB for eight, more only beyond 8): the
+  // pages a rank touches count in its resident set, and the groups of a mesh (19 for 2 x 2 x 2 on
+  // 8 ranks) must fit a container's default 64 MiB /dev/shm. Larger slots save only a step's
+  // handshake, a few microseconds, per slot of data.
   static std::size_t slot_bytes_for(int world) {
-    const std::size_t budget = std::size_t{4} << 20;
-    return std::clamp(round_up(budget / (2 * static_cast<std::size_t>(world)), 4096), std::size_t{256} << 10,
-                      std::size_t{1} << 20);
+    const std::size_t budget = std::size_t{2} << 20;
+    return std::clamp(round_up(budget / (2 * static_cast<std::size_t>(world)), 4096), std::size_t{128} << 10,
+                      std::size_t{512} << 10);
   }
 };
 
@@ -733,7 +735,7 @@ class SharedMemoryBackend final : public c10d::Backend {
       if (r != rank_) wait_for(r, k, step, deadline);
     // A peer that published this step and then gave up waiting has already failed it: fail it here too.
     for (int r = 0; r < size_; ++r)
-      if (r != rank_) throw_if_gave_up(r, step);
+      if (r != rank_) throw_if_gave_up(r, k, step);
     for (int r = 0; r < size_; ++r) {
       const StepDescription& theirs = segment_->state(r).steps[k & 1u];
       if (!(theirs == step))
@@ -769,7 +771,7 @@ class SharedMemoryBackend final : public c10d::Backend {
       if (stopping_flag_.load(std::memory_order_relaxed))
         throw std::runtime_error(
             fmt::format("the group was destroyed while group rank {} waited in {}", rank_, describe(step)));
-      throw_if_gave_up(peer, step);
+      throw_if_gave_up(peer, k, step);
       if (now >= next_liveness_check) {
         // Asked after the counter: a peer that published and then exited (the job's end) has arrived.
         if (!peer_alive(peer) && !reached(word.load(std::memory_order_acquire), k))
@@ -791,9 +793,11 @@ class SharedMemoryBackend final : public c10d::Backend {
     return fmt::format("[{}]", fmt::join(ranks, ", "));
   }
 
-  void throw_if_gave_up(int peer, const StepDescription& step) {
+  // A peer that failed before it published step k + 1 never finished step k.
+  void throw_if_gave_up(int peer, std::uint32_t k, const StepDescription& step) {
     const RankState& theirs = segment_->state(peer);
-    if (theirs.broken.load(std::memory_order_acquire))
+    if (theirs.broken.load(std::memory_order_acquire) &&
+        !reached(theirs.published.load(std::memory_order_acquire), k + 1))
       throw std::runtime_error(
           fmt::format("group rank {} gave up on the group while group rank {} waited for it in {}: {}", peer, rank_,
                       describe(step), std::string(theirs.reason, strnlen(theirs.reason, sizeof(theirs.reason)))));
@@ -841,6 +845,21 @@ inline std::string host_identity() {
   return std::string(name) + " " + boot_id;
 }
 
+// Removes the segments of creators that died during their handshake (killed between creating the
+// name and unlinking it), which nothing else would ever remove.
+// Tidying only: a folder that cannot be read leaves them, and the group is made all the same.
+inline void remove_orphaned_segments() {
+  try {
+    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind("meshtorch-", 0) != 0) continue;
+      const int pid = std::atoi(name.c_str() + std::strlen("meshtorch-"));
+      if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) ::shm_unlink(("/" + name).c_str());
+    }
+  } catch (const std::filesystem::filesystem_error&) {
+  }
+}
+
 inline std::string pid_namespace() {
   std::error_code error;
   const auto target = std::filesystem::read_symlink("/proc/self/ns/pid", error);
@@ -881,6 +900,7 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_shared_memory_backend(
     }
   } unlink;
   if (rank == 0) {
+    remove_orphaned_segments();
     std::random_device entropy;
     const std::string name = fmt::format("/meshtorch-{}-{:08x}{:08x}", ::getpid(), entropy(), entropy());
     const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);

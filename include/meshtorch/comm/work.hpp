@@ -3,7 +3,7 @@
 // concatenates gathered pieces) and returns it; a failure or timeout becomes a CommError naming
 // the collective, the group and the rank.
 //
-// On Gloo (CPU) wait() blocks the host up to the group's timeout. On NCCL it orders the current
+// On the CPU (shared memory or Gloo) wait() blocks the host up to the group's timeout. On NCCL it orders the current
 // CUDA stream after the collective and returns at once, as torch's work.wait() does: an explicit
 // timeout there would make ProcessGroupNCCL block the host until the collective ends, making TP
 // and FSDP host-synchronous. NCCL's limit is the process group's own timeout, enforced by its
@@ -160,7 +160,7 @@ MESHTORCH_DECL void wait_collective(c10d::Work& work, std::uint64_t record, cons
                                     const AxisGroup& group) {
   diagnostics::FlightRecorder::instance().waiting(record);
   try {
-    // Gloo's wait throws once the timeout passes without completion.
+    // A CPU backend's wait throws once the timeout passes without completion.
     if (group.device() == Device::cpu)
       work.wait(group.timeout());
     else

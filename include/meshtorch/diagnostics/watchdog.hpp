@@ -11,7 +11,7 @@
 //   3. the flight recorder is dumped to <dir>/rank_<N>.json with what was read of the others,
 //      the error is printed and written to the error file (TORCHELASTIC_ERROR_FILE, where
 //      meshrun and torchrun look), and the process ends with exit code 124.
-// It fires when a Gloo wait throws (its timeout, or a peer that vanished), and from its own
+// It fires when a CPU wait throws (its timeout, or a peer that vanished), and from its own
 // thread when a wait has lasted the timeout plus a grace period (a backend that does not time
 // out by itself). NCCL collectives are bounded by ProcessGroupNCCL's own watchdog; this one asks
 // the GPU every second which of them it has run, so that a report or dump shows the one stuck on

@@ -76,6 +76,13 @@ inline torch::Tensor alias(const c10::Storage& storage, torch::ScalarType dtype,
   return tensor;
 }
 
+// Whether the group's CPU collectives go through shared memory (comm/shared_memory_backend.hpp),
+// which has an all-gather and a reduce-scatter that allocate nothing, where Gloo's do.
+inline bool through_shared_memory(const comm::AxisGroup& group) {
+  return group.device() == comm::Device::cpu && group.size() > 1 && group.backend() &&
+         group.backend()->getBackendName() == "shm";
+}
+
 // Issues a collective between two flat buffers (`issue_on` calls the backend); on a group of one
 // rank the output is the input. `finish`, when given, runs once the collective is waited for.
 template <class IssueOn>
@@ -102,12 +109,22 @@ PendingWork start_flat(const comm::AxisGroup& group, torch::Tensor& output, torc
 // Gloo's all-gather receives into a fresh buffer the size of the whole output and then copies it
 // into the output, so every gather in flight held its unit twice until it ended: at llama-100m
 // 25 MiB more, at the checkpointed backward's peak whenever the prefetched gather waits there for
-// a rank that is behind. On the CPU each rank's block is instead broadcast by its owner straight
+// a rank that is behind. Over Gloo each rank's block is instead broadcast by its owner straight
 // into its place in the output: the same blocks cross the wire (each rank receives the others'
 // once), written once, and nothing is allocated. The broadcasts are one collective to the caller
 // and to the flight recorder (comm::JoinedWork).
 MESHTORCH_DECL PendingWork start_all_gather_flat(const comm::AxisGroup& group, torch::Tensor& output,
                                                  torch::Tensor& input, const std::string& what) {
+  if (through_shared_memory(group)) {
+    // The shared-memory transport's all-gather writes each rank's block into its place itself.
+    return start_flat(group, output, input, what, [&](c10d::Backend& backend) {
+      std::vector<std::vector<torch::Tensor>> blocks{output.view({group.size(), -1}).unbind(0)};
+      std::vector<torch::Tensor> inputs{input.view({-1})};
+      c10d::AllgatherOptions options;
+      options.timeout = group.timeout();
+      return backend.allgather(blocks, inputs, options);
+    });
+  }
   if (group.device() == comm::Device::cpu) {
     return start_flat(group, output, input, what, [&](c10d::Backend& backend) {
       auto blocks = output.view({group.size(), -1});
@@ -135,12 +152,35 @@ MESHTORCH_DECL PendingWork start_all_gather_flat(const comm::AxisGroup& group, t
 // Gloo has no reduce-scatter of its own: its _reduce_scatter_base clones the input and
 // all-reduces the clone, so a unit's gradients were held twice from the issue until the wait (at
 // llama-100m, 24 MiB more per reduce-scatter in flight). The send buffer is ours and read by
-// nothing after this collective, so on the CPU it is all-reduced in place; when the sums arrive,
+// nothing after this collective, so over Gloo it is all-reduced in place; when the sums arrive,
 // Gloo's thread copies this rank's block out and gives the buffer's memory back (input keeps a
 // storage of no bytes), so the buffer lives while the collective runs and not until the wait,
 // which comes a layer later. The bytes on the wire are the same.
 MESHTORCH_DECL PendingWork start_reduce_scatter_sum_flat(const comm::AxisGroup& group, torch::Tensor& output,
                                                          torch::Tensor& input, const std::string& what) {
+  if (through_shared_memory(group)) {
+    // The shared-memory transport adds only this rank's block, into output; the send buffer's
+    // memory goes back as soon as the sums are in.
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    options.timeout = group.timeout();
+    std::vector<torch::Tensor> outputs{output};
+    std::vector<std::vector<torch::Tensor>> blocks{input.view({group.size(), -1}).unbind(0)};
+    auto buffer_freed = std::make_shared<c10::intrusive_ptr<c10::ivalue::Future>>();
+    return start_flat(
+        group, output, input, what,
+        [&](c10d::Backend& backend) {
+          auto work = backend.reduce_scatter(outputs, blocks, options);
+          *buffer_freed = work->getFuture()->then(
+              [input](c10::ivalue::Future& summed) -> c10::IValue {
+                if (!summed.hasError()) free_storage(input.storage());
+                return {};
+              },
+              c10::NoneType::get());
+          return work;
+        },
+        [buffer_freed] { (*buffer_freed)->waitAndThrow(); });
+  }
   if (group.device() == comm::Device::cpu) {
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
