@@ -93,15 +93,27 @@ def hang(meshrun, example, diagnose_tool, logs):
     require("culprit: rank 1 " in diagnose(diagnose_tool, logs), "meshtorch-diagnose does not name rank 1", output)
 
 
+def run_desync(meshrun, example, logs):
+    """Runs the desync fault; returns meshrun's output, which must be a failure."""
+    run = Run(meshrun, example, logs, "--fault", "desync", "--fault-step", "3", "--max-steps", "1000")
+    code = run.finish()
+    output = run.text()
+    require(code != 0, "meshrun exited with 0", output)
+    return output
+
+
+def require_last_bucket_before(report, seq, transport):
+    """The ring holds DDP's last completed bucket two collectives before the extra one."""
+    require(re.search(rf"all_reduce #{seq - 2} over the DP group \[0, 1\] \({transport}\) \[\d+\] Float \(completed\): "
+                      rf"DDP all_reduce", report), "the ring does not show DDP's last completed bucket", report)
+
+
 def desync(meshrun, example, diagnose_tool, logs):
     """Rank 1 all-reduces one element where rank 0 all-reduces DDP's gradient bucket. Through shared
     memory (the default CPU transport) both ranks see at once that their steps differ and fail with
     a message naming both collectives; every rank's flight recorder is written on the failure, and
     meshtorch-diagnose names the desync with both shapes, after DDP's last completed bucket."""
-    run = Run(meshrun, example, logs, "--fault", "desync", "--fault-step", "3", "--max-steps", "1000")
-    code = run.finish()
-    output = run.text()
-    require(code != 0, "meshrun exited with 0", output)
+    output = run_desync(meshrun, example, logs)
     mismatch = re.search(r"the ranks issued different collectives \(a collective mismatch\): group rank (\d) is in "
                          r"all_reduce \(sum\) of (\d+) bytes of Float, group rank (\d) in all_reduce \(sum\) of (\d+) "
                          r"bytes of Float", output)
@@ -116,8 +128,7 @@ def desync(meshrun, example, diagnose_tool, logs):
     seq = int(found.group(1))
     require(f"all_reduce #{seq} over the DP group [0, 1] (shm) [1] Float (failed)" in report,
             "the ring does not show the one-element all_reduce that failed", report)
-    require(re.search(rf"all_reduce #{seq - 2} over the DP group \[0, 1\] \(shm\) \[\d+\] Float \(completed\): "
-                      rf"DDP all_reduce", report), "the ring does not show DDP's last completed bucket", report)
+    require_last_bucket_before(report, seq, "shm")
 
 
 def desync_gloo(meshrun, example, diagnose_tool, logs):
@@ -125,10 +136,7 @@ def desync_gloo(meshrun, example, diagnose_tool, logs):
     aborts rank 1; the flight recorder shows the extra collective, with its shape, after the last one
     both ranks completed."""
     os.environ["MESHTORCH_CPU_TRANSPORT"] = "gloo"
-    run = Run(meshrun, example, logs, "--fault", "desync", "--fault-step", "3", "--max-steps", "1000")
-    code = run.finish()
-    output = run.text()
-    require(code != 0, "meshrun exited with 0", output)
+    output = run_desync(meshrun, example, logs)
     require("rank 1 (node 0, local rank 1, attempt 0) failed first: it was killed by SIGABRT" in output,
             "meshrun does not report rank 1's abort", output)
     require("Is there a distributed collective mismatch in your code?" in output,
@@ -140,8 +148,7 @@ def desync_gloo(meshrun, example, diagnose_tool, logs):
     seq = int(extra.group(1))
     require(f"all_reduce #{seq} over the DP group [0, 1] (gloo) [1] Float (waiting)" in report,
             "the ring does not show the one-element all_reduce in flight", report)
-    require(re.search(rf"all_reduce #{seq - 2} over the DP group \[0, 1\] \(gloo\) \[\d+\] Float \(completed\): "
-                      rf"DDP all_reduce", report), "the ring does not show DDP's last completed bucket", report)
+    require_last_bucket_before(report, seq, "gloo")
 
 
 def crash(meshrun, example, diagnose_tool, logs):

@@ -85,6 +85,7 @@ MESHTORCH_DECL c10::intrusive_ptr<c10d::Backend> make_shared_memory_backend(c10:
 #include <utility>
 #include <vector>
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -298,35 +299,15 @@ inline int reduce_code(c10d::ReduceOp::RedOpType op) {
 // out = sources[0] (op) sources[1] (op) ..., in that order.
 inline void reduce_into(std::byte* out, const std::vector<const std::byte*>& sources, std::size_t bytes,
                         c10::ScalarType dtype, c10d::ReduceOp::RedOpType op) {
-  auto run = [&]<class T>(T*) {
-    const std::size_t n = bytes / sizeof(T);
-    auto* target = reinterpret_cast<T*>(out);
-    combine(target, reinterpret_cast<const T*>(sources[0]), reinterpret_cast<const T*>(sources[1]), n, op);
+  // ATen's dispatch over exactly the dtypes serves() admits.
+  AT_DISPATCH_ALL_TYPES_AND2(c10::kBFloat16, c10::kHalf, dtype, "shared-memory reduction", [&] {
+    const std::size_t n = bytes / sizeof(scalar_t);
+    auto* target = reinterpret_cast<scalar_t*>(out);
+    combine(target, reinterpret_cast<const scalar_t*>(sources[0]), reinterpret_cast<const scalar_t*>(sources[1]), n,
+            op);
     for (std::size_t s = 2; s < sources.size(); ++s)
-      combine(target, target, reinterpret_cast<const T*>(sources[s]), n, op);
-  };
-  switch (dtype) {
-    case c10::kFloat:
-      return run(static_cast<float*>(nullptr));
-    case c10::kDouble:
-      return run(static_cast<double*>(nullptr));
-    case c10::kBFloat16:
-      return run(static_cast<c10::BFloat16*>(nullptr));
-    case c10::kHalf:
-      return run(static_cast<c10::Half*>(nullptr));
-    case c10::kChar:
-      return run(static_cast<std::int8_t*>(nullptr));
-    case c10::kByte:
-      return run(static_cast<std::uint8_t*>(nullptr));
-    case c10::kShort:
-      return run(static_cast<std::int16_t*>(nullptr));
-    case c10::kInt:
-      return run(static_cast<std::int32_t*>(nullptr));
-    case c10::kLong:
-      return run(static_cast<std::int64_t*>(nullptr));
-    default:
-      throw std::logic_error("shared-memory transport: a dtype it does not serve was let through");
-  }
+      combine(target, target, reinterpret_cast<const scalar_t*>(sources[s]), n, op);
+  });
 }
 
 // Whether process `pid` is still running: not gone, and not a zombie its parent has yet to reap.
