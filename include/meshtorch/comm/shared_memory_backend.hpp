@@ -354,9 +354,12 @@ class SharedMemoryWork final : public c10d::Work {
 
   bool wait(std::chrono::milliseconds timeout) override {
     std::unique_lock lock(mutex_);
-    if (timeout == kNoTimeout)
-      cv_.wait(lock, [&] { return completed_; });
-    else if (!cv_.wait_for(lock, timeout, [&] { return completed_; }))
+    if (timeout == kNoTimeout) cv_.wait(lock, [&] { return completed_; });
+    // The transport's thread counts the same timeout from the issue, so it fails the collective
+    // (and tells the peers) by then: its verdict is awaited a moment longer, so that no peer
+    // completes a collective this rank has already given up on.
+    else if (!cv_.wait_for(lock, timeout, [&] { return completed_; }) &&
+             !cv_.wait_for(lock, std::chrono::seconds(1), [&] { return completed_; }))
       throw std::runtime_error(fmt::format("timed out after {} ms: {}", timeout.count(), waiting_for_()));
     if (exception_) std::rethrow_exception(exception_);
     return true;
@@ -581,7 +584,7 @@ class SharedMemoryBackend final : public c10d::Backend {
   struct Task {
     c10::intrusive_ptr<SharedMemoryWork> work;
     std::function<void(const Deadline&)> body;
-    std::chrono::milliseconds timeout;
+    Deadline deadline;  // counted from the issue, as the caller's wait is
   };
 
   std::size_t chunk_bytes(std::size_t element_size, int parts) const {
@@ -664,8 +667,8 @@ class SharedMemoryBackend final : public c10d::Backend {
     });
     {
       std::lock_guard lock(queue_mutex_);
-      queue_.push_back({work, std::move(body),
-                        timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeout_.load()) : timeout});
+      const auto limit = timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeout_.load()) : timeout;
+      queue_.push_back({work, std::move(body), Deadline{std::chrono::steady_clock::now() + limit, limit}});
     }
     queue_ready_.notify_one();
     return work;
@@ -691,7 +694,7 @@ class SharedMemoryBackend final : public c10d::Backend {
         continue;
       }
       try {
-        task.body(Deadline{std::chrono::steady_clock::now() + task.timeout, task.timeout});
+        task.body(task.deadline);
         task.work->complete();
       } catch (const std::exception& e) {
         {
