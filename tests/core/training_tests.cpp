@@ -1,6 +1,7 @@
 // The training loop's parts: data, sampler, loader, optimizer, schedule, checkpoints.
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -823,8 +824,7 @@ TEST_CASE("TensorBoard event files: TFRecord framing with masked CRC-32C, Event 
   fs::remove_all(dir);
 }
 
-TEST_CASE("the caching host allocator hands a freed large block out again for its size and evicts the oldest",
-          "[host-allocator]") {
+TEST_CASE("the caching host allocator hands a freed large block out again for its size", "[host-allocator]") {
   auto& cache = mt::train::CachingHostAllocator::instance();
   cache.release_cached();
   const std::size_t block = 3 << 20;
@@ -846,11 +846,12 @@ TEST_CASE("the caching host allocator hands a freed large block out again for it
   void* raw = cache.raw_allocate(2 << 20);
   cache.raw_deallocate(raw);
   CHECK(cache.cached_bytes() == (2u << 20));
-  // A size the cache cannot serve first gives back as many bytes of the oldest cached blocks.
+  // A size the cache cannot serve is a new block; the cached 2 MiB go back first, since holding
+  // them too would exceed the most this process has had in tensors (the next test has more).
   {
     const auto before = cache.reserved_bytes();
     auto bigger = cache.allocate(5 << 20);
-    CHECK(cache.cached_bytes() == 0);  // the 2 MiB block went back to the system
+    CHECK(cache.cached_bytes() == 0);
     CHECK(cache.reserved_bytes() == before - (2u << 20) + (5u << 20));
   }
   CHECK(cache.cached_bytes() == (5u << 20));
@@ -886,6 +887,88 @@ TEST_CASE("the caching host allocator hands a freed large block out again for it
              Catch::Contains("MESHTORCH_HOST_ALLOCATOR is 'jemalloc'") && Catch::Contains("'caching'"));
   ::unsetenv("MESHTORCH_HOST_ALLOCATOR");
   CHECK(mt::train::use_host_allocator_from_environment() == "caching");
+}
+
+TEST_CASE(
+    "the caching host allocator holds no more than the peak in tensors, repeats a step without growing and "
+    "gives blocks back to the system",
+    "[host-allocator]") {
+  constexpr std::size_t mib = std::size_t{1} << 20;
+  auto& cache = mt::train::CachingHostAllocator::instance();
+  cache.release_cached();
+  REQUIRE(cache.reserved_bytes() == 0);  // no large block of this process is in a tensor
+  REQUIRE(cache.peak_live_bytes() == 0);
+  {
+    std::vector<c10::DataPtr> forward;
+    for (int i = 0; i < 4; ++i) forward.push_back(cache.allocate(8 * mib));
+    CHECK(cache.peak_live_bytes() == 32 * mib);
+  }
+  CHECK(cache.cached_bytes() == 32 * mib);
+  {
+    // A size the cache does not hold: 6 MiB in tensors and 32 cached would be 38 held, over the
+    // peak (32), so the block cached longest (8 MiB) goes back first.
+    auto first = cache.allocate(6 * mib);
+    CHECK(cache.cached_bytes() == 24 * mib);
+    CHECK(cache.reserved_bytes() == 30 * mib);
+    // 2 more fit exactly.
+    auto second = cache.allocate(2 * mib);
+    CHECK(cache.cached_bytes() == 24 * mib);
+    CHECK(cache.reserved_bytes() == 32 * mib);
+    // A size it holds comes from the cache.
+    auto third = cache.allocate(8 * mib);
+    CHECK(cache.cached_bytes() == 16 * mib);
+  }
+  CHECK(cache.reserved_bytes() == 32 * mib);
+
+  // A step: forward holds four 8 MiB blocks at once; backward, after them, a 6, a 2 and an 8 MiB
+  // block. Whatever the steps make anew, what the cache holds never exceeds the step's peak (32
+  // MiB), step after step, and every step makes as many blocks as the one before.
+  const auto step = [&] {
+    {
+      std::vector<c10::DataPtr> forward;
+      for (int i = 0; i < 4; ++i) forward.push_back(cache.allocate(8 * mib));
+    }
+    auto a = cache.allocate(6 * mib);
+    auto b = cache.allocate(2 * mib);
+    auto c = cache.allocate(8 * mib);
+    CHECK(cache.reserved_bytes() <= 32 * mib);
+  };
+  step();
+  cache.reset_stats();
+  step();
+  const auto first = cache.stats();
+  CHECK(first.large_allocations == 7);
+  CHECK(first.served_from_cache >= 4);
+  for (int i = 0; i < 3; ++i) step();
+  CHECK(cache.stats().large_allocations == 4 * 7);
+  CHECK(cache.stats().served_from_cache == 4 * first.served_from_cache);
+  CHECK(cache.reserved_bytes() == 32 * mib);
+  CHECK(cache.peak_live_bytes() == 32 * mib);
+
+  // A block the system cannot give (a petabyte: more than the address space) is an out-of-memory
+  // error naming the size; it counts as no block in a tensor, and does not raise the peak (the
+  // cache gave its blocks back first, to make room).
+  CHECK_THROWS_AS(cache.allocate(std::size_t{1} << 50), c10::OutOfMemoryError);
+  CHECK_THAT(error_of([&] { cache.allocate(std::size_t{1} << 50); }),
+             Catch::Contains("could not map a block of 1125899906842624 bytes"));
+  CHECK(cache.peak_live_bytes() == 32 * mib);
+  CHECK(cache.reserved_bytes() == cache.cached_bytes());
+
+  // Blocks given back leave the process's resident memory at once (they are unmapped, not
+  // returned to a heap that keeps them).
+  cache.release_cached();
+  const auto rss_before = mt::train::rss_bytes();
+  {
+    std::vector<c10::DataPtr> touched;
+    for (int i = 0; i < 8; ++i) {
+      touched.push_back(cache.allocate(16 * mib));
+      std::memset(touched.back().get(), 1, 16 * mib);
+    }
+  }
+  const auto rss_cached = mt::train::rss_bytes();
+  CHECK(rss_cached - rss_before >= static_cast<std::int64_t>(120 * mib));  // cached, still resident
+  cache.release_cached();
+  CHECK(rss_cached - mt::train::rss_bytes() >= static_cast<std::int64_t>(120 * mib));
 }
 
 TEST_CASE("the op profile nests intervals per thread: self times, phases, ops outside every phase", "[profile]") {

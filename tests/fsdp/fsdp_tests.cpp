@@ -612,17 +612,13 @@ TEST_CASE("fsdp steps after the first take their large host blocks from the cach
   CHECK(cache.cached_bytes() > 0);  // the step's buffers, given back to the cache when it ended
   cache.reset_stats();
   for (int i = 0; i < 4; ++i) step();
-  // Most large blocks of later steps are ones given back before. Not all: a step ends with the
-  // gradient shards zero_grad freed in the cache and one unit-sized block too few, so forward
-  // gives shard-sized blocks back to make a unit-sized one, and backward's reduce-scatter results
-  // (shard-sized) then find unit-sized blocks only (Gloo sums FSDP's send buffer in place, so no
-  // unit-sized clone comes and goes in backward any more). About one block per unit and step is
-  // made for one given back: the total does not grow. It may differ by one unit-sized block
-  // between two runs: Gloo's thread gives a reduce-scatter's send buffer back when the sums
-  // arrive, before or after the next unit asks for a block of that size. Since the post-backward
-  // runs in FSDP2's order (a unit's weights freed, then its send buffer made: the send buffer takes
-  // the gathered block, and the next unit's gather, with that send still in flight, makes a
-  // block), 8 of each step's 12 large blocks come from the cache here, the total still flat.
+  // Most large blocks of later steps are ones given back before (40 of 48 here; 32 when a block
+  // the cache could not serve made it give back as many bytes, oldest first). Not all: the cache
+  // never holds more than the most the rank has had in tensors at once, so at forward's peak it
+  // gives back blocks that backward then makes again (the gradient shards zero_grad freed). The
+  // total does not grow. It may differ by one unit-sized block between two runs: the transport's
+  // thread gives a reduce-scatter's send buffer back when the sums arrive, before or after the
+  // next unit asks for a block of that size.
   std::size_t largest_unit_bytes = 0;
   for (const auto& unit : sharded.fsdp->units())
     largest_unit_bytes = std::max(largest_unit_bytes, static_cast<std::size_t>(unit->gathered_numel()) * 4);
@@ -632,6 +628,7 @@ TEST_CASE("fsdp steps after the first take their large host blocks from the cach
   // Each of the 4 steps allocates, for each of the 3 units, at least its gathered buffer, its full
   // weights and its reduce-scatter's send buffer.
   CHECK(stats.large_allocations >= 4 * 3 * 3);
-  CHECK(stats.served_from_cache >= stats.large_allocations * 5 / 8);
+  CHECK(stats.served_from_cache >= stats.large_allocations * 3 / 4);
   CHECK(cache.reserved_bytes() <= reserved + largest_unit_bytes);
+  CHECK(cache.reserved_bytes() <= cache.peak_live_bytes());
 }

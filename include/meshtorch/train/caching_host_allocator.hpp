@@ -1,17 +1,27 @@
 #pragma once
 // LibTorch's CPU allocator with a cache for large blocks, as CUDA's caching allocator keeps device
 // blocks: a freed block of at least 1 MiB is kept by its exact size and handed out again for that
-// size; a size it cannot serve first gives back as many bytes of the blocks cached longest. A training step allocates
-// the same sizes at every step (a layer's gathered weights, the reduce-scatter buffers, gradients, activations), so
-// after the first step they come from the cache. Without it glibc serves such blocks from its heap once its dynamic
-// mmap threshold has grown past them, and the heap fragments: measured at llama-100m, chapter 7
-// on 4 ranks (FSDP 2 x TP 2) held 0.91-1.05 GB per rank after 2 steps and 1.16 GB after 6, where
-// its live tensors never exceed about 0.75 GB. glibc's own remedy (a fixed
-// MALLOC_MMAP_THRESHOLD_) gives the memory back but zeroes every page again at every step
-// (1.1-1.2x the step time). Small blocks go straight to c10's allocation functions, as LibTorch's
-// default allocator does.
+// size. A training step allocates the same sizes at every step (a layer's gathered weights, the
+// reduce-scatter buffers, gradients, activations), so after the first step they come from the cache.
 //
+// Large blocks are mapped from the kernel and unmapped when given back, not taken from glibc: its
+// heap serves blocks of 1-32 MB once its dynamic mmap threshold has grown past them, and a heap
+// whose blocks come and go fragments (chapter 7 at llama-100m held 1.16 GB per rank after 6 steps
+// where its tensors never exceed 0.75 GB). So the resident large blocks are exactly
+// reserved_bytes(): those in tensors and those cached.
+//
+// What is cached is bounded by what the process has needed: a block the cache cannot serve is
+// made new, and first the blocks cached longest are given back while the large blocks held would
+// exceed the most ever in tensors at once. The cache thus holds another phase's sizes while fewer
+// blocks are in use (backward's through the start of forward) and never raises the process's
+// peak. Measured at llama-100m (chapter 4, 2 ranks): 167 of a step's 613 large blocks made anew,
+// 1.17 GB per rank, flat; letting the cache exceed the peak by a quarter made none, at 1.40 GB
+// (and chapter 5's checkpointed run 1.14 GB instead of 1.01); evicting as many bytes as each new
+// block asks made 380, and over glibc's heap grew from 2.1 to 3.1 GB in 30 steps.
+//
+// Small blocks go straight to c10's allocation functions, as LibTorch's default allocator does.
 // launch() and chapter 1 install it on CPU runs; MESHTORCH_HOST_ALLOCATOR=default keeps LibTorch's own.
+#include <algorithm>
 #include <cstddef>
 #include <deque>
 #include <mutex>
@@ -73,17 +83,23 @@ class CachingHostAllocator final : public c10::Allocator {
     stats_ = {};
   }
 
-  // Gives every cached block back to the system.
+  // The most bytes of large blocks in tensors at once (since the last release_cached()).
+  std::size_t peak_live_bytes() const {
+    std::lock_guard lock(mutex_);
+    return peak_live_bytes_;
+  }
+
+  // Gives every cached block back to the system; the peak that bounds the cache starts again
+  // from the blocks in tensors now (a phase whose peak will not recur, such as a load, is over).
   MESHTORCH_DECL void release_cached();
 
  private:
   CachingHostAllocator() = default;
 
-  // A size the cache cannot serve is a phase whose blocks differ from the last one's (backward's
-  // gradients after forward's activations): the blocks cached longest are given back, at least
-  // as many bytes as are now asked for, so that the cache holds what recurs and not the previous
-  // phase's sizes on top of this one's (which would raise the peak the cache is meant to lower).
-  MESHTORCH_DECL std::vector<void*> evict_locked(std::size_t wanted);
+  // Before a block of `wanted` bytes is made: the cached blocks to give back, oldest first, so
+  // that the large blocks held stay within the most ever in tensors. Returned as (size, address),
+  // to unmap outside the lock.
+  MESHTORCH_DECL std::vector<std::pair<std::size_t, void*>> evict_locked(std::size_t wanted);
 
   MESHTORCH_DECL static void release(void* data);
 
@@ -93,6 +109,8 @@ class CachingHostAllocator final : public c10::Allocator {
   std::deque<std::pair<std::size_t, void*>> order_;           // cached blocks, oldest first
   std::size_t cached_bytes_ = 0;
   std::size_t reserved_bytes_ = 0;
+  std::size_t live_bytes_ = 0;       // large blocks in tensors now
+  std::size_t peak_live_bytes_ = 0;  // the most there have been at once
   Stats stats_;
 };
 
@@ -103,15 +121,38 @@ MESHTORCH_DECL std::string use_host_allocator_from_environment();
 }  // namespace meshtorch::train
 
 #if MESHTORCH_DEFINES(programs)
+#include <sys/mman.h>
+
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 
 #include <meshtorch/error.hpp>
 
 namespace meshtorch::train {
+
+namespace host_allocator_detail {
+
+// A large block straight from the kernel (page-aligned, so also c10's 64-byte alignment): given
+// back with unmap_block, its pages return to the system at once.
+inline void* map_block(std::size_t nbytes) {
+  void* data = ::mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (data == MAP_FAILED)
+    C10_THROW_ERROR(OutOfMemoryError,
+                    fmt::format("CachingHostAllocator: could not map a block of {} bytes: {} (out of memory, or of "
+                                "the process's mappings: see vm.max_map_count)",
+                                nbytes, std::strerror(errno)));
+  return data;
+}
+
+inline void unmap_block(void* data, std::size_t nbytes) { ::munmap(data, nbytes); }
+
+}  // namespace host_allocator_detail
 
 MESHTORCH_DECL CachingHostAllocator& CachingHostAllocator::instance() {
   static auto* allocator = new CachingHostAllocator();
@@ -123,7 +164,7 @@ MESHTORCH_DECL void CachingHostAllocator::install() { c10::SetCPUAllocator(&inst
 MESHTORCH_DECL c10::DataPtr CachingHostAllocator::allocate(std::size_t nbytes) {
   void* data = nullptr;
   if (nbytes >= min_cached_bytes) {
-    std::vector<void*> evicted;
+    std::vector<std::pair<std::size_t, void*>> evicted;
     {
       std::lock_guard lock(mutex_);
       ++stats_.large_allocations;
@@ -136,13 +177,23 @@ MESHTORCH_DECL c10::DataPtr CachingHostAllocator::allocate(std::size_t nbytes) {
       } else {
         evicted = evict_locked(nbytes);
       }
+      live_bytes_ += nbytes;  // counted now, so that a concurrent allocation sees it
     }
     // The system's part outside the lock: freeing and allocating may take the kernel's time.
-    for (void* block : evicted) c10::free_cpu(block);
+    for (const auto [size, block] : evicted) host_allocator_detail::unmap_block(block, size);
     const bool made = data == nullptr;
-    if (made) data = c10::alloc_cpu(nbytes);
+    if (made) {
+      try {
+        data = host_allocator_detail::map_block(nbytes);
+      } catch (...) {
+        std::lock_guard lock(mutex_);
+        live_bytes_ -= nbytes;
+        throw;
+      }
+    }
     std::lock_guard lock(mutex_);
     if (made) reserved_bytes_ += nbytes;
+    peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);  // once the block exists
     live_[data] = nbytes;
   } else if (nbytes > 0) {
     data = c10::alloc_cpu(nbytes);
@@ -158,21 +209,21 @@ MESHTORCH_DECL void CachingHostAllocator::release_cached() {
     order_.clear();
     reserved_bytes_ -= cached_bytes_;
     cached_bytes_ = 0;
+    peak_live_bytes_ = live_bytes_;
   }
   for (auto& [size, list] : blocks)
-    for (void* data : list) c10::free_cpu(data);
+    for (void* data : list) host_allocator_detail::unmap_block(data, size);
 }
 
-MESHTORCH_DECL std::vector<void*> CachingHostAllocator::evict_locked(std::size_t wanted) {
-  std::vector<void*> evicted;
-  std::size_t freed = 0;
-  while (freed < wanted && !order_.empty()) {
+MESHTORCH_DECL std::vector<std::pair<std::size_t, void*>> CachingHostAllocator::evict_locked(std::size_t wanted) {
+  std::vector<std::pair<std::size_t, void*>> evicted;
+  const std::size_t live_after = live_bytes_ + wanted;
+  const std::size_t budget = std::max(peak_live_bytes_, live_after);
+  while (live_after + cached_bytes_ > budget && !order_.empty()) {
     const auto [size, data] = order_.front();
     order_.pop_front();
-    auto& list = free_[size];
-    std::erase(list, data);
-    evicted.push_back(data);
-    freed += size;
+    std::erase(free_[size], data);
+    evicted.emplace_back(size, data);
     cached_bytes_ -= size;
     reserved_bytes_ -= size;
   }
@@ -182,22 +233,27 @@ MESHTORCH_DECL std::vector<void*> CachingHostAllocator::evict_locked(std::size_t
 MESHTORCH_DECL void CachingHostAllocator::release(void* data) {
   if (!data) return;
   auto& self = instance();
+  std::size_t large_bytes = 0;  // stays 0 for a small block, which is malloc's
   {
     std::lock_guard lock(self.mutex_);
     const auto it = self.live_.find(data);
     if (it != self.live_.end()) {
-      const auto nbytes = it->second;
+      large_bytes = it->second;
       self.live_.erase(it);
-      if (self.cached_bytes_ + nbytes <= max_cached_bytes) {
-        self.free_[nbytes].push_back(data);
-        self.order_.emplace_back(nbytes, data);
-        self.cached_bytes_ += nbytes;
+      self.live_bytes_ -= large_bytes;
+      if (self.cached_bytes_ + large_bytes <= max_cached_bytes) {
+        self.free_[large_bytes].push_back(data);
+        self.order_.emplace_back(large_bytes, data);
+        self.cached_bytes_ += large_bytes;
         return;
       }
-      self.reserved_bytes_ -= nbytes;
+      self.reserved_bytes_ -= large_bytes;
     }
   }
-  c10::free_cpu(data);
+  if (large_bytes > 0)
+    host_allocator_detail::unmap_block(data, large_bytes);
+  else
+    c10::free_cpu(data);
 }
 
 MESHTORCH_DECL std::string use_host_allocator_from_environment() {
