@@ -1,4 +1,8 @@
 // The training loop's parts: data, sampler, loader, optimizer, schedule, checkpoints.
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -953,6 +957,37 @@ TEST_CASE(
              Catch::Contains("could not map a block of 1125899906842624 bytes"));
   CHECK(cache.peak_live_bytes() == 32 * mib);
   CHECK(cache.reserved_bytes() == cache.cached_bytes());
+
+  // A block the system refuses while the cache holds blocks within the peak: every cached block
+  // is given back and the block mapped again, as CUDA's allocator does when the device is full.
+  // In a child process whose address space is capped below what it holds now.
+  cache.release_cached();
+  {
+    std::vector<c10::DataPtr> pair;
+    for (int i = 0; i < 2; ++i) pair.push_back(cache.allocate(256 * mib));
+  }
+  REQUIRE(cache.cached_bytes() == 512 * mib);  // within the peak: nothing given back
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    // Address space now, less 100 MiB: after the first cached block goes (256 MiB, the peak's
+    // bound), 200 MiB more does not fit until the second goes too.
+    const auto kib = mt::train::kib_field_from_proc_status("VmSize");
+    const rlim_t limit = static_cast<rlim_t>(kib) * 1024 - 100 * mib;
+    const rlimit cap{limit, limit};
+    if (::setrlimit(RLIMIT_AS, &cap) != 0) ::_exit(2);
+    try {
+      auto block = cache.allocate(200 * mib);
+      ::_exit(block.get() != nullptr && cache.cached_bytes() == 0 ? 0 : 3);
+    } catch (...) {
+      ::_exit(4);
+    }
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);  // 4: the retry was not made; 3: the block or the cache was wrong
+  cache.release_cached();
 
   // Blocks given back leave the process's resident memory at once (they are unmapped, not
   // returned to a heap that keeps them).

@@ -7,8 +7,8 @@
 // Large blocks are mapped from the kernel and unmapped when given back, not taken from glibc: its
 // heap serves blocks of 1-32 MB once its dynamic mmap threshold has grown past them, and a heap
 // whose blocks come and go fragments (chapter 7 at llama-100m held 1.16 GB per rank after 6 steps
-// where its tensors never exceed 0.75 GB). So the resident large blocks are exactly
-// reserved_bytes(): those in tensors and those cached.
+// where its tensors never exceed 0.75 GB). So the resident large blocks are at most
+// reserved_bytes() (rounded up to pages): those in tensors and those cached.
 //
 // What is cached is bounded by what the process has needed: a block the cache cannot serve is
 // made new, and first the blocks cached longest are given back while the large blocks held would
@@ -90,16 +90,24 @@ class CachingHostAllocator final : public c10::Allocator {
   }
 
   // Gives every cached block back to the system; the peak that bounds the cache starts again
-  // from the blocks in tensors now (a phase whose peak will not recur, such as a load, is over).
+  // from the blocks in tensors now (for a caller whose phase with a peak that will not recur,
+  // such as a load, is over).
   MESHTORCH_DECL void release_cached();
 
  private:
   CachingHostAllocator() = default;
 
+  using Blocks = std::vector<std::pair<std::size_t, void*>>;  // (size, address), to unmap outside the lock
+
+  // A cached block of exactly nbytes, now in a tensor; nullptr if there is none.
+  MESHTORCH_DECL void* take_cached(std::size_t nbytes);
+  // A new block: first gives back the cached blocks that holding it would take past the peak.
+  MESHTORCH_DECL void* make_block(std::size_t nbytes);
   // Before a block of `wanted` bytes is made: the cached blocks to give back, oldest first, so
-  // that the large blocks held stay within the most ever in tensors. Returned as (size, address),
-  // to unmap outside the lock.
-  MESHTORCH_DECL std::vector<std::pair<std::size_t, void*>> evict_locked(std::size_t wanted);
+  // that the large blocks held stay within the most ever in tensors.
+  MESHTORCH_DECL Blocks evict_locked(std::size_t wanted);
+  // Every cached block, taken out of the cache.
+  MESHTORCH_DECL Blocks take_all_cached_locked();
 
   MESHTORCH_DECL static void release(void* data);
 
@@ -110,7 +118,8 @@ class CachingHostAllocator final : public c10::Allocator {
   std::size_t cached_bytes_ = 0;
   std::size_t reserved_bytes_ = 0;
   std::size_t live_bytes_ = 0;       // large blocks in tensors now
-  std::size_t peak_live_bytes_ = 0;  // the most there have been at once
+  std::size_t pending_bytes_ = 0;    // large blocks being made now (by other threads too)
+  std::size_t peak_live_bytes_ = 0;  // the most there have been in tensors at once
   Stats stats_;
 };
 
@@ -164,62 +173,106 @@ MESHTORCH_DECL void CachingHostAllocator::install() { c10::SetCPUAllocator(&inst
 MESHTORCH_DECL c10::DataPtr CachingHostAllocator::allocate(std::size_t nbytes) {
   void* data = nullptr;
   if (nbytes >= min_cached_bytes) {
-    std::vector<std::pair<std::size_t, void*>> evicted;
-    {
-      std::lock_guard lock(mutex_);
-      ++stats_.large_allocations;
-      if (auto it = free_.find(nbytes); it != free_.end() && !it->second.empty()) {
-        data = it->second.back();
-        it->second.pop_back();
-        std::erase_if(order_, [&](const auto& entry) { return entry.second == data; });
-        cached_bytes_ -= nbytes;
-        ++stats_.served_from_cache;
-      } else {
-        evicted = evict_locked(nbytes);
-      }
-      live_bytes_ += nbytes;  // counted now, so that a concurrent allocation sees it
-    }
-    // The system's part outside the lock: freeing and allocating may take the kernel's time.
-    for (const auto [size, block] : evicted) host_allocator_detail::unmap_block(block, size);
-    const bool made = data == nullptr;
-    if (made) {
-      try {
-        data = host_allocator_detail::map_block(nbytes);
-      } catch (...) {
-        std::lock_guard lock(mutex_);
-        live_bytes_ -= nbytes;
-        throw;
-      }
-    }
-    std::lock_guard lock(mutex_);
-    if (made) reserved_bytes_ += nbytes;
-    peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);  // once the block exists
-    live_[data] = nbytes;
+    data = take_cached(nbytes);
+    if (!data) data = make_block(nbytes);
   } else if (nbytes > 0) {
     data = c10::alloc_cpu(nbytes);
   }
   return {data, data, &CachingHostAllocator::release, c10::Device(c10::kCPU)};
 }
 
-MESHTORCH_DECL void CachingHostAllocator::release_cached() {
-  std::unordered_map<std::size_t, std::vector<void*>> blocks;
-  {
-    std::lock_guard lock(mutex_);
-    blocks.swap(free_);
-    order_.clear();
-    reserved_bytes_ -= cached_bytes_;
-    cached_bytes_ = 0;
-    peak_live_bytes_ = live_bytes_;
-  }
-  for (auto& [size, list] : blocks)
-    for (void* data : list) host_allocator_detail::unmap_block(data, size);
+MESHTORCH_DECL void* CachingHostAllocator::take_cached(std::size_t nbytes) {
+  std::lock_guard lock(mutex_);
+  ++stats_.large_allocations;
+  const auto it = free_.find(nbytes);
+  if (it == free_.end() || it->second.empty()) return nullptr;
+  void* data = it->second.back();
+  live_.emplace(data, nbytes);  // first: if it throws, nothing has changed
+  it->second.pop_back();
+  std::erase_if(order_, [&](const auto& entry) { return entry.second == data; });
+  cached_bytes_ -= nbytes;
+  live_bytes_ += nbytes;
+  peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);
+  ++stats_.served_from_cache;
+  return data;
 }
 
-MESHTORCH_DECL std::vector<std::pair<std::size_t, void*>> CachingHostAllocator::evict_locked(std::size_t wanted) {
-  std::vector<std::pair<std::size_t, void*>> evicted;
-  const std::size_t live_after = live_bytes_ + wanted;
-  const std::size_t budget = std::max(peak_live_bytes_, live_after);
-  while (live_after + cached_bytes_ > budget && !order_.empty()) {
+MESHTORCH_DECL void* CachingHostAllocator::make_block(std::size_t nbytes) {
+  const auto unmap_all = [](const Blocks& blocks) {
+    for (const auto [size, block] : blocks) host_allocator_detail::unmap_block(block, size);
+  };
+  Blocks evicted;
+  {
+    std::lock_guard lock(mutex_);
+    evicted = evict_locked(nbytes);
+    pending_bytes_ += nbytes;
+  }
+  unmap_all(evicted);  // outside the lock: unmapping may take the kernel's time
+  const auto not_made = [&] {
+    std::lock_guard lock(mutex_);
+    pending_bytes_ -= nbytes;
+  };
+  void* data = nullptr;
+  try {
+    data = host_allocator_detail::map_block(nbytes);
+  } catch (const c10::OutOfMemoryError&) {
+    // As CUDA's caching allocator does when the device is full: give back every cached block and
+    // try once more.
+    Blocks cached;
+    {
+      std::lock_guard lock(mutex_);
+      cached = take_all_cached_locked();
+    }
+    unmap_all(cached);
+    try {
+      data = host_allocator_detail::map_block(nbytes);
+    } catch (...) {
+      not_made();
+      throw;
+    }
+  }
+  try {
+    std::lock_guard lock(mutex_);
+    live_.emplace(data, nbytes);
+    pending_bytes_ -= nbytes;
+    live_bytes_ += nbytes;
+    reserved_bytes_ += nbytes;
+    peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);
+  } catch (...) {
+    host_allocator_detail::unmap_block(data, nbytes);
+    not_made();
+    throw;
+  }
+  return data;
+}
+
+MESHTORCH_DECL CachingHostAllocator::Blocks CachingHostAllocator::take_all_cached_locked() {
+  Blocks blocks;
+  blocks.reserve(order_.size());
+  for (const auto& [size, data] : order_) blocks.emplace_back(size, data);
+  free_.clear();
+  order_.clear();
+  reserved_bytes_ -= cached_bytes_;
+  cached_bytes_ = 0;
+  return blocks;
+}
+
+MESHTORCH_DECL void CachingHostAllocator::release_cached() {
+  Blocks blocks;
+  {
+    std::lock_guard lock(mutex_);
+    blocks = take_all_cached_locked();
+    peak_live_bytes_ = live_bytes_;
+  }
+  for (const auto [size, data] : blocks) host_allocator_detail::unmap_block(data, size);
+}
+
+MESHTORCH_DECL CachingHostAllocator::Blocks CachingHostAllocator::evict_locked(std::size_t wanted) {
+  Blocks evicted;
+  evicted.reserve(order_.size());  // first: if it throws, nothing has changed
+  const std::size_t in_use = live_bytes_ + pending_bytes_ + wanted;
+  const std::size_t budget = std::max(peak_live_bytes_, in_use);
+  while (in_use + cached_bytes_ > budget && !order_.empty()) {
     const auto [size, data] = order_.front();
     order_.pop_front();
     std::erase(free_[size], data);
@@ -241,11 +294,24 @@ MESHTORCH_DECL void CachingHostAllocator::release(void* data) {
       large_bytes = it->second;
       self.live_.erase(it);
       self.live_bytes_ -= large_bytes;
-      if (self.cached_bytes_ + large_bytes <= max_cached_bytes) {
-        self.free_[large_bytes].push_back(data);
-        self.order_.emplace_back(large_bytes, data);
-        self.cached_bytes_ += large_bytes;
-        return;
+      // Cached only within the cap and the peak: a block being made on another thread may have
+      // counted on this one's bytes being in use, not cached.
+      const bool within_peak =
+          self.live_bytes_ + self.pending_bytes_ + self.cached_bytes_ + large_bytes <= self.peak_live_bytes_;
+      if (within_peak && self.cached_bytes_ + large_bytes <= max_cached_bytes) {
+        try {  // a deleter must not throw: a block that cannot be listed is given back instead
+          auto& list = self.free_[large_bytes];
+          list.push_back(data);
+          try {
+            self.order_.emplace_back(large_bytes, data);
+          } catch (...) {
+            list.pop_back();
+            throw;
+          }
+          self.cached_bytes_ += large_bytes;
+          return;
+        } catch (...) {
+        }
       }
       self.reserved_bytes_ -= large_bytes;
     }
