@@ -103,6 +103,27 @@ PendingWork start_flat(const comm::AxisGroup& group, torch::Tensor& output, torc
       what, group);
 }
 
+// start_flat, with `on_success` run on the backend's thread as soon as the collective has
+// succeeded (a failed one is reported by the wait and skips it); the wait returns once it has run.
+template <class IssueOn, class OnSuccess>
+PendingWork start_flat_then(const comm::AxisGroup& group, torch::Tensor& output, torch::Tensor& input,
+                            const std::string& what, IssueOn issue_on, OnSuccess on_success) {
+  auto continuation = std::make_shared<c10::intrusive_ptr<c10::ivalue::Future>>();
+  return start_flat(
+      group, output, input, what,
+      [&](c10d::Backend& backend) {
+        auto work = issue_on(backend);
+        *continuation = work->getFuture()->then(
+            [on_success = std::move(on_success)](c10::ivalue::Future& done) -> c10::IValue {
+              if (!done.hasError()) on_success();
+              return {};
+            },
+            c10::NoneType::get());
+        return work;
+      },
+      [continuation] { (*continuation)->waitAndThrow(); });
+}
+
 // Issues the all-gather of the group's flat buffers, concatenated in rank order into output
 // (group.size() x input.numel()).
 //
@@ -166,44 +187,23 @@ MESHTORCH_DECL PendingWork start_reduce_scatter_sum_flat(const comm::AxisGroup& 
     options.timeout = group.timeout();
     std::vector<torch::Tensor> outputs{output};
     std::vector<std::vector<torch::Tensor>> blocks{input.view({group.size(), -1}).unbind(0)};
-    auto buffer_freed = std::make_shared<c10::intrusive_ptr<c10::ivalue::Future>>();
-    return start_flat(
+    return start_flat_then(
         group, output, input, what,
-        [&](c10d::Backend& backend) {
-          auto work = backend.reduce_scatter(outputs, blocks, options);
-          *buffer_freed = work->getFuture()->then(
-              [input](c10::ivalue::Future& summed) -> c10::IValue {
-                if (!summed.hasError()) free_storage(input.storage());
-                return {};
-              },
-              c10::NoneType::get());
-          return work;
-        },
-        [buffer_freed] { (*buffer_freed)->waitAndThrow(); });
+        [&](c10d::Backend& backend) { return backend.reduce_scatter(outputs, blocks, options); },
+        [input] { free_storage(input.storage()); });
   }
   if (group.device() == comm::Device::cpu) {
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
     options.timeout = group.timeout();
     std::vector<torch::Tensor> tensors{input};
-    auto block_copied = std::make_shared<c10::intrusive_ptr<c10::ivalue::Future>>();
-    auto copy_block_and_free = [output, input, rank = group.rank(),
-                                size = group.size()](c10::ivalue::Future& summed) -> c10::IValue {
-      // A failed all-reduce is reported by the wait; its buffer is then freed with the tensor.
-      if (summed.hasError()) return {};
-      output.copy_(input.view({size, -1})[rank]);
-      free_storage(input.storage());
-      return {};
-    };
-    return start_flat(
-        group, output, input, what,
-        [&](c10d::Backend& backend) {
-          auto work = backend.allreduce(tensors, options);
-          *block_copied = work->getFuture()->then(std::move(copy_block_and_free), c10::NoneType::get());
-          return work;
-        },
-        // The work's wait returns when the sums are in; the copy runs just after, on Gloo's thread.
-        [block_copied] { (*block_copied)->waitAndThrow(); });
+    // A failed all-reduce is reported by the wait; its buffer is then freed with the tensor.
+    return start_flat_then(
+        group, output, input, what, [&](c10d::Backend& backend) { return backend.allreduce(tensors, options); },
+        [output, input, rank = group.rank(), size = group.size()] {
+          output.copy_(input.view({size, -1})[rank]);
+          free_storage(input.storage());
+        });
   }
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;

@@ -66,7 +66,7 @@ class CachingHostAllocator final : public c10::Allocator {
   }
   std::size_t reserved_bytes() const {
     std::lock_guard lock(mutex_);
-    return reserved_bytes_;
+    return live_bytes_ + cached_bytes_;
   }
 
   // Allocations of min_cached_bytes or more since reset_stats(), and how many the cache served.
@@ -106,6 +106,8 @@ class CachingHostAllocator final : public c10::Allocator {
   // Before a block of `wanted` bytes is made: the cached blocks to give back, oldest first, so
   // that the large blocks held stay within the most ever in tensors.
   MESHTORCH_DECL Blocks evict_locked(std::size_t wanted);
+  // Records a block as handed out to a tensor (may throw before changing anything).
+  MESHTORCH_DECL void in_tensor_locked(void* data, std::size_t nbytes);
   // Every cached block, taken out of the cache.
   MESHTORCH_DECL Blocks take_all_cached_locked();
 
@@ -116,7 +118,6 @@ class CachingHostAllocator final : public c10::Allocator {
   std::unordered_map<std::size_t, std::vector<void*>> free_;  // cached blocks, by size
   std::deque<std::pair<std::size_t, void*>> order_;           // cached blocks, oldest first
   std::size_t cached_bytes_ = 0;
-  std::size_t reserved_bytes_ = 0;
   std::size_t live_bytes_ = 0;       // large blocks in tensors now
   std::size_t pending_bytes_ = 0;    // large blocks being made now (by other threads too)
   std::size_t peak_live_bytes_ = 0;  // the most there have been in tensors at once
@@ -187,12 +188,10 @@ MESHTORCH_DECL void* CachingHostAllocator::take_cached(std::size_t nbytes) {
   const auto it = free_.find(nbytes);
   if (it == free_.end() || it->second.empty()) return nullptr;
   void* data = it->second.back();
-  live_.emplace(data, nbytes);  // first: if it throws, nothing has changed
+  in_tensor_locked(data, nbytes);  // first: if it throws, nothing has changed
   it->second.pop_back();
   std::erase_if(order_, [&](const auto& entry) { return entry.second == data; });
   cached_bytes_ -= nbytes;
-  live_bytes_ += nbytes;
-  peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);
   ++stats_.served_from_cache;
   return data;
 }
@@ -233,11 +232,8 @@ MESHTORCH_DECL void* CachingHostAllocator::make_block(std::size_t nbytes) {
   }
   try {
     std::lock_guard lock(mutex_);
-    live_.emplace(data, nbytes);
+    in_tensor_locked(data, nbytes);
     pending_bytes_ -= nbytes;
-    live_bytes_ += nbytes;
-    reserved_bytes_ += nbytes;
-    peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);
   } catch (...) {
     host_allocator_detail::unmap_block(data, nbytes);
     not_made();
@@ -246,13 +242,18 @@ MESHTORCH_DECL void* CachingHostAllocator::make_block(std::size_t nbytes) {
   return data;
 }
 
+MESHTORCH_DECL void CachingHostAllocator::in_tensor_locked(void* data, std::size_t nbytes) {
+  live_.emplace(data, nbytes);
+  live_bytes_ += nbytes;
+  peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);
+}
+
 MESHTORCH_DECL CachingHostAllocator::Blocks CachingHostAllocator::take_all_cached_locked() {
   Blocks blocks;
   blocks.reserve(order_.size());
   for (const auto& [size, data] : order_) blocks.emplace_back(size, data);
   free_.clear();
   order_.clear();
-  reserved_bytes_ -= cached_bytes_;
   cached_bytes_ = 0;
   return blocks;
 }
@@ -278,7 +279,6 @@ MESHTORCH_DECL CachingHostAllocator::Blocks CachingHostAllocator::evict_locked(s
     std::erase(free_[size], data);
     evicted.emplace_back(size, data);
     cached_bytes_ -= size;
-    reserved_bytes_ -= size;
   }
   return evicted;
 }
@@ -313,7 +313,6 @@ MESHTORCH_DECL void CachingHostAllocator::release(void* data) {
         } catch (...) {
         }
       }
-      self.reserved_bytes_ -= large_bytes;
     }
   }
   if (large_bytes > 0)
