@@ -612,13 +612,12 @@ TEST_CASE("fsdp steps after the first take their large host blocks from the cach
   CHECK(cache.cached_bytes() > 0);  // the step's buffers, given back to the cache when it ended
   cache.reset_stats();
   for (int i = 0; i < 4; ++i) step();
-  // Most large blocks of later steps are ones given back before (40 of 48 here; 32 when a block
-  // the cache could not serve made it give back as many bytes, oldest first). Not all: the cache
-  // never holds more than the most the rank has had in tensors at once, so at forward's peak it
-  // gives back blocks that backward then makes again (the gradient shards zero_grad freed). The
-  // total does not grow. It may differ by one unit-sized block between two runs: the transport's
-  // thread gives a reduce-scatter's send buffer back when the sums arrive, before or after the
-  // next unit asks for a block of that size.
+  // Most large blocks of later steps are ones given back before (48 of 48 here; 40 when the cache
+  // held no more than the rank's peak in tensors, exact sizes only, which made it give back at
+  // forward's peak blocks that backward then made again; 32 when a block it could not serve made
+  // it give back as many bytes, oldest first). The total does not grow. It may differ by one
+  // unit-sized block between two runs: the transport's thread gives a reduce-scatter's send buffer
+  // back when the sums arrive, before or after the next unit asks for a block of that size.
   std::size_t largest_unit_bytes = 0;
   for (const auto& unit : sharded.fsdp->units())
     largest_unit_bytes = std::max(largest_unit_bytes, static_cast<std::size_t>(unit->gathered_numel()) * 4);
@@ -628,7 +627,8 @@ TEST_CASE("fsdp steps after the first take their large host blocks from the cach
   // Each of the 4 steps allocates, for each of the 3 units, at least its gathered buffer, its full
   // weights and its reduce-scatter's send buffer.
   CHECK(stats.large_allocations >= 4 * 3 * 3);
-  CHECK(stats.served_from_cache >= stats.large_allocations * 3 / 4);
+  CHECK(stats.served_from_cache >= stats.large_allocations * 7 / 8);
   CHECK(cache.reserved_bytes() <= reserved + largest_unit_bytes);
-  CHECK(cache.reserved_bytes() <= cache.peak_live_bytes());
+  CHECK(cache.reserved_bytes() <=
+        cache.peak_live_bytes() + cache.peak_live_bytes() / mt::train::CachingHostAllocator::headroom_divisor);
 }

@@ -1,7 +1,8 @@
 #pragma once
 // LibTorch's CPU allocator with a cache for large blocks, as CUDA's caching allocator keeps device
-// blocks: a freed block of at least 1 MiB is kept by its exact size and handed out again for that
-// size. A training step allocates the same sizes at every step (a layer's gathered weights, the
+// blocks: a freed block of at least 1 MiB is kept and handed out again for a request of its size
+// or of down to half of it (the smallest such block; CUDA's serves a request from part of a larger
+// block). A training step allocates the same sizes at every step (a layer's gathered weights, the
 // reduce-scatter buffers, gradients, activations), so after the first step they come from the cache.
 //
 // Large blocks are mapped from the kernel and unmapped when given back, not taken from glibc: its
@@ -12,18 +13,20 @@
 //
 // What is cached is bounded by what the process has needed: a block the cache cannot serve is
 // made new, and first the blocks cached longest are given back while the large blocks held would
-// exceed the most ever in tensors at once. The cache thus holds another phase's sizes while fewer
-// blocks are in use (backward's through the start of forward) and never raises the process's
-// peak. Measured at llama-100m (chapter 4, 2 ranks): 167 of a step's 613 large blocks made anew,
-// 1.17 GB per rank, flat; letting the cache exceed the peak by a quarter made none, at 1.40 GB
-// (and chapter 5's checkpointed run 1.14 GB instead of 1.01); evicting as many bytes as each new
-// block asks made 380, and over glibc's heap grew from 2.1 to 3.1 GB in 30 steps.
+// exceed the most ever in tensors at once and an eighth of it. The cache thus holds another
+// phase's blocks while fewer are in use (backward's through the start of forward). Measured at
+// llama-100m, 2 threads: chapter 1 makes none of a step's 352 blocks anew (100 with exact sizes
+// and no eighth, which cost 64k page faults a step and left it 9% slower than glibc's heap; now
+// level with it at 2.10 against 2.18 GB), chapter 4 (2 ranks) 1.36-1.39 GB per rank, flat (1.16-1.20
+// without the eighth; 2.1 growing to 3.1 GB when each new block made the cache give back as many
+// bytes, over glibc's heap).
 //
 // Small blocks go straight to c10's allocation functions, as LibTorch's default allocator does.
 // launch() and chapter 1 install it on CPU runs; MESHTORCH_HOST_ALLOCATOR=default keeps LibTorch's own.
 #include <algorithm>
 #include <cstddef>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -42,6 +45,14 @@ class CachingHostAllocator final : public c10::Allocator {
   static constexpr std::size_t min_cached_bytes = std::size_t{1} << 20;
   // A freed block that would take the cache past this is given back instead.
   static constexpr std::size_t max_cached_bytes = std::size_t{1} << 30;
+  // A cached block serves a request of at least 1/max_oversize of its size (the smallest such
+  // block), as CUDA's allocator serves a request from part of a larger cached block.
+  static constexpr std::size_t max_oversize = 2;
+  // What the cache may hold, with the blocks in tensors, beyond the most there have been in
+  // tensors at once: an eighth of that peak. Without it a step whose sizes fit the peak only
+  // exactly made blocks anew every step (chapter 1 at llama-100m: 100 of 352 a step, 64k page
+  // faults, 9% slower than glibc's heap); with it none or a few.
+  static constexpr std::size_t headroom_divisor = 8;
 
   // The process's allocator: blocks it hands out may be freed at any time up to exit, so it is
   // never destroyed.
@@ -99,13 +110,16 @@ class CachingHostAllocator final : public c10::Allocator {
 
   using Blocks = std::vector<std::pair<std::size_t, void*>>;  // (size, address), to unmap outside the lock
 
-  // A cached block of exactly nbytes, now in a tensor; nullptr if there is none.
+  // The smallest cached block of nbytes to max_oversize x nbytes, now in a tensor; nullptr if there is none.
   MESHTORCH_DECL void* take_cached(std::size_t nbytes);
-  // A new block: first gives back the cached blocks that holding it would take past the peak.
+  // A new block: first gives back the cached blocks that holding it would take past the bound.
   MESHTORCH_DECL void* make_block(std::size_t nbytes);
   // Before a block of `wanted` bytes is made: the cached blocks to give back, oldest first, so
-  // that the large blocks held stay within the most ever in tensors.
+  // that the large blocks held stay within bound_locked().
   MESHTORCH_DECL Blocks evict_locked(std::size_t wanted);
+  // The most bytes of large blocks held, in tensors and cached, before the cache gives some back:
+  // the peak in tensors and headroom_divisor's share of it.
+  std::size_t bound_locked() const { return peak_live_bytes_ + peak_live_bytes_ / headroom_divisor; }
   // Records a block as handed out to a tensor (may throw before changing anything).
   MESHTORCH_DECL void in_tensor_locked(void* data, std::size_t nbytes);
   // Every cached block, taken out of the cache.
@@ -114,9 +128,9 @@ class CachingHostAllocator final : public c10::Allocator {
   MESHTORCH_DECL static void release(void* data);
 
   mutable std::mutex mutex_;
-  std::unordered_map<void*, std::size_t> live_;               // large blocks in tensors, by address
-  std::unordered_map<std::size_t, std::vector<void*>> free_;  // cached blocks, by size
-  std::deque<std::pair<std::size_t, void*>> order_;           // cached blocks, oldest first
+  std::unordered_map<void*, std::size_t> live_;      // large blocks in tensors, by address
+  std::map<std::size_t, std::vector<void*>> free_;   // cached blocks, by size (none empty)
+  std::deque<std::pair<std::size_t, void*>> order_;  // cached blocks, oldest first
   std::size_t cached_bytes_ = 0;
   std::size_t live_bytes_ = 0;       // large blocks in tensors now
   std::size_t pending_bytes_ = 0;    // large blocks being made now (by other threads too)
@@ -185,13 +199,15 @@ MESHTORCH_DECL c10::DataPtr CachingHostAllocator::allocate(std::size_t nbytes) {
 MESHTORCH_DECL void* CachingHostAllocator::take_cached(std::size_t nbytes) {
   std::lock_guard lock(mutex_);
   ++stats_.large_allocations;
-  const auto it = free_.find(nbytes);
-  if (it == free_.end() || it->second.empty()) return nullptr;
+  const auto it = free_.lower_bound(nbytes);
+  if (it == free_.end() || it->first / max_oversize > nbytes) return nullptr;
+  const std::size_t size = it->first;
   void* data = it->second.back();
-  in_tensor_locked(data, nbytes);  // first: if it throws, nothing has changed
+  in_tensor_locked(data, size);  // first: if it throws, nothing has changed
   it->second.pop_back();
+  if (it->second.empty()) free_.erase(it);
   std::erase_if(order_, [&](const auto& entry) { return entry.second == data; });
-  cached_bytes_ -= nbytes;
+  cached_bytes_ -= size;
   ++stats_.served_from_cache;
   return data;
 }
@@ -272,11 +288,13 @@ MESHTORCH_DECL CachingHostAllocator::Blocks CachingHostAllocator::evict_locked(s
   Blocks evicted;
   evicted.reserve(order_.size());  // first: if it throws, nothing has changed
   const std::size_t in_use = live_bytes_ + pending_bytes_ + wanted;
-  const std::size_t budget = std::max(peak_live_bytes_, in_use);
+  const std::size_t budget = std::max(bound_locked(), in_use);
   while (in_use + cached_bytes_ > budget && !order_.empty()) {
     const auto [size, data] = order_.front();
     order_.pop_front();
-    std::erase(free_[size], data);
+    const auto list = free_.find(size);
+    std::erase(list->second, data);
+    if (list->second.empty()) free_.erase(list);
     evicted.emplace_back(size, data);
     cached_bytes_ -= size;
   }
@@ -294,11 +312,11 @@ MESHTORCH_DECL void CachingHostAllocator::release(void* data) {
       large_bytes = it->second;
       self.live_.erase(it);
       self.live_bytes_ -= large_bytes;
-      // Cached only within the cap and the peak: a block being made on another thread may have
+      // Cached only within the cap and the bound: a block being made on another thread may have
       // counted on this one's bytes being in use, not cached.
-      const bool within_peak =
-          self.live_bytes_ + self.pending_bytes_ + self.cached_bytes_ + large_bytes <= self.peak_live_bytes_;
-      if (within_peak && self.cached_bytes_ + large_bytes <= max_cached_bytes) {
+      const bool within_bound =
+          self.live_bytes_ + self.pending_bytes_ + self.cached_bytes_ + large_bytes <= self.bound_locked();
+      if (within_bound && self.cached_bytes_ + large_bytes <= max_cached_bytes) {
         try {  // a deleter must not throw: a block that cannot be listed is given back instead
           auto& list = self.free_[large_bytes];
           list.push_back(data);
