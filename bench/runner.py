@@ -1235,9 +1235,12 @@ def profile_section(args, corpus, runs_dir, out, machine):
             expected += 1
             name = f"profile-{size}-{side}"
             folder = runs_dir / name / "profile"
+            # Ours with the batch whole (--cpu-batch-split off), as the reference runs it: each op is
+            # then one call over the batch on both sides, its self time wall time; split, each half's
+            # ops would add their threads' times. The split's gain is in the chapter 1 section.
             cmd = command(side, run_spec, PROFILE_THREADS, name, fp32, corpus, runs_dir) + [
                 "--profile", str(folder), "--profile-from", str(spec["warmup"] + 1),
-                "--profile-steps", str(spec["steps"])]
+                "--profile-steps", str(spec["steps"])] + (["--cpu-batch-split", "off"] if side == "ours" else [])
             env = dict(os.environ, OMP_NUM_THREADS=str(PROFILE_THREADS), MKL_NUM_THREADS=str(PROFILE_THREADS),
                        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
             if run_cmd(cmd, run_spec, name, fp32, runs_dir, env) is None:
@@ -1250,7 +1253,8 @@ def profile_section(args, corpus, runs_dir, out, machine):
     minutes = round((time.perf_counter() - started) / 60, 1)
     lines = [f"## Chapter 1 op profile ({machine['date']}, commit {machine['commit']})", "",
              f"{machine['cpu']}, {machine['cores']} cores; chapter 1, float32, {PROFILE_THREADS} threads, one run per "
-             f"side and size; {minutes} minutes. meshtorch: `01-single-gpu --profile` (LibTorch's Kineto profiler); HF "
+             f"side and size; {minutes} minutes. meshtorch: `01-single-gpu --profile --cpu-batch-split off` (LibTorch's "
+             "Kineto profiler; the batch whole, as the reference runs it, so that each op is one call on both sides); HF "
              "eager: `train_llm_ch1.py --profile` (torch.profiler). An op's self time is its time less that of the "
              "ops nested in it, counted in the phase (user scope) it ran in; both profilers add a few microseconds per "
              "op, so small ops look dearer than they are.", ""]

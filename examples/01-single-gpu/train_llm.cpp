@@ -45,8 +45,11 @@ int train(const mt::train::TrainArgs& args) {
 
   // Epoch after epoch from where the checkpoint left off, until --num-epochs or --max-steps.
   for (auto state = loop.resume(); loop.next_step(state); loop.end_step(state)) {
-    for (const auto& batch : loop.micro_batches())  // --grad-accum of them; fetching is the "data" phase
-      loop.backward(loop.timed("forward", [&] { return model->loss(batch.input_ids, /*labels=*/batch.input_ids); }));
+    // --grad-accum micro-batches; fetching is the "data" phase. Forward, then backward; on a CPU
+    // each half of the rows on a core of its own (--cpu-batch-split).
+    for (const auto& batch : loop.micro_batches())
+      loop.forward_backward(batch.input_ids,
+                            [&](const torch::Tensor& rows) { return model->loss(rows, /*labels=*/rows); });
     loop.timed("update", [&] { loop.update(state); });  // clip, the scheduled rate, step, zero_grad
   }
   return 0;

@@ -32,6 +32,7 @@
 #include <meshtorch/parallel/parallel.hpp>
 #include <meshtorch/train/adamw.hpp>
 #include <meshtorch/train/checkpoint.hpp>
+#include <meshtorch/train/core_workers.hpp>
 #include <meshtorch/train/device.hpp>
 #include <meshtorch/train/experiment.hpp>
 #include <meshtorch/train/log.hpp>

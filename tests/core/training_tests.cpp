@@ -3,6 +3,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -13,6 +15,8 @@
 #include <numeric>
 #include <optional>
 #include <set>
+#include <stdexcept>
+#include <thread>
 
 #include <catch2/catch.hpp>
 #include <google/protobuf/compiler/parser.h>
@@ -1035,4 +1039,106 @@ TEST_CASE("the op profile nests intervals per thread: self times, phases, ops ou
   const auto& other = phases.at(mt::train::outside_phases);
   CHECK(other.time_us == Approx(25.0));
   CHECK(other.ops.at("aten::copy_").calls == Approx(0.5));
+}
+
+TEST_CASE("a phase that several threads run at once counts its wall time once and every thread's ops", "[profile]") {
+  using mt::train::ProfiledEvent;
+  // One step: forward on thread 1 [0, 100) and on thread 3 [20, 110) (--cpu-batch-split's worker),
+  // each with a matmul of 60 us; backward on thread 1 [200, 250) and thread 3 [260, 300).
+  const std::vector<ProfiledEvent> events{
+      {"forward", 1, 0, 100'000, true},        {"aten::mm", 1, 10'000, 70'000, false},
+      {"forward", 3, 20'000, 110'000, true},   {"aten::mm", 3, 30'000, 90'000, false},
+      {"backward", 1, 200'000, 250'000, true}, {"backward", 3, 260'000, 300'000, true}};
+  const auto phases = mt::train::op_profile(events, 1);
+  CHECK(phases.at("forward").time_us == Approx(110.0));  // the union [0, 110), not 100 + 90
+  CHECK(phases.at("forward").ops.at("aten::mm").calls == Approx(2.0));
+  CHECK(phases.at("forward").ops.at("aten::mm").self_us == Approx(120.0));
+  CHECK(phases.at("backward").time_us == Approx(90.0));  // two scopes apart: 50 + 40
+}
+
+TEST_CASE("core workers run every part at once, each with the caller's autograd state and its share of the threads",
+          "[core-workers]") {
+  mt::train::CoreWorkers workers(3);
+  REQUIRE(workers.parts() == 3);
+  const int threads_before = at::get_num_threads();
+  std::vector<std::thread::id> ids(3);
+  std::vector<int> threads(3, 0);
+  std::vector<int> grad_mode(3, -1);
+  std::atomic<int> arrived{0};
+  std::vector<int> met(3, 0);
+  {
+    torch::NoGradGuard no_grad;  // the caller's state, which every part must see
+    workers.run(
+        [&](int part) {
+          ids[part] = std::this_thread::get_id();
+          threads[part] = at::get_num_threads();
+          grad_mode[part] = torch::GradMode::is_enabled() ? 1 : 0;
+          // All three must be running at once to pass this point (one at a time, each gives up after 5 s).
+          ++arrived;
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          while (arrived.load() < 3 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+          met[part] = arrived.load() == 3 ? 1 : 0;
+        },
+        "forward");
+  }
+  CHECK(ids[0] == std::this_thread::get_id());
+  CHECK(std::set<std::thread::id>(ids.begin(), ids.end()).size() == 3);
+  CHECK(threads == std::vector<int>{1, 1, 1});
+  CHECK(grad_mode == std::vector<int>{0, 0, 0});
+  CHECK(met == std::vector<int>{1, 1, 1});
+  CHECK(at::get_num_threads() == threads_before);
+
+  // Each part's backward adds into the shared leaf's .grad: 1 + 2 + 3.
+  auto w = torch::ones({4}, torch::requires_grad());
+  std::vector<torch::Tensor> losses(3);
+  workers.run([&](int part) { losses[part] = (w * static_cast<double>(part + 1)).sum(); }, "forward");
+  workers.run([&](int part) { losses[part].backward(); }, "backward", /*threads_per_part=*/2);
+  CHECK(torch::equal(w.grad(), torch::full({4}, 6.0)));
+  workers.run([&](int part) { threads[part] = at::get_num_threads(); }, "forward", 2);
+  CHECK(threads == std::vector<int>{2, 2, 2});
+  CHECK(at::get_num_threads() == threads_before);
+}
+
+TEST_CASE("core workers rethrow the lowest failing part's error after every part has returned, and serve on",
+          "[core-workers]") {
+  mt::train::CoreWorkers workers(3);
+  std::atomic<int> returned{0};
+  const int threads_before = at::get_num_threads();
+  CHECK_THROWS_WITH(workers.run(
+                        [&](int part) {
+                          ++returned;
+                          if (part == 2) throw std::runtime_error("part 2 failed");
+                          if (part == 1) {
+                            std::this_thread::sleep_for(std::chrono::milliseconds(50));  // finishes last
+                            throw std::runtime_error("part 1 failed");
+                          }
+                        },
+                        "forward"),
+                    "part 1 failed");
+  CHECK(returned.load() == 3);
+  CHECK(at::get_num_threads() == threads_before);
+  std::vector<int> ran(3, 0);
+  workers.run([&](int part) { ran[part] = 1; }, "forward");
+  CHECK(ran == std::vector<int>{1, 1, 1});
+}
+
+TEST_CASE("the batch split across cores takes two parts by default on a CPU with two threads and one micro-batch",
+          "[core-workers]") {
+  using mt::train::cpu_batch_split_parts;
+  const torch::Device cpu(torch::kCPU), cuda(torch::kCUDA, 0);
+  CHECK(cpu_batch_split_parts("auto", cpu, 2, 1, false) == 2);
+  CHECK(cpu_batch_split_parts("auto", cpu, 16, 1, true) == 2);
+  CHECK(cpu_batch_split_parts("auto", cpu, 1, 1, false) == 1);
+  CHECK(cpu_batch_split_parts("auto", cpu, 2, 4, false) == 1);  // gradients summed already: order would show
+  CHECK(cpu_batch_split_parts("auto", cuda, 2, 1, false) == 1);
+  CHECK(cpu_batch_split_parts("off", cpu, 2, 1, false) == 1);
+  CHECK(cpu_batch_split_parts("3", cpu, 1, 2, false) == 3);
+  CHECK(cpu_batch_split_parts("2", cpu, 2, 1, true) == 2);
+  CHECK_THROWS_WITH(cpu_batch_split_parts("3", cpu, 4, 1, true), Catch::Contains("give at most 2"));
+  CHECK_THROWS_WITH(cpu_batch_split_parts("2", cpu, 2, 3, true),
+                    Catch::Contains("--grad-accum 3") && Catch::Contains("give off"));
+  CHECK_THROWS_WITH(cpu_batch_split_parts("2", cuda, 2, 1, false), Catch::Contains("on a CPU only"));
+  for (const char* bad : {"0", "-1", "two", "2x", ""})
+    CHECK_THROWS_WITH(cpu_batch_split_parts(bad, cpu, 2, 1, false),
+                      Catch::Contains("expected auto, off or a count of at least 1"));
 }

@@ -2,7 +2,8 @@
 """End-to-end checks of examples/01-single-gpu, run by CTest.
 
 usage: chapter01_checks.py BINARY CONSOLIDATE {loss-falls|resume|run-ends|deterministic|bad-input|folder-tokenizer|
-                                               schedules|activation-checkpointing|profile|fused|sliding-window}
+                                               schedules|activation-checkpointing|profile|fused|batch-split|
+                                               sliding-window}
 
 CONSOLIDATE is the meshtorch-consolidate tool, which turns a checkpoint into an HF folder.
 """
@@ -438,6 +439,48 @@ def fused(binary):
         assert refused.returncode != 0 and "--fused" in refused.stderr, refused.stderr
 
 
+def batch_split(binary):
+    """--cpu-batch-split: with 2 threads each batch is split in two by default, each half's forward
+    and backward on a thread of its own; the losses are those of one team of 2 threads over the
+    whole batch within 1e-5 over 30 steps, bit for bit the same in a second run, and an odd batch
+    (3 rows: parts of 2 and 1) is weighted by its rows. Counts that would vary the bits under
+    --deterministic, and bad values, are refused naming the flag."""
+    common = ["-m", "llama-tiny", "-d", "builtin", "-s", "128", "--log-freq", "5", "--max-steps", "30",
+              "--ckpt-freq", "1000", "--threads", "2"]
+    announced = "--cpu-batch-split auto: each micro-batch in 2 parts, each on a thread of its own with 1 intra-op"
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {"split": ["-b", "4"], "again": ["-b", "4"], "whole": ["-b", "4", "--cpu-batch-split", "off"],
+                "odd-split": ["-b", "3"], "odd-whole": ["-b", "3", "--cpu-batch-split", "off"]}
+        for name, flags in runs.items():
+            out = run(binary, *common, *flags, "-e", name, "--save-dir", tmp)
+            assert (announced in out.stdout) == ("off" not in flags), (name, out.stdout[-2000:])
+        for split, whole in [("split", "whole"), ("odd-split", "odd-whole")]:
+            a_runs, b_runs = metrics(tmp, split), metrics(tmp, whole)
+            assert [r["global_step"] for r in a_runs] == [5, 10, 15, 20, 25, 30], a_runs
+            for a, b in zip(a_runs, b_runs):
+                assert abs(a["running_loss"] - b["running_loss"]) <= 1e-5 * abs(b["running_loss"]), (split, a, b)
+            print(f"{split} against {whole}: " + ", ".join(f"{a['running_loss']:.6f}/{b['running_loss']:.6f}"
+                                                          for a, b in zip(a_runs, b_runs)))
+        for a, b in zip(metrics(tmp, "split"), metrics(tmp, "again")):
+            assert a["running_loss"] == b["running_loss"], (a, b)
+        # The profile counts each half's ops in the phase it ran in: twice the products a step.
+        calls = {}
+        for name, flags in [("prof-split", []), ("prof-whole", ["--cpu-batch-split", "off"])]:
+            run(binary, *common_except(common, ["--max-steps", "--log-freq"]), "-b", "4", "--max-steps", "3",
+                "-e", name, "--save-dir", tmp, "--profile", f"{tmp}/{name}", "--profile-from", "2",
+                "--profile-steps", "2", *flags)
+            phases = json.loads((pathlib.Path(tmp) / name / "ops.json").read_text())["phases"]
+            assert "aten::mm" not in phases.get("other", {}).get("ops", {}), (name, phases.get("other"))
+            calls[name] = [phases[phase]["ops"]["aten::mm"]["calls"] for phase in ["forward", "backward"]]
+        assert calls["prof-split"] == [2 * c for c in calls["prof-whole"]], calls
+        for flags, says in [(["--cpu-batch-split", "3", "--deterministic"], "give at most 2"),
+                            (["--cpu-batch-split", "2", "--grad-accum", "2", "--deterministic"], "--grad-accum 2"),
+                            (["--cpu-batch-split", "zero"], "expected auto, off or a count")]:
+            refused = run(binary, *common, "-b", "4", "--max-steps", "1", *flags, expect_ok=False)
+            assert refused.returncode != 0 and says in refused.stderr, (flags, refused.stderr)
+            print(f"{' '.join(flags)} -> {refused.stderr.strip().splitlines()[-1]}")
+
+
 def sliding_window(binary):
     """A Mistral config whose sliding_window (32) is shorter than -s is refused before the data is
     read, naming the window and the fix; within the window it trains."""
@@ -462,5 +505,6 @@ if __name__ == "__main__":
         {"folder-tokenizer": folder_tokenizer, "loss-falls": loss_falls, "run-ends": run_ends,
          "deterministic": deterministic, "schedules": schedules,
          "activation-checkpointing": activation_checkpointing,
-         "bad-input": bad_input, "profile": profile, "fused": fused, "sliding-window": sliding_window}[check](binary)
+         "bad-input": bad_input, "profile": profile, "fused": fused, "batch-split": batch_split,
+         "sliding-window": sliding_window}[check](binary)
     print("ok")

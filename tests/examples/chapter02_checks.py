@@ -237,7 +237,8 @@ def resume(tools):
 
 
 def flag_mismatch(tools):
-    """Ranks started with different values of a flag fail at start-up, naming the flag and both values."""
+    """Ranks started with different values of a flag fail at start-up, naming the flag and both values;
+    --cpu-batch-split, which only chapter 1 takes up, is refused."""
     cases = [("--ckpt-freq", "10", "20", "ckpt-freq"), ("--lr", "0.001", "0.0003", "lr"),
              ("--bucket-cap-mb", "25", "50", "bucket-cap-mb"), ("--max-steps", "10", "20", "max-steps"),
              ("-e", "left", "right", "experiment-name")]
@@ -257,6 +258,12 @@ def flag_mismatch(tools):
             assert f"rank 1 was started with '{name}=" in text and f"but rank 0 with '{name}=" in text, text
             assert rank1_value in text and rank0_value in text, text
             assert seconds < 10, f"{flag}: the mismatch took {seconds:.1f} s to stop the run"
+        # A flag only chapter 1 takes up is refused at start-up, not ignored.
+        proc = subprocess.run([tools["meshrun"], "--nproc-per-node", "2", "--master-port", str(free_port()), "--",
+                               tools["chapter2"], *COMMON, "-b", "2", "--save-dir", tmp, "--cpu-batch-split", "2"],
+                              capture_output=True, text=True, timeout=120, env=ENV)
+        assert proc.returncode != 0 and "--cpu-batch-split 2: only chapter 1's model" in proc.stdout + proc.stderr, \
+            proc.stdout + proc.stderr
 
 
 def two_nodes(tools):

@@ -24,11 +24,16 @@ MESHTORCH_DECL std::string flags_fingerprint(const CLI::App& app);
 }  // namespace meshtorch::train
 
 #if MESHTORCH_DEFINES(programs)
+#include <exception>
 #include <limits>
 #include <sstream>
 
+#include <fmt/format.h>
+
+#include <meshtorch/error.hpp>
 #include <meshtorch/layout/context_split.hpp>
 #include <meshtorch/layout/pipeline_action.hpp>
+#include <meshtorch/train/core_workers.hpp>
 
 namespace meshtorch::train {
 
@@ -189,6 +194,22 @@ MESHTORCH_DECL void TrainArgs::add_to(CLI::App& app) {
       ->group(per_rank_flags);
   app.add_option("--threads", threads, "intra-op threads (0: LibTorch's default)")
       ->capture_default_str()
+      ->group(per_rank_flags);
+  app.add_option("--cpu-batch-split", cpu_batch_split,
+                 "chapter 1 on a CPU: split each micro-batch's rows into parts, each part's forward and backward "
+                 "on its own thread with its share of the intra-op threads (train/core_workers.hpp): auto (2 parts "
+                 "with 2 or more threads and --grad-accum 1, so the bits never vary), off, or a count")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& value) -> std::string {
+            try {
+              cpu_batch_split_parts(value, torch::kCPU, 1, 1, /*deterministic=*/false);
+              return {};
+            } catch (const ConfigError& error) {
+              return error.what();
+            }
+          },
+          "auto|off|N"))
       ->group(per_rank_flags);
   // Profiling changes no result, so ranks may differ (profile one rank only, say).
   app.add_option("--profile", profile_dir,

@@ -18,12 +18,14 @@
 // (parallel/engine.hpp) makes the same calls for a DeepSpeed config, a micro-batch at a time.
 //
 // Link requirements: meshtorch::tracking (its Experiment writes TensorBoard files with --tensorboard).
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <variant>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -32,6 +34,7 @@
 #include <meshtorch/data/dataset.hpp>
 #include <meshtorch/data/sampler.hpp>
 #include <meshtorch/error.hpp>
+#include <meshtorch/train/core_workers.hpp>
 #include <meshtorch/train/epochs.hpp>
 #include <meshtorch/train/evaluation.hpp>
 #include <meshtorch/train/experiment.hpp>
@@ -62,6 +65,10 @@ class Loop {
     using type = decltype(std::declval<M&>().no_sync());
   };
   using NoSyncGuard = typename NoSyncOf<Model>::type;
+  // Chapter 1's model (a module holder), not a parallel one: forward_backward may split its batch.
+  static constexpr bool single_process_model = requires(Model & model, const torch::Tensor& ids) {
+    model->loss(ids, ids);
+  };
 
  public:
   // The schedule peaks at the rate `optimizer` was built with (chapter 2's may be scaled).
@@ -81,6 +88,7 @@ class Loop {
         held_out_(blocks.held_out()),
         data_parallel_size_(sampler.options().dp_size),
         data_parallel_rank_(sampler.options().dp_rank) {
+    start_core_workers();
     if (args.eval_freq == 0) return;
     check_can_evaluate<Model>(args.eval_freq);
     if (!held_out_)
@@ -154,6 +162,37 @@ class Loop {
     const auto scaled = loss / static_cast<double>(micro_batches_);
     timers_.timed("backward", [&] { scaled.backward(); });
     step_loss_ += scaled.detach().to(torch::kDouble);
+  }
+
+  // A micro-batch's forward (the "forward" phase) and backward (the "backward" phase), where
+  // loss_of(rows) is the mean loss of some of input_ids' rows: backward(timed("forward", ...)) on
+  // the whole micro-batch, or, on a CPU under --cpu-batch-split (by default as many parts as
+  // intra-op threads, in 2 parts), its rows split into parts, each part's forward and backward on a thread of
+  // its own (train/core_workers.hpp), each part's loss weighted by its share of the rows (every row
+  // has as many targets: the packed blocks' S - 1).
+  template <class LossOf>
+  void forward_backward(const torch::Tensor& input_ids, LossOf&& loss_of) {
+    const auto parts = batch_split_parts(input_ids.size(0));
+    if (parts <= 1) {
+      backward(timed("forward", [&] { return loss_of(input_ids); }));
+      return;
+    }
+    const auto rows = input_ids.tensor_split(parts, 0);
+    const double all_rows = static_cast<double>(input_ids.size(0) * micro_batches_);
+    std::vector<torch::Tensor> losses(rows.size());
+    timed("forward", [&] {
+      core_workers_->run(
+          [&](int part) {
+            const auto& mine = rows[static_cast<std::size_t>(part)];
+            losses[static_cast<std::size_t>(part)] = loss_of(mine) * (static_cast<double>(mine.size(0)) / all_rows);
+          },
+          "forward", threads_per_part_);
+    });
+    timed("backward", [&] {
+      core_workers_->run([&](int part) { losses[static_cast<std::size_t>(part)].backward(); }, "backward",
+                         threads_per_part_);
+    });
+    for (const auto& loss : losses) step_loss_ += loss.detach().to(torch::kDouble);
   }
 
   // The loss of a micro-batch whose forward and backward ran elsewhere (a pipeline's step, which
@@ -237,6 +276,30 @@ class Loop {
     else
       throw ConfigError("--eval-freq: this model has no forward-only pass");
   }
+  // The parts forward_backward splits a micro-batch of `rows` into (1: not split).
+  int batch_split_parts(std::int64_t rows) const {
+    const int parts = core_workers_ ? core_workers_->parts() : 1;
+    return rows >= parts ? parts : 1;
+  }
+  // --cpu-batch-split, resolved as the run starts: its workers, when it splits.
+  void start_core_workers() {
+    if constexpr (single_process_model) {
+      const int threads = at::get_num_threads();
+      const int parts =
+          cpu_batch_split_parts(args_.cpu_batch_split, device_, threads, micro_batches_, args_.deterministic);
+      if (parts <= 1) return;
+      threads_per_part_ = std::max(1, threads / parts);
+      core_workers_.emplace(parts);
+      experiment_.log().info(fmt::format(
+          "--cpu-batch-split {}: each micro-batch in {} parts, each on a thread of its own with {} intra-op thread(s)",
+          args_.cpu_batch_split, parts, threads_per_part_));
+    } else if (args_.cpu_batch_split != "auto" && args_.cpu_batch_split != "off") {
+      throw ConfigError(fmt::format(
+          "--cpu-batch-split {}: only chapter 1's model, in one process, splits its batch across threads; a parallel "
+          "model's ranks each run theirs whole (use --threads for each rank's intra-op threads)",
+          args_.cpu_batch_split));
+    }
+  }
   double clip(double max_norm) {
     if constexpr (requires { model_.clip_grad_norm(max_norm); })
       return model_.clip_grad_norm(max_norm);
@@ -258,6 +321,8 @@ class Loop {
   StepProfiler profiler_;              // after experiment_, whose logger it writes to
   const data::TokenBlocks* held_out_;  // --eval-split's blocks, or nullptr
   std::int64_t data_parallel_size_, data_parallel_rank_;
+  std::optional<CoreWorkers> core_workers_;  // --cpu-batch-split's threads, when it splits
+  int threads_per_part_ = 1;
 };
 
 }  // namespace meshtorch::train

@@ -9,10 +9,12 @@
 //
 // An op's self time is its time less that of the ops inside it on the same thread (torch.profiler's
 // self_cpu_time_total, computed the same way: intervals nested per thread), so the ops of a phase
-// add up to the phase without counting a child twice. bench/reference/train_llm_ch1.py writes the
-// same ops.json from torch.profiler, and `bench/run --only profile` sets the two side by side.
-// On the CPU autograd's backward runs on the thread that calls backward(), inside the "backward"
-// scope; ops outside every phase (the step's loss, a checkpoint) are in the phase "other".
+// add up to the phase without counting a child twice. Under --cpu-batch-split each part's thread
+// opens the phase too: the phase's time is then the union of its scopes (its wall time) and its
+// ops' self times are summed over the threads (CPU time), so they may add up to more. bench/reference/train_llm_ch1.py
+// writes the same ops.json from torch.profiler, and `bench/run --only profile` sets the two side by side. On the CPU
+// autograd's backward runs on the thread that calls backward(), inside the "backward" scope; ops outside every phase
+// (the step's loss, a checkpoint) are in the phase "other".
 #include <cstdint>
 #include <map>
 #include <string>
@@ -122,6 +124,9 @@ MESHTORCH_DECL std::map<std::string, PhaseOps> op_profile(std::vector<ProfiledEv
     const char* phase;  // the innermost phase around it, itself included
   };
   std::map<std::string, PhaseOps> phases;
+  // A phase's scopes, on every thread that ran part of it (--cpu-batch-split's workers open the
+  // caller's phase too): its wall time is their union, not their sum.
+  std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> phase_scopes;
   const double per_step = 1.0 / static_cast<double>(std::max<std::int64_t>(steps, 1));
   const double per_step_us = 1e-3 * per_step;  // from nanoseconds
   const auto close = [&](const Open& open) {
@@ -129,7 +134,7 @@ MESHTORCH_DECL std::map<std::string, PhaseOps> op_profile(std::vector<ProfiledEv
     const double duration_us = static_cast<double>(event.end_ns - event.start_ns) * per_step_us;
     auto& phase = phases[open.phase];
     if (event.is_phase) {
-      phase.time_us += duration_us;
+      phase_scopes[event.name].emplace_back(event.start_ns, event.end_ns);
       return;
     }
     auto& op = phase.ops[event.name];
@@ -157,6 +162,16 @@ MESHTORCH_DECL std::map<std::string, PhaseOps> op_profile(std::vector<ProfiledEv
     stack.push_back({&event, 0, phase});
   }
   unwind_to(nullptr);
+  for (auto& [name, scopes] : phase_scopes) {
+    std::sort(scopes.begin(), scopes.end());
+    std::uint64_t covered_ns = 0, reached = 0;
+    for (const auto& [start, end] : scopes) {
+      const auto from = std::max(start, reached);
+      if (end > from) covered_ns += end - from;
+      reached = std::max(reached, end);
+    }
+    phases[name].time_us += static_cast<double>(covered_ns) * per_step_us;
+  }
   return phases;
 }
 

@@ -53,7 +53,10 @@ struct TrainArgs {
   bool measure_waiting = false;  // time/waiting: a barrier after each step's data (multi-rank chapters)
   bool deterministic = false;    // deterministic algorithms only (train::use_deterministic_algorithms)
   int threads = 0;               // 0: LibTorch's default
-  double timeout_s = 0;          // rendezvous and collectives; 0: MESHTORCH_TIMEOUT, else 600 s
+  // Chapter 1 on a CPU: the parts each micro-batch's rows are split into, one thread each
+  // (train/core_workers.hpp): "auto" (as many as intra-op threads), "off", or a count.
+  std::string cpu_batch_split = "auto";
+  double timeout_s = 0;  // rendezvous and collectives; 0: MESHTORCH_TIMEOUT, else 600 s
 
   // --profile (train/profiler.hpp): steps recorded by LibTorch's profiler.
   std::string profile_dir;         // empty: no profile
