@@ -1058,7 +1058,7 @@ TEST_CASE("a phase that several threads run at once counts its wall time once an
 
 TEST_CASE("core workers run every part at once, each with the caller's autograd state and its share of the threads",
           "[core-workers]") {
-  mt::train::CoreWorkers workers(3);
+  mt::train::CoreWorkers workers(3, 1);
   REQUIRE(workers.parts() == 3);
   const int threads_before = at::get_num_threads();
   std::vector<std::thread::id> ids(3);
@@ -1092,16 +1092,17 @@ TEST_CASE("core workers run every part at once, each with the caller's autograd 
   auto w = torch::ones({4}, torch::requires_grad());
   std::vector<torch::Tensor> losses(3);
   workers.run([&](int part) { losses[part] = (w * static_cast<double>(part + 1)).sum(); }, "forward");
-  workers.run([&](int part) { losses[part].backward(); }, "backward", /*threads_per_part=*/2);
+  mt::train::CoreWorkers pairs(3, /*threads_per_part=*/2);
+  pairs.run([&](int part) { losses[part].backward(); }, "backward");
   CHECK(torch::equal(w.grad(), torch::full({4}, 6.0)));
-  workers.run([&](int part) { threads[part] = at::get_num_threads(); }, "forward", 2);
+  pairs.run([&](int part) { threads[part] = at::get_num_threads(); }, "forward");
   CHECK(threads == std::vector<int>{2, 2, 2});
   CHECK(at::get_num_threads() == threads_before);
 }
 
 TEST_CASE("core workers rethrow the lowest failing part's error after every part has returned, and serve on",
           "[core-workers]") {
-  mt::train::CoreWorkers workers(3);
+  mt::train::CoreWorkers workers(3, 1);
   std::atomic<int> returned{0};
   const int threads_before = at::get_num_threads();
   CHECK_THROWS_WITH(workers.run(
@@ -1126,19 +1127,25 @@ TEST_CASE("the batch split across cores takes two parts by default on a CPU with
           "[core-workers]") {
   using mt::train::cpu_batch_split_parts;
   const torch::Device cpu(torch::kCPU), cuda(torch::kCUDA, 0);
-  CHECK(cpu_batch_split_parts("auto", cpu, 2, 1, false) == 2);
-  CHECK(cpu_batch_split_parts("auto", cpu, 16, 1, true) == 2);
-  CHECK(cpu_batch_split_parts("auto", cpu, 1, 1, false) == 1);
-  CHECK(cpu_batch_split_parts("auto", cpu, 2, 4, false) == 1);  // gradients summed already: order would show
-  CHECK(cpu_batch_split_parts("auto", cuda, 2, 1, false) == 1);
-  CHECK(cpu_batch_split_parts("off", cpu, 2, 1, false) == 1);
-  CHECK(cpu_batch_split_parts("3", cpu, 1, 2, false) == 3);
-  CHECK(cpu_batch_split_parts("2", cpu, 2, 1, true) == 2);
-  CHECK_THROWS_WITH(cpu_batch_split_parts("3", cpu, 4, 1, true), Catch::Contains("give at most 2"));
-  CHECK_THROWS_WITH(cpu_batch_split_parts("2", cpu, 2, 3, true),
+  const auto parts = [&](const char* flag, mt::train::BatchSplitRun run) { return cpu_batch_split_parts(flag, run); };
+  CHECK(parts("auto", {.intra_op_threads = 2, .rows = 8}) == 2);
+  CHECK(parts("auto", {.intra_op_threads = 16, .rows = 8, .deterministic = true}) == 2);
+  CHECK(parts("auto", {.intra_op_threads = 1, .rows = 8}) == 1);
+  CHECK(parts("auto", {.intra_op_threads = 2, .rows = 1}) == 1);                   // one row: nothing to split
+  CHECK(parts("auto", {.intra_op_threads = 2, .rows = 8, .grad_accum = 4}) == 1);  // summed already: order shows
+  CHECK(parts("auto", {.device = cuda, .intra_op_threads = 2, .rows = 8}) == 1);
+  CHECK(parts("off", {.intra_op_threads = 2, .rows = 8}) == 1);
+  CHECK(parts("3", {.rows = 8, .grad_accum = 2}) == 3);
+  CHECK(parts("4", {.rows = 4}) == 4);
+  CHECK(parts("2", {.intra_op_threads = 2, .rows = 8, .deterministic = true}) == 2);
+  CHECK_THROWS_WITH(parts("3", {.intra_op_threads = 4, .rows = 8, .deterministic = true}),
+                    Catch::Contains("give at most 2"));
+  CHECK_THROWS_WITH(parts("2", {.intra_op_threads = 2, .rows = 8, .grad_accum = 3, .deterministic = true}),
                     Catch::Contains("--grad-accum 3") && Catch::Contains("give off"));
-  CHECK_THROWS_WITH(cpu_batch_split_parts("2", cuda, 2, 1, false), Catch::Contains("on a CPU only"));
-  for (const char* bad : {"0", "-1", "two", "2x", ""})
-    CHECK_THROWS_WITH(cpu_batch_split_parts(bad, cpu, 2, 1, false),
-                      Catch::Contains("expected auto, off or a count of at least 1"));
+  CHECK_THROWS_WITH(parts("2", {.device = cuda, .intra_op_threads = 2, .rows = 8}), Catch::Contains("on a CPU only"));
+  // A count above the rows would start a thread for each part (a million, say) with nothing to run.
+  CHECK_THROWS_WITH(parts("5", {.rows = 4}), Catch::Contains("more parts than a micro-batch's 4 rows"));
+  CHECK_THROWS_WITH(parts("1000000", {.rows = 8}), Catch::Contains("give at most 8"));
+  for (const char* bad : {"0", "-1", "two", "2x", "", "99999999999999999999"})
+    CHECK_THROWS_WITH(parts(bad, {.rows = 8}), Catch::Contains("expected auto, off or a count of at least 1"));
 }

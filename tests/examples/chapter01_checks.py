@@ -475,6 +475,7 @@ def batch_split(binary):
         assert calls["prof-split"] == [2 * c for c in calls["prof-whole"]], calls
         for flags, says in [(["--cpu-batch-split", "3", "--deterministic"], "give at most 2"),
                             (["--cpu-batch-split", "2", "--grad-accum", "2", "--deterministic"], "--grad-accum 2"),
+                            (["--cpu-batch-split", "5"], "more parts than a micro-batch's 4 rows"),
                             (["--cpu-batch-split", "zero"], "expected auto, off or a count")]:
             refused = run(binary, *common, "-b", "4", "--max-steps", "1", *flags, expect_ok=False)
             assert refused.returncode != 0 and says in refused.stderr, (flags, refused.stderr)

@@ -202,8 +202,8 @@ MESHTORCH_DECL void TrainArgs::add_to(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Validator(
           [](std::string& value) -> std::string {
-            try {
-              cpu_batch_split_parts(value, torch::kCPU, 1, 1, /*deterministic=*/false);
+            try {  // the value's form; the run's rules (rows, --deterministic) when the loop starts
+              cpu_batch_split_parts(value, {.rows = std::numeric_limits<std::int64_t>::max()});
               return {};
             } catch (const ConfigError& error) {
               return error.what();

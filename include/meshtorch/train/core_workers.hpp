@@ -1,7 +1,8 @@
 #pragma once
 // One thread per core for the parts of a batch (--cpu-batch-split): the caller and its workers
-// each run a part's work at once, every one with single-threaded kernels, where one thread
-// running the whole batch would split each kernel across the cores.
+// each run a part's work at once, each with its share of the intra-op threads (one, on a machine
+// of as many cores as parts), where one thread running the whole batch would split each kernel
+// across the cores.
 //
 // Why: on a CPU a step is some hundreds of kernels, each split by LibTorch's intra-op threads
 // (OpenMP, and MKL's within a GEMM) and joined again. Two threads, each running forward and
@@ -34,23 +35,26 @@ namespace meshtorch::train {
 
 class CoreWorkers {
  public:
-  // `parts` >= 1: parts - 1 worker threads, started now; the caller runs part 0.
-  MESHTORCH_DECL explicit CoreWorkers(int parts);
+  // `parts` >= 1: parts - 1 worker threads, started now; the caller runs part 0. Each part runs
+  // with `threads_per_part` intra-op threads.
+  MESHTORCH_DECL CoreWorkers(int parts, int threads_per_part);
   MESHTORCH_DECL ~CoreWorkers();
   CoreWorkers(const CoreWorkers&) = delete;
   CoreWorkers& operator=(const CoreWorkers&) = delete;
 
   int parts() const { return static_cast<int>(workers_.size()) + 1; }
+  int threads_per_part() const { return threads_per_part_; }
 
   // Runs work(part) for every part in [0, parts()) at once: part 0 on this thread, each other on
   // its worker, inside a profiler scope named `scope` (a training phase, so that the profile
-  // counts a worker's ops in it as it counts this thread's). Each part has `threads_per_part`
-  // intra-op threads (LibTorch's, back to what they were after the call). Returns when every part has returned; then, if
-  // any threw, rethrows the exception of the lowest part that did.
+  // counts a worker's ops in it as it counts this thread's), each with threads_per_part()
+  // intra-op threads (LibTorch's; this thread's are back to what they were after the call).
+  // Returns when every part has returned; then, if any threw, rethrows the exception of the
+  // lowest part that did.
   //
   // No timeout: a part is this process's own thread doing the caller's kind of work, and one that
   // fails reports it here; a wait on another process would need one.
-  MESHTORCH_DECL void run(const std::function<void(int part)>& work, const char* scope, int threads_per_part = 1);
+  MESHTORCH_DECL void run(const std::function<void(int part)>& work, const char* scope);
 
  private:
   MESHTORCH_DECL void serve(int part);
@@ -59,7 +63,7 @@ class CoreWorkers {
   std::condition_variable wake_, finished_;
   const std::function<void(int)>* work_ = nullptr;
   const char* scope_ = nullptr;
-  int threads_per_part_ = 1;
+  const int threads_per_part_;
   std::optional<at::ThreadLocalState> caller_state_;
   std::uint64_t round_ = 0;  // run() calls so far: a worker serves each once
   int running_ = 0;          // workers still in this round's work
@@ -68,15 +72,23 @@ class CoreWorkers {
   std::vector<std::thread> workers_;
 };
 
-// The parts --cpu-batch-split `flag` asks for, for a step of `grad_accum` micro-batches: "off" 1;
-// "auto" 2 on a CPU with at least 2 intra-op threads and one micro-batch a step, else 1; a count
-// as given. Autograd adds the parts' gradients into .grad in the order the parts finish, which
-// leaves the bits the same only for 2 parts into an empty .grad ((a + b) or (b + a); but
-// (g + a) + b differs from (g + b) + a): so "auto" never varies them, and with `deterministic` a
-// count above 2, or one above 1 with --grad-accum above 1, is a ConfigError, as is a count on
-// another device.
-MESHTORCH_DECL int cpu_batch_split_parts(const std::string& flag, const torch::Device& device, int intra_op_threads,
-                                         std::int64_t grad_accum, bool deterministic);
+// What the parts of --cpu-batch-split depend on, beside the flag.
+struct BatchSplitRun {
+  torch::Device device = torch::kCPU;
+  int intra_op_threads = 1;
+  std::int64_t rows = 1;        // of a micro-batch (-b)
+  std::int64_t grad_accum = 1;  // micro-batches a step
+  bool deterministic = false;
+};
+
+// The parts --cpu-batch-split `flag` asks for: "off" 1; "auto" 2 on a CPU with at least 2
+// intra-op threads, rows to split and one micro-batch a step, else 1; a count as given. Autograd
+// adds the parts' gradients into .grad in the order the parts finish, which leaves the bits the
+// same only for 2 parts into an empty .grad ((a + b) or (b + a); but (g + a) + b differs from
+// (g + b) + a): so "auto" never varies them, and with `deterministic` a count above 2, or one
+// above 1 with --grad-accum above 1, is a ConfigError, as is a count on another device or above
+// the micro-batch's rows (a thread each, none of them with a row to run).
+MESHTORCH_DECL int cpu_batch_split_parts(const std::string& flag, const BatchSplitRun& run);
 
 }  // namespace meshtorch::train
 
@@ -84,38 +96,39 @@ MESHTORCH_DECL int cpu_batch_split_parts(const std::string& flag, const torch::D
 #include <ATen/record_function.h>
 #include <fmt/format.h>
 
+#include <meshtorch/comm/env.hpp>
 #include <meshtorch/error.hpp>
 
 namespace meshtorch::train {
 
-MESHTORCH_DECL int cpu_batch_split_parts(const std::string& flag, const torch::Device& device, int intra_op_threads,
-                                         std::int64_t grad_accum, bool deterministic) {
+MESHTORCH_DECL int cpu_batch_split_parts(const std::string& flag, const BatchSplitRun& run) {
   if (flag == "off") return 1;
-  if (flag == "auto") return device.is_cpu() && intra_op_threads >= 2 && grad_accum == 1 ? 2 : 1;
-  std::size_t used = 0;
-  int parts = 0;
-  try {
-    parts = std::stoi(flag, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != flag.size() || parts < 1)
+  if (flag == "auto")
+    return run.device.is_cpu() && run.intra_op_threads >= 2 && run.rows >= 2 && run.grad_accum == 1 ? 2 : 1;
+  const auto count = comm::detail::parse_integer(flag);
+  if (!count || *count < 1)
     throw ConfigError(fmt::format("--cpu-batch-split: expected auto, off or a count of at least 1, got '{}'", flag));
-  if (!device.is_cpu())
+  if (!run.device.is_cpu())
+    throw ConfigError(
+        fmt::format("--cpu-batch-split {}: the batch is split across threads on a CPU only; on {} give auto or off",
+                    flag, run.device.str()));
+  if (*count > run.rows)
     throw ConfigError(fmt::format(
-        "--cpu-batch-split {}: the batch is split across threads on a CPU only; on {} give auto or off", flag,
-        device.str()));
-  if (deterministic && (parts > 2 || (parts > 1 && grad_accum > 1)))
-    throw ConfigError(fmt::format(
-        "--cpu-batch-split {} with --deterministic{}: autograd adds the parts' gradients in the order they "
-        "finish, which changes the bits with {}; give {}",
-        flag, grad_accum > 1 ? fmt::format(" and --grad-accum {}", grad_accum) : "",
-        grad_accum > 1 ? "gradients already summed" : "three or more parts", grad_accum > 1 ? "off" : "at most 2"));
-  return parts;
+        "--cpu-batch-split {}: more parts than a micro-batch's {} rows (-b), each a thread; give at most {}", flag,
+        run.rows, run.rows));
+  const bool summed = run.grad_accum > 1;
+  if (run.deterministic && (*count > 2 || (*count > 1 && summed)))
+    throw ConfigError(
+        fmt::format("--cpu-batch-split {} with --deterministic{}: autograd adds the parts' gradients in the order they "
+                    "finish, which changes the bits with {}; give {}",
+                    flag, summed ? fmt::format(" and --grad-accum {}", run.grad_accum) : "",
+                    summed ? "gradients already summed" : "three or more parts", summed ? "off" : "at most 2"));
+  return static_cast<int>(*count);
 }
 
-MESHTORCH_DECL CoreWorkers::CoreWorkers(int parts) {
+MESHTORCH_DECL CoreWorkers::CoreWorkers(int parts, int threads_per_part) : threads_per_part_(threads_per_part) {
   TORCH_CHECK(parts >= 1, "CoreWorkers: parts must be at least 1, got ", parts);
+  TORCH_CHECK(threads_per_part >= 1, "CoreWorkers: threads_per_part must be at least 1, got ", threads_per_part);
   errors_.resize(static_cast<std::size_t>(parts));
   workers_.reserve(static_cast<std::size_t>(parts - 1));
   for (int part = 1; part < parts; ++part) workers_.emplace_back([this, part] { serve(part); });
@@ -140,15 +153,13 @@ inline void run_in_scope(const char* scope, const std::function<void(int)>& work
 }
 }  // namespace core_workers_detail
 
-MESHTORCH_DECL void CoreWorkers::run(const std::function<void(int)>& work, const char* scope, int threads_per_part) {
-  TORCH_CHECK(threads_per_part >= 1, "CoreWorkers::run: threads_per_part must be at least 1, got ", threads_per_part);
+MESHTORCH_DECL void CoreWorkers::run(const std::function<void(int)>& work, const char* scope) {
   const int threads = at::get_num_threads();
-  at::set_num_threads(threads_per_part);
+  at::set_num_threads(threads_per_part_);
   {
     std::lock_guard lock(mutex_);
     work_ = &work;
     scope_ = scope;
-    threads_per_part_ = threads_per_part;
     caller_state_.emplace();
     std::fill(errors_.begin(), errors_.end(), nullptr);
     running_ = static_cast<int>(workers_.size());
@@ -180,13 +191,12 @@ MESHTORCH_DECL void CoreWorkers::serve(int part) {
     served = round_;
     const auto* work = work_;
     const char* scope = scope_;
-    const int threads = threads_per_part_;
     const auto state = *caller_state_;
     lock.unlock();
     std::exception_ptr error;
     try {
       at::ThreadLocalStateGuard caller(state);
-      at::set_num_threads(threads);  // this thread's OpenMP team; the caller set MKL's, which is global
+      at::set_num_threads(threads_per_part_);  // this thread's OpenMP team; the caller set MKL's, which is global
       core_workers_detail::run_in_scope(scope, *work, part);
     } catch (...) {
       error = std::current_exception();

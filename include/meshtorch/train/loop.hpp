@@ -166,8 +166,8 @@ class Loop {
 
   // A micro-batch's forward (the "forward" phase) and backward (the "backward" phase), where
   // loss_of(rows) is the mean loss of some of input_ids' rows: backward(timed("forward", ...)) on
-  // the whole micro-batch, or, on a CPU under --cpu-batch-split (by default as many parts as
-  // intra-op threads, in 2 parts), its rows split into parts, each part's forward and backward on a thread of
+  // the whole micro-batch, or, on a CPU under --cpu-batch-split (by default 2 parts with 2 or more
+  // intra-op threads), its rows split into parts, each part's forward and backward on a thread of
   // its own (train/core_workers.hpp), each part's loss weighted by its share of the rows (every row
   // has as many targets: the packed blocks' S - 1).
   template <class LossOf>
@@ -186,11 +186,10 @@ class Loop {
             const auto& mine = rows[static_cast<std::size_t>(part)];
             losses[static_cast<std::size_t>(part)] = loss_of(mine) * (static_cast<double>(mine.size(0)) / all_rows);
           },
-          "forward", threads_per_part_);
+          "forward");
     });
     timed("backward", [&] {
-      core_workers_->run([&](int part) { losses[static_cast<std::size_t>(part)].backward(); }, "backward",
-                         threads_per_part_);
+      core_workers_->run([&](int part) { losses[static_cast<std::size_t>(part)].backward(); }, "backward");
     });
     for (const auto& loss : losses) step_loss_ += loss.detach().to(torch::kDouble);
   }
@@ -285,14 +284,16 @@ class Loop {
   void start_core_workers() {
     if constexpr (single_process_model) {
       const int threads = at::get_num_threads();
-      const int parts =
-          cpu_batch_split_parts(args_.cpu_batch_split, device_, threads, micro_batches_, args_.deterministic);
+      const int parts = cpu_batch_split_parts(args_.cpu_batch_split, {.device = device_,
+                                                                      .intra_op_threads = threads,
+                                                                      .rows = args_.batch_size,
+                                                                      .grad_accum = micro_batches_,
+                                                                      .deterministic = args_.deterministic});
       if (parts <= 1) return;
-      threads_per_part_ = std::max(1, threads / parts);
-      core_workers_.emplace(parts);
+      core_workers_.emplace(parts, std::max(1, threads / parts));
       experiment_.log().info(fmt::format(
           "--cpu-batch-split {}: each micro-batch in {} parts, each on a thread of its own with {} intra-op thread(s)",
-          args_.cpu_batch_split, parts, threads_per_part_));
+          args_.cpu_batch_split, parts, core_workers_->threads_per_part()));
     } else if (args_.cpu_batch_split != "auto" && args_.cpu_batch_split != "off") {
       throw ConfigError(fmt::format(
           "--cpu-batch-split {}: only chapter 1's model, in one process, splits its batch across threads; a parallel "
@@ -322,7 +323,6 @@ class Loop {
   const data::TokenBlocks* held_out_;  // --eval-split's blocks, or nullptr
   std::int64_t data_parallel_size_, data_parallel_rank_;
   std::optional<CoreWorkers> core_workers_;  // --cpu-batch-split's threads, when it splits
-  int threads_per_part_ = 1;
 };
 
 }  // namespace meshtorch::train

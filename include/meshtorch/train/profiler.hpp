@@ -11,10 +11,11 @@
 // self_cpu_time_total, computed the same way: intervals nested per thread), so the ops of a phase
 // add up to the phase without counting a child twice. Under --cpu-batch-split each part's thread
 // opens the phase too: the phase's time is then the union of its scopes (its wall time) and its
-// ops' self times are summed over the threads (CPU time), so they may add up to more. bench/reference/train_llm_ch1.py
-// writes the same ops.json from torch.profiler, and `bench/run --only profile` sets the two side by side. On the CPU
-// autograd's backward runs on the thread that calls backward(), inside the "backward" scope; ops outside every phase
-// (the step's loss, a checkpoint) are in the phase "other".
+// ops' self times are summed over the threads (CPU time), so they may add up to more.
+// bench/reference/train_llm_ch1.py writes the same ops.json from torch.profiler, and `bench/run
+// --only profile` sets the two side by side. On the CPU autograd's backward runs on the thread
+// that calls backward(), inside the "backward" scope; ops outside every phase (the step's loss, a
+// checkpoint) are in the phase "other".
 #include <cstdint>
 #include <map>
 #include <string>

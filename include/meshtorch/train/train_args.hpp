@@ -54,7 +54,7 @@ struct TrainArgs {
   bool deterministic = false;    // deterministic algorithms only (train::use_deterministic_algorithms)
   int threads = 0;               // 0: LibTorch's default
   // Chapter 1 on a CPU: the parts each micro-batch's rows are split into, one thread each
-  // (train/core_workers.hpp): "auto" (as many as intra-op threads), "off", or a count.
+  // (train/core_workers.hpp): "auto" (2 with 2 or more intra-op threads), "off", or a count.
   std::string cpu_batch_split = "auto";
   double timeout_s = 0;  // rendezvous and collectives; 0: MESHTORCH_TIMEOUT, else 600 s
 
