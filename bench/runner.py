@@ -1148,6 +1148,12 @@ COPY_OPS = ["aten::copy_", "aten::clone", "aten::contiguous"]
 PROFILE_SIDES = {"ours": "meshtorch", "hf-eager": "HF eager"}
 
 
+def is_attention_op(name):
+    """LibTorch's scaled-dot-product kernels (HF's side, ours with --fused off), and ours: the
+    forward's scope and its backward's autograd node, whose products run inside it."""
+    return "scaled_dot_product" in name or "causal_attention" in name
+
+
 def profile_totals(phase_ops):
     """(wall, GEMM, attention, other ops, outside ops) in ms per step and the copy ops' calls, for
     one phase of an ops.json (or several, summed)."""
@@ -1161,7 +1167,7 @@ def profile_totals(phase_ops):
             in_ops += ms
             if name in GEMM_OPS:
                 totals["gemm"] += ms
-            elif "scaled_dot_product" in name:
+            elif is_attention_op(name):
                 totals["attention"] += ms
             else:
                 totals["other"] += ms
@@ -1194,7 +1200,9 @@ def profile_tables(size, spec, profiles):
             lines.append(f"| `{name}` | {ms(a)} | {ms(b)} | {calls(a)} | {calls(b)} |")
         lines.append("")
     lines += ["Totals, ms per step: the phase's wall time, its ops' self time (GEMMs: "
-              + ", ".join(sorted(GEMM_OPS)) + "; attention: the fused scaled-dot-product kernel; every other op), "
+              + ", ".join(sorted(GEMM_OPS))
+              + "; attention: the scaled-dot-product kernel, or ours (kernels::causal_attention) with its products; "
+              "every other op), "
               "the time in no op (framework and interpreter), and the copy ops' calls and self time:", "",
               "| phase | run | wall | GEMM | attention | other ops | outside ops | "
               + " / ".join(f"`{op}`" for op in COPY_OPS) + " calls | copies ms |",

@@ -393,6 +393,61 @@ TEST_CASE("few-rows linear is taken only in inference mode where it applies, and
   }
 }
 
+TEST_CASE("block causal attention equals LibTorch's scaled-dot-product attention in values and gradients",
+          "[kernels]") {
+  torch::manual_seed(7);
+  const auto threads = GENERATE(1, 2);
+  WithThreads with(threads);
+  // {batch, query heads, key heads, sequence, head dim}: one position, a partial last block of
+  // rows, grouped heads (3 and 4 a key head), head dims that leave a vector tail, several blocks.
+  const auto shape = GENERATE(std::vector<std::int64_t>{2, 2, 2, 1, 16}, std::vector<std::int64_t>{2, 6, 2, 67, 24},
+                              std::vector<std::int64_t>{1, 8, 2, 130, 64}, std::vector<std::int64_t>{3, 4, 4, 200, 33});
+  const auto batch = shape[0], heads = shape[1], key_heads = shape[2], seq = shape[3], dim = shape[4];
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    INFO("threads " << threads << ", dtype " << dtype << ", shape " << torch::IntArrayRef(shape));
+    // q as the model passes it, a [B, H, S, D] view of [B, S, H, D] rows; k contiguous; v with its
+    // head dim strided (copied by the kernel).
+    const auto [values, grads] = compare(
+        {leaf({batch, seq, heads, dim}, dtype), leaf({batch, key_heads, seq, dim}, dtype),
+         leaf({batch, key_heads, dim, seq}, dtype)},
+        [](const auto& in) {
+          return std::vector{mt::kernels::causal_attention(in[0].transpose(1, 2), in[1], in[2].transpose(2, 3))};
+        },
+        [](const auto& in) {
+          return std::vector{
+              mt::kernels::composite::causal_attention(in[0].transpose(1, 2), in[1], in[2].transpose(2, 3))};
+        });
+    // Sums of up to 200 products in another order than the flash kernel's.
+    CHECK(values <= (dtype == torch::kFloat ? 1e-6 : 0.0));
+    CHECK(grads <= (dtype == torch::kFloat ? 1e-6 : 0.0));
+  }
+}
+
+TEST_CASE("block causal attention keeps its output in the output projection's layout, and is taken where it applies",
+          "[kernels]") {
+  const auto q = torch::randn({2, 3, 4, 16}).transpose(1, 2).requires_grad_(true);  // [B, H, S, D] of [B, S, H, D]
+  const auto kv = torch::randn({2, 2, 3, 16});                                      // 2 key heads for 4 query heads
+  const auto out = mt::kernels::causal_attention(q, kv, kv);
+  CHECK(out.sizes() == q.sizes());
+  // The [B, S, H, D] rows the output projection reads as [B, S, H * D] without a copy.
+  CHECK(out.transpose(1, 2).is_contiguous());
+  const auto second_order = [&] {
+    return torch::autograd::grad({mt::kernels::causal_attention(q, kv, kv).sum()}, {q}, {}, true, true);
+  };
+  if (mt::kernels::cpu_isa() == mt::kernels::Isa::avx512)
+    CHECK_THROWS_WITH(second_order(), Catch::Contains("causal_attention: the fused kernel's backward is not "
+                                                      "differentiable"));
+  else
+    CHECK_NOTHROW(second_order());  // the composite: LibTorch's kernel
+  // Queries and keys of different lengths (a cache's keys), or fp64: the composite, differentiable.
+  const auto longer_keys = torch::randn({2, 2, 6, 16});
+  CHECK(max_difference(mt::kernels::causal_attention(q, longer_keys, longer_keys),
+                       mt::kernels::composite::causal_attention(q, longer_keys, longer_keys)) == 0);
+  const auto q64 = q.detach().to(torch::kDouble).requires_grad_(true);
+  CHECK_NOTHROW(torch::autograd::grad(
+      {mt::kernels::causal_attention(q64, kv.to(torch::kDouble), kv.to(torch::kDouble)).sum()}, {q64}, {}, true, true));
+}
+
 TEST_CASE("a model with fused kernels gives the composite model's loss and gradients", "[kernels][model]") {
   torch::manual_seed(6);
   auto config = mt::llama::presets::llama_tiny;

@@ -97,7 +97,10 @@ void check_parity(DeviceMesh& mesh, const llama::Config& config, int steps, std:
       CHECK((full - reference_params[name].detach()).abs().max().template item<double>() < 1e-5);
       continue;
     }
-    CHECK(max_relative_error(full, reference_params[name].detach()) < 2e-3);
+    // An element whose gradient is rounding noise moves by up to lr a step either way under Adam:
+    // measured 4e-4 to 2.6e-3 over the families and plans after 2 steps, depending on which
+    // attention kernel rounds (a mis-sharded weight differs by 1e-1 and more).
+    CHECK(max_relative_error(full, reference_params[name].detach()) < 5e-3);
     max_error = std::max(max_error, max_relative_error(full, reference_params[name].detach()));
   }
   WARN("largest relative parameter difference after " << steps << " steps: " << max_error);

@@ -12,6 +12,7 @@
 
 #include <meshtorch/torch.hpp>
 
+#include <meshtorch/kernels/causal_attention.hpp>
 #include <meshtorch/kernels/cross_entropy.hpp>
 #include <meshtorch/kernels/rotary.hpp>
 #include <meshtorch/kernels/swiglu.hpp>
@@ -246,31 +247,21 @@ MESHTORCH_DECL torch::Tensor AttentionImpl::attend(const torch::Tensor& x, const
   auto q = rotated_q.transpose(1, 2);
   auto k = rotated_k.transpose(1, 2);
   auto v = heads_of(v_proj(x)).transpose(1, 2);
-  if (cached) {
-    cached->keys.narrow(2, cached->start, seq).copy_(k);
-    cached->values.narrow(2, cached->start, seq).copy_(v);
-    k = cached->keys.narrow(2, 0, cached->start + seq);
-    v = cached->values.narrow(2, 0, cached->start + seq);
-  } else if (causal_attention) {
-    return o_proj(causal_attention(q, k, v).transpose(1, 2).reshape({batch, seq, -1}));
+  if (!cached) {
+    if (causal_attention) return o_proj(causal_attention(q, k, v).transpose(1, 2).reshape({batch, seq, -1}));
+    const auto out = fused_kernels ? kernels::causal_attention(q, k, v) : kernels::composite::causal_attention(q, k, v);
+    return o_proj(out.transpose(1, 2).reshape({batch, seq, -1}));
   }
-  const bool grouped = q.size(1) != k.size(1);
-  // Grouped-query attention: SDPA's enable_gqa saves repeating the key/value heads, but the
-  // CPU kernel in bf16 is slower with it than on repeated heads (55 against 45 ms for a
-  // forward and backward at llama-tiny's shapes), so there, as HF does on the CPU, repeat them.
-  const bool repeat_heads = grouped && x.is_cpu() && x.scalar_type() != torch::kFloat;
-  if (repeat_heads) {
-    k = k.repeat_interleave(q.size(1) / k.size(1), 1);
-    v = v.repeat_interleave(q.size(1) / v.size(1), 1);
-  }
+  cached->keys.narrow(2, cached->start, seq).copy_(k);
+  cached->values.narrow(2, cached->start, seq).copy_(v);
+  k = cached->keys.narrow(2, 0, cached->start + seq);
+  v = cached->values.narrow(2, 0, cached->start + seq);
   // Without a mask (no padding): causal from the cache's start, or one query over every key.
-  const bool masked = cached && cached->mask.defined();
-  if (cached && !masked && cached->start > 0 && seq > 1)
+  const bool masked = cached->mask.defined();
+  if (!masked && cached->start > 0 && seq > 1)
     throw ConfigError("a decoding step of several positions after the first needs a mask (CachedAttention::mask)");
   const auto mask = masked ? std::optional<torch::Tensor>(cached->mask) : std::nullopt;
-  auto out = at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0,
-                                              /*is_causal=*/!masked && seq > 1,
-                                              /*scale=*/std::nullopt, /*enable_gqa=*/grouped && !repeat_heads);
+  const auto out = kernels::composite::attention(q, k, v, mask, /*is_causal=*/!masked && seq > 1);
   return o_proj(out.transpose(1, 2).reshape({batch, seq, -1}));
 }
 
