@@ -116,11 +116,10 @@ inline void gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_
 MESHTORCH_REDUCE_WARNINGS_OFF
 // A row of scores to probabilities in place: softmax over [0, valid), zeros over [valid, end).
 // Returns the row's log-sum-exp, which backward recomputes the probabilities from.
-__attribute__((target("avx512f"))) inline float softmax_row_avx512(float* row, std::int64_t valid,
-                                                                  std::int64_t end) {
+__attribute__((target("avx512f"))) inline float softmax_row_avx512(float* row, std::int64_t valid, std::int64_t end) {
   __m512 maxima = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (std::int64_t j = 0; j < valid; j += 16)
-    maxima = _mm512_mask_max_ps(maxima, first_lanes(valid - j), maxima, _mm512_loadu_ps(row + j));
+  for (std::int64_t j = 0; j < valid; j += 16)  // masked loads: the last row ends where the scratch does
+    maxima = _mm512_max_ps(maxima, _mm512_mask_loadu_ps(maxima, first_lanes(valid - j), row + j));
   const float row_max = _mm512_reduce_max_ps(maxima);
   const __m512 shift = _mm512_set1_ps(row_max);
   __m512 sums = _mm512_setzero_ps();
@@ -142,7 +141,7 @@ __attribute__((target("avx512f"))) inline float softmax_row_avx512(float* row, s
 
 // Backward's probabilities again from the scores: e^(s - lse) over [0, valid), zeros beyond.
 __attribute__((target("avx512f"))) inline void probabilities_row_avx512(float* row, std::int64_t valid,
-                                                                       std::int64_t end, float log_sum_exp) {
+                                                                        std::int64_t end, float log_sum_exp) {
   const __m512 shift = _mm512_set1_ps(log_sum_exp);
   for (std::int64_t j = 0; j < valid; j += 16) {
     const auto mask = first_lanes(valid - j);
@@ -154,12 +153,13 @@ __attribute__((target("avx512f"))) inline void probabilities_row_avx512(float* r
 // The scores' gradient in place of the probabilities' gradient: p (dp - delta), delta the row's
 // sum of dO * O. Masked positions have p = 0, so their gradient is 0.
 __attribute__((target("avx512f"))) inline void score_gradient_row_avx512(const float* probabilities, float* grad,
-                                                                        std::int64_t end, float delta) {
+                                                                         std::int64_t end, float delta) {
   const __m512 shift = _mm512_set1_ps(delta);
   for (std::int64_t j = 0; j < end; j += 16) {
     const auto mask = first_lanes(end - j);
     const __m512 p = _mm512_maskz_loadu_ps(mask, probabilities + j);
-    _mm512_mask_storeu_ps(grad + j, mask, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, grad + j), shift)));
+    _mm512_mask_storeu_ps(grad + j, mask,
+                          _mm512_mul_ps(p, _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, grad + j), shift)));
   }
 }
 
@@ -181,7 +181,7 @@ inline bool takes(const torch::Tensor& q, const torch::Tensor& k, const torch::T
     return t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.dim() == 4;
   };
   if (sgemm_ == nullptr || !on_cpu_in_fp32(q) || !on_cpu_in_fp32(k) || !on_cpu_in_fp32(v)) return false;
-  // BLAS takes int sizes and strides: a row stride is at most the tensor's size.
+  // BLAS takes int sizes and strides; rows_contiguous copies a view whose row stride exceeds int.
   constexpr auto int_max = std::numeric_limits<int>::max();
   if (q.numel() >= int_max || k.numel() >= int_max) return false;
   return k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(3) == k.size(3) &&
@@ -191,7 +191,9 @@ inline bool takes(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 // The tensor itself when its rows are contiguous and apart (as BLAS reads them), else a copy.
 // A dimension of size 1 may have any stride, in a tensor LibTorch calls contiguous too.
 inline torch::Tensor rows_contiguous(const torch::Tensor& t) {
-  const bool rows_apart = (t.size(3) <= 1 || t.stride(3) == 1) && (t.size(2) <= 1 || t.stride(2) >= t.size(3));
+  const bool rows_apart =
+      (t.size(3) <= 1 || t.stride(3) == 1) &&
+      (t.size(2) <= 1 || (t.stride(2) >= t.size(3) && t.stride(2) < std::numeric_limits<int>::max()));
   return rows_apart ? t : t.contiguous();
 }
 
@@ -203,8 +205,8 @@ inline torch::Tensor empty_heads(std::int64_t batch, std::int64_t heads, std::in
 
 #if MESHTORCH_X86_KERNELS
 // out and the log-sum-exp of each row ([B, H, S]).
-inline void forward_blocks(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                           torch::Tensor& out, torch::Tensor& log_sum_exp) {
+inline void forward_blocks(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
+                           torch::Tensor& log_sum_exp) {
   const auto batch = q.size(0), heads = q.size(1), seq = q.size(2), dim = q.size(3);
   const auto group = heads / k.size(1);
   const auto blocks = (seq + block_rows - 1) / block_rows;
@@ -216,8 +218,7 @@ inline void forward_blocks(const torch::Tensor& q, const torch::Tensor& k, const
     const SingleThreadedBlas single_threaded;
     std::vector<float> scores(static_cast<std::size_t>(block_rows * seq));
     for (auto task = begin; task < end; ++task) {
-      // The last blocks first in each head: they have the most keys, so the threads' shares even out.
-      const auto block = blocks - 1 - task % blocks, head = task / blocks % heads, b = task / blocks / heads;
+      const auto block = task % blocks, head = task / blocks % heads, b = task / blocks / heads;
       const auto first = block * block_rows, rows = std::min(block_rows, seq - first), keys_end = first + rows;
       gemm(false, true, rows, keys_end, dim, scale, queries.at(b, head, first), queries.row_stride,
            keys.at(b, head / group, 0), keys.row_stride, 0.0f, scores.data(), keys_end);
@@ -269,10 +270,8 @@ inline void backward_blocks(const torch::Tensor& q, const torch::Tensor& k, cons
         gemm(false, true, rows, keys_end, dim, 1.0f, grad_out_block, grad_outs.row_stride, value_rows,
              values.row_stride, 0.0f, grads.data(), keys_end);
         for (std::int64_t i = 0; i < rows; ++i) {
-          const float delta =
-              dot_avx512(grad_out_block + i * grad_outs.row_stride, outs.at(b, head, first + i), dim);
-          score_gradient_row_avx512(probabilities.data() + i * keys_end, grads.data() + i * keys_end, keys_end,
-                                    delta);
+          const float delta = dot_avx512(grad_out_block + i * grad_outs.row_stride, outs.at(b, head, first + i), dim);
+          score_gradient_row_avx512(probabilities.data() + i * keys_end, grads.data() + i * keys_end, keys_end, delta);
         }
         // dQ = scale dS K; dK[:end] += scale dS^T Q.
         gemm(false, false, rows, dim, keys_end, scale, grads.data(), keys_end, key_rows, keys.row_stride, 0.0f,
