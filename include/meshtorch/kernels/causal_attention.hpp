@@ -113,23 +113,10 @@ inline void gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_
 }
 
 #if MESHTORCH_X86_KERNELS
-MESHTORCH_REDUCE_WARNINGS_OFF
 // A row of scores to probabilities in place: softmax over [0, valid), zeros over [valid, end).
 // Returns the row's log-sum-exp, which backward recomputes the probabilities from.
 __attribute__((target("avx512f"))) inline float softmax_row_avx512(float* row, std::int64_t valid, std::int64_t end) {
-  __m512 maxima = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (std::int64_t j = 0; j < valid; j += 16)  // masked loads: the last row ends where the scratch does
-    maxima = _mm512_max_ps(maxima, _mm512_mask_loadu_ps(maxima, first_lanes(valid - j), row + j));
-  const float row_max = _mm512_reduce_max_ps(maxima);
-  const __m512 shift = _mm512_set1_ps(row_max);
-  __m512 sums = _mm512_setzero_ps();
-  for (std::int64_t j = 0; j < valid; j += 16) {
-    const auto mask = first_lanes(valid - j);
-    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), shift));
-    _mm512_mask_storeu_ps(row + j, mask, e);
-    sums = _mm512_mask_add_ps(sums, mask, sums, e);
-  }
-  const float sum = _mm512_reduce_add_ps(sums);
+  const auto [row_max, sum] = shifted_exp_sum_avx512(row, valid, row);
   const __m512 inverse = _mm512_set1_ps(1.0f / sum);
   for (std::int64_t j = 0; j < valid; j += 16) {
     const auto mask = first_lanes(valid - j);
@@ -163,16 +150,10 @@ __attribute__((target("avx512f"))) inline void score_gradient_row_avx512(const f
   }
 }
 
-__attribute__((target("avx512f"))) inline float dot_avx512(const float* a, const float* b, std::int64_t n) {
-  __m512 sums = _mm512_setzero_ps();
-  for (std::int64_t j = 0; j < n; j += 16) {
-    const auto mask = first_lanes(n - j);
-    sums = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + j), _mm512_maskz_loadu_ps(mask, b + j), sums);
-  }
-  return _mm512_reduce_add_ps(sums);
-}
-MESHTORCH_REDUCE_WARNINGS_ON
 #endif  // MESHTORCH_X86_KERNELS
+
+// 1 / sqrt(head dim), as scaled_dot_product_attention's default scale.
+inline float score_scale(std::int64_t dim) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim))); }
 
 // Whether the block kernel takes these heads.
 inline bool takes(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
@@ -210,7 +191,7 @@ inline void forward_blocks(const torch::Tensor& q, const torch::Tensor& k, const
   const auto batch = q.size(0), heads = q.size(1), seq = q.size(2), dim = q.size(3);
   const auto group = heads / k.size(1);
   const auto blocks = (seq + block_rows - 1) / block_rows;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
+  const float scale = score_scale(dim);
   const Rows<const float> queries(q), keys(k), values(v);
   const Rows<float> outs(out);
   float* lse = log_sum_exp.mutable_data_ptr<float>();
@@ -237,7 +218,7 @@ inline void backward_blocks(const torch::Tensor& q, const torch::Tensor& k, cons
                             torch::Tensor& grad_q, torch::Tensor& grad_k_heads, torch::Tensor& grad_v_heads) {
   const auto batch = q.size(0), heads = q.size(1), seq = q.size(2), dim = q.size(3);
   const auto group = heads / k.size(1);
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
+  const float scale = score_scale(dim);
   const Rows<const float> queries(q), keys(k), values(v), outs(out), grad_outs(grad_out);
   const Rows<float> grad_queries(grad_q), grad_keys(grad_k_heads), grad_values(grad_v_heads);
   const float* lse = log_sum_exp.const_data_ptr<float>();
@@ -270,7 +251,8 @@ inline void backward_blocks(const torch::Tensor& q, const torch::Tensor& k, cons
         gemm(false, true, rows, keys_end, dim, 1.0f, grad_out_block, grad_outs.row_stride, value_rows,
              values.row_stride, 0.0f, grads.data(), keys_end);
         for (std::int64_t i = 0; i < rows; ++i) {
-          const float delta = dot_avx512(grad_out_block + i * grad_outs.row_stride, outs.at(b, head, first + i), dim);
+          const float delta =
+              cpu::sum_of_products(grad_out_block + i * grad_outs.row_stride, outs.at(b, head, first + i), dim);
           score_gradient_row_avx512(probabilities.data() + i * keys_end, grads.data() + i * keys_end, keys_end, delta);
         }
         // dQ = scale dS K; dK[:end] += scale dS^T Q.

@@ -68,19 +68,8 @@ MESHTORCH_REDUCE_WARNINGS_OFF
 
 // The row of n floats' RowShift: its max, then the sum of e^(x - max), read from the cache.
 __attribute__((target("avx512f"))) inline RowShift row_shift(const float* x, std::int64_t n) {
-  const __m512 minus_infinity = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 max = minus_infinity;
-  for (std::int64_t i = 0; i < n; i += 16)
-    max = _mm512_max_ps(max, _mm512_mask_loadu_ps(minus_infinity, first_lanes(n - i), x + i));
-  const float row_max = _mm512_reduce_max_ps(max);
-  const __m512 shift = _mm512_set1_ps(row_max);
-  __m512 sum = _mm512_setzero_ps();
-  for (std::int64_t i = 0; i < n; i += 16) {
-    const auto mask = first_lanes(n - i);
-    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), shift));
-    sum = _mm512_mask_add_ps(sum, mask, sum, e);
-  }
-  return {row_max, std::log(_mm512_reduce_add_ps(sum))};
+  const auto [max, sum] = shifted_exp_sum_avx512(x, n);
+  return {max, std::log(sum)};
 }
 
 // out = scale e^((x - max) - log_sum) over a row: scale times its softmax.

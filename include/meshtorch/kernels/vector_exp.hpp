@@ -4,6 +4,9 @@
 // vectorised exp is SLEEF's, compiled per instruction set inside ATen, which a header cannot
 // reach. Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial, the power of 2
 // by scalef; within 2 ulp of e^x in fp32.
+#include <cstdint>
+#include <limits>
+
 #include <meshtorch/kernels/cpu_isa.hpp>
 
 namespace meshtorch::kernels {
@@ -27,6 +30,33 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 exp_avx512(__m51
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
 }
+
+// A row's max and the sum of e^(x - max) over its n floats: the two passes of a softmax that read
+// the row while it is in the cache (the cross entropy's log-sum-exp, attention's probabilities).
+// With `exps`, each e^(x - max) is also written there (in place when exps == x).
+struct ShiftedExpSum {
+  float max, sum;
+};
+
+MESHTORCH_REDUCE_WARNINGS_OFF
+__attribute__((target("avx512f"))) inline ShiftedExpSum shifted_exp_sum_avx512(const float* x, std::int64_t n,
+                                                                               float* exps = nullptr) {
+  const __m512 minus_infinity = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 max = minus_infinity;
+  for (std::int64_t i = 0; i < n; i += 16)
+    max = _mm512_max_ps(max, _mm512_mask_loadu_ps(minus_infinity, first_lanes(n - i), x + i));
+  const float row_max = _mm512_reduce_max_ps(max);
+  const __m512 shift = _mm512_set1_ps(row_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (std::int64_t i = 0; i < n; i += 16) {
+    const auto mask = first_lanes(n - i);
+    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), shift));
+    if (exps != nullptr) _mm512_mask_storeu_ps(exps + i, mask, e);
+    sum = _mm512_mask_add_ps(sum, mask, sum, e);
+  }
+  return {row_max, _mm512_reduce_add_ps(sum)};
+}
+MESHTORCH_REDUCE_WARNINGS_ON
 #endif  // MESHTORCH_X86_KERNELS
 
 }  // namespace meshtorch::kernels

@@ -248,8 +248,9 @@ MESHTORCH_DECL torch::Tensor AttentionImpl::attend(const torch::Tensor& x, const
   auto k = rotated_k.transpose(1, 2);
   auto v = heads_of(v_proj(x)).transpose(1, 2);
   if (!cached) {
-    if (causal_attention) return o_proj(causal_attention(q, k, v).transpose(1, 2).reshape({batch, seq, -1}));
-    const auto out = fused_kernels ? kernels::causal_attention(q, k, v) : kernels::composite::causal_attention(q, k, v);
+    const auto out = causal_attention ? causal_attention(q, k, v)
+                     : fused_kernels  ? kernels::causal_attention(q, k, v)
+                                      : kernels::composite::causal_attention(q, k, v);
     return o_proj(out.transpose(1, 2).reshape({batch, seq, -1}));
   }
   cached->keys.narrow(2, cached->start, seq).copy_(k);
