@@ -22,6 +22,7 @@
 //
 // Small blocks go straight to c10's allocation functions, as LibTorch's default allocator does.
 // launch() and chapter 1 install it on CPU runs; MESHTORCH_HOST_ALLOCATOR=default keeps LibTorch's own.
+#include <compare>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -141,8 +142,17 @@ class CachingHostAllocator final : public c10::Allocator {
   MESHTORCH_DECL static void release(void* data);
 
   mutable std::mutex mutex_;
-  std::map<char*, Block> blocks_;                            // large blocks, in tensors and cached, by address
-  std::set<std::pair<std::size_t, char*>> cached_by_size_;   // cached blocks, smallest first
+  std::map<char*, Block> blocks_;  // large blocks, in tensors and cached, by address
+  // Cached blocks, smallest first, and of one size the one freed last first: its pages are the
+  // likeliest still in the CPU's caches.
+  struct SizeKey {
+    std::size_t bytes;
+    std::uint64_t newness;  // ~cached_since
+    char* data;
+    auto operator<=>(const SizeKey&) const = default;
+  };
+  static SizeKey size_key(char* data, const Block& block) { return {block.bytes, ~block.cached_since, data}; }
+  std::set<SizeKey> cached_by_size_;
   std::set<std::pair<std::uint64_t, char*>> cached_by_age_;  // cached blocks, oldest first
   std::uint64_t frees_ = 0;
   std::size_t cached_bytes_ = 0;
@@ -226,9 +236,9 @@ MESHTORCH_DECL c10::DataPtr CachingHostAllocator::allocate(std::size_t nbytes) {
 MESHTORCH_DECL char* CachingHostAllocator::take_cached(std::size_t bytes) {
   std::lock_guard lock(mutex_);
   ++stats_.large_allocations;
-  const auto smallest = cached_by_size_.lower_bound({bytes, nullptr});
+  const auto smallest = cached_by_size_.lower_bound(SizeKey{bytes, 0, nullptr});
   if (smallest == cached_by_size_.end()) return nullptr;
-  char* data = smallest->second;
+  char* data = smallest->data;
   const auto block = blocks_.find(data);
   const std::size_t rest = block->second.bytes - bytes;
   const std::uint64_t since = block->second.cached_since;
@@ -237,7 +247,7 @@ MESHTORCH_DECL char* CachingHostAllocator::take_cached(std::size_t bytes) {
     // allocation), after the one step that may throw, before anything has changed.
     blocks_.emplace_hint(std::next(block), data + bytes, Block{rest, true, since});
     auto by_size = cached_by_size_.extract(smallest);
-    by_size.value() = {rest, data + bytes};
+    by_size.value() = SizeKey{rest, ~since, data + bytes};
     cached_by_size_.insert(std::move(by_size));
     auto by_age = cached_by_age_.extract({since, data});
     by_age.value().second = data + bytes;
@@ -304,15 +314,15 @@ MESHTORCH_DECL void CachingHostAllocator::in_tensor_locked(char* data, std::size
 }
 
 MESHTORCH_DECL void CachingHostAllocator::uncache_locked(std::map<char*, Block>::iterator block) {
-  cached_by_size_.erase({block->second.bytes, block->first});
+  cached_by_size_.erase(size_key(block->first, block->second));
   cached_by_age_.erase({block->second.cached_since, block->first});
   cached_bytes_ -= block->second.bytes;
 }
 
 MESHTORCH_DECL void CachingHostAllocator::recache_locked(std::map<char*, Block>::iterator block, std::size_t bytes,
                                                          std::uint64_t since) {
-  auto by_size = cached_by_size_.extract({block->second.bytes, block->first});
-  by_size.value().first = bytes;
+  auto by_size = cached_by_size_.extract(size_key(block->first, block->second));
+  by_size.value() = SizeKey{bytes, ~since, block->first};
   cached_by_size_.insert(std::move(by_size));
   auto by_age = cached_by_age_.extract({block->second.cached_since, block->first});
   by_age.value().first = since;
@@ -328,7 +338,7 @@ MESHTORCH_DECL void CachingHostAllocator::cache_locked(std::map<char*, Block>::i
   char* const data = block->first;
   const std::size_t bytes = block->second.bytes;
   const std::uint64_t since = frees_ + 1;  // a merged block takes the newest age: it was just in use
-  const auto by_size = cached_by_size_.emplace(bytes, data).first;
+  const auto by_size = cached_by_size_.insert(SizeKey{bytes, ~since, data}).first;
   try {
     cached_by_age_.emplace(since, data);
   } catch (...) {
