@@ -22,9 +22,9 @@
 //
 // Small blocks go straight to c10's allocation functions, as LibTorch's default allocator does.
 // launch() and chapter 1 install it on CPU runs; MESHTORCH_HOST_ALLOCATOR=default keeps LibTorch's own.
-#include <compare>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -149,11 +149,17 @@ class CachingHostAllocator final : public c10::Allocator {
     std::size_t bytes;
     std::uint64_t newness;  // ~cached_since
     char* data;
-    auto operator<=>(const SizeKey&) const = default;
+    bool operator<(const SizeKey& other) const {  // std::less: a total order on pointers, which < is not
+      if (bytes != other.bytes) return bytes < other.bytes;
+      if (newness != other.newness) return newness < other.newness;
+      return std::less<char*>{}(data, other.data);
+    }
   };
   static SizeKey size_key(char* data, const Block& block) { return {block.bytes, ~block.cached_since, data}; }
   std::set<SizeKey> cached_by_size_;
-  std::set<std::pair<std::uint64_t, char*>> cached_by_age_;  // cached blocks, oldest first
+  // Cached blocks, oldest first, by when they were cached: no two cached blocks share it (a split's
+  // rest keeps it, the part taken leaves the cache; a merge takes a new one).
+  std::map<std::uint64_t, char*> cached_by_age_;
   std::uint64_t frees_ = 0;
   std::size_t cached_bytes_ = 0;
   std::size_t live_bytes_ = 0;       // large blocks in tensors now
@@ -249,12 +255,10 @@ MESHTORCH_DECL char* CachingHostAllocator::take_cached(std::size_t bytes) {
     auto by_size = cached_by_size_.extract(smallest);
     by_size.value() = SizeKey{rest, ~since, data + bytes};
     cached_by_size_.insert(std::move(by_size));
-    auto by_age = cached_by_age_.extract({since, data});
-    by_age.value().second = data + bytes;
-    cached_by_age_.insert(std::move(by_age));
+    cached_by_age_.find(since)->second = data + bytes;
   } else {
     cached_by_size_.erase(smallest);
-    cached_by_age_.erase({since, data});
+    cached_by_age_.erase(since);
   }
   block->second = Block{bytes, false, 0};
   cached_bytes_ -= bytes;
@@ -315,7 +319,7 @@ MESHTORCH_DECL void CachingHostAllocator::in_tensor_locked(char* data, std::size
 
 MESHTORCH_DECL void CachingHostAllocator::uncache_locked(std::map<char*, Block>::iterator block) {
   cached_by_size_.erase(size_key(block->first, block->second));
-  cached_by_age_.erase({block->second.cached_since, block->first});
+  cached_by_age_.erase(block->second.cached_since);
   cached_bytes_ -= block->second.bytes;
 }
 
@@ -324,8 +328,8 @@ MESHTORCH_DECL void CachingHostAllocator::recache_locked(std::map<char*, Block>:
   auto by_size = cached_by_size_.extract(size_key(block->first, block->second));
   by_size.value() = SizeKey{bytes, ~since, block->first};
   cached_by_size_.insert(std::move(by_size));
-  auto by_age = cached_by_age_.extract({block->second.cached_since, block->first});
-  by_age.value().first = since;
+  auto by_age = cached_by_age_.extract(block->second.cached_since);
+  by_age.key() = since;
   cached_by_age_.insert(std::move(by_age));
   cached_bytes_ = cached_bytes_ - block->second.bytes + bytes;
   block->second.bytes = bytes;
