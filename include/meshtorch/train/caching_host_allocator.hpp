@@ -98,6 +98,7 @@ class CachingHostAllocator final : public c10::Allocator {
 
   // The size of a page, the unit of what is held: a request's size rounded up to it.
   MESHTORCH_DECL static std::size_t page_bytes();
+  static std::size_t whole_pages(std::size_t bytes) { return (bytes + page_bytes() - 1) / page_bytes() * page_bytes(); }
 
   // Gives every cached block back to the system; the peak that bounds the cache starts again
   // from the blocks in tensors now (for a caller whose phase with a peak that will not recur,
@@ -111,8 +112,9 @@ class CachingHostAllocator final : public c10::Allocator {
   // neighbours merge.
   struct Block {
     std::size_t bytes = 0;
-    bool cached = false;
-    std::uint64_t cached_since = 0;  // the free count when it was cached, for giving back the oldest first
+    // When it was cached (the count of frees, from 1), for giving back the oldest first; 0 in a tensor.
+    std::uint64_t cached_since = 0;
+    bool cached() const { return cached_since != 0; }
   };
   using Ranges = std::vector<std::pair<char*, std::size_t>>;  // (address, bytes), to unmap outside the lock
 
@@ -230,7 +232,7 @@ MESHTORCH_DECL std::size_t CachingHostAllocator::page_bytes() {
 MESHTORCH_DECL c10::DataPtr CachingHostAllocator::allocate(std::size_t nbytes) {
   void* data = nullptr;
   if (nbytes >= min_cached_bytes) {
-    const std::size_t bytes = (nbytes + page_bytes() - 1) / page_bytes() * page_bytes();
+    const std::size_t bytes = whole_pages(nbytes);
     data = take_cached(bytes);
     if (!data) data = make_block(bytes);
   } else if (nbytes > 0) {
@@ -251,7 +253,7 @@ MESHTORCH_DECL char* CachingHostAllocator::take_cached(std::size_t bytes) {
   if (rest > 0) {
     // The rest stays cached, as old as it was: the block's list entries move to it (no
     // allocation), after the one step that may throw, before anything has changed.
-    blocks_.emplace_hint(std::next(block), data + bytes, Block{rest, true, since});
+    blocks_.emplace_hint(std::next(block), data + bytes, Block{rest, since});
     auto by_size = cached_by_size_.extract(smallest);
     by_size.value() = SizeKey{rest, ~since, data + bytes};
     cached_by_size_.insert(std::move(by_size));
@@ -260,7 +262,7 @@ MESHTORCH_DECL char* CachingHostAllocator::take_cached(std::size_t bytes) {
     cached_by_size_.erase(smallest);
     cached_by_age_.erase(since);
   }
-  block->second = Block{bytes, false, 0};
+  block->second = Block{bytes, 0};
   cached_bytes_ -= bytes;
   live_bytes_ += bytes;
   peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);
@@ -312,7 +314,7 @@ MESHTORCH_DECL char* CachingHostAllocator::make_block(std::size_t bytes) {
 }
 
 MESHTORCH_DECL void CachingHostAllocator::in_tensor_locked(char* data, std::size_t bytes) {
-  blocks_.emplace(data, Block{bytes, false, 0});
+  blocks_.emplace(data, Block{bytes, 0});
   live_bytes_ += bytes;
   peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);
 }
@@ -350,10 +352,10 @@ MESHTORCH_DECL void CachingHostAllocator::cache_locked(std::map<char*, Block>::i
     throw;
   }
   frees_ = since;
-  block->second = Block{bytes, true, since};
+  block->second = Block{bytes, since};
   cached_bytes_ += bytes;
   const auto next = std::next(block);
-  if (next != blocks_.end() && next->second.cached && next->first == data + bytes) {
+  if (next != blocks_.end() && next->second.cached() && next->first == data + bytes) {
     const std::size_t next_bytes = next->second.bytes;
     uncache_locked(next);
     blocks_.erase(next);
@@ -361,7 +363,7 @@ MESHTORCH_DECL void CachingHostAllocator::cache_locked(std::map<char*, Block>::i
   }
   if (block != blocks_.begin()) {
     const auto previous = std::prev(block);
-    if (previous->second.cached && previous->first + previous->second.bytes == data) {
+    if (previous->second.cached() && previous->first + previous->second.bytes == data) {
       const std::size_t merged = previous->second.bytes + block->second.bytes;
       uncache_locked(block);
       blocks_.erase(block);
@@ -400,7 +402,7 @@ MESHTORCH_DECL CachingHostAllocator::Ranges CachingHostAllocator::evict_locked(s
   if (held + cached_bytes_ <= budget) return evicted;
   evicted.reserve(cached_by_age_.size());  // first: if it throws, nothing has changed
   // Whole pages: unmapping starts at a page (the bound's headroom need not be whole pages).
-  std::size_t excess = (held + cached_bytes_ - budget + page_bytes() - 1) / page_bytes() * page_bytes();
+  std::size_t excess = whole_pages(held + cached_bytes_ - budget);
   while (excess > 0 && !cached_by_age_.empty()) {
     const auto block = blocks_.find(cached_by_age_.begin()->second);
     const std::size_t bytes = block->second.bytes;
@@ -428,7 +430,7 @@ MESHTORCH_DECL void CachingHostAllocator::release(void* pointer) {
   {
     std::lock_guard lock(self.mutex_);
     const auto block = self.blocks_.find(data);
-    if (block != self.blocks_.end() && !block->second.cached) {
+    if (block != self.blocks_.end() && !block->second.cached()) {
       large = true;
       const std::size_t bytes = block->second.bytes;
       self.live_bytes_ -= bytes;
